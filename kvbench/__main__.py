@@ -1,0 +1,41 @@
+"""`python -m kvbench [overrides]`: Hydra entry point (see conf/config.yaml for every key)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from kvbench import KvbenchError
+
+
+def _conf_dir() -> str:
+    source = Path(__file__).resolve().parent.parent / "conf"  # a source checkout / editable install
+    if source.is_dir():
+        return str(source)
+    from importlib.resources import files
+
+    return str(files("kvbench.conf"))
+
+
+@hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from kvbench.runner import run
+
+    try:
+        run(cfg, output_dir=HydraConfig.get().runtime.output_dir)
+    except KvbenchError as error:
+        print(f"kvbench: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

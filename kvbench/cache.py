@@ -1,0 +1,71 @@
+"""KV-cache helpers over the transformers v5 `Cache` API.
+
+Layout: one cache layer per decoder layer; each holds keys and values of shape (B, H_kv, T_layer, D), post-RoPE,
+at KV-head granularity (never repeat_kv-expanded). T_layer may differ between layers (PyramidKV). Eviction
+methods gather kept positions into new, physically smaller tensors, sorted by original position, so the most
+recent tokens are always last. Bytes are measured from the storages the cache actually holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
+
+
+def cache_from_kv(layers: list[KV]) -> DynamicCache:
+    """A DynamicCache holding these tensors as they are (no copy); updates concatenate into new tensors."""
+    cache = DynamicCache()
+    for keys, values in layers:
+        layer = DynamicLayer()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        cache.layers.append(layer)
+    return cache
+
+
+def cache_kv(cache: DynamicCache) -> list[KV]:
+    """The (keys, values) of every layer."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def layer_lengths(cache: DynamicCache) -> list[int]:
+    return [layer.get_seq_length() for layer in cache.layers]
+
+
+def _tensors(obj, seen: set[int]):
+    """Every tensor reachable from a cache layer's attributes (payloads, scales, zero points, residuals)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, seen)
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes physically held by the cache: each distinct storage counted once, in full.
+
+    Counting storages (not views) is deliberate: a slice that keeps the whole uncompressed buffer alive holds
+    all of it, so masking or slicing without copying shows no saving here.
+    """
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    for layer in cache.layers:
+        for tensor in _tensors(vars(layer), seen):
+            if tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def full_cache_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
+    """Uncompressed cache size: 2 (K and V) × layers × kv_heads × head_dim × tokens × bytes per element."""
+    return 2 * n_layers * n_kv_heads * head_dim * tokens * torch.tensor([], dtype=dtype).element_size()

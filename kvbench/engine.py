@@ -1,0 +1,168 @@
+"""Prefill once, compress, decode greedily; measure time, cache bytes and peak memory.
+
+A prefill's K/V and statistics do not depend on the compression method (each layer's prefill attention sees its
+full K/V), so one `Prefill` can serve many (method, budget) configurations: `generate` never modifies it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.attention import StatsRecorder, StatsRequest, recording
+from kvbench.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
+from kvbench.memory import read_peak, reset_peak, synchronize
+from kvbench.methods import Budget, Method
+from kvbench.models import LoadedModel
+
+
+@dataclass
+class Prefill:
+    kv: list[KV]  # per layer (B, H_kv, T, D), the whole prompt
+    stats: StatsRecorder
+    last_logits: torch.Tensor  # (V,) at the last prompt token
+    seconds: float
+    peak_mem_bytes: int
+
+    @property
+    def n_tokens(self) -> int:
+        return self.kv[0][0].shape[2]
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    context_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    kv_bytes: int
+    kv_bytes_full: int
+    peak_mem_bytes: int
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.kv_bytes / self.kv_bytes_full
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        params = inspect.signature(lm.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        eos = lm.tokenizer.eos_token_id
+        self.eos_ids = {eos} | {lm.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+                                if t in lm.tokenizer.get_vocab()}
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, ids: list[int], positions: list[int], cache) -> torch.Tensor:
+        """Run `ids` at RoPE `positions` through the model, appending to `cache`; logits (len(ids), V) fp32."""
+        device = self.lm.device
+        out = self.lm.model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[0].float()  # (1, V): only the last position's logits are computed
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], request: StatsRequest, cache=None) -> Prefill:
+        """Forward the whole prompt once, recording the statistics `request` asks for."""
+        from transformers import DynamicCache
+
+        device = self.lm.device
+        cache = cache if cache is not None else DynamicCache()
+        reset_peak(device)
+        synchronize(device)
+        start = time.perf_counter()
+        with recording(request) as stats:
+            logits = self.forward(ids, list(range(len(ids))), cache)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        return Prefill(cache_kv(cache), stats, logits[-1], seconds, read_peak(device))
+
+    # ---- one configuration --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prefill: Prefill, method: Method, budget: Budget | None, suffix_ids: list[int],
+                 max_new_tokens: int, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
+        """Compress `prefill` with `method`, feed `suffix_ids` uncompressed, then decode greedily."""
+        device, tokenizer = self.lm.device, self.lm.tokenizer
+        reset_peak(device)
+        start = time.perf_counter()
+        cache = method.compress(prefill.kv, prefill.stats, budget)
+        logits, position = prefill.last_logits, prefill.n_tokens
+        if suffix_ids:
+            logits = self._extend(cache, method, suffix_ids, position)
+            position += len(suffix_ids)
+        synchronize(device)
+        prefill_s = prefill.seconds + time.perf_counter() - start
+
+        token = int(logits.argmax())
+        generated, kept_logits = [token], [logits] if keep_logits else []
+        steps, start = 0, time.perf_counter()
+        text = ""
+        while len(generated) < max_new_tokens and token not in self.eos_ids:
+            text = tokenizer.decode(generated, skip_special_tokens=True)
+            if any(s in text for s in stop):
+                break
+            with recording(method.decode_request()) as stats:
+                logits = self.forward([token], [method.position(position, cache)], cache)[-1]
+            method.on_decode_step(cache, stats)
+            position, steps = position + 1, steps + 1
+            token = int(logits.argmax())
+            generated.append(token)
+            if keep_logits:
+                kept_logits.append(logits)
+        synchronize(device)
+        decode_s = time.perf_counter() - start
+
+        text = tokenizer.decode([t for t in generated if t not in self.eos_ids], skip_special_tokens=True)
+        for s in stop:
+            text = text.split(s)[0] if s in text else text
+        lm = self.lm
+        tokens_if_full = prefill.n_tokens + len(suffix_ids) + steps
+        return Generation(
+            token_ids=generated,
+            text=text,
+            context_tokens=prefill.n_tokens + len(suffix_ids),
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            decode_steps=steps,
+            kv_bytes=cache_nbytes(cache),
+            kv_bytes_full=full_cache_nbytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
+            peak_mem_bytes=max(prefill.peak_mem_bytes, read_peak(device)),
+            logits=kept_logits,
+        )
+
+    def _extend(self, cache, method: Method, ids: list[int], position: int) -> torch.Tensor:
+        """Append `ids` after compression (the question when query_aware=false); returns the last logits.
+
+        One forward when every layer holds the same number of tokens; token by token otherwise, because
+        transformers builds a single causal mask from the first layer's length.
+        """
+        chunks = [ids] if len(set(layer_lengths(cache))) == 1 else [[t] for t in ids]
+        for chunk in chunks:
+            positions = [method.position(position + i, cache) for i in range(len(chunk))]
+            with recording(method.decode_request()) as stats:
+                logits = self.forward(chunk, positions, cache)[-1]
+            method.on_decode_step(cache, stats)
+            position += len(chunk)
+        return logits
+
+    def run(self, method: Method, budget: Budget | None, prompt_ids: list[int], suffix_ids: list[int] = (),
+            max_new_tokens: int = 32, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
+        """Prefill + generate for a single configuration."""
+        prefill = self.prefill(list(prompt_ids), method.stats_request())
+        return self.generate(prefill, method, budget, list(suffix_ids), max_new_tokens, stop, keep_logits)

@@ -1,0 +1,138 @@
+"""Result rows (the ★ columns), provenance, atomic writes and the results store.
+
+The store is a directory of Parquet files, `<results_dir>/rows/<run_id>.parquet`, one per run, each rewritten
+atomically after every example, so an interrupted sweep loses at most the example in flight and a rerun of the
+same command picks up the rows already there (keyed by `config_hash` + `example_id`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import kvbench
+from kvbench import KvbenchError
+
+SCHEMA_VERSION = 1
+
+COLUMNS = [  # ★ contract: DESIGN.md "Result rows"
+    "run_id", "timestamp", "git_sha", "config_hash", "kvbench_version", "torch_version", "transformers_version",
+    "device_name", "model", "task", "subset", "example_id", "context_tokens", "new_tokens", "method", "budget",
+    "method_params", "query_aware", "score", "metric", "prediction", "answers", "kv_bytes", "kv_bytes_full",
+    "kv_ratio", "peak_mem_bytes", "prefill_s", "decode_s", "decode_ms_per_token", "seed",
+]
+
+
+@functools.cache
+def git_sha() -> str:
+    root = Path(kvbench.__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+        return sha.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"cpu: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def provenance(device: torch.device) -> dict:
+    import transformers
+
+    return {
+        "git_sha": git_sha(),
+        "kvbench_version": kvbench.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "device_name": device_name(device),
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def config_hash(payload: dict) -> str:
+    """Stable short hash of everything that determines a configuration's result on an example."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def write_atomic(path: Path, write) -> None:
+    """Write via a temporary file in the same directory, then rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_rows(rows: pd.DataFrame, path: Path) -> None:
+    write_atomic(path, lambda tmp: rows.to_parquet(tmp, index=False))
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> None:
+    write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False))
+
+
+def check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise KvbenchError(
+            f"cannot write results to {directory} ({error.strerror}); choose another with results_dir=PATH"
+        ) from None
+
+
+def read_rows(path: Path) -> pd.DataFrame:
+    """All rows under `path` (a Parquet file, a run directory or a store), newest first per configuration."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
+    frames = [pd.read_parquet(f) for f in files]
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame(columns=COLUMNS)
+    rows = pd.concat(frames, ignore_index=True)
+    return rows.sort_values("timestamp", ascending=False).drop_duplicates(["config_hash", "example_id"])
+
+
+class ResultStore:
+    def __init__(self, results_dir: str | Path):
+        self.root = Path(results_dir)
+        self.rows_dir = self.root / "rows"
+
+    def existing(self) -> dict[tuple[str, str], dict]:
+        """(config_hash, example_id) → row, for every row already in the store."""
+        if not self.rows_dir.exists():
+            return {}
+        rows = read_rows(self.rows_dir)
+        return {(r["config_hash"], r["example_id"]): r for r in rows.to_dict("records")}
+
+    def save_run(self, run_id: str, rows: list[dict]) -> Path:
+        path = self.rows_dir / f"{run_id}.parquet"
+        write_rows(pd.DataFrame(rows), path)
+        return path

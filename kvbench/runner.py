@@ -1,0 +1,184 @@
+"""One run: load the model and task, then for each example prefill once and decode every configuration.
+
+Configurations = the full-cache baseline + the requested (method, budget) pairs (one from `method`/`budget`, or
+the grid `grid.method × grid.budget`). Methods that share the prefill get one prefill per example with the union
+of their statistics; rows are identical to running each configuration alone (tests/test_sweep.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from kvbench import KvbenchError
+from kvbench.attention import StatsRequest
+from kvbench.engine import Engine, Generation
+from kvbench.methods import Budget, Method, build_method
+from kvbench.models import load_model
+from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
+from kvbench.tasks import Example, build_task
+from kvbench.tasks.base import check_fits
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# task keys that select examples rather than change them: excluded from config_hash so rows are reused
+# across runs with a different grid or limit
+SELECTION_KEYS = {"context_lengths", "depths", "subsets", "limit"}
+
+
+@dataclass
+class Configuration:
+    method: Method
+    budget: Budget | None  # None: the method has no budget (full, quantization)
+    query_aware: bool
+    hash: str = ""
+
+    @property
+    def budget_value(self) -> float:
+        return 1.0 if self.budget is None else self.budget.value
+
+
+def method_config(name: str) -> dict:
+    """conf/method/<name>.yaml as a dict (for grid entries given by name)."""
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    if not path.exists():
+        valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        raise KvbenchError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+
+
+def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configuration:
+    params = {k: v for k, v in method_cfg.items() if k != "name"}
+    method = build_method(method_cfg["name"], params)
+    return Configuration(method, Budget.parse(budget) if method.has_budget else None, query_aware)
+
+
+def configurations(cfg: DictConfig) -> list[Configuration]:
+    """Baseline first, then the requested configurations (duplicates dropped)."""
+    query_aware = bool(cfg.query_aware)
+    grid = cfg.get("grid") or {}
+    if grid.get("method") or grid.get("budget"):
+        names = list(grid.get("method") or [cfg.method.name])
+        budgets = list(grid.get("budget") or [cfg.budget])
+        requested = [make_configuration(method_config(n) if n != cfg.method.name else
+                                        OmegaConf.to_container(cfg.method, resolve=True), b, query_aware)
+                     for n in names for b in budgets]
+    else:
+        requested = [make_configuration(OmegaConf.to_container(cfg.method, resolve=True), cfg.budget, query_aware)]
+    out = [make_configuration({"name": "full"}, 1.0, query_aware)]
+    for c in requested:
+        if all((c.method != o.method or c.budget != o.budget) for o in out):
+            out.append(c)
+    return out
+
+
+def hash_configuration(c: Configuration, cfg: DictConfig, lm) -> str:
+    task = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items() if k not in SELECTION_KEYS}
+    return config_hash({
+        "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": str(lm.dtype), "device": lm.device.type,
+        "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
+        "budget": c.budget_value, "query_aware": c.query_aware,
+    })
+
+
+def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, common: dict, task, lm) -> dict:
+    row = dict(common)
+    row.update(
+        config_hash=c.hash, timestamp=datetime.now(timezone.utc).isoformat(), model=lm.name, task=task.name,
+        subset=ex.subset, example_id=ex.example_id, context_tokens=gen.context_tokens, new_tokens=len(gen.token_ids),
+        method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
+        query_aware=c.query_aware, metric=task.metric, prediction=gen.text, answers=json.dumps(ex.answers),
+        kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio,
+        peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
+        decode_ms_per_token=gen.decode_ms_per_token, dtype=str(lm.dtype).removeprefix("torch."),
+        reused=False, **scores, **ex.meta,
+    )
+    return row
+
+
+def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
+    """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
+    confs = configurations(cfg)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed))
+    examples = task.examples()
+    if cfg.get("limit"):
+        examples = examples[: int(cfg.limit)]
+    if not examples:
+        raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
+    check_fits(examples, lm.max_context)
+    for c in confs:
+        c.hash = hash_configuration(c, cfg, lm)
+    store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
+    check_writable(store.rows_dir)
+    out_dir = Path(output_dir) if output_dir else store.root / "last"
+    check_writable(out_dir)
+
+    run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device)}
+    existing = {} if cfg.get("rerun") else store.existing()
+    engine = Engine(lm)
+    computed, rows = [], []
+    started = time.perf_counter()
+    for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
+        todo = []
+        for c in confs:
+            old = existing.get((c.hash, ex.example_id))
+            if old is not None:
+                rows.append({**old, "reused": True})
+            else:
+                todo.append(c)
+        if not todo:
+            continue
+        # one prefill serves every configuration (all methods so far share it; see Method.shares_prefill)
+        request = StatsRequest()
+        for c in todo:
+            request = request | c.method.stats_request()
+        prompt_ids, suffix_ids = ex.split(bool(cfg.query_aware))
+        prefill = engine.prefill(prompt_ids, request)
+        for c in todo:
+            gen = engine.generate(prefill, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
+            row = make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm)
+            computed.append(row)
+            rows.append(row)
+        del prefill
+        store.save_run(run_id, computed)  # after every example: an interrupted sweep resumes from here
+
+    frame = pd.DataFrame(rows)
+    frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
+    write_rows(frame, out_dir / "rows.parquet")
+    summary = summarize(frame)
+    write_csv(summary, out_dir / "summary.csv")
+    print_summary(summary, out_dir, store, len(computed), len(rows) - len(computed), time.perf_counter() - started)
+    return frame
+
+
+def summarize(rows: pd.DataFrame) -> pd.DataFrame:
+    keys = ["model", "task", "method", "budget", "query_aware"]
+    agg = rows.groupby(keys, sort=False).agg(
+        n=("score", "size"), score=("score", "mean"),
+        **({"score_partial": ("score_partial", "mean")} if "score_partial" in rows else {}),
+        kv_ratio=("kv_ratio", "mean"), kv_bytes=("kv_bytes", "mean"), peak_mem_bytes=("peak_mem_bytes", "max"),
+        prefill_s=("prefill_s", "mean"), decode_ms_per_token=("decode_ms_per_token", "mean"),
+    ).reset_index()
+    full = agg[agg.method == "full"].set_index(["model", "task", "query_aware"])["score"]
+    agg["drop_vs_full"] = [full.get((m, t, q), float("nan")) - s
+                           for m, t, q, s in zip(agg.model, agg.task, agg.query_aware, agg.score)]
+    return agg
+
+
+def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,
+                  seconds: float) -> None:
+    cols = ["method", "budget", "n", "score"] + (["score_partial"] if "score_partial" in summary else []) + [
+        "drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
+    print()
+    print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
+    print(f"rows:    {out_dir / 'rows.parquet'}\nsummary: {out_dir / 'summary.csv'}\nstore:   {store.rows_dir}")

@@ -1,0 +1,7 @@
+"""Tasks: each builds token-level examples from a config and scores predictions with a pure metric function."""
+
+from kvbench.tasks.base import TASKS, Example, Task, build_task
+
+from kvbench.tasks import niah  # noqa: F401,E402  (registers)
+
+__all__ = ["TASKS", "Example", "Task", "build_task"]

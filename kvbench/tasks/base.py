@@ -1,0 +1,70 @@
+"""Task interface: a task turns its config into `Example`s (token ids) and scores predictions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbench import KvbenchError
+from kvbench.registry import Registry
+
+TASKS = Registry("task")
+
+
+@dataclass
+class Example:
+    """One prompt, split where query-aware and context-only compression differ.
+
+    `context_ids`: everything up to the end of the context (always compressed);
+    `question_ids`: the question and generation prompt (compressed with the context when query_aware=true,
+    appended uncompressed after compression when query_aware=false).
+    """
+
+    example_id: str
+    context_ids: list[int]
+    question_ids: list[int]
+    answers: list[str]
+    max_new_tokens: int
+    subset: str = ""
+    stop: tuple[str, ...] = ()
+    meta: dict[str, Any] = field(default_factory=dict)  # task-specific columns (e.g. NIAH depth)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.context_ids) + len(self.question_ids)
+
+    def split(self, query_aware: bool) -> tuple[list[int], list[int]]:
+        """(ids to prefill and compress, ids appended uncompressed afterwards)."""
+        if query_aware:
+            return self.context_ids + self.question_ids, []
+        return self.context_ids, self.question_ids
+
+
+class Task:
+    """Subclasses are registered with `@TASKS.register(name)` and built from conf/task/<name>.yaml."""
+
+    name: str
+    metric: str
+
+    def __init__(self, cfg, tokenizer, seed: int):
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+
+    def examples(self) -> list[Example]:
+        raise NotImplementedError  # abstract: every registered task implements it
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        """{'score': ..., and any extra score columns}."""
+        raise NotImplementedError  # abstract: every registered task implements it
+
+
+def build_task(cfg, tokenizer, seed: int) -> Task:
+    return TASKS.get(cfg.name)(cfg, tokenizer, seed)
+
+
+def check_fits(examples: list[Example], max_context: int) -> None:
+    for ex in examples:
+        if ex.n_tokens + ex.max_new_tokens > max_context:
+            raise KvbenchError(
+                f"example {ex.example_id} needs {ex.n_tokens} prompt + {ex.max_new_tokens} new tokens, more than the "
+                f"model's context of {max_context}; use shorter task lengths (e.g. task.context_lengths=[...])"
+            )

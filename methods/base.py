@@ -1,0 +1,140 @@
+"""The method interface.
+
+A method is a small dataclass whose fields are its knobs (the keys of conf/method/<name>.yaml besides `name`).
+The engine drives it through a few hooks, each with a do-nothing default, so one file per method overrides only
+what the method changes:
+
+- `stats_request()`      attention statistics the prefill must record (observation window, all-query sums)
+- `prepare_model(model)` methods that change the model itself (head merging); they opt out of shared prefill
+- `new_cache(...)`       the cache object to prefill into (quantized caches); default DynamicCache
+- `keep_indices(...)`    per layer and KV head, which prompt positions to keep → physical eviction by `compress`
+- `decode_request()` / `on_decode_step(...)`   decode-time eviction (H2O, StreamingLLM)
+- `position(...)`        the RoPE position of the next token (absolute by default; StreamingLLM can roll)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.attention import StatsRecorder, StatsRequest
+from kvbench.cache import KV, cache_from_kv
+from kvbench.registry import Registry, build_dataclass
+
+METHODS = Registry("method")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Prompt KV tokens kept per layer: a fraction in (0, 1] of the prompt, or an absolute count (> 1, integer)."""
+
+    value: float
+
+    @classmethod
+    def parse(cls, value) -> "Budget":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise KvbenchError(f"budget={value!r} is not a number; give a fraction in (0, 1] or a token count") from None
+        if not number > 0 or math.isinf(number):
+            raise KvbenchError(f"budget={value} must be > 0: a fraction in (0, 1] (1.0 = no eviction) or a token count")
+        if number > 1 and not number.is_integer():
+            raise KvbenchError(
+                f"budget={value}: a fraction must be in (0, 1]; a budget above 1 is a token count and must be an integer"
+            )
+        return cls(number)
+
+    @property
+    def is_tokens(self) -> bool:
+        return self.value > 1
+
+    def tokens(self, prompt_tokens: int) -> int:
+        """Tokens to keep out of `prompt_tokens` (never more than the prompt)."""
+        if self.is_tokens:
+            return min(int(self.value), prompt_tokens)
+        return min(prompt_tokens, max(1, round(self.value * prompt_tokens)))
+
+
+def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
+    """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
+    expanded = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
+    return keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
+
+
+@dataclass
+class Method:
+    name: ClassVar[str]
+    has_budget: ClassVar[bool] = True  # False: the method keeps every token (quantization, full)
+    shares_prefill: ClassVar[bool] = True  # False: the method changes the prefill itself (head merging)
+
+    # ---- prefill -------------------------------------------------------------------------------------------
+    def stats_request(self) -> StatsRequest:
+        return StatsRequest()
+
+    def prepare_model(self, model):
+        return model
+
+    def min_tokens(self) -> int:
+        """The smallest number of kept tokens the method can work with (sinks, windows)."""
+        return 1
+
+    def layer_tokens(self, n_keep: int, n_layers: int) -> list[int]:
+        """Tokens kept in each layer; uniform by default (PyramidKV redistributes the same total)."""
+        return [n_keep] * n_layers
+
+    def keep_indices(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder, n_keep: int) -> torch.Tensor:
+        """Positions to keep for one layer: (B, H_kv, n_keep) int64, sorted ascending."""
+        raise KvbenchError(f"method {self.name!r} does not evict tokens")
+
+    def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
+        """The cache to decode from: each layer's kept positions gathered into new tensors."""
+        self.reset()
+        n_prompt = prefill_kv[0][0].shape[2]
+        if budget is None or not self.has_budget:
+            return cache_from_kv(prefill_kv)
+        n_keep = budget.tokens(n_prompt)
+        if n_keep >= n_prompt:
+            return cache_from_kv(prefill_kv)
+        if n_keep < self.min_tokens():
+            raise KvbenchError(
+                f"budget {budget.value} keeps {n_keep} of {n_prompt} prompt tokens, fewer than {self.name} needs "
+                f"({self.min_tokens()}: its sinks/windows); raise the budget or shrink the window"
+            )
+        kept = []
+        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, self.layer_tokens(n_keep, len(prefill_kv)))):
+            if layer_keep >= keys.shape[2]:
+                kept.append((keys, values))
+                continue
+            index = self.keep_indices(layer_idx, keys, stats, layer_keep)  # (B, H_kv, layer_keep)
+            kept.append(gather_kv(keys, values, index))
+        return cache_from_kv(kept)
+
+    # ---- decode --------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget per-example state (called at the start of each example's compression)."""
+
+    def decode_request(self) -> StatsRequest:
+        return StatsRequest()
+
+    def on_decode_step(self, cache, stats: StatsRecorder) -> None:
+        """Called after each decode forward (the new token is already in the cache)."""
+
+    def position(self, absolute_position: int, cache) -> int:
+        """RoPE position for the next token; the original absolute position unless the method re-indexes."""
+        return absolute_position
+
+    def params(self) -> dict:
+        """The knobs as recorded in the `method_params` column."""
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def build_method(name: str, params: dict | None = None) -> Method:
+    """Instantiate a registered method from its config (unknown names and parameters list the valid ones)."""
+    cls = METHODS.get(name)
+    return build_dataclass(cls, dict(params or {}), f"method {name!r}")

@@ -1,0 +1,56 @@
+"""StreamingLLM: attention sinks + a recent window (Xiao et al. 2023, https://arxiv.org/abs/2309.17453).
+
+Keeps the first `start_size` tokens (sinks) and the most recent ones, evicting the middle after prefill and,
+as the original does, at every decode step so the cache stays a constant size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache import layer_lengths
+from kvbench.methods.base import METHODS, Method, gather_kv
+
+
+def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor:
+    """Indices [0, start_size) ∪ [n_tokens - (n_keep - start_size), n_tokens) as (B, H_kv, n_keep)."""
+    recent = n_keep - start_size
+    index = torch.cat([torch.arange(start_size), torch.arange(n_tokens - recent, n_tokens)]).to(like.device)
+    return index.expand(like.shape[0], like.shape[1], -1)  # (B, H_kv, n_keep)
+
+
+@METHODS.register("streamingllm")
+@dataclass
+class StreamingLLM(Method):
+    start_size: int = 4  # attention sinks kept at the start
+    evict_during_decode: bool = True  # keep the cache at its post-prefill size while generating (the original)
+
+    def __post_init__(self):
+        self._size: list[int] | None = None
+
+    def min_tokens(self) -> int:
+        return self.start_size + 1
+
+    def reset(self) -> None:
+        self._size = None
+
+    def keep_indices(self, layer_idx, keys, stats, n_keep):
+        return sink_and_recent(keys.shape[2], self.start_size, n_keep, keys)
+
+    def compress(self, prefill_kv, stats, budget):
+        cache = super().compress(prefill_kv, stats, budget)
+        evicted = layer_lengths(cache) != [keys.shape[2] for keys, _ in prefill_kv]
+        # budget 1.0 means no eviction at all, during decoding too
+        self._size = layer_lengths(cache) if evicted else None
+        return cache
+
+    def on_decode_step(self, cache, stats) -> None:
+        if not self.evict_during_decode or self._size is None:
+            return
+        for layer, size in zip(cache.layers, self._size):
+            n_tokens = layer.keys.shape[2]
+            if n_tokens > size:  # drop the oldest non-sink token(s)
+                index = sink_and_recent(n_tokens, self.start_size, size, layer.keys)
+                layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
