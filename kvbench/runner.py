@@ -107,7 +107,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
     confs = configurations(cfg)
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed))
+    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
     examples = task.examples()
     if cfg.get("limit"):
         examples = examples[: int(cfg.limit)]

@@ -46,8 +46,9 @@ class Task:
     name: str
     metric: str
 
-    def __init__(self, cfg, tokenizer, seed: int):
-        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+    def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
+        # max_context: the model's context window in tokens (prompt + generation), when the task needs it
+        self.cfg, self.tokenizer, self.seed, self.max_context = cfg, tokenizer, seed, max_context
 
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it
@@ -57,8 +58,8 @@ class Task:
         raise NotImplementedError  # abstract: every registered task implements it
 
 
-def build_task(cfg, tokenizer, seed: int) -> Task:
-    return TASKS.get(cfg.name)(cfg, tokenizer, seed)
+def build_task(cfg, tokenizer, seed: int, max_context: int | None = None) -> Task:
+    return TASKS.get(cfg.name)(cfg, tokenizer, seed, max_context)
 
 
 def check_fits(examples: list[Example], max_context: int) -> None:
