@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench import KvbenchError
 from kvbench.attention import StatsRecorder, StatsRequest, recording
 from kvbench.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
 from kvbench.memory import read_peak, reset_peak, synchronize
@@ -91,7 +92,18 @@ class Engine:
             logits = self.forward(ids, list(range(len(ids))), cache)
         synchronize(device)
         seconds = time.perf_counter() - start
+        self._check_recorded(request, stats, len(cache.layers))
         return Prefill(cache_kv(cache), stats, logits[-1], seconds, read_peak(device))
+
+    def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
+        recorded = [len(stats.all_queries)] if request.all_queries else []
+        recorded += [len(stats.window.get(w, {})) for w in request.windows]
+        if any(n != n_layers for n in recorded):
+            raise KvbenchError(
+                f"this method needs attention statistics, but {type(self.lm.model).__name__}'s attention did not "
+                f"report them; supported: models whose attention goes through transformers' AttentionInterface "
+                f"with one KV cache layer per decoder layer (Llama, Mistral, Qwen2/3, Gemma, Phi-3 and similar)"
+            )
 
     # ---- one configuration --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -101,6 +113,7 @@ class Engine:
         device, tokenizer = self.lm.device, self.lm.tokenizer
         reset_peak(device)
         start = time.perf_counter()
+        method.bind(self.lm)
         cache = method.compress(prefill.kv, prefill.stats, budget)
         logits, position = prefill.last_logits, prefill.n_tokens
         if suffix_ids:

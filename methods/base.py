@@ -4,6 +4,7 @@ A method is a small dataclass whose fields are its knobs (the keys of conf/metho
 The engine drives it through a few hooks, each with a do-nothing default, so one file per method overrides only
 what the method changes:
 
+- `bind(lm)`             see the loaded model (RoPE frequencies for position re-indexing)
 - `stats_request()`      attention statistics the prefill must record (observation window, all-query sums)
 - `prepare_model(model)` methods that change the model itself (head merging); they opt out of shared prefill
 - `new_cache(...)`       the cache object to prefill into (quantized caches); default DynamicCache
@@ -72,6 +73,9 @@ class Method:
     shares_prefill: ClassVar[bool] = True  # False: the method changes the prefill itself (head merging)
 
     # ---- prefill -------------------------------------------------------------------------------------------
+    def bind(self, lm) -> None:
+        """Called with the LoadedModel before compressing (methods needing e.g. RoPE frequencies keep them)."""
+
     def stats_request(self) -> StatsRequest:
         return StatsRequest()
 
@@ -82,7 +86,7 @@ class Method:
         """The smallest number of kept tokens the method can work with (sinks, windows)."""
         return 1
 
-    def layer_tokens(self, n_keep: int, n_layers: int) -> list[int]:
+    def layer_tokens(self, n_keep: int, n_layers: int, n_prompt: int) -> list[int]:
         """Tokens kept in each layer; uniform by default (PyramidKV redistributes the same total)."""
         return [n_keep] * n_layers
 
@@ -105,7 +109,7 @@ class Method:
                 f"({self.min_tokens()}: its sinks/windows); raise the budget or shrink the window"
             )
         kept = []
-        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, self.layer_tokens(n_keep, len(prefill_kv)))):
+        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, self.layer_tokens(n_keep, len(prefill_kv), n_prompt))):
             if layer_keep >= keys.shape[2]:
                 kept.append((keys, values))
                 continue

@@ -2,6 +2,11 @@
 
 Keeps the first `start_size` tokens (sinks) and the most recent ones, evicting the middle after prefill and,
 as the original does, at every decode step so the cache stays a constant size.
+
+Positions: `absolute` (default; as kvpress and KVCache-Factory) keeps each token's original RoPE position;
+`rolling` is the original mit-han-lab code's scheme: positions are counted inside the cache (sinks 0..s−1,
+then the recent tokens contiguously), which is what lets it stream past the trained context. The original
+stores pre-RoPE keys and rotates on read; here kept keys are re-rotated by (new − old position) on eviction.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import torch
 
 from kvbench.cache import layer_lengths
 from kvbench.methods.base import METHODS, Method, gather_kv
+from kvbench.methods.scoring import check_choice
+from kvbench.rope import inv_freq_of, rerotate
 
 
 def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor:
@@ -26,9 +33,16 @@ def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Ten
 class StreamingLLM(Method):
     start_size: int = 4  # attention sinks kept at the start
     evict_during_decode: bool = True  # keep the cache at its post-prefill size while generating (the original)
+    positions: str = "absolute"  # absolute | rolling (re-indexed inside the cache, the original code)
 
     def __post_init__(self):
+        check_choice("positions", self.positions, ("absolute", "rolling"))
         self._size: list[int] | None = None
+        self._inv_freq: torch.Tensor | None = None
+
+    def bind(self, lm) -> None:
+        if self.positions == "rolling":
+            self._inv_freq = inv_freq_of(lm.model)
 
     def min_tokens(self) -> int:
         return self.start_size + 1
@@ -44,7 +58,21 @@ class StreamingLLM(Method):
         evicted = layer_lengths(cache) != [keys.shape[2] for keys, _ in prefill_kv]
         # budget 1.0 means no eviction at all, during decoding too
         self._size = layer_lengths(cache) if evicted else None
+        if evicted and self.positions == "rolling":
+            n_prompt, n_keep = prefill_kv[0][0].shape[2], self._size[0]
+            shift = torch.zeros(n_keep, dtype=torch.long)  # sinks stay; recent tokens move down by the gap
+            shift[self.start_size :] = -(n_prompt - n_keep)
+            self._rerotate(cache, shift)
         return cache
+
+    def _rerotate(self, cache, shift: torch.Tensor) -> None:
+        for layer in cache.layers:
+            layer.keys = rerotate(layer.keys, shift.to(layer.keys.device), self._inv_freq.to(layer.keys.device))
+
+    def position(self, absolute_position: int, cache) -> int:
+        if self.positions == "rolling" and self._size is not None:
+            return cache.layers[0].keys.shape[2]  # the next slot inside the cache
+        return absolute_position
 
     def on_decode_step(self, cache, stats) -> None:
         if not self.evict_during_decode or self._size is None:
@@ -54,3 +82,8 @@ class StreamingLLM(Method):
             if n_tokens > size:  # drop the oldest non-sink token(s)
                 index = sink_and_recent(n_tokens, self.start_size, size, layer.keys)
                 layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+                if self.positions == "rolling":  # the recent tokens slide down into the freed slots
+                    shift = torch.zeros(size, dtype=torch.long)
+                    shift[self.start_size :] = -(n_tokens - size)
+                    layer.keys = rerotate(layer.keys, shift.to(layer.keys.device),
+                                          self._inv_freq.to(layer.keys.device))

@@ -35,7 +35,7 @@ def test_eviction_shrinks_every_layer_to_the_budget(name, budget, tiny_engine, t
         assert layer.keys.shape == layer.values.shape
         assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()
         total += layer.keys.shape[2]
-    assert total == sum(method.layer_tokens(n_keep, tiny.n_layers))
+    assert total == sum(min(n, len(prompt_ids)) for n in method.layer_tokens(n_keep, tiny.n_layers, len(prompt_ids)))
     assert tiny_engine.generate(prefill, method, Budget.parse(budget), [], 4).kv_ratio < 1.0
 
 
@@ -82,5 +82,5 @@ def test_too_small_budget_names_the_minimum(tiny_engine, prompt_ids):
 def test_unknown_method_and_parameter_list_valid_ones():
     with pytest.raises(KvbenchError, match="valid methods: .*full.*streamingllm"):
         build_method("nope")
-    with pytest.raises(KvbenchError, match="valid parameters: evict_during_decode, start_size"):
+    with pytest.raises(KvbenchError, match="valid parameters: evict_during_decode, positions, start_size"):
         build_method("streamingllm", {"window": 3})

@@ -45,3 +45,18 @@ def test_streamingllm_loses_a_needle_it_evicted(smol):
     gen = engine.run(build_method("streamingllm"), Budget.parse(0.3), *ex.split(True), max_new_tokens=ex.max_new_tokens)
     assert task.score(gen.text, ex)["score"] == 0.0  # the needle at 10 % depth is outside sinks + recent 30 %
     assert 0.28 < gen.kv_ratio < 0.32
+
+
+def test_shared_prefill_grid_equals_one_by_one_on_the_real_model(smol, tmp_path):
+    from kvbench.runner import run
+    from tests.conftest import compose_config
+
+    base = ["device=cpu", "task.context_lengths=[1024]", "task.depths=[0.1]", "task.max_new_tokens=12"]
+    grid = run(compose_config(*base, f"results_dir={tmp_path / 'g'}", "grid.method=[snapkv,h2o,streamingllm,pyramidkv]",
+                              "grid.budget=[0.25]"), output_dir=tmp_path / "go")
+    for name in ("snapkv", "h2o", "streamingllm", "pyramidkv"):
+        single = run(compose_config(*base, f"results_dir={tmp_path / name}", f"method={name}", "budget=0.25"),
+                     output_dir=tmp_path / f"{name}o")
+        a = grid[grid.method == name].iloc[0]
+        b = single[single.method == name].iloc[0]
+        assert (a.prediction, a.kv_bytes, a.score) == (b.prediction, b.kv_bytes, b.score)
