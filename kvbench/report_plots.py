@@ -1,0 +1,195 @@
+"""The report's PNGs (matplotlib, Agg): quality vs measured kv_ratio, NIAH length × depth heatmaps, memory and
+latency vs kv_ratio, Pareto frontiers with knees. Every function writes one file and returns its path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on servers/CI; must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvbench.aggregate import ALL, FULL  # noqa: E402
+
+# Fixed colours for the known methods, so a method looks the same in every plot and every report; other names
+# get the remaining colours in sorted order.
+KNOWN_COLOURS = {
+    "full": "#000000", "streamingllm": "#1f77b4", "snapkv": "#ff7f0e", "h2o": "#2ca02c", "pyramidkv": "#d62728",
+    "random": "#7f7f7f", "kivi": "#9467bd", "headmerge": "#8c564b",
+}
+SPARE_COLOURS = ["#e377c2", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+                 "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5"]
+MiB = 2**20
+
+
+def method_colours(methods) -> dict[str, str]:
+    colours = dict(KNOWN_COLOURS)
+    others = sorted(m for m in set(methods) if m not in colours)
+    for i, name in enumerate(others):
+        colours[name] = SPARE_COLOURS[i % len(SPARE_COLOURS)]
+    return colours
+
+
+def slug(*parts) -> str:
+    return "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", str(p)).strip("-") for p in parts if p not in (None, ""))
+
+
+def _curves(points: pd.DataFrame):
+    """(label, method, linestyle, curve sorted by kv_ratio) per method and query_aware setting of a scope."""
+    both_settings = points["query_aware"].nunique() > 1
+    for (method, query_aware), curve in points.groupby(["method", "query_aware"], sort=True):
+        label = f"{method} ({'query-aware' if query_aware else 'context-only'})" if both_settings else method
+        yield label, method, "-" if query_aware else "--", curve.sort_values("kv_ratio")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _title(model: str, task: str, several_models: bool) -> str:
+    scope = "all tasks" if task == ALL else f"task {task}"
+    return f"{scope} — {model}" if several_models else scope
+
+
+def plot_quality(points: pd.DataFrame, path: Path, title: str, metric: str, colours: dict) -> Path:
+    """Mean score (95 % CI bars) vs measured kv_ratio, one line per method, the full cache as a reference line."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, method, style, curve in _curves(points):
+        if method == FULL:
+            for _, row in curve.iterrows():
+                ax.axhline(row["score"], color=colours[FULL], linestyle=":" if style == "-" else "-.", lw=1,
+                           label=f"{label} (score {row['score']:.3f})")
+                ax.axhspan(row["ci_low"], row["ci_high"], color=colours[FULL], alpha=0.06, lw=0)
+            continue
+        err = np.vstack([curve["score"] - curve["ci_low"], curve["ci_high"] - curve["score"]])
+        ax.errorbar(curve["kv_ratio"], curve["score"], yerr=err, color=colours[method], linestyle=style,
+                    marker="o", capsize=3, label=label)
+    ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
+    ax.set_ylabel(f"mean score ({metric}), 95 % CI")
+    ax.set_xlim(0, 1.05)
+    ax.set_title(f"Quality vs KV cache size: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def plot_costs(points: pd.DataFrame, path: Path, title: str, colours: dict) -> Path:
+    """2×2: cache bytes, peak memory, prefill time, decode time per token, each vs measured kv_ratio."""
+    panels = [("kv_bytes", MiB, "KV cache held (MiB)"), ("peak_mem_bytes", MiB, "peak memory (MiB)"),
+              ("prefill_s", 1, "prefill incl. compression (s)"), ("decode_ms_per_token", 1, "decode (ms / token)")]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (column, scale, ylabel) in zip(axes.flat, panels):
+        for label, method, style, curve in _curves(points):
+            ax.plot(curve["kv_ratio"], curve[column] / scale, color=colours[method], linestyle=style, marker="o",
+                    label=label)
+        ax.set_xlabel("measured kv_ratio (fraction of full cache)")
+        ax.set_ylabel(ylabel)
+        ax.set_xlim(0, 1.05)
+        top = max((points[column] / scale).max(), 0)
+        ax.set_ylim(0, top * 1.12 if top > 0 else 1)  # from zero: the eye reads ratios between methods
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"Memory and latency vs KV cache size: {title}")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_pareto(points: pd.DataFrame, frontier: pd.DataFrame, knee_points: pd.DataFrame, path: Path, title: str,
+                metric: str, tolerance: float, colours: dict) -> Path:
+    """Every (method, budget) point; the frontier (smaller kv_ratio, higher score) as a step line; knees starred."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, method, _, curve in _curves(points):
+        ax.scatter(curve["kv_ratio"], curve["score"], color=colours[method], label=label, zorder=3)
+        for _, row in curve.iterrows():
+            ax.annotate(f"{row['budget']:g}", (row["kv_ratio"], row["score"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7, color=colours[method])
+    if len(frontier):
+        ax.step(frontier["kv_ratio"], frontier["score"], where="post", color="0.3", lw=1.2, zorder=2,
+                label="Pareto frontier")
+    if len(knee_points):
+        ax.scatter(knee_points["kv_ratio"], knee_points["score"], marker="*", s=260, facecolor="none",
+                   edgecolor="black", lw=1.2, zorder=4, label=f"knee (within {tolerance:g} of full)")
+    ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
+    ax.set_ylabel(f"mean score ({metric})")
+    ax.set_xlim(0, 1.05)
+    ax.set_title(f"Pareto frontier: {title}  (labels: budget)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return _save(fig, path)
+
+
+def plot_niah_heatmaps(rows: pd.DataFrame, path: Path, title: str) -> Path:
+    """One panel per budget: mean score per (context length, depth), red (0) → yellow → green (1), as in the
+    original needle test; a second row shows the partial-match score when the rows carry it."""
+    budgets = sorted(rows["budget"].unique())
+    metrics = ["score"] + (["score_partial"] if "score_partial" in rows and rows["score_partial"].notna().any()
+                           else [])
+    fig, axes = plt.subplots(len(metrics), len(budgets), figsize=(1.2 + 3.6 * len(budgets), 3.2 * len(metrics)),
+                             squeeze=False, layout="constrained")
+    for r, metric in enumerate(metrics):
+        for c, budget in enumerate(budgets):
+            ax = axes[r][c]
+            ax.set_facecolor("0.85")  # grey: a (length, depth) cell this budget did not run
+            grid = rows[rows["budget"] == budget].pivot_table(index="depth", columns="length_target",
+                                                              values=metric, aggfunc="mean")
+            image = ax.imshow(grid.to_numpy(dtype=float), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for (i, j), value in np.ndenumerate(grid.to_numpy(dtype=float)):
+                if not np.isnan(value):
+                    ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            ax.set_xticks(range(len(grid.columns)), [f"{int(v)}" for v in grid.columns])
+            ax.set_yticks(range(len(grid.index)), [f"{100 * v:.0f}" for v in grid.index])
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("needle depth (% of context)")
+            ax.set_title(f"budget {budget:g}: {'partial match' if metric == 'score_partial' else 'score'}",
+                         fontsize=9)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="mean score (0 = miss, 1 = exact)", shrink=0.8)
+    fig.suptitle(f"Needle in a haystack: {title}")
+    return _save(fig, path)
+
+
+def plot_all(rows: pd.DataFrame, summary: pd.DataFrame, knee_table: pd.DataFrame, frontier: pd.DataFrame,
+             out_dir: Path, tolerance: float) -> list[Path]:
+    """Every plot of the report: per task (pooled over subsets) and, with several tasks, overall."""
+    colours = method_colours(rows["method"])
+    several_models = rows["model"].nunique() > 1
+    levels = ["task"] + (["overall"] if rows["task"].nunique() > 1 else [])
+    written = []
+    for (level, model, task), points in summary[summary["level"].isin(levels)].groupby(
+            ["level", "model", "task"], sort=True):
+        title = _title(model, task, several_models)
+        name = slug(model if several_models else "", "overall" if task == ALL else task)
+        in_scope = rows if task == ALL else rows[rows["task"] == task]
+        metric = ", ".join(sorted(in_scope[in_scope["model"] == model]["metric"].astype(str).unique()))
+
+        def scope(table):
+            return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)]
+
+        knee_points = scope(knee_table).dropna(subset=["knee_budget"])
+        written.append(plot_quality(points, out_dir / f"quality_{name}.png", title, metric, colours))
+        written.append(plot_pareto(points, scope(frontier), knee_points, out_dir / f"pareto_{name}.png", title,
+                                   metric, tolerance, colours))
+        if level == "task":
+            written.append(plot_costs(points, out_dir / f"costs_{name}.png", title, colours))
+    written += _niah_plots(rows, out_dir, several_models)
+    return written
+
+
+def _niah_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool) -> list[Path]:
+    if "depth" not in rows or "length_target" not in rows:
+        return []
+    grid_rows = rows.dropna(subset=["depth", "length_target"])
+    written = []
+    several_settings = grid_rows["query_aware"].nunique() > 1
+    for (model, task, method, query_aware), group in grid_rows.groupby(
+            ["model", "task", "method", "query_aware"], sort=True):
+        setting = ("query-aware" if query_aware else "context-only") if several_settings else ""
+        title = ", ".join(p for p in [f"{task} · {method}", model if several_models else "", setting] if p)
+        name = slug(model if several_models else "", task, method, setting)
+        written.append(plot_niah_heatmaps(group, out_dir / f"heatmap_{name}.png", title))
+    return written
