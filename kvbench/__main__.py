@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from kvbench import KvbenchError
+from kvbench import KvbenchError, conf_dir
 
 
-def _conf_dir() -> str:
-    source = Path(__file__).resolve().parent.parent / "conf"  # a source checkout / editable install
-    if source.is_dir():
-        return str(source)
-    from importlib.resources import files
-
-    return str(files("kvbench.conf"))
-
-
-@hydra.main(config_path=_conf_dir(), config_name="config", version_base="1.3")
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -7,6 +7,7 @@ full K/V), so one `Prefill` can serve many (method, budget) configurations: `gen
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +59,10 @@ class Generation:
 class Engine:
     def __init__(self, lm: LoadedModel):
         self.lm = lm
+        if lm.device.type == "cuda" and os.environ.get("KVBENCH_CUDNN_SDPA") != "1":
+            # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
+            # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
         params = inspect.signature(lm.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         eos = lm.tokenizer.eos_token_id

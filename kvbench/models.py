@@ -93,6 +93,13 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
+def _plain(node) -> dict:
+    """A config section as plain Python containers (transformers' configs reject OmegaConf nodes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
 def _finish(model, tokenizer, name, device, dtype) -> LoadedModel:
     model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(attention.register())
@@ -103,7 +110,7 @@ def _finish(model, tokenizer, name, device, dtype) -> LoadedModel:
 @LOADERS.register("tiny_random")
 def load_tiny_random(cfg, device, dtype) -> LoadedModel:
     torch.manual_seed(int(cfg.get("init_seed", 0)))
-    config = LlamaConfig(**dict(cfg.architecture))
+    config = LlamaConfig(**_plain(cfg.architecture))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return _finish(model, byte_tokenizer(), cfg.name, device, dtype)
 
@@ -111,7 +118,7 @@ def load_tiny_random(cfg, device, dtype) -> LoadedModel:
 @LOADERS.register("random_init")
 def load_random_init(cfg, device, dtype) -> LoadedModel:
     """A real architecture with random weights (latency/memory benchmarks: weights do not change the timing)."""
-    arch = dict(cfg.architecture)
+    arch = _plain(cfg.architecture)
     config = AutoConfig.for_model(arch.pop("model_type"), **arch)
     torch.manual_seed(int(cfg.get("init_seed", 0)))
     with torch.device(device):

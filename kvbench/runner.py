@@ -18,7 +18,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kvbench import KvbenchError
+from kvbench import KvbenchError, conf_dir
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine, Generation
 from kvbench.methods import Budget, Method, build_method
@@ -27,10 +27,9 @@ from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, p
 from kvbench.tasks import Example, build_task
 from kvbench.tasks.base import check_fits
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # task keys that select examples rather than change them: excluded from config_hash so rows are reused
 # across runs with a different grid or limit
-SELECTION_KEYS = {"context_lengths", "depths", "subsets", "limit"}
+SELECTION_KEYS = {"context_lengths", "depths", "subsets", "categories", "limit", "limit_per_subset"}
 
 
 @dataclass
@@ -47,9 +46,9 @@ class Configuration:
 
 def method_config(name: str) -> dict:
     """conf/method/<name>.yaml as a dict (for grid entries given by name)."""
-    path = CONF_DIR / "method" / f"{name}.yaml"
+    path = conf_dir() / "method" / f"{name}.yaml"
     if not path.exists():
-        valid = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+        valid = sorted(p.stem for p in (conf_dir() / "method").glob("*.yaml"))
         raise KvbenchError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
@@ -94,7 +93,7 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
         config_hash=c.hash, timestamp=datetime.now(timezone.utc).isoformat(), model=lm.name, task=task.name,
         subset=ex.subset, example_id=ex.example_id, context_tokens=gen.context_tokens, new_tokens=len(gen.token_ids),
         method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
-        query_aware=c.query_aware, metric=task.metric, prediction=gen.text, answers=json.dumps(ex.answers),
+        query_aware=c.query_aware, metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
         kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio,
         peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
         decode_ms_per_token=gen.decode_ms_per_token, dtype=str(lm.dtype).removeprefix("torch."),

@@ -53,6 +53,10 @@ class Task:
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it
 
+    def metric_of(self, example: Example) -> str:
+        """The metric's name for this example's row (tasks mixing metrics, e.g. LongBench, override it)."""
+        return self.metric
+
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         """{'score': ..., and any extra score columns}."""
         raise NotImplementedError  # abstract: every registered task implements it
