@@ -35,6 +35,23 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     return [layer.get_seq_length() for layer in cache.layers]
 
 
+def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
+    """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
+    expanded = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
+    return keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
+
+
+def layer_select(layer, index: torch.Tensor) -> None:
+    """Keep only positions `index` (B, H_kv, N) of one cache layer, physically (decode-time eviction).
+
+    Layers with storage of their own (quantized caches) implement `select(index)`; plain layers gather K/V.
+    """
+    if hasattr(layer, "select"):
+        layer.select(index)
+    else:
+        layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+
+
 def _tensors(obj, seen: set[int]):
     """Every tensor reachable from a cache layer's attributes (payloads, scales, zero points, residuals)."""
     if isinstance(obj, torch.Tensor):

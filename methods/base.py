@@ -23,7 +23,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRecorder, StatsRequest
-from kvbench.cache import KV, cache_from_kv
+from kvbench.cache import KV, cache_from_kv, gather_kv
 from kvbench.registry import Registry, build_dataclass
 
 METHODS = Registry("method")
@@ -58,12 +58,6 @@ class Budget:
         if self.is_tokens:
             return min(int(self.value), prompt_tokens)
         return min(prompt_tokens, max(1, round(self.value * prompt_tokens)))
-
-
-def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
-    """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
-    expanded = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
-    return keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
-from kvbench.methods.base import METHODS, Method, gather_kv
+from kvbench.cache import layer_lengths, layer_select
+from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import per_kv_head, top_k_sorted
 
 
@@ -66,18 +67,18 @@ class H2O(Method):
         if len(self._scores) != len(prefill_kv):  # budget ≥ prompt: no eviction, during decoding either
             self.reset()
             return cache
-        self._size = [layer.keys.shape[2] for layer in cache.layers]
+        self._size = layer_lengths(cache)
         return cache
 
     def on_decode_step(self, cache, stats) -> None:
         if self._size is None:
             return
         for layer_idx, layer in enumerate(cache.layers):
-            received = per_kv_head(stats.all_queries[layer_idx], layer.keys.shape[1], "sum")  # (B, H_kv, T_cache)
-            old = self._scores[layer_idx]
+            old = self._scores[layer_idx]  # (B, H_kv, T_cache − new)
+            received = per_kv_head(stats.all_queries[layer_idx], old.shape[1], "sum")  # (B, H_kv, T_cache)
             received[..., : old.shape[-1]] += old  # accumulate; new tokens start from what they received now
-            if layer.keys.shape[2] > self._size[layer_idx]:  # over budget: drop the weakest non-recent token
+            if received.shape[-1] > self._size[layer_idx]:  # over budget: drop the weakest non-recent token
                 index = self._keep(received, self._size[layer_idx])
-                layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+                layer_select(layer, index)
                 received = received.gather(-1, index)
             self._scores[layer_idx] = received

@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache import layer_lengths
-from kvbench.methods.base import METHODS, Method, gather_kv
+from kvbench.cache import layer_lengths, layer_select
+from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import check_choice
 from kvbench.rope import inv_freq_of, rerotate
 
 
 def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor:
-    """Indices [0, start_size) ∪ [n_tokens - (n_keep - start_size), n_tokens) as (B, H_kv, n_keep)."""
+    """Indices [0, start_size) ∪ [n_tokens - (n_keep - start_size), n_tokens) as (B, H_kv, n_keep).
+
+    like: any (B, H_kv, ...) tensor on the cache's device."""
     recent = n_keep - start_size
     index = torch.cat([torch.arange(start_size), torch.arange(n_tokens - recent, n_tokens)]).to(like.device)
     return index.expand(like.shape[0], like.shape[1], -1)  # (B, H_kv, n_keep)
@@ -58,6 +60,7 @@ class StreamingLLM(Method):
         evicted = layer_lengths(cache) != [keys.shape[2] for keys, _ in prefill_kv]
         # budget 1.0 means no eviction at all, during decoding too
         self._size = layer_lengths(cache) if evicted else None
+        self._like = prefill_kv[0][0][:, :, :0]  # (B, H_kv, 0, D): shape and device for decode-time indices
         if evicted and self.positions == "rolling":
             n_prompt, n_keep = prefill_kv[0][0].shape[2], self._size[0]
             shift = torch.zeros(n_keep, dtype=torch.long)  # sinks stay; recent tokens move down by the gap
@@ -71,17 +74,17 @@ class StreamingLLM(Method):
 
     def position(self, absolute_position: int, cache) -> int:
         if self.positions == "rolling" and self._size is not None:
-            return cache.layers[0].keys.shape[2]  # the next slot inside the cache
+            return cache.layers[0].get_seq_length()  # the next slot inside the cache
         return absolute_position
 
     def on_decode_step(self, cache, stats) -> None:
         if not self.evict_during_decode or self._size is None:
             return
         for layer, size in zip(cache.layers, self._size):
-            n_tokens = layer.keys.shape[2]
+            n_tokens = layer.get_seq_length()
             if n_tokens > size:  # drop the oldest non-sink token(s)
-                index = sink_and_recent(n_tokens, self.start_size, size, layer.keys)
-                layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+                index = sink_and_recent(n_tokens, self.start_size, size, self._like)
+                layer_select(layer, index)
                 if self.positions == "rolling":  # the recent tokens slide down into the freed slots
                     shift = torch.zeros(size, dtype=torch.long)
                     shift[self.start_size :] = -(n_tokens - size)
