@@ -71,17 +71,19 @@ class Engine:
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int], cache) -> torch.Tensor:
-        """Run `ids` at RoPE `positions` through the model, appending to `cache`; logits (len(ids), V) fp32."""
+    def forward(self, ids: list[int], positions: list[int], cache, all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` at RoPE `positions` through the model, appending to `cache`.
+
+        Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity)."""
         device = self.lm.device
         out = self.lm.model(
             input_ids=torch.tensor([ids], device=device),
             position_ids=torch.tensor([positions], device=device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if all_logits else 1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[0].float()  # (1, V): only the last position's logits are computed
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], request: StatsRequest, cache=None) -> Prefill:

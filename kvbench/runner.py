@@ -8,6 +8,7 @@ of their statistics; rows are identical to running each configuration alone (tes
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -102,6 +103,46 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
     return row
 
 
+def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm) -> list[dict]:
+    """One prefill serves every configuration (all methods so far share it; see Method.shares_prefill)."""
+    request = StatsRequest()
+    for c in todo:
+        request = request | c.method.stats_request()
+    prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
+    prefill = engine.prefill(prompt_ids, request)
+    rows = []
+    for c in todo:
+        gen = engine.generate(prefill, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
+        rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
+    return rows
+
+
+def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dict, lm) -> list[dict]:
+    """Perplexity tasks: one row per window of the streamed text (see kvbench.streaming)."""
+    from kvbench.streaming import stream_perplexity
+
+    ids = ex.context_ids
+    budget = Budget.parse(max(2, c.budget.tokens(len(ids)))) if c.budget else None  # fraction of the text → tokens
+    windows = stream_perplexity(engine, c.method, budget, ids, task.chunk)
+    rows, nll, predicted = [], 0.0, 0
+    for w, row_id in zip(windows, task.row_ids(ex)):
+        nll, predicted = nll + w.nll_sum, predicted + w.n_predicted
+        row = dict(common)
+        row.update(
+            config_hash=c.hash, timestamp=datetime.now(timezone.utc).isoformat(), model=lm.name, task=task.name,
+            subset=ex.subset, example_id=row_id, context_tokens=w.tokens_seen, new_tokens=w.n_predicted,
+            method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
+            query_aware=c.query_aware, metric=task.metric, prediction="", answers="[]", score=w.perplexity,
+            kv_bytes=w.kv_bytes, kv_bytes_full=w.kv_bytes_full, kv_ratio=w.kv_bytes / w.kv_bytes_full,
+            peak_mem_bytes=w.peak_mem_bytes, prefill_s=w.seconds, decode_s=0.0,
+            decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted), dtype=str(lm.dtype).removeprefix("torch."),
+            reused=False, window=w.index, cache_tokens=w.cache_tokens, perplexity_so_far=math.exp(nll / predicted),
+            **ex.meta,
+        )
+        rows.append(row)
+    return rows
+
+
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
     confs = configurations(cfg)
@@ -112,7 +153,8 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         examples = examples[: int(cfg.limit)]
     if not examples:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
-    check_fits(examples, lm.max_context)
+    if not task.streaming:  # a stream may run past the context window: that is what it measures
+        check_fits(examples, lm.max_context)
     for c in confs:
         c.hash = hash_configuration(c, cfg, lm)
     store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
@@ -129,25 +171,19 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
         todo = []
         for c in confs:
-            old = existing.get((c.hash, ex.example_id))
-            if old is not None:
-                rows.append({**old, "reused": True})
+            old = [existing.get((c.hash, row_id)) for row_id in task.row_ids(ex)]
+            if all(r is not None for r in old):
+                rows.extend({**r, "reused": True} for r in old)
             else:
                 todo.append(c)
         if not todo:
             continue
-        # one prefill serves every configuration (all methods so far share it; see Method.shares_prefill)
-        request = StatsRequest()
-        for c in todo:
-            request = request | c.method.stats_request()
-        prompt_ids, suffix_ids = ex.split(bool(cfg.query_aware))
-        prefill = engine.prefill(prompt_ids, request)
-        for c in todo:
-            gen = engine.generate(prefill, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
-            row = make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm)
-            computed.append(row)
-            rows.append(row)
-        del prefill
+        if task.streaming:
+            new = [row for c in todo for row in stream_rows(engine, c, ex, task, common, lm)]
+        else:
+            new = generation_rows(engine, todo, ex, task, common, lm)
+        computed.extend(new)
+        rows.extend(new)
         store.save_run(run_id, computed)  # after every example: an interrupted sweep resumes from here
 
     frame = pd.DataFrame(rows)

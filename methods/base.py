@@ -11,6 +11,7 @@ what the method changes:
 - `keep_indices(...)`    per layer and KV head, which prompt positions to keep → physical eviction by `compress`
 - `decode_request()` / `on_decode_step(...)`   decode-time eviction (H2O, StreamingLLM)
 - `position(...)`        the RoPE position of the next token (absolute by default; StreamingLLM can roll)
+- `stream_bound(...)`    keep a streamed text's cache bounded (perplexity task)
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ class Method:
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache)."""
+
+    def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
+        """Streaming (perplexity): bound the cache after each chunk of text; returns the cache to continue with.
+
+        Eviction methods re-select from what the cache holds (with this chunk's statistics); methods without a
+        budget compress once, after the first chunk (quantization), and then let the cache grow.
+        """
+        from kvbench.cache import cache_kv
+
+        if not self.has_budget:
+            return self.compress(cache_kv(cache), stats, None) if first else cache
+        return self.compress(cache_kv(cache), stats, budget)
 
     def position(self, absolute_position: int, cache) -> int:
         """RoPE position for the next token; the original absolute position unless the method re-indexes."""

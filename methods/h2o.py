@@ -36,6 +36,9 @@ class H2O(Method):
         self._size: list[int] | None = None
         self._recent = 0
 
+    def bind(self, lm) -> None:
+        self._n_kv_heads = lm.n_kv_heads
+
     def stats_request(self) -> StatsRequest:
         return StatsRequest(all_queries=True)
 
@@ -73,12 +76,27 @@ class H2O(Method):
     def on_decode_step(self, cache, stats) -> None:
         if self._size is None:
             return
+        self._accumulate_and_evict(cache, stats, self._size)
+
+    def _accumulate_and_evict(self, cache, stats, sizes: list[int]) -> None:
         for layer_idx, layer in enumerate(cache.layers):
             old = self._scores[layer_idx]  # (B, H_kv, T_cache − new)
             received = per_kv_head(stats.all_queries[layer_idx], old.shape[1], "sum")  # (B, H_kv, T_cache)
             received[..., : old.shape[-1]] += old  # accumulate; new tokens start from what they received now
-            if received.shape[-1] > self._size[layer_idx]:  # over budget: drop the weakest non-recent token
-                index = self._keep(received, self._size[layer_idx])
+            if received.shape[-1] > sizes[layer_idx]:  # over budget: drop the weakest non-recent tokens
+                index = self._keep(received, sizes[layer_idx])
                 layer_select(layer, index)
                 received = received.gather(-1, index)
             self._scores[layer_idx] = received
+
+    def stream_bound(self, cache, stats, budget, first: bool):
+        """Streaming (perplexity): scores accumulate over every query since the first token, then evict."""
+        n_layers = len(cache.layers)
+        n_keep = budget.tokens(10**12)  # streams take absolute budgets (see kvbench.streaming)
+        if first:
+            self.reset()
+            self._scores = [q.new_zeros(q.shape[0], self._n_kv_heads, 0)  # (B, H_kv, 0): nothing received yet
+                            for q in (stats.all_queries[i] for i in range(n_layers))]
+        self._recent = self.recent_tokens(n_keep)
+        self._accumulate_and_evict(cache, stats, [n_keep] * n_layers)
+        return cache

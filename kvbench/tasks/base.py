@@ -45,6 +45,7 @@ class Task:
 
     name: str
     metric: str
+    streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it
@@ -52,6 +53,10 @@ class Task:
 
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it
+
+    def row_ids(self, example: Example) -> list[str]:
+        """The `example_id`s of the rows one configuration produces for this example."""
+        return [example.example_id]
 
     def metric_of(self, example: Example) -> str:
         """The metric's name for this example's row (tasks mixing metrics, e.g. LongBench, override it)."""

@@ -1,0 +1,49 @@
+"""Long-text perplexity with a bounded cache (StreamingLLM's evaluation): the text streams through the model in
+chunks and every method keeps its cache within budget as it grows; one row per window (chunk), so the curve of
+perplexity against tokens seen shows where a bounded cache starts to cost quality.
+
+Text: Python's bundled documentation prose (present wherever Python is), or the user's files. A fractional
+budget is a fraction of the whole text's tokens; an integer budget is the cache size in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from kvbench import KvbenchError
+from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.haystack import load_sentences
+
+
+@TASKS.register("ppl")
+class Perplexity(Task):
+    metric = "perplexity"  # lower is better
+    streaming = True
+
+    @property
+    def chunk(self) -> int:
+        return int(self.cfg.chunk)
+
+    def examples(self) -> list[Example]:
+        cfg = self.cfg
+        if int(cfg.length) < 2 * self.chunk or self.chunk < 1:
+            raise KvbenchError(f"task ppl: length={cfg.length} must be at least two chunks of chunk={cfg.chunk}")
+        sentences = load_sentences(cfg.text, list(cfg.get("text_files") or []))
+        start = random.Random(f"{self.seed}:ppl").randrange(len(sentences)) if cfg.text == "prose" else 0
+        ids: list[int] = []
+        i = start
+        while len(ids) < int(cfg.length):  # cycle through the text until it is long enough
+            ids += self.tokenizer(" " + sentences[i % len(sentences)], add_special_tokens=False)["input_ids"]
+            i += 1
+        ids = ids[: int(cfg.length)]
+        return [Example(example_id=f"ppl-{cfg.text}-L{len(ids)}-s{self.seed}", context_ids=ids, question_ids=[],
+                        answers=[], max_new_tokens=0, subset=cfg.text,
+                        meta={"length_target": int(cfg.length), "scenario": "language modelling"})]
+
+    def row_ids(self, example: Example) -> list[str]:
+        n_windows = math.ceil((len(example.context_ids) - 1) / self.chunk)
+        return [f"{example.example_id}/w{k:03d}" for k in range(n_windows)]
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        raise KvbenchError("task ppl is scored per window by kvbench.streaming, not from generated text")
