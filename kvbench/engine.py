@@ -7,9 +7,10 @@ full K/V), so one `Prefill` can serve many (method, budget) configurations: `gen
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -43,7 +44,8 @@ class Generation:
     decode_s: float
     decode_steps: int
     kv_bytes: int
-    kv_bytes_full: int
+    kv_bytes_full: int  # the original model's uncompressed cache at the same token count
+    kv_bytes_mha: int  # the same with one KV head per query head (what GQA/MQA already saved)
     peak_mem_bytes: int
     logits: list[torch.Tensor] = field(default_factory=list)
 
@@ -57,8 +59,10 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, full_kv_heads: int | None = None):
         self.lm = lm
+        # kv_bytes_full always refers to the original model (head merging runs on a converted copy)
+        self.full_kv_heads = full_kv_heads or lm.n_kv_heads
         if lm.device.type == "cuda" and os.environ.get("KVBENCH_CUDNN_SDPA") != "1":
             # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
@@ -161,7 +165,8 @@ class Engine:
             decode_s=decode_s,
             decode_steps=steps,
             kv_bytes=cache_nbytes(cache),
-            kv_bytes_full=full_cache_nbytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
+            kv_bytes_full=full_cache_nbytes(lm.n_layers, self.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
+            kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
             peak_mem_bytes=max(prefill.peak_mem_bytes, read_peak(device)),
             logits=kept_logits,
         )
@@ -181,8 +186,18 @@ class Engine:
             position += len(chunk)
         return logits
 
+    def prepared(self, method: Method) -> "Engine":
+        """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""
+        key = (method.name, json.dumps(method.params(), sort_keys=True, default=str))
+        cache = self.__dict__.setdefault("_prepared", {})
+        if key not in cache:
+            model = method.prepare_model(self.lm.model)
+            cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_kv_heads)
+        return cache[key]
+
     def run(self, method: Method, budget: Budget | None, prompt_ids: list[int], suffix_ids: list[int] = (),
             max_new_tokens: int = 32, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
         """Prefill + generate for a single configuration."""
-        prefill = self.prefill(list(prompt_ids), method.stats_request())
-        return self.generate(prefill, method, budget, list(suffix_ids), max_new_tokens, stop, keep_logits)
+        engine = self.prepared(method)
+        prefill = engine.prefill(list(prompt_ids), method.stats_request())
+        return engine.generate(prefill, method, budget, list(suffix_ids), max_new_tokens, stop, keep_logits)

@@ -95,7 +95,7 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
         subset=ex.subset, example_id=ex.example_id, context_tokens=gen.context_tokens, new_tokens=len(gen.token_ids),
         method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
         query_aware=c.query_aware, metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
-        kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio,
+        kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio, kv_bytes_mha=gen.kv_bytes_mha,
         peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
         decode_ms_per_token=gen.decode_ms_per_token, dtype=str(lm.dtype).removeprefix("torch."),
         reused=False, **scores, **ex.meta,
@@ -104,15 +104,18 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
 
 
 def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm) -> list[dict]:
-    """One prefill serves every configuration (all methods so far share it; see Method.shares_prefill)."""
-    request = StatsRequest()
-    for c in todo:
-        request = request | c.method.stats_request()
+    """One prefill serves every configuration that shares it; methods that change the model get their own."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
-    prefill = engine.prefill(prompt_ids, request)
+    shared = [c for c in todo if c.method.shares_prefill]
+    request = StatsRequest()
+    for c in shared:
+        request = request | c.method.stats_request()
+    prefill = engine.prefill(prompt_ids, request) if shared else None
     rows = []
     for c in todo:
-        gen = engine.generate(prefill, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
+        own = engine if c.method.shares_prefill else engine.prepared(c.method)
+        source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
+        gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
     return rows
 

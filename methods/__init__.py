@@ -3,6 +3,6 @@
 from kvbench.methods.base import METHODS, Budget, Method, build_method
 
 # Importing a method's module registers it.
-from kvbench.methods import full, h2o, pyramidkv, random_eviction, snapkv, streamingllm  # noqa: F401,E402
+from kvbench.methods import full, h2o, headmerge, pyramidkv, random_eviction, snapkv, streamingllm  # noqa: F401,E402
 
 __all__ = ["METHODS", "Budget", "Method", "build_method"]

@@ -66,6 +66,7 @@ class Method:
     name: ClassVar[str]
     has_budget: ClassVar[bool] = True  # False: the method keeps every token (quantization, full)
     shares_prefill: ClassVar[bool] = True  # False: the method changes the prefill itself (head merging)
+    family: ClassVar[str] = "eviction"  # eviction | precision | structure | none: what `compose` stacks
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def bind(self, lm) -> None:
@@ -137,6 +138,11 @@ class Method:
     def position(self, absolute_position: int, cache) -> int:
         """RoPE position for the next token; the original absolute position unless the method re-indexes."""
         return absolute_position
+
+    @classmethod
+    def lossless_params(cls, lm) -> dict:
+        """Parameters under which the method must reproduce the full cache exactly (tested for every method)."""
+        return {}
 
     def params(self) -> dict:
         """The knobs as recorded in the `method_params` column."""

@@ -11,3 +11,4 @@ class Full(Method):
     """Keeps every token in full precision (a plain transformers DynamicCache)."""
 
     has_budget = False
+    family = "none"

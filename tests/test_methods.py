@@ -12,9 +12,10 @@ EVICTING = [n for n in ALL_METHODS if METHODS.get(n).has_budget]
 
 
 @pytest.mark.parametrize("name", ALL_METHODS)
-def test_budget_one_reproduces_full_cache_exactly(name, tiny_engine, prompt_ids):
+def test_budget_one_reproduces_full_cache_exactly(name, tiny, tiny_engine, prompt_ids):
     full = tiny_engine.run(build_method("full"), None, prompt_ids, max_new_tokens=8, keep_logits=True)
-    other = tiny_engine.run(build_method(name), Budget.parse(1.0), prompt_ids, max_new_tokens=8, keep_logits=True)
+    method = build_method(name, METHODS.get(name).lossless_params(tiny))
+    other = tiny_engine.run(method, Budget.parse(1.0), prompt_ids, max_new_tokens=8, keep_logits=True)
     assert other.token_ids == full.token_ids
     assert len(other.logits) == len(full.logits) == 8
     for a, b in zip(other.logits, full.logits):
