@@ -9,6 +9,7 @@ recent tokens are always last. Bytes are measured from the storages the cache ac
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -55,8 +56,13 @@ def layer_select(layer, index: torch.Tensor) -> None:
 def _tensors(obj, seen: set[int]):
     """Every tensor reachable from a cache layer's attributes (payloads, scales, zero points, residuals)."""
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in seen:
-            seen.add(id(obj))
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if is_traceable_wrapper_subclass(obj):  # e.g. quanto's QTensor: count its inner data/scale/shift
+            for name in obj.__tensor_flatten__()[0]:
+                yield from _tensors(getattr(obj, name), seen)
+        else:
             yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:

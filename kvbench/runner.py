@@ -19,10 +19,10 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kvbench import KvbenchError, conf_dir
+from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine, Generation
-from kvbench.methods import Budget, Method, build_method
+from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
 from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
 from kvbench.tasks import Example, build_task
@@ -47,11 +47,19 @@ class Configuration:
 
 def method_config(name: str) -> dict:
     """conf/method/<name>.yaml as a dict (for grid entries given by name)."""
-    path = conf_dir() / "method" / f"{name}.yaml"
-    if not path.exists():
-        valid = sorted(p.stem for p in (conf_dir() / "method").glob("*.yaml"))
-        raise KvbenchError(f"unknown method {name!r}; valid methods: {', '.join(valid)}")
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return {"name": name, **method_defaults(name)}
+
+
+def grid_entry(entry, cfg: DictConfig) -> dict:
+    """A grid.method entry: a method name (its yaml's knobs; the selected `method` keeps its overrides) or a
+    mapping {name: ..., knob: value} for parameter variants, e.g. {name: kivi, bits: 2}."""
+    if isinstance(entry, dict):
+        if "name" not in entry:
+            raise KvbenchError(f"grid.method entry {entry} needs a `name`")
+        return {**method_config(entry["name"]), **entry}
+    if entry == cfg.method.name:
+        return OmegaConf.to_container(cfg.method, resolve=True)
+    return method_config(entry)
 
 
 def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configuration:
@@ -65,11 +73,9 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     query_aware = bool(cfg.query_aware)
     grid = cfg.get("grid") or {}
     if grid.get("method") or grid.get("budget"):
-        names = list(grid.get("method") or [cfg.method.name])
+        entries = OmegaConf.to_container(grid.get("method"), resolve=True) if grid.get("method") else [cfg.method.name]
         budgets = list(grid.get("budget") or [cfg.budget])
-        requested = [make_configuration(method_config(n) if n != cfg.method.name else
-                                        OmegaConf.to_container(cfg.method, resolve=True), b, query_aware)
-                     for n in names for b in budgets]
+        requested = [make_configuration(grid_entry(e, cfg), b, query_aware) for e in entries for b in budgets]
     else:
         requested = [make_configuration(OmegaConf.to_container(cfg.method, resolve=True), cfg.budget, query_aware)]
     out = [make_configuration({"name": "full"}, 1.0, query_aware)]

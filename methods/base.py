@@ -140,8 +140,9 @@ class Method:
         return absolute_position
 
     @classmethod
-    def lossless_params(cls, lm) -> dict:
-        """Parameters under which the method must reproduce the full cache exactly (tested for every method)."""
+    def lossless_params(cls, lm) -> dict | None:
+        """Parameters under which the method must reproduce the full cache exactly (tested for every method);
+        None for a method that has no lossless setting."""
         return {}
 
     def params(self) -> dict:
@@ -149,6 +150,19 @@ class Method:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+def method_defaults(name: str) -> dict:
+    """The knobs of conf/method/<name>.yaml (without `name`), for methods built by name (grids, compose)."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+
+    path = conf_dir() / "method" / f"{name}.yaml"
+    if not path.exists():
+        METHODS.get(name)  # unknown: the registry's message lists the valid names
+        return {}
+    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path), resolve=True).items() if k != "name"}
 
 
 def build_method(name: str, params: dict | None = None) -> Method:

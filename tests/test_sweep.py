@@ -45,3 +45,15 @@ def test_grid_prefills_once_per_example(tmp_path, monkeypatch):
         output_dir=tmp_path / "out")
     assert len(calls) == 4  # 4 examples, 7 configurations each
     assert len(read_rows(tmp_path / "store")) == 4 * 7
+
+
+def test_grid_entries_with_parameters(tmp_path):
+    cfg = compose_config(*tiny_overrides(tmp_path, "task.context_lengths=[700]", "task.depths=[0.5]",
+                                         "grid.method=[{name: streamingllm, start_size: 8},streamingllm,"
+                                         "{name: headmerge, kv_heads: 1}]", "grid.budget=[0.5]"))
+    rows = run(cfg, output_dir=tmp_path / "out")
+    assert sorted(rows.method_params.map(lambda p: p.replace(" ", ""))) == sorted([
+        "{}", '{"evict_during_decode":true,"positions":"absolute","start_size":4}',
+        '{"evict_during_decode":true,"positions":"absolute","start_size":8}', '{"kv_heads":1}'])
+    merged = rows[rows.method == "headmerge"].iloc[0]
+    assert merged.budget == 1.0 and merged.kv_ratio == pytest.approx(0.5, abs=0.01)

@@ -1,0 +1,91 @@
+"""Composition: structure (fewer KV heads) × sequence (token eviction) × precision (quantization), stacked.
+
+`stack` names at most one method per family — e.g. [snapkv, kivi] or [headmerge, h2o, kivi] — applied in that
+order whatever the order given: head merging converts the model, eviction selects the prompt's tokens (and keeps
+evicting while decoding, through the quantized layers' `select`), quantization stores what is kept. Each part
+starts from its conf/method/<name>.yaml; `overrides` sets parameters per part, e.g. {kivi: {bits: 2}}. The measured
+kv_ratio should be close to the product of the parts' ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbench import KvbenchError
+from kvbench.attention import StatsRequest
+from kvbench.cache import cache_from_kv, cache_kv
+from kvbench.methods.base import METHODS, Method, build_method, method_defaults
+
+FAMILY_ORDER = ("structure", "eviction", "precision")
+
+
+@METHODS.register("compose")
+@dataclass
+class Compose(Method):
+    stack: list = field(default_factory=lambda: ["snapkv", "kivi"])
+    overrides: dict = field(default_factory=dict)  # per-part parameters: {kivi: {bits: 2}}
+
+    family = "composite"
+
+    def __post_init__(self):
+        unknown = sorted(set(self.overrides) - set(self.stack))
+        if unknown:
+            raise KvbenchError(f"compose overrides for {', '.join(unknown)}, not in stack={list(self.stack)}")
+        parts: dict[str, Method] = {}
+        for name in self.stack:
+            if name in ("full", "compose"):
+                raise KvbenchError(f"compose stack: {name!r} cannot be stacked; use methods of the families "
+                                   f"{', '.join(FAMILY_ORDER)}")
+            part = build_method(name, {**method_defaults(name), **dict(self.overrides.get(name) or {})})
+            if part.family in parts:
+                raise KvbenchError(f"compose stack: {parts[part.family].name} and {name} are both {part.family} "
+                                   f"methods; stack at most one per family ({', '.join(FAMILY_ORDER)})")
+            parts[part.family] = part
+        if not parts:
+            raise KvbenchError("compose needs a non-empty stack, e.g. method.stack=[snapkv,kivi]")
+        self._parts = [parts[f] for f in FAMILY_ORDER if f in parts]
+        self._eviction = parts.get("eviction")
+        self._precision = parts.get("precision")
+        self._structure = parts.get("structure")
+        if self._precision and getattr(self._eviction, "positions", "absolute") == "rolling":
+            raise KvbenchError("compose: streamingllm positions=rolling re-rotates cached keys in place, which a "
+                               "quantized cache cannot do; use positions=absolute")
+        # what the stack takes and does, from its parts (instance attributes shadow Method's class defaults)
+        self.has_budget = self._eviction is not None
+        self.shares_prefill = self._structure is None
+
+    @classmethod
+    def lossless_params(cls, lm) -> dict:
+        return {"stack": ["snapkv", "kivi"], "overrides": {"kivi": {"bits": 16}}}  # budget 1.0 and no quantization
+
+    def params(self) -> dict:
+        return {"stack": [p.name for p in self._parts], "parts": {p.name: p.params() for p in self._parts}}
+
+    def bind(self, lm) -> None:
+        for part in self._parts:
+            part.bind(lm)
+
+    def prepare_model(self, model):
+        return self._structure.prepare_model(model) if self._structure else model
+
+    def stats_request(self) -> StatsRequest:
+        return self._eviction.stats_request() if self._eviction else StatsRequest()
+
+    def compress(self, prefill_kv, stats, budget):
+        cache = self._eviction.compress(prefill_kv, stats, budget) if self._eviction else cache_from_kv(prefill_kv)
+        if self._precision:
+            cache = self._precision.compress(cache_kv(cache), stats, None)  # quantize what eviction kept
+        return cache
+
+    def decode_request(self) -> StatsRequest:
+        return self._eviction.decode_request() if self._eviction else StatsRequest()
+
+    def on_decode_step(self, cache, stats) -> None:
+        if self._eviction:
+            self._eviction.on_decode_step(cache, stats)
+
+    def position(self, absolute_position: int, cache) -> int:
+        return self._eviction.position(absolute_position, cache) if self._eviction else absolute_position
+
+    def stream_bound(self, cache, stats, budget, first: bool):
+        raise KvbenchError("compose is not supported by the streaming perplexity task (task=ppl); run its parts")

@@ -1,0 +1,60 @@
+"""transformers' own quantized KV cache (`QuantizedCache`, quanto / HQQ / fp8 backends) as a reference method.
+
+Not KIVI: its group-wise backends quantize keys and values both along the same axis with one group size and a
+full-precision residual that is re-quantized wholesale when it fills; fp8 is per-tensor with a frozen scale.
+quanto and HQQ are optional installs (`pip install 'kvbench[quanto]'` / `'kvbench[hqq]'`); fp8 needs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from kvbench import KvbenchError
+from kvbench.methods.base import METHODS, Method
+
+BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
+
+
+@METHODS.register("hf-quant")
+@dataclass
+class HFQuantizedCache(Method):
+    backend: str = "quanto"  # quanto | hqq | fp8
+    nbits: int = 4  # quanto: 2 or 4; hqq: 1, 2, 3, 4 or 8; ignored by fp8
+    q_group_size: int = 64
+    residual_length: int = 128
+    axis_key: int = 0
+    axis_value: int = 0
+
+    has_budget = False
+    family = "precision"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
+        module, extra = BACKENDS[self.backend]
+        if module and importlib.util.find_spec(module.split(".")[0]) is None:
+            raise KvbenchError(f"hf-quant backend={self.backend} needs its optional package: "
+                               f"pip install 'kvbench[{extra}]'   (or use backend=fp8, which needs none)")
+        self._config = None
+
+    @classmethod
+    def lossless_params(cls, lm):
+        return None  # every backend is lossy
+
+    def bind(self, lm) -> None:
+        self._config = lm.config
+
+    def compress(self, prefill_kv, stats, budget):
+        from transformers import QuantizedCache
+
+        options = {} if self.backend == "fp8" else dict(
+            nbits=self.nbits, q_group_size=self.q_group_size, residual_length=self.residual_length,
+            axis_key=self.axis_key, axis_value=self.axis_value)
+        try:
+            cache = QuantizedCache(self.backend, self._config, **options)
+        except (ValueError, ImportError) as error:
+            raise KvbenchError(f"hf-quant: {error}") from None
+        for layer_idx, (keys, values) in enumerate(prefill_kv):
+            cache.layers[layer_idx].update(keys, values)  # first update quantizes the whole prompt
+        return cache
