@@ -30,7 +30,8 @@ from kvbench.tasks.base import check_fits
 
 # task keys that select examples rather than change them: excluded from config_hash so rows are reused
 # across runs with a different grid or limit
-SELECTION_KEYS = {"context_lengths", "depths", "subsets", "categories", "limit", "limit_per_subset"}
+SELECTION_KEYS = {"context_lengths", "depths", "subsets", "categories", "limit", "limit_per_subset", "tasks",
+                  "num_samples"}
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""RULER (hsiehjackson/RULER) synthetic tasks, generated offline: NIAH variants, variable tracking, common and
+frequent words extraction, with RULER's templates, answer prefixes, generation lengths and all-of string match.
+
+Each (subtask, length, sample) draws from its own seeded stream, so an example does not change when the subtask
+list or the number of samples does; its prompt (chat template included) is `length` tokens or at most 2 % fewer.
+The QA subtasks (qa_1 SQuAD, qa_2 HotpotQA) need downloaded data sets and are not offered.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+from kvbench import KvbenchError
+from kvbench.metrics import string_match_all
+from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.ruler_aggregation import cwe_draft, fwe_draft
+from kvbench.tasks.ruler_draft import Draft, fit
+from kvbench.tasks.ruler_niah import VARIANTS, niah_draft
+from kvbench.tasks.ruler_vt import vt_draft
+
+
+@dataclass(frozen=True)
+class Subtask:
+    draft: Callable[..., Draft]  # (rng, length, knobs, encode) -> Draft
+    scenario: str
+    max_new_tokens: int  # RULER's tokens_to_generate
+    knobs: dict | None = None  # the config section task.<name> and its defaults (RULER's scripts/synthetic.yaml)
+
+
+SUBTASKS = {
+    **{name: Subtask(partial(niah_draft, variant), "synthetic retrieval", 128) for name, variant in VARIANTS.items()},
+    "vt": Subtask(vt_draft, "multi-hop tracing", 30, {"num_chains": 1, "num_hops": 4}),
+    "cwe": Subtask(cwe_draft, "aggregation", 120, {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
+    "fwe": Subtask(fwe_draft, "aggregation", 50, {"alpha": 2.0}),
+}
+
+
+@TASKS.register("ruler")
+class Ruler(Task):
+    metric = "string_match_all"
+
+    def examples(self) -> list[Example]:
+        names, lengths = self._subtasks(), self._lengths()
+        samples = int(self.cfg.get("num_samples", 2))
+        if samples < 1:
+            raise KvbenchError(f"task.num_samples={samples}: use at least 1")
+        return [self._example(name, length, index)
+                for name in names for length in lengths for index in range(samples)]
+
+    def _subtasks(self) -> list[str]:
+        names = list(self.cfg.get("tasks") or SUBTASKS)
+        unknown = [n for n in names if n not in SUBTASKS]
+        if unknown:
+            raise KvbenchError(f"task.tasks: unknown RULER subtask {', '.join(map(repr, unknown))}; valid subtasks: "
+                               f"{', '.join(SUBTASKS)} (the QA subtasks need downloads and are not offered)")
+        return names
+
+    def _lengths(self) -> list[int]:
+        lengths = list(self.cfg.get("context_lengths") or [])
+        if not lengths or any(int(n) < 1 for n in lengths):
+            raise KvbenchError(f"task.context_lengths={lengths}: give prompt lengths in tokens, e.g. [2048, 4096]")
+        return [int(n) for n in lengths]
+
+    def _knobs(self, name: str, defaults: dict) -> dict:
+        given = dict(self.cfg.get(name) or {})
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise KvbenchError(f"task.{name} has no parameter {', '.join(map(repr, unknown))}; valid parameters: "
+                               f"{', '.join(defaults)}")
+        return {**defaults, **given}
+
+    def _max_new_tokens(self, subtask: Subtask) -> int:
+        cap = self.cfg.get("max_new_tokens")
+        if cap is None:
+            return subtask.max_new_tokens
+        if int(cap) < 1:
+            raise KvbenchError(f"task.max_new_tokens={cap}: use a positive cap, or null for RULER's lengths")
+        return min(subtask.max_new_tokens, int(cap))
+
+    def _example(self, name: str, length: int, index: int) -> Example:
+        subtask = SUBTASKS[name]
+        rng = random.Random(f"ruler:{self.seed}:{name}:{length}:{index}")
+        knobs = self._knobs(name, subtask.knobs) if subtask.knobs is not None else {}
+        draft = subtask.draft(rng, length, knobs, self._encode)
+        context_ids, question_ids, layout = fit(draft, self.tokenizer, length, name)
+        meta = {"length_target": length, "scenario": subtask.scenario}
+        if layout.depth is not None:
+            meta["depth"] = layout.depth
+        return Example(
+            example_id=f"ruler-{name}-L{length}-i{index}-s{self.seed}",
+            context_ids=context_ids,
+            question_ids=question_ids,
+            answers=draft.answers,
+            max_new_tokens=self._max_new_tokens(subtask),
+            subset=name,
+            meta=meta,
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        return {"score": string_match_all(prediction, example.answers)}
