@@ -1,4 +1,4 @@
-"""Attention-statistics kernels: a pure-torch reference, and Triton fast paths used on CUDA when available.
+"""Kernels (attention statistics, KIVI quantization): pure-torch references, and Triton fast paths used on CUDA.
 
 Imports happen inside the functions on purpose: run from the repository root, this folder is also importable
 as a top-level `kernels` module, which transformers probes (the Hugging Face `kernels` package has the same
@@ -32,4 +32,41 @@ def attention_column_sums(query, key, scaling: float):
     return attention_column_sums_reference(query, key, scaling)
 
 
-__all__ = ["attention_column_sums", "attention_column_sums_reference"]
+def _triton_quant(tensor):
+    """The Triton quantization module when `tensor` is on CUDA, triton imports and KVBENCH_NO_TRITON != 1; else None."""
+    if tensor.is_cuda and importlib.util.find_spec("triton") and os.environ.get("KVBENCH_NO_TRITON") != "1":
+        from kvbench.kernels import triton_quant
+
+        if triton_quant.TRITON_AVAILABLE:
+            return triton_quant
+    return None
+
+
+def quantize_pack_reference(x, bits: int, group_size: int):
+    from kvbench.kernels.quantize import quantize_pack
+
+    return quantize_pack(x, bits, group_size)
+
+
+def unpack_dequantize_reference(packed, scale, zero, bits: int, group_size: int, dtype):
+    from kvbench.kernels.quantize import unpack_dequantize
+
+    return unpack_dequantize(packed, scale, zero, bits, group_size, dtype)
+
+
+def quantize_pack(x, bits: int, group_size: int):
+    """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize)"""
+    fast = _triton_quant(x)
+    return fast.triton_quantize_pack(x, bits, group_size) if fast else quantize_pack_reference(x, bits, group_size)
+
+
+def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
+    """Invert quantize_pack: packed (..., n_groups·W), scale/zero (..., n_groups) -> (..., L) in dtype."""
+    fast = _triton_quant(packed)
+    if fast:
+        return fast.triton_unpack_dequantize(packed, scale, zero, bits, group_size, dtype)
+    return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
+
+
+__all__ = ["attention_column_sums", "attention_column_sums_reference", "quantize_pack", "quantize_pack_reference",
+           "unpack_dequantize", "unpack_dequantize_reference"]

@@ -1,0 +1,93 @@
+"""Asymmetric min/max uniform quantization with bit packing (KIVI's scheme): the pure-torch reference.
+
+Contract (the Triton kernels in triton_quant.py follow it bit for bit):
+- groups of `group_size` consecutive elements along the LAST axis; per group zero = min,
+  scale = (max − min)/(2^bits − 1), q = floor((x − zero)/scale + 0.5) clamped to [0, 2^bits − 1] (round half up,
+  which torch and Triton compute alike);
+- scale and zero are stored in x's dtype, rounded *outward* (zero ≤ min — exact anyway, min is an element of x —
+  and scale rounded up) so that every element lies inside [zero, zero + (2^bits − 1)·scale]: the dequantization
+  error is then ≤ scale/2 per element (plus fp32 arithmetic and the final rounding to the output dtype) in bf16 too;
+- a constant group has scale 0: it quantizes to q = 0 and dequantizes exactly to zero (no 0/0);
+- dequantized = q·scale + zero, computed in fp32 and rounded once to the requested dtype.
+
+Storage layout, for x (..., L) with L = n_groups · group_size:
+- packed (..., n_groups · W) int32, W = ceil(group_size · bits / 32) words per group: element j of group g is bits
+  [(j mod P)·bits, (j mod P + 1)·bits) of word g·W + j div P, P = 32/bits values per word (16 two-bit, 8 four-bit,
+  4 eight-bit; lowest bits first, as KIVI packs). Each group owns whole words, so quantized chunks concatenate along the
+  last axis (KIVI's key flushes) without repacking; when group_size·bits is a multiple of 32 nothing is padded.
+- scale, zero (..., n_groups) in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = (2, 4, 8)
+
+
+def words_per_group(bits: int, group_size: int) -> int:
+    """int32 words one packed group occupies."""
+    per_word = 32 // bits
+    return -(-group_size // per_word)
+
+
+def _check(bits: int, group_size: int, length: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits={bits}: packed quantization supports {BITS}")
+    if group_size <= 0 or length % group_size:
+        raise ValueError(f"the last axis ({length}) must be a positive multiple of group_size={group_size}")
+
+
+def quant_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (scale, zero), each (..., n_groups) in x's dtype, rounded outward (see the module docstring)."""
+    _check(bits, group_size, x.shape[-1])
+    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G) fp32
+    low, high = groups.amin(-1), groups.amax(-1)  # (..., n_groups)
+    zero = low.to(x.dtype)  # exact: low is one of x's elements
+    exact = (high - zero.float()) / (2**bits - 1)  # (..., n_groups) fp32
+    scale = exact.to(x.dtype)
+    # round up where the dtype rounded down, so zero + levels·scale still reaches the group's max
+    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    return scale.contiguous(), zero.contiguous()  # reductions over a transposed x may come back strided
+
+
+def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize x (..., L) by groups on the last axis: packed (..., n_groups·W) int32, scale, zero (..., n_groups)"""
+    scale, zero = quant_params(x, bits, group_size)
+    per_word, words = 32 // bits, words_per_group(bits, group_size)
+    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G)
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()  # constant groups: (x − zero) is 0 there
+    q = torch.floor((groups - zero.float().unsqueeze(-1)) / safe.unsqueeze(-1) + 0.5)  # (..., n_groups, G)
+    q = q.clamp_(0, 2**bits - 1).to(torch.int32)
+    if words * per_word != group_size:  # pad each group to whole words (zeros are never read back)
+        q = torch.nn.functional.pad(q, (0, words * per_word - group_size))  # (..., n_groups, W·P)
+    q = q.unflatten(-1, (words, per_word))  # (..., n_groups, W, P)
+    packed = torch.zeros(q.shape[:-1], dtype=torch.int32, device=x.device)  # (..., n_groups, W)
+    for i in range(per_word):  # disjoint bit fields; int32 shifts wrap the 8-bit top field into the sign bit
+        packed |= q[..., i] << (i * bits)
+    return packed.flatten(-2), scale, zero  # (..., n_groups·W), (..., n_groups) ×2
+
+
+def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """Invert quantize_pack: packed (..., n_groups·W) int32, scale/zero (..., n_groups) -> (..., L) in dtype."""
+    _check(bits, group_size, group_size * scale.shape[-1])
+    per_word, words = 32 // bits, words_per_group(bits, group_size)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # (P,)
+    words_ = packed.unflatten(-1, (-1, words)).unsqueeze(-1)  # (..., n_groups, W, 1)
+    q = words_ >> shifts  # (..., n_groups, W, P) int32; >> is arithmetic, hence the mask
+    q &= 2**bits - 1
+    out = q.flatten(-2)[..., :group_size].float()  # (..., n_groups, G) fp32; in place below (decode runs this per step)
+    out.mul_(scale.float().unsqueeze(-1)).add_(zero.float().unsqueeze(-1))  # q·scale, then + zero: two roundings
+    return out.flatten(-2).to(dtype)  # (..., L)
+
+
+def packed_nbytes(shape: tuple[int, ...], bits: int, group_size: int, dtype: torch.dtype) -> int:
+    """Bytes quantize_pack holds for x of `shape` (..., L): payload words + one scale and one zero per group."""
+    *lead, length = shape
+    rows = 1
+    for n in lead:
+        rows *= n
+    n_groups = length // group_size
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return rows * n_groups * (4 * words_per_group(bits, group_size) + 2 * itemsize)

@@ -1,0 +1,239 @@
+"""KIVI — tuning-free asymmetric 2-bit KV-cache quantization (Liu et al. 2024, https://arxiv.org/abs/2402.02750;
+jy-yuan/KIVI), physically packed.
+
+The prefill attends to full-precision K/V (as in KIVI); `compress` then stores each layer as a `KiviLayer`, split
+exactly as KIVI's LlamaAttention_KIVI splits the prefill, and decoding follows its flush rules. Quantization is
+asymmetric min/max with bit packing (kernels/quantize.py: contract and word layout; Triton on CUDA).
+
+Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.cache.cache_nbytes counts it:
+- keys, quantized PER CHANNEL (K has outlier channels): for each channel, groups of G = group_size consecutive
+  tokens along time, i.e. the keys transposed to (B, H_kv, D, T_q) are quantized along their last axis:
+    key_packed (B, H_kv, D, T_q/G·W) int32,  key_scale, key_zero (B, H_kv, D, T_q/G) in the model dtype;
+  T_q is a multiple of residual_length R; the newest T mod R keys stay in  key_residual (B, H_kv, T mod R, D).
+- values, quantized PER TOKEN in groups of G channels (G divides head_dim):
+    value_packed (B, H_kv, T_v, D/G·W) int32,  value_scale, value_zero (B, H_kv, T_v, D/G);
+  the newest min(T, R) values stay in  value_residual (B, H_kv, min(T, R), D).
+W = ceil(G·bits/32) int32 words per group (G·bits/32 when G·bits is a multiple of 32, as with the defaults).
+Cache position p (what `update` returns and `select` indexes) is the p-th token in time order for K and V alike,
+although their quantized/residual split points differ.
+
+Decoding (`update`): new tokens join the residuals; attention gets dequantized ++ residual K/V, formed *before* the
+flush (KIVI attends to the block it is about to quantize in full precision); then keys flush their residual to
+quantized storage once it holds R tokens, values quantize their oldest tokens beyond R. The dequantized tensors are
+returned, never kept. bits=16 is a passthrough (nothing is quantized; every token stays in the residual), for
+equivalence tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvbench import KvbenchError
+from kvbench.kernels import quantize_pack, unpack_dequantize
+from kvbench.methods.base import METHODS, Method
+
+BITS = (2, 4, 8, 16)
+_TENSORS = ("key_packed", "key_scale", "key_zero", "key_residual",
+            "value_packed", "value_scale", "value_zero", "value_residual")
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t with a storage of its own: a slice would keep (and be counted as) the whole buffer it views."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+
+
+def check_config(bits: int, group_size: int, residual_length: int) -> None:
+    if bits not in BITS:
+        raise KvbenchError(f"kivi bits={bits}: must be 2, 4 or 8 (packed quantization) or 16 (no quantization)")
+    if group_size <= 0 or residual_length <= 0 or residual_length % group_size:
+        raise KvbenchError(
+            f"kivi residual_length={residual_length} must be a positive multiple of group_size={group_size} "
+            f"(keys move to quantized storage in whole groups of tokens), e.g. residual_length={max(group_size, 1) * 2}"
+        )
+
+
+class KiviLayer(DynamicLayer):
+    """One decoder layer's KIVI cache (layout in the module docstring); `keys`/`values` stay None."""
+
+    is_croppable = False  # crop goes through select, which requantizes (lossy)
+
+    def __init__(self, bits: int = 4, group_size: int = 64, residual_length: int = 64):
+        super().__init__()
+        check_config(bits, group_size, residual_length)
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        for name in _TENSORS:
+            setattr(self, name, None)
+
+    @classmethod
+    def from_kv(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int,
+                residual_length: int) -> "KiviLayer":
+        """A layer holding keys/values (B, H_kv, N, D), split as KIVI splits a prefill (also: already-evicted K/V)."""
+        layer = cls(bits, group_size, residual_length)
+        layer.lazy_initialization(keys, values)
+        layer._store(keys, values)
+        return layer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bsz, n_heads, _, head_dim = key_states.shape
+        if self.bits < 16 and head_dim % self.group_size:
+            valid = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
+            raise KvbenchError(
+                f"kivi group_size={self.group_size} does not divide the model's head_dim={head_dim} (values are "
+                f"quantized in groups of group_size channels); valid group sizes: {', '.join(map(str, valid))} "
+                f"(residual_length must stay a multiple of it)"
+            )
+        self.device, self.dtype = key_states.device, key_states.dtype
+
+        def empty(*shape, dtype=self.dtype):
+            return torch.empty(*shape, dtype=dtype, device=self.device)
+
+        n_groups = head_dim // self.group_size if self.bits < 16 else 0
+        self.key_packed = empty(bsz, n_heads, head_dim, 0, dtype=torch.int32)  # (B, H_kv, D, 0)
+        self.key_scale, self.key_zero = empty(bsz, n_heads, head_dim, 0), empty(bsz, n_heads, head_dim, 0)
+        self.key_residual = empty(bsz, n_heads, 0, head_dim)  # (B, H_kv, 0, D)
+        words = n_groups * (-(-self.group_size * self.bits // 32))
+        self.value_packed = empty(bsz, n_heads, 0, words, dtype=torch.int32)  # (B, H_kv, 0, D/G·W)
+        self.value_scale, self.value_zero = empty(bsz, n_heads, 0, n_groups), empty(bsz, n_heads, 0, n_groups)
+        self.value_residual = empty(bsz, n_heads, 0, value_states.shape[-1])  # (B, H_kv, 0, D)
+        self.is_initialized = True
+
+    # ---- storage -------------------------------------------------------------------------------------------
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store full-precision tails keys/values (B, H_kv, n, D) — old residual ++ new tokens — by KIVI's rules."""
+        bits, group, residual = self.bits, self.group_size, self.residual_length
+        n_keys = 0 if bits == 16 else keys.shape[2] // residual * residual  # whole residual blocks
+        if n_keys:
+            packed, scale, zero = quantize_pack(keys[:, :, :n_keys].transpose(2, 3), bits, group)  # (B, H_kv, D, ·)
+            self.key_packed = torch.cat([self.key_packed, packed], dim=-1)  # (B, H_kv, D, T_q/G·W)
+            self.key_scale = torch.cat([self.key_scale, scale], dim=-1)  # (B, H_kv, D, T_q/G)
+            self.key_zero = torch.cat([self.key_zero, zero], dim=-1)
+        self.key_residual = _own(keys[:, :, n_keys:])  # (B, H_kv, n mod R, D)
+        n_values = 0 if bits == 16 else max(0, values.shape[2] - residual)  # the oldest beyond R
+        if n_values:
+            packed, scale, zero = quantize_pack(values[:, :, :n_values], bits, group)  # (B, H_kv, n_values, ·)
+            self.value_packed = torch.cat([self.value_packed, packed], dim=2)  # (B, H_kv, T_v, D/G·W)
+            self.value_scale = torch.cat([self.value_scale, scale], dim=2)  # (B, H_kv, T_v, D/G)
+            self.value_zero = torch.cat([self.value_zero, zero], dim=2)
+        self.value_residual = _own(values[:, :, n_values:])  # (B, H_kv, min(n, R), D)
+
+    def _quantized_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The quantized parts dequantized, (B, H_kv, T_q, D) and (B, H_kv, T_v, D); None where empty."""
+        keys = values = None
+        if self.key_scale.shape[-1]:
+            keys = unpack_dequantize(self.key_packed, self.key_scale, self.key_zero, self.bits, self.group_size,
+                                     self.dtype).transpose(2, 3)  # (B, H_kv, D, T_q) -> (B, H_kv, T_q, D)
+        if self.value_scale.shape[2]:
+            values = unpack_dequantize(self.value_packed, self.value_scale, self.value_zero, self.bits,
+                                       self.group_size, self.dtype)  # (B, H_kv, T_v, D)
+        return keys, values
+
+    @staticmethod
+    def _join(quantized: torch.Tensor | None, residual: torch.Tensor) -> torch.Tensor:
+        return residual if quantized is None else torch.cat([quantized, residual], dim=2)  # (B, H_kv, T, D)
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token as full-precision keys, values (B, H_kv, T, D): dequantized ++ residual (a copy)."""
+        keys, values = self._quantized_kv()
+        return self._join(keys, self.key_residual), self._join(values, self.value_residual)
+
+    # ---- the transformers cache-layer protocol ---------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append key/value_states (B, H_kv, n, D); return all K/V (B, H_kv, T + n, D) for attention (not kept)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        key_tail = torch.cat([self.key_residual, key_states], dim=2)  # (B, H_kv, r_k + n, D)
+        value_tail = torch.cat([self.value_residual, value_states], dim=2)  # (B, H_kv, r_v + n, D)
+        keys, values = self._quantized_kv()
+        keys, values = self._join(keys, key_tail), self._join(values, value_tail)  # before the flush, as KIVI
+        self._store(key_tail, value_tail)
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.key_scale.shape[-1] * self.group_size + self.key_residual.shape[2]
+
+    def reset(self) -> None:
+        for name in _TENSORS:
+            setattr(self, name, None)
+        super().reset()
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only cache positions `index` (B, H_kv, N), sorted ascending (decode-time eviction on top of KIVI).
+
+        Dequantizes, gathers and requantizes by KIVI's prefill rules (the newest N mod R keys and min(N, R) values
+        stay full precision). Requantizing adds error where a key group's members change (eviction inside or before
+        it shifts later tokens across group boundaries) and where a residual token moves to quantized storage; value
+        groups are single tokens and unchanged key groups requantize to themselves up to dtype rounding. Repeated
+        per-step evictions early in the cache therefore re-round most key groups at every step.
+        """
+        keys, values = self.kv()  # (B, H_kv, T, D) each
+        expanded = index.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
+        keys, values = keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
+        self.lazy_initialization(keys, values)
+        self._store(keys, values)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest -tokens_to_remove tokens (transformers' convention: a negative count), via select."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): give a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(0, self.get_seq_length() + tokens_to_remove)
+        bsz, n_heads = self.key_residual.shape[:2]
+        self.select(torch.arange(keep, device=self.device).expand(bsz, n_heads, keep))
+
+    def _map(self, fn) -> None:
+        if self.is_initialized:
+            for name in _TENSORS:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        self._map(lambda t: t.to(self.device, non_blocking=True))
+
+
+@METHODS.register("kivi")
+@dataclass
+class Kivi(Method):
+    """KIVI-style quantized cache: keys per channel, values per token, a full-precision residual of recent tokens."""
+
+    bits: int = 4  # 2 or 4 as in the paper (8 a useful extra); 16 = no quantization (equivalence tests)
+    # The paper used group 32 and residual 32–128. 64/64 is what meets kvbench's byte goals on head_dim-64 models:
+    # at 4K tokens, with scales and zeros counted, KIVI-4 kv_ratio ≤ 0.30 and KIVI-2 ≤ 0.18 (group 32 doubles the
+    # per-group overhead: two 16-bit numbers per 32 elements add 1 bit per element).
+    group_size: int = 64  # channels per value group, tokens per key group; must divide head_dim
+    residual_length: int = 64  # recent tokens kept in full precision; a multiple of group_size
+
+    has_budget = False  # keeps every token; the knob is the bit width
+    family = "precision"
+
+    def __post_init__(self):
+        check_config(self.bits, self.group_size, self.residual_length)
+
+    @classmethod
+    def lossless_params(cls, lm) -> dict:
+        return {"bits": 16}  # passthrough: every token stays in the full-precision residual
+
+    def compress(self, prefill_kv, stats, budget):
+        """Every layer's prefill K/V (B, H_kv, T, D) as a KiviLayer, split as KIVI splits a prefill."""
+        self.reset()
+        cache = DynamicCache()
+        for keys, values in prefill_kv:
+            cache.layers.append(KiviLayer.from_kv(keys, values, self.bits, self.group_size, self.residual_length))
+        return cache
