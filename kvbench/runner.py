@@ -30,6 +30,7 @@ from kvbench.tasks.base import check_fits
 
 # task keys that select examples rather than change them: excluded from config_hash so rows are reused
 # across runs with a different grid or limit
+DEFAULT_BUDGET = 0.5  # for methods that take a budget, when `budget` is not given
 SELECTION_KEYS = {"context_lengths", "depths", "subsets", "categories", "limit", "limit_per_subset", "tasks",
                   "num_samples"}
 
@@ -75,10 +76,16 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     grid = cfg.get("grid") or {}
     if grid.get("method") or grid.get("budget"):
         entries = OmegaConf.to_container(grid.get("method"), resolve=True) if grid.get("method") else [cfg.method.name]
-        budgets = list(grid.get("budget") or [cfg.budget])
+        budgets = list(grid.get("budget") or [DEFAULT_BUDGET if cfg.budget is None else cfg.budget])
         requested = [make_configuration(grid_entry(e, cfg), b, query_aware) for e in entries for b in budgets]
     else:
-        requested = [make_configuration(OmegaConf.to_container(cfg.method, resolve=True), cfg.budget, query_aware)]
+        method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
+        requested = [make_configuration(method_cfg, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, query_aware)]
+        method = requested[0].method
+        if cfg.budget is not None and not method.has_budget and method.family != "none":
+            knobs = ", ".join(f"method.{k}" for k in method.params()) or "none"
+            raise KvbenchError(f"method {method.name} takes no budget (it keeps every token); drop budget= and "
+                               f"use its own knobs instead: {knobs}")
     out = [make_configuration({"name": "full"}, 1.0, query_aware)]
     for c in requested:
         if all((c.method != o.method or c.budget != o.budget) for o in out):

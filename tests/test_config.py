@@ -39,7 +39,10 @@ def test_model_configs_compose(name):
 
 def test_defaults_are_the_documented_job():
     cfg = compose_config()
-    assert (cfg.model.name, cfg.method.name, cfg.task.name, cfg.budget) == ("smollm2-135m", "streamingllm", "niah", 0.5)
+    assert (cfg.model.name, cfg.method.name, cfg.task.name, cfg.budget) == ("smollm2-135m", "streamingllm", "niah", None)
+    from kvbench.runner import configurations
+
+    assert [(c.method.name, c.budget_value) for c in configurations(cfg)] == [("full", 1.0), ("streamingllm", 0.5)]
     assert len(cfg.task.context_lengths) * len(cfg.task.depths) == 9
 
 

@@ -73,6 +73,8 @@ def test_bad_inputs_are_one_clear_message(tmp_path):
         run(compose_config(*tiny_overrides(tmp_path, "task.context_lengths=[20000]")), output_dir=tmp_path / "o")
     with pytest.raises(KvbenchError, match="budget=2.5"):
         run(compose_config(*tiny_overrides(tmp_path, "budget=2.5")), output_dir=tmp_path / "o")
+    with pytest.raises(KvbenchError, match="kivi takes no budget.*method.bits"):
+        run(compose_config(*tiny_overrides(tmp_path, "method=kivi", "budget=0.5")), output_dir=tmp_path / "o")
     with pytest.raises(KvbenchError, match="results_dir=PATH"):
         run(compose_config(*tiny_overrides(tmp_path, "results_dir=/proc/kvbench")), output_dir=tmp_path / "o")
     assert not list(tmp_path.rglob("*.parquet")) and not list(tmp_path.rglob("*.csv"))

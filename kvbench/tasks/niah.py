@@ -127,7 +127,7 @@ class NeedleInAHaystack(Task):
             answers=[value],
             max_new_tokens=int(cfg.max_new_tokens),
             subset=f"{cfg.haystack}-{cfg.value_type}",
-            meta={"length_target": length, "depth": depth},
+            meta={"length_target": length, "depth": depth, "scenario": "synthetic retrieval"},
         )
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
