@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
+from kvbench.cache import gather_kv
 from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.methods.base import METHODS, Method
 
@@ -171,9 +172,7 @@ class KiviLayer(DynamicLayer):
         groups are single tokens and unchanged key groups requantize to themselves up to dtype rounding. Repeated
         per-step evictions early in the cache therefore re-round most key groups at every step.
         """
-        keys, values = self.kv()  # (B, H_kv, T, D) each
-        expanded = index.to(keys.device).unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
-        keys, values = keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
+        keys, values = gather_kv(*self.kv(), index)  # (B, H_kv, N, D) each
         self.lazy_initialization(keys, values)
         self._store(keys, values)
 
