@@ -21,6 +21,7 @@ import pandas as pd
 
 from kvbench import KvbenchError
 from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize
+from kvbench.runner import with_variants
 from kvbench.results import check_writable, write_atomic, write_csv
 
 PROVENANCE = ["git_sha", "kvbench_version", "torch_version", "transformers_version", "device_name", "dtype"]
@@ -146,6 +147,8 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     from kvbench.report_plots import plot_all  # matplotlib import only once the input is known to be good
 
     rows = load_rows(paths)
+    # one line per configuration variant: kivi bits=2 and bits=4 are different curves, each with its own colour
+    rows = rows.assign(method=with_variants(rows)["variant"])
     summary = summarize(rows)
     knee = knees(summary, tolerance)
     frontier = pareto(summary)

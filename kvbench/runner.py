@@ -22,7 +22,7 @@ from tqdm import tqdm
 from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine, Generation
-from kvbench.methods import Budget, Method, build_method, method_defaults
+from kvbench.methods import Budget, Method, build_method, method_defaults, variant_label
 from kvbench.models import load_model
 from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
 from kvbench.tasks import Example, build_task
@@ -212,8 +212,15 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     return frame
 
 
+def with_variants(rows: pd.DataFrame) -> pd.DataFrame:
+    """Add `variant`: the method with its non-default knobs (kivi bits=2 and bits=4 are different lines)."""
+    labels = [variant_label(m, json.loads(p)) for m, p in zip(rows["method"], rows["method_params"])]
+    return rows.assign(variant=labels)
+
+
 def summarize(rows: pd.DataFrame) -> pd.DataFrame:
-    keys = ["model", "task", "method", "budget", "query_aware"]
+    rows = with_variants(rows)
+    keys = ["model", "task", "method", "variant", "budget", "query_aware"]
     agg = rows.groupby(keys, sort=False).agg(
         n=("score", "size"), score=("score", "mean"),
         **({"score_partial": ("score_partial", "mean")} if "score_partial" in rows else {}),
@@ -228,7 +235,7 @@ def summarize(rows: pd.DataFrame) -> pd.DataFrame:
 
 def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,
                   seconds: float) -> None:
-    cols = ["method", "budget", "n", "score"] + (["score_partial"] if "score_partial" in summary else []) + [
+    cols = ["variant", "budget", "n", "score"] + (["score_partial"] if "score_partial" in summary else []) + [
         "drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
     print()
     print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
