@@ -27,6 +27,7 @@ GROUP_KEYS = ["model", "task", "subset", "method", "budget", "query_aware"]
 MATCH_KEYS = ["model", "task", "subset", "query_aware", "example_id"]
 SCOPE_KEYS = ["level", "model", "task", "subset", "query_aware"]  # one curve per method inside a scope
 ALL = "(all)"
+LOWER_IS_BETTER = {"perplexity"}  # metrics where a smaller score is better: signs flip, never pooled with others
 FULL = "full"
 
 
@@ -167,7 +168,8 @@ def _aggregate(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
         mean, low, high = mean_ci(group["score"], confidence)
         drop, n_matched = drop_vs_full(group)
         record = dict(level=level, **dict(zip(GROUP_KEYS, key)), n=int(group["score"].notna().sum()),
-                      score=mean, ci_low=low, ci_high=high)
+                      score=mean, ci_low=low, ci_high=high,
+                      lower_is_better=bool(group["metric"].isin(LOWER_IS_BETTER).all()))
         if "score_partial" in group:
             record["score_partial"] = group["score_partial"].mean()
         record.update(
@@ -182,7 +184,7 @@ def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per subset, per task and overall; see the module docstring for the levels."""
     rows = with_full_scores(rows)
     per_task = rows.assign(subset=ALL)
-    overall = per_task.assign(task=ALL)
+    overall = per_task[~per_task["metric"].isin(LOWER_IS_BETTER)].assign(task=ALL)  # scores, not perplexities
     records = (_aggregate(rows, "subset", confidence) + _aggregate(per_task, "task", confidence)
                + _aggregate(overall, "overall", confidence))
     return pd.DataFrame.from_records(records)
@@ -194,7 +196,8 @@ def knees(summary: pd.DataFrame, tolerance: float = 0.02) -> pd.DataFrame:
     records = []
     for key, curve in summary[summary["method"] != FULL].groupby(SCOPE_KEYS + ["method"], dropna=False, sort=True):
         curve = curve.sort_values("budget")
-        good = curve[curve["drop_vs_full"] <= tolerance + 1e-12]
+        sign = -1.0 if curve["lower_is_better"].all() else 1.0  # perplexity: a loss is a *rise* over full
+        good = curve[sign * curve["drop_vs_full"] <= tolerance + 1e-12]
         knee = good.iloc[0] if len(good) else None
         records.append(dict(
             zip(SCOPE_KEYS + ["method"], key), budgets=", ".join(f"{b:g}" for b in curve["budget"]),
@@ -212,7 +215,8 @@ def pareto(summary: pd.DataFrame) -> pd.DataFrame:
     frontier = []
     for _, points in summary.groupby(SCOPE_KEYS, dropna=False, sort=True):
         points = points.dropna(subset=["kv_ratio", "score"])
-        x, y = points["kv_ratio"].to_numpy(), points["score"].to_numpy()
+        sign = -1.0 if points["lower_is_better"].all() else 1.0
+        x, y = points["kv_ratio"].to_numpy(), sign * points["score"].to_numpy()
         dominated = [bool(np.any((x <= xi) & (y >= yi) & ((x < xi) | (y > yi)))) for xi, yi in zip(x, y)]
         frontier.append(points[~np.array(dominated, dtype=bool)].sort_values(["kv_ratio", "score"]))
     if not frontier:

@@ -190,3 +190,22 @@ def test_rows_without_subsets_still_match_the_full_cache(tmp_path):
                tmp_path / "rows" / "b.parquet")
     summary = summarize(load_rows([tmp_path]))
     assert summary.query("level == 'subset' and method == 'h2o'")["drop_vs_full"].tolist() == [0.75]
+
+
+def test_perplexity_is_lower_is_better_and_never_pooled_with_scores():
+    from kvbench.aggregate import knees, pareto, summarize
+
+    rows = [row("full", 1.0, f"w{i}", 10.0, task="ppl", metric="perplexity") for i in range(3)]
+    rows += [row("h2o", 0.25, f"w{i}", 12.0, task="ppl", metric="perplexity") for i in range(3)]  # worse
+    rows += [row("h2o", 0.5, f"w{i}", 10.01, task="ppl", metric="perplexity") for i in range(3)]  # within 0.02
+    rows += [row("full", 1.0, "n1", 1.0), row("h2o", 0.25, "n1", 1.0)]
+    summary = summarize(pd.DataFrame(rows))
+    overall = summary[(summary.level == "overall") & (summary.method == "h2o") & (summary.budget == 0.25)]
+    assert overall.score.tolist() == [1.0]  # only the NIAH score, not a mean of 1.0 and 12.0
+    knee = knees(summary, 0.02)
+    ppl_knee = knee[(knee.level == "task") & (knee.task == "ppl")]
+    assert ppl_knee.knee_budget.tolist() == [0.5]  # 0.25 raised perplexity by 2: not within tolerance
+    frontier = pareto(summary)
+    ppl_front = frontier[(frontier.level == "task") & (frontier.task == "ppl")]
+    # lowest perplexity wins: each point is best at its own cache size
+    assert set(zip(ppl_front.method, ppl_front.budget)) == {("h2o", 0.25), ("h2o", 0.5), ("full", 1.0)}
