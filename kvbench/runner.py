@@ -209,6 +209,13 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     summary = summarize(frame)
     write_csv(summary, out_dir / "summary.csv")
     print_summary(summary, out_dir, store, len(computed), len(rows) - len(computed), time.perf_counter() - started)
+    if cfg.get("report", True):
+        from kvbench.report import build_report  # imported late: report ↔ runner
+
+        files = build_report([out_dir / "rows.parquet"], out_dir / "report", tolerance=0.02)
+        plots = [f for f in files if f.suffix == ".png"]
+        print(f"plots:   {len(plots)} PNGs in {out_dir / 'report'} (e.g. {plots[0].name})" if plots else "")
+        print(f"report:  {out_dir / 'report' / 'report.html'}")
     return frame
 
 

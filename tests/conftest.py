@@ -20,7 +20,7 @@ def compose_config(*overrides: str):
 
 
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
-    return ["model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path / 'store'}",
+    return ["model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path / 'store'}", "report=false",
             "task.context_lengths=[700,1000]", "task.depths=[0.2,0.8]", "task.max_new_tokens=6", *extra]
 
 

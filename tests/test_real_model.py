@@ -51,7 +51,7 @@ def test_shared_prefill_grid_equals_one_by_one_on_the_real_model(smol, tmp_path)
     from kvbench.runner import run
     from tests.conftest import compose_config
 
-    base = ["device=cpu", "task.context_lengths=[1024]", "task.depths=[0.1]", "task.max_new_tokens=12"]
+    base = ["device=cpu", "report=false", "task.context_lengths=[1024]", "task.depths=[0.1]", "task.max_new_tokens=12"]
     grid = run(compose_config(*base, f"results_dir={tmp_path / 'g'}", "grid.method=[snapkv,h2o,streamingllm,pyramidkv]",
                               "grid.budget=[0.25]"), output_dir=tmp_path / "go")
     for name in ("snapkv", "h2o", "streamingllm", "pyramidkv"):

@@ -34,6 +34,14 @@ def test_rows_carry_every_contract_column(tmp_path):
     assert not list((tmp_path / "store").rglob("*.tmp"))
 
 
+def test_a_run_writes_its_plots_and_report(tmp_path, capsys):
+    run(compose_config(*tiny_overrides(tmp_path, "report=true", "task.context_lengths=[700]")),
+        output_dir=tmp_path / "out")
+    report = tmp_path / "out" / "report"
+    assert (report / "report.html").stat().st_size > 0 and list(report.glob("heatmap_niah_*.png"))
+    assert f"report:  {report / 'report.html'}" in capsys.readouterr().out
+
+
 def test_second_run_reuses_rows_instead_of_recomputing(tmp_path):
     first = run(compose_config(*tiny_overrides(tmp_path)), output_dir=tmp_path / "a")
     # a different method: only its rows are new; the baseline comes from the store
