@@ -99,6 +99,12 @@ class Method:
         n_keep = budget.tokens(n_prompt)
         if n_keep >= n_prompt:
             return cache_from_kv(prefill_kv)
+        if n_keep < self.min_tokens() and not budget.is_tokens:
+            # a fraction of a short prompt: keep the method's minimum (its window/sinks) instead, as SnapKV
+            # compresses only prompts longer than its capacity; the measured kv_ratio records what was kept
+            n_keep = self.min_tokens()
+            if n_keep >= n_prompt:
+                return cache_from_kv(prefill_kv)
         if n_keep < self.min_tokens():
             raise KvbenchError(
                 f"budget {budget.value} keeps {n_keep} of {n_prompt} prompt tokens, fewer than {self.name} needs "

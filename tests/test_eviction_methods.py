@@ -127,8 +127,7 @@ def test_rolling_decode_keeps_generating(tiny_engine, prompt_ids):
 
 @pytest.mark.parametrize("name,params,budget,match", [
     ("snapkv", {"window_size": 64}, 32, r"needs \(65"),
-    ("pyramidkv", {"window_size": 64}, 0.05, r"needs \(65"),
-    ("h2o", {}, 0.001, r"needs \(2"),
+    ("pyramidkv", {"window_size": 64}, 40, r"needs \(65"),
 ])
 def test_budget_below_the_methods_minimum(tiny_engine, prompt_ids, name, params, budget, match):
     from kvbench import KvbenchError
@@ -137,6 +136,15 @@ def test_budget_below_the_methods_minimum(tiny_engine, prompt_ids, name, params,
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
     with pytest.raises(KvbenchError, match=match):
         method.compress(prefill.kv, prefill.stats, Budget.parse(budget))
+
+
+@pytest.mark.parametrize("name,params,minimum", [("snapkv", {"window_size": 64}, 65), ("h2o", {}, 2),
+                                                  ("streamingllm", {}, 5)])
+def test_a_fraction_of_a_short_prompt_keeps_the_methods_minimum(tiny_engine, prompt_ids, name, params, minimum):
+    method = build_method(name, params)
+    prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
+    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(0.001))  # 1 of 540 tokens asked
+    assert [layer.keys.shape[2] for layer in cache.layers] == [minimum] * 4
 
 
 def test_bad_method_parameters():

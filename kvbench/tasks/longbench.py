@@ -189,7 +189,8 @@ class LongBench(Task):
         self._all_classes: dict[str, list | None] = {}
 
     def _select(self) -> list[SubsetSpec]:
-        requested = list(self.cfg.get("subsets") or [])
+        subsets = self.cfg.get("subsets") or []
+        requested = [subsets] if isinstance(subsets, str) else list(subsets)  # task.subsets=all works too
         if not requested:
             raise KvbenchError("task.subsets is empty; name LongBench subsets (e.g. task.subsets=[hotpotqa,qasper]) "
                                f"or a group: {', '.join(SUBSET_GROUPS)}")
