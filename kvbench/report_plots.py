@@ -177,6 +177,33 @@ def plot_all(rows: pd.DataFrame, summary: pd.DataFrame, knee_table: pd.DataFrame
         if level == "task":
             written.append(plot_costs(points, out_dir / f"costs_{name}.png", title, colours))
     written += _niah_plots(rows, out_dir, several_models)
+    written += _stream_plots(rows, out_dir, several_models, colours)
+    return written
+
+
+def _stream_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool, colours: dict) -> list[Path]:
+    """Streamed perplexity (task ppl): the curve over tokens seen, per configuration (window and cumulative)."""
+    if "perplexity_so_far" not in rows:
+        return []
+    written = []
+    streams = rows.dropna(subset=["perplexity_so_far"])
+    for (model, task, subset), group in streams.groupby(["model", "task", "subset"], sort=True):
+        fig, (ax_window, ax_total) = plt.subplots(1, 2, figsize=(11, 4))
+        for (method, budget), curve in group.groupby(["method", "budget"], sort=True):
+            curve = curve.sort_values("context_tokens")
+            label = method if method == FULL else f"{method} (budget {budget:g})"
+            style = ":" if method == FULL else "-"
+            ax_window.plot(curve["context_tokens"], curve["score"], style, color=colours[method], label=label)
+            ax_total.plot(curve["context_tokens"], curve["perplexity_so_far"], style, color=colours[method],
+                          label=label)
+        for ax, ylabel in ((ax_window, "perplexity of the window"), (ax_total, "perplexity of the text so far")):
+            ax.set_xlabel("tokens streamed")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        ax_total.legend(fontsize=8)
+        fig.suptitle(f"Streamed perplexity with a bounded cache: {_title(model, f'{task} ({subset})', several_models)}")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / f"stream_{slug(model if several_models else '', task, subset)}.png"))
     return written
 
 

@@ -55,3 +55,4 @@ def test_ppl_task_end_to_end(tmp_path):
     assert bounded.cache_tokens.tolist() == [128, 150, 150, 150, 150]
     again = run(cfg, output_dir=tmp_path / "out2")
     assert again.reused.all()
+    assert (tmp_path / "out" / "report" / "stream_ppl_prose.png").stat().st_size > 0  # the curve over tokens
