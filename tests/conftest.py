@@ -37,3 +37,21 @@ def tiny_engine(tiny):
 @pytest.fixture(scope="session")
 def prompt_ids(tiny):
     return tiny.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]  # 540 tokens
+
+
+def run_interpreted(child_code: str, inputs, tmp: Path):
+    """Run `child_code` (reads argv[1], writes argv[2] with torch.save) under TRITON_INTERPRET=1 in a child
+    process: Triton picks interpreter or compiler when its functions are defined, so it cannot be switched
+    inside this already-initialised test process."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    torch.save(inputs, tmp / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", child_code, tmp / "in.pt", tmp / "out.pt"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(tmp / "out.pt")

@@ -6,12 +6,12 @@ torch._dynamo, so setting it here would come too late and would leak into every 
 happens in a child process whose environment sets it from the start.
 """
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -45,13 +45,7 @@ def _inputs(n_q_heads, n_kv_heads, n_keys, n_queries, head_dim, dtype=torch.floa
 def interpreted(tmp_path_factory):
     """Every case (fp32 CASES, then bf16 batched GQA) run once by the interpreter in a child process."""
     inputs = [_inputs(*case) for case in CASES] + [_inputs(6, 2, 97, 8, 64, dtype=torch.bfloat16, bsz=2)]
-    tmp = tmp_path_factory.mktemp("triton")
-    torch.save(inputs, tmp / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, tmp / "in.pt", tmp / "out.pt"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return inputs, torch.load(tmp / "out.pt")
+    return inputs, run_interpreted(_CHILD, inputs, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])

@@ -6,12 +6,12 @@ truncation rather than round-to-nearest, so interpreted bf16 outputs may sit one
 compiled on CUDA every dtype must match exactly (both launch with FMA contraction off).
 """
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from tests.conftest import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -51,13 +51,7 @@ def _input(shape, dtype, transpose, seed=0):
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     inputs = [(_input(shape, dtype, transpose), bits, group) for shape, dtype, bits, group, transpose in CASES]
-    tmp = tmp_path_factory.mktemp("triton_quant")
-    torch.save(inputs, tmp / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, tmp / "in.pt", tmp / "out.pt"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return inputs, torch.load(tmp / "out.pt")
+    return inputs, run_interpreted(_CHILD, inputs, tmp_path_factory.mktemp("triton_quant"))
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{c[1]}-{c[2]}bit-g{c[3]}" for c in CASES])
