@@ -6,8 +6,6 @@ torch._dynamo, so setting it here would come too late and would leak into every 
 happens in a child process whose environment sets it from the start.
 """
 
-import sys
-
 import pytest
 import torch
 

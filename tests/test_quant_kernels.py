@@ -6,8 +6,6 @@ truncation rather than round-to-nearest, so interpreted bf16 outputs may sit one
 compiled on CUDA every dtype must match exactly (both launch with FMA contraction off).
 """
 
-import sys
-
 import pytest
 import torch
 
