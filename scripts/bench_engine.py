@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
@@ -64,7 +63,7 @@ def main() -> None:
             results[dtype, length] = (length / prefill, 1000 * decode)
             print(f"{args.model} {dtype:>8} {length:>6} tokens: prefill {length / prefill:8.0f} tok/s "
                   f"({prefill:6.2f} s), decode {1000 * decode:7.1f} ms/token", flush=True)
-    print(f"\n| context | " + " | ".join(f"prefill tok/s {d}" for d in args.dtypes) + " | "
+    print("\n| context | " + " | ".join(f"prefill tok/s {d}" for d in args.dtypes) + " | "
           + " | ".join(f"decode ms/token {d}" for d in args.dtypes) + " |")
     print("|---" * (1 + 2 * len(args.dtypes)) + "|")
     for length in args.lengths:

@@ -3,7 +3,6 @@
 import torch
 
 from kvbench.attention import StatsRequest, recording
-from kvbench.cache import cache_kv
 from kvbench.kernels import attention_column_sums
 from kvbench.kernels import attention_stats
 

@@ -1,6 +1,5 @@
 """Every config file composes, and every config group entry maps to a registered class."""
 
-from pathlib import Path
 
 import pytest
 

@@ -1,6 +1,5 @@
 """Method-specific checks against the papers' definitions (tiny models, fp32)."""
 
-import math
 
 import pytest
 import torch
