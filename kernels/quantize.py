@@ -54,7 +54,7 @@ def quant_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
 def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x (..., L) by groups on the last axis: packed (..., n_groups·W) int32, scale, zero (..., n_groups)"""
     scale, zero = quant_params(x, bits, group_size)
-    words = words_per_group(bits, group_size)
+    per_word, words = 32 // bits, words_per_group(bits, group_size)
     groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()  # constant groups: (x − zero) is 0 there
     q = torch.floor((groups - zero.float().unsqueeze(-1)) / safe.unsqueeze(-1) + 0.5)  # (..., n_groups, G)
