@@ -140,7 +140,7 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
 
     ids = ex.context_ids
     budget = Budget.parse(max(2, c.budget.tokens(len(ids)))) if c.budget else None  # fraction of the text → tokens
-    windows = stream_perplexity(engine, c.method, budget, ids, task.chunk)
+    windows = stream_perplexity(engine.prepared(c.method), c.method, budget, ids, task.chunk)  # headmerge: its model
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
         nll, predicted = nll + w.nll_sum, predicted + w.n_predicted

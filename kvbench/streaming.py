@@ -68,6 +68,6 @@ def stream_perplexity(engine: Engine, method: Method, budget: Budget | None, ids
         nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="sum")
         end = start + len(piece)
         windows.append(Window(index, end, n, float(nll), layer_lengths(cache)[0], cache_nbytes(cache),
-                              full_cache_nbytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, end, lm.dtype),
+                              full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
                               seconds, read_peak(device)))
     return windows

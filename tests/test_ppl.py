@@ -56,3 +56,13 @@ def test_ppl_task_end_to_end(tmp_path):
     again = run(cfg, output_dir=tmp_path / "out2")
     assert again.reused.all()
     assert (tmp_path / "out" / "report" / "stream_ppl_prose.png").stat().st_size > 0  # the curve over tokens
+
+
+def test_head_merging_streams_on_its_converted_model(tiny_engine, prompt_ids):
+    from kvbench.methods import build_method
+
+    method = build_method("headmerge", {"kv_heads": 1})
+    merged = stream_perplexity(tiny_engine.prepared(method), method, None, prompt_ids[:200], 64)
+    full = stream_perplexity(tiny_engine, build_method("full"), None, prompt_ids[:200], 64)
+    assert merged[-1].kv_bytes * 2 == merged[-1].kv_bytes_full == full[-1].kv_bytes_full  # 1 of 2 KV heads
+    assert merged[-1].nll_sum != full[-1].nll_sum
