@@ -60,7 +60,8 @@ class StreamingLLM(Method):
         evicted = layer_lengths(cache) != [keys.shape[2] for keys, _ in prefill_kv]
         # budget 1.0 means no eviction at all, during decoding too
         self._size = layer_lengths(cache) if evicted else None
-        self._like = prefill_kv[0][0][:, :, :0]  # (B, H_kv, 0, D): shape and device for decode-time indices
+        keys = prefill_kv[0][0]
+        self._like = keys.new_empty(*keys.shape[:2], 0)  # (B, H_kv, 0): shape and device for decode-time indices
         if evicted and self.positions == "rolling":
             n_prompt, n_keep = prefill_kv[0][0].shape[2], self._size[0]
             shift = torch.zeros(n_keep, dtype=torch.long)  # sinks stay; recent tokens move down by the gap
