@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,17 +45,33 @@ class StatsRecorder:
     request: StatsRequest
     window: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     all_queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    # seconds spent computing each statistic ("all" or the window size W): a shared prefill charges each
+    # configuration only the statistics its own method asked for
+    seconds: dict = field(default_factory=dict)
 
     def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         n_queries = query.shape[2]
         for w in self.request.windows:
-            window_q = query[:, :, -min(w, n_queries) :]  # (B, H_q, W, D)
-            self.window.setdefault(w, {})[layer_idx] = attention_column_sums(window_q, key, scaling)
+            with self._timed(w):
+                window_q = query[:, :, -min(w, n_queries) :]  # (B, H_q, W, D)
+                self.window.setdefault(w, {})[layer_idx] = attention_column_sums(window_q, key, scaling)
         if self.request.all_queries:
-            if self.request.windows and n_queries == 1:  # a single query: every window sees the same row
-                self.all_queries[layer_idx] = next(iter(self.window.values()))[layer_idx]
-            else:
-                self.all_queries[layer_idx] = attention_column_sums(query, key, scaling)
+            with self._timed("all"):
+                if self.request.windows and n_queries == 1:  # a single query: every window sees the same row
+                    self.all_queries[layer_idx] = next(iter(self.window.values()))[layer_idx]
+                else:
+                    self.all_queries[layer_idx] = attention_column_sums(query, key, scaling)
+
+    @contextlib.contextmanager
+    def _timed(self, name):
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def seconds_for(self, request: StatsRequest) -> float:
+        """Time spent on the statistics `request` needs (CPU wall time; GPU kernels are asynchronous)."""
+        return sum(self.seconds.get(w, 0.0) for w in request.windows) + (
+            self.seconds.get("all", 0.0) if request.all_queries else 0.0)
 
 
 _active = threading.local()

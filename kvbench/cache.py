@@ -49,8 +49,12 @@ def layer_select(layer, index: torch.Tensor) -> None:
     """
     if hasattr(layer, "select"):
         layer.select(index)
-    else:
+    elif type(layer) is DynamicLayer:
         layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+    else:
+        from kvbench import KvbenchError
+
+        raise KvbenchError(f"{type(layer).__name__} cache layers cannot drop tokens while decoding")
 
 
 def _tensors(obj, seen: set[int]):

@@ -131,15 +131,15 @@ class Engine:
             logits = self._extend(cache, method, suffix_ids, position)
             position += len(suffix_ids)
         synchronize(device)
-        prefill_s = prefill.seconds + time.perf_counter() - start
+        # a shared prefill recorded every method's statistics: charge this one only for its own
+        others = sum(prefill.stats.seconds.values()) - prefill.stats.seconds_for(method.stats_request())
+        prefill_s = prefill.seconds - others + time.perf_counter() - start
 
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
         steps, start = 0, time.perf_counter()
-        text = ""
         while len(generated) < max_new_tokens and token not in self.eos_ids:
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            if any(s in text for s in stop):
+            if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
             with recording(method.decode_request()) as stats:
                 logits = self.forward([token], [method.position(position, cache)], cache)[-1]
@@ -177,9 +177,11 @@ class Engine:
         One forward when every layer holds the same number of tokens; token by token otherwise, because
         transformers builds a single causal mask from the first layer's length.
         """
+        method.on_extend(len(ids))  # the appended question is not part of the compressed budget
         chunks = [ids] if len(set(layer_lengths(cache))) == 1 else [[t] for t in ids]
         for chunk in chunks:
-            positions = [method.position(position + i, cache) for i in range(len(chunk))]
+            base = method.position(position, cache)  # rolling positions count inside the cache
+            positions = [base + i for i in range(len(chunk))]
             with recording(method.decode_request()) as stats:
                 logits = self.forward(chunk, positions, cache)[-1]
             method.on_decode_step(cache, stats)

@@ -67,6 +67,7 @@ class Method:
     has_budget: ClassVar[bool] = True  # False: the method keeps every token (quantization, full)
     shares_prefill: ClassVar[bool] = True  # False: the method changes the prefill itself (head merging)
     family: ClassVar[str] = "eviction"  # eviction | precision | structure | none: what `compose` stacks
+    layers_can_select: ClassVar[bool] = True  # precision methods: do its cache layers support token eviction
 
     # ---- prefill -------------------------------------------------------------------------------------------
     def bind(self, lm) -> None:
@@ -125,6 +126,13 @@ class Method:
 
     def decode_request(self) -> StatsRequest:
         return StatsRequest()
+
+    def on_extend(self, n_tokens: int) -> None:
+        """`n_tokens` are about to be appended uncompressed (the question when query_aware=false): methods that
+        evict while decoding grow their size by that much instead of evicting the context for them."""
+
+    def evicts_while_decoding(self) -> bool:
+        return False
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache)."""

@@ -50,6 +50,11 @@ class Compose(Method):
         if self._precision and getattr(self._eviction, "positions", "absolute") == "rolling":
             raise KvbenchError("compose: streamingllm positions=rolling re-rotates cached keys in place, which a "
                                "quantized cache cannot do; use positions=absolute")
+        if (self._precision and not self._precision.layers_can_select and self._eviction
+                and self._eviction.evicts_while_decoding()):
+            raise KvbenchError(f"compose: {self._eviction.name} evicts while decoding, which {self._precision.name}'s "
+                               "cache layers cannot do; use kivi, or an eviction method that compresses once "
+                               "(snapkv, pyramidkv, random, streamingllm evict_during_decode=false)")
         # what the stack takes and does, from its parts (instance attributes shadow Method's class defaults)
         self.has_budget = self._eviction is not None
         self.shares_prefill = self._structure is None
@@ -79,6 +84,13 @@ class Compose(Method):
 
     def decode_request(self) -> StatsRequest:
         return self._eviction.decode_request() if self._eviction else StatsRequest()
+
+    def evicts_while_decoding(self) -> bool:
+        return bool(self._eviction and self._eviction.evicts_while_decoding())
+
+    def on_extend(self, n_tokens: int) -> None:
+        if self._eviction:
+            self._eviction.on_extend(n_tokens)
 
     def on_decode_step(self, cache, stats) -> None:
         if self._eviction:

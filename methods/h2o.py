@@ -73,6 +73,13 @@ class H2O(Method):
         self._size = layer_lengths(cache)
         return cache
 
+    def evicts_while_decoding(self) -> bool:
+        return True
+
+    def on_extend(self, n_tokens: int) -> None:
+        if self._size is not None:
+            self._size = [size + n_tokens for size in self._size]
+
     def on_decode_step(self, cache, stats) -> None:
         if self._size is None:
             return

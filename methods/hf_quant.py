@@ -28,6 +28,7 @@ class HFQuantizedCache(Method):
 
     has_budget = False
     family = "precision"
+    layers_can_select = False  # transformers' quantized layers cannot drop tokens
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

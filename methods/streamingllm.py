@@ -78,6 +78,13 @@ class StreamingLLM(Method):
             return cache.layers[0].get_seq_length()  # the next slot inside the cache
         return absolute_position
 
+    def evicts_while_decoding(self) -> bool:
+        return self.evict_during_decode
+
+    def on_extend(self, n_tokens: int) -> None:
+        if self._size is not None:
+            self._size = [size + n_tokens for size in self._size]
+
     def on_decode_step(self, cache, stats) -> None:
         if not self.evict_during_decode or self._size is None:
             return

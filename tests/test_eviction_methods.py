@@ -166,3 +166,41 @@ def test_model_whose_attention_reports_no_statistics(mha, prompt_ids):
             Engine(mha).prefill(prompt_ids[:50], build_method("snapkv").stats_request())
     finally:
         mha.model.set_attn_implementation(register())
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "h2o"])
+def test_context_only_compression_keeps_the_question_on_top_of_the_budget(tiny_engine, prompt_ids, name):
+    context, question = prompt_ids[:400], prompt_ids[400:460]
+    method = build_method(name)
+    prefill = tiny_engine.prefill(context, method.stats_request())
+    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(40))
+    tiny_engine._extend(cache, method, question, len(context))
+    assert [layer.keys.shape[2] for layer in cache.layers] == [40 + 60] * 4  # the context budget is intact
+
+
+def test_rolling_positions_of_an_appended_question_are_consecutive(tiny, tiny_engine, prompt_ids, monkeypatch):
+    method = build_method("streamingllm", {"positions": "rolling"})
+    method.bind(tiny)
+    prefill = tiny_engine.prefill(prompt_ids[:400], StatsRequest())
+    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(100))
+    seen = []
+    real = tiny_engine.forward
+    monkeypatch.setattr(tiny_engine, "forward", lambda ids, positions, c, **k: seen.append(positions) or real(ids, positions, c, **k))
+    tiny_engine._extend(cache, method, prompt_ids[400:405], 400)
+    assert seen == [[100, 101, 102, 103, 104]]
+
+
+def test_compose_refuses_decode_eviction_on_layers_that_cannot_drop_tokens():
+    from kvbench import KvbenchError
+
+    with pytest.raises(KvbenchError, match="h2o evicts while decoding"):
+        build_method("compose", {"stack": ["h2o", "hf-quant"], "overrides": {"hf-quant": {"backend": "fp8"}}})
+    build_method("compose", {"stack": ["snapkv", "hf-quant"], "overrides": {"hf-quant": {"backend": "fp8"}}})
+
+
+def test_shared_prefill_charges_each_method_only_its_own_statistics(tiny_engine, prompt_ids):
+    request = build_method("h2o").stats_request() | build_method("snapkv").stats_request()
+    prefill = tiny_engine.prefill(prompt_ids, request)
+    assert set(prefill.stats.seconds) == {"all", 32}
+    assert prefill.stats.seconds_for(StatsRequest()) == 0.0
+    assert prefill.stats.seconds_for(request) == sum(prefill.stats.seconds.values())
