@@ -19,13 +19,7 @@ import torch
 
 from kvbench.kernels.quantize import _check, quant_params, words_per_group
 
-try:
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # CPU-only installs: kvbench.kernels falls back to the torch reference
-    TRITON_AVAILABLE = False
+from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
 
 _BLOCK_R = 32
 _BLOCK_C = 128

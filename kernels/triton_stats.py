@@ -16,13 +16,7 @@ import math
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # CPU-only installs: kvbench.kernels falls back to the torch reference
-    TRITON_AVAILABLE = False
+from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
 
 _BLOCK_Q = 64
 _BLOCK_K = 64
