@@ -16,6 +16,8 @@ what the method changes:
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -168,6 +170,11 @@ class Method:
 
 def method_defaults(name: str) -> dict:
     """The knobs of conf/method/<name>.yaml (without `name`), for methods built by name (grids, compose)."""
+    return copy.deepcopy(_method_defaults(name))
+
+
+@functools.lru_cache(maxsize=None)  # summaries label every row with its variant: read each yaml once
+def _method_defaults(name: str) -> dict:
     from omegaconf import OmegaConf
 
     from kvbench import conf_dir
