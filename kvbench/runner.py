@@ -102,19 +102,24 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm) -> str:
     })
 
 
+def row_for(c: Configuration, ex: Example, task, common: dict, lm, **measured) -> dict:
+    """One result row: provenance and what ran (shared by every task kind) + the measured columns."""
+    return {
+        **common, "config_hash": c.hash, "timestamp": datetime.now(timezone.utc).isoformat(), "model": lm.name,
+        "task": task.name, "subset": ex.subset, "method": c.method.name, "budget": c.budget_value,
+        "method_params": json.dumps(c.method.params(), sort_keys=True), "query_aware": c.query_aware,
+        "dtype": str(lm.dtype).removeprefix("torch."), "reused": False, **measured, **ex.meta,
+    }
+
+
 def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, common: dict, task, lm) -> dict:
-    row = dict(common)
-    row.update(
-        config_hash=c.hash, timestamp=datetime.now(timezone.utc).isoformat(), model=lm.name, task=task.name,
-        subset=ex.subset, example_id=ex.example_id, context_tokens=gen.context_tokens, new_tokens=len(gen.token_ids),
-        method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
-        query_aware=c.query_aware, metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
+    return row_for(
+        c, ex, task, common, lm, example_id=ex.example_id, context_tokens=gen.context_tokens,
+        new_tokens=len(gen.token_ids), metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
         kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio, kv_bytes_mha=gen.kv_bytes_mha,
         peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
-        decode_ms_per_token=gen.decode_ms_per_token, dtype=str(lm.dtype).removeprefix("torch."),
-        reused=False, **scores, **ex.meta,
+        decode_ms_per_token=gen.decode_ms_per_token, **scores,
     )
-    return row
 
 
 def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm) -> list[dict]:
@@ -144,17 +149,12 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
         nll, predicted = nll + w.nll_sum, predicted + w.n_predicted
-        row = dict(common)
-        row.update(
-            config_hash=c.hash, timestamp=datetime.now(timezone.utc).isoformat(), model=lm.name, task=task.name,
-            subset=ex.subset, example_id=row_id, context_tokens=w.tokens_seen, new_tokens=w.n_predicted,
-            method=c.method.name, budget=c.budget_value, method_params=json.dumps(c.method.params(), sort_keys=True),
-            query_aware=c.query_aware, metric=task.metric, prediction="", answers="[]", score=w.perplexity,
-            kv_bytes=w.kv_bytes, kv_bytes_full=w.kv_bytes_full, kv_ratio=w.kv_bytes / w.kv_bytes_full,
-            peak_mem_bytes=w.peak_mem_bytes, prefill_s=w.seconds, decode_s=0.0,
-            decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted), dtype=str(lm.dtype).removeprefix("torch."),
-            reused=False, window=w.index, cache_tokens=w.cache_tokens, perplexity_so_far=math.exp(nll / predicted),
-            **ex.meta,
+        row = row_for(
+            c, ex, task, common, lm, example_id=row_id, context_tokens=w.tokens_seen, new_tokens=w.n_predicted,
+            metric=task.metric, prediction="", answers="[]", score=w.perplexity, kv_bytes=w.kv_bytes,
+            kv_bytes_full=w.kv_bytes_full, kv_ratio=w.kv_bytes / w.kv_bytes_full, peak_mem_bytes=w.peak_mem_bytes,
+            prefill_s=w.seconds, decode_s=0.0, decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted),
+            window=w.index, cache_tokens=w.cache_tokens, perplexity_so_far=math.exp(nll / predicted),
         )
         rows.append(row)
     return rows
