@@ -21,6 +21,7 @@ import pandas as pd
 
 from kvbench import KvbenchError
 from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize
+from kvbench.report_sections import PLACES, Section, build_sections
 from kvbench.runner import with_variants
 from kvbench.results import check_writable, write_atomic, write_csv
 
@@ -122,19 +123,35 @@ text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:
 display:block;margin:0.5em 0 1.5em}.note{color:#555;font-size:0.9em}"""
 
 
-def render(sections: list[tuple[str, str, pd.DataFrame]], images: list[Path], title: str) -> tuple[str, str]:
+def _image(image: Path) -> str:
+    data = base64.b64encode(image.read_bytes()).decode("ascii")
+    return f'<img alt="{html.escape(image.stem)}" src="data:image/png;base64,{data}">'
+
+
+def _extra(sections: list[Section], md: list[str], body: list[str]) -> None:
+    """Sections registered by other modules (kvbench.report_sections)."""
+    for section in sections:
+        md += [f"## {section.title}", "", section.markdown, ""] + [f"![{f.stem}]({f.name})" for f in section.files]
+        body += [f"<h2>{html.escape(section.title)}</h2>", section.html] + [_image(f) for f in section.files]
+
+
+def render(sections: list[tuple[str, str, pd.DataFrame]], images: list[Path], title: str,
+           extra: dict[str, list[Section]] | None = None) -> tuple[str, str]:
     """(HTML, Markdown) of the same sections; HTML embeds the images, Markdown links them by file name."""
+    extra = extra or {}
     md = [f"# {title}", ""]
     body = [f"<h1>{html.escape(title)}</h1>"]
+    _extra(extra.get("summary", []), md, body)
     for heading, note, table in sections:
         md += [f"## {heading}", "", note, "", markdown_table(table), ""]
         body += [f"<h2>{html.escape(heading)}</h2>", f'<p class="note">{html.escape(note)}</p>', html_table(table)]
+    _extra(extra.get("tables", []), md, body)
     md += ["## Plots", ""]
     body.append("<h2>Plots</h2>")
     for image in images:
-        data = base64.b64encode(image.read_bytes()).decode("ascii")
         md += [f"![{image.stem}]({image.name})", ""]
-        body.append(f'<img alt="{html.escape(image.stem)}" src="data:image/png;base64,{data}">')
+        body.append(_image(image))
+    _extra(extra.get("plots", []), md, body)
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
     return page, "\n".join(md)
@@ -174,8 +191,9 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
                             "higher score.", pareto_table(frontier, rows, levels)),
         ("Provenance", "Distinct values over the rows shown.", provenance_table(rows, paths)),
     ]
-    page, md = render(sections, images, "kvbench report")
-    written = list(images)
+    extra = {place: build_sections(rows, summary, out_dir, place) for place in PLACES}
+    page, md = render(sections, images, "kvbench report", extra)
+    written = list(images) + [f for sections_ in extra.values() for s in sections_ for f in s.files]
     for name, text in [("report.html", page), ("report.md", md)]:
         write_atomic(out_dir / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
         written.append(out_dir / name)

@@ -209,3 +209,25 @@ def test_perplexity_is_lower_is_better_and_never_pooled_with_scores():
     ppl_front = frontier[(frontier.level == "task") & (frontier.task == "ppl")]
     # lowest perplexity wins: each point is best at its own cache size
     assert set(zip(ppl_front.method, ppl_front.budget)) == {("h2o", 0.25), ("h2o", 0.5), ("full", 1.0)}
+
+
+def test_registered_report_sections_appear_when_their_columns_do(tmp_path):
+    from kvbench.report_sections import SECTIONS, Section, report_section
+
+    @report_section("Reuse check", needs=["reused_tokens"], where="summary")
+    def reuse(rows, summary, out_dir):
+        return Section(html=f"<p>mean reused {rows['reused_tokens'].mean():g}</p>",
+                       markdown=f"mean reused {rows['reused_tokens'].mean():g}")
+
+    try:
+        plain = store(tmp_path / "plain", [row("full", 1.0, "e0", 1.0)])
+        assert report_main([str(plain), "--out", str(tmp_path / "a")]) == 0
+        assert "Reuse check" not in (tmp_path / "a" / "report.html").read_text()
+        extra = store(tmp_path / "extra", [row("full", 1.0, "e0", 1.0, reused_tokens=6),
+                                           row("full", 1.0, "e1", 1.0, reused_tokens=2)])
+        assert report_main([str(extra), "--out", str(tmp_path / "b")]) == 0
+        page = (tmp_path / "b" / "report.html").read_text()
+        assert "<h2>Reuse check</h2>" in page and "mean reused 4" in page
+        assert "mean reused 4" in (tmp_path / "b" / "report.md").read_text()
+    finally:
+        SECTIONS[:] = [s for s in SECTIONS if s.build is not reuse]
