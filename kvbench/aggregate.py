@@ -1,17 +1,23 @@
-"""Pure aggregation of result rows: loading + schema check, means with confidence intervals, drop vs the
-full cache on matched examples, knees and Pareto frontiers. Shared by `kvbench.report` and `kvbench.check`.
+"""Pure aggregation of result rows, shared by `kvbench.report`, `kvbench.check` and the runner's printout:
+loading + schema check, configuration labels, means with intervals, drop vs the full cache on matched examples,
+knees and Pareto frontiers. Torch-free.
 
 Levels of the summary (column `level`):
-- "subset":  one row per (model, task, subset, method, budget, query_aware);
-- "task":    pooled over the task's subsets (subset = ALL);
-- "overall": pooled over every task (task = subset = ALL).
-Pooling is over examples (a micro average), so the confidence interval stays a plain Student-t interval on the
-per-example scores.
+- "subset":   one row per (model, task, subset, method, budget, query_aware);
+- "scenario": pooled over the subsets of one scenario (rows carrying `scenario`: RULER, LongBench);
+- "task":     pooled over the task's subsets (subset = ALL);
+- "overall":  pooled over every task whose score is higher-is-better (task = subset = ALL), with several tasks.
+Pooling is over examples (a micro average). Fair comparisons only: inside each scope (model, task, subset,
+query_aware of a level) the configurations are compared on the same examples (`compared` = True, see
+`_comparison`); a configuration that ran on only part of them is kept apart (`compared` = False) with its own
+n and the tasks it covers (`tasks`), and must never be ranked against the compared ones. Intervals: Wilson for
+0/1 scores, bootstrap otherwise, inside the task's score range, none below 5 examples (kvbench.intervals).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from pathlib import Path
 from typing import Iterable
@@ -20,14 +26,17 @@ import numpy as np
 import pandas as pd
 
 from kvbench import KvbenchError
+from kvbench.intervals import mean_interval
 from kvbench.results import COLUMNS, SCHEMA_VERSION, read_rows
+from kvbench.tasks.facts import task_facts
 
 GROUP_KEYS = ["model", "task", "subset", "method", "budget", "query_aware"]
 # an example of a method is compared with the full cache's result on the same example in the same setting
 MATCH_KEYS = ["model", "task", "subset", "query_aware", "example_id"]
+CONFIG_KEYS = ["model", "method", "budget", "query_aware"]  # one configuration's rows
+EXAMPLE_KEYS = ["task", "subset", "example_id"]  # one example
 SCOPE_KEYS = ["level", "model", "task", "subset", "query_aware"]  # one curve per method inside a scope
 ALL = "(all)"
-LOWER_IS_BETTER = {"perplexity"}  # metrics where a smaller score is better: signs flip, never pooled with others
 FULL = "full"
 
 
@@ -70,73 +79,40 @@ def validate(rows: pd.DataFrame) -> None:
                            f"schema_version {SCHEMA_VERSION}")
 
 
-# ------------------------------------------------------------------------------------------- statistics
+# ---------------------------------------------------------------------------------------------- labels
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the incomplete beta function (modified Lentz, Numerical Recipes 6.4)."""
-    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
+@functools.lru_cache(maxsize=None)  # every row is labelled: read each yaml once
+def method_yaml(name: str) -> dict:
+    """The knobs of conf/method/<name>.yaml (without `name`); {} when there is no such file."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+
+    path = conf_dir() / "method" / f"{name}.yaml"
+    if not path.exists():
+        return {}
+    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path), resolve=True).items() if k != "name"}
 
 
-def betainc(a: float, b: float, x: float) -> float:
-    """Regularized incomplete beta I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side; use symmetry on the other
-        return math.exp(log_front) * _betacf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+def variant_label(name: str, params: dict) -> str:
+    """A configuration's short name for tables and plot legends: the method plus the knobs that differ from its
+    conf/method/<name>.yaml, e.g. `kivi(bits=2)`, `compose(headmerge+h2o+kivi)`."""
+    if name == "compose":
+        return f"compose({'+'.join(params.get('stack', []))})"
+    defaults = method_yaml(name)
+    changed = {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
+    return f"{name}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else name
 
 
-def t_cdf(t: float, df: float) -> float:
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return 1.0 - tail if t > 0 else tail
+def with_variants(rows: pd.DataFrame) -> pd.DataFrame:
+    """Add `variant`: the method with its non-default knobs (kivi bits=2 and bits=4 are different lines)."""
+    labels = [variant_label(m, json.loads(p)) for m, p in zip(rows["method"], rows["method_params"])]
+    return rows.assign(variant=labels)
 
 
-@functools.lru_cache(maxsize=None)
-def t_quantile(p: float, df: float) -> float:
-    """Student-t quantile by bisection on the exact CDF (scipy is not a dependency)."""
-    if not 0.0 < p < 1.0 or df <= 0:
-        raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
-    if p < 0.5:
-        return -t_quantile(1.0 - p, df)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        lo, hi = hi, hi * 2.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return 0.5 * (lo + hi)
-
-
-def mean_ci(scores, confidence: float = 0.95) -> tuple[float, float, float]:
-    """(mean, low, high): mean ± t_{(1+c)/2, n-1}·s/√n; the point itself for n = 1; NaNs for n = 0."""
-    x = np.asarray(scores, dtype=float)
-    x = x[~np.isnan(x)]
-    if len(x) == 0:
-        return math.nan, math.nan, math.nan
-    mean = float(x.mean())
-    if len(x) == 1:
-        return mean, mean, mean
-    half = t_quantile((1.0 + confidence) / 2.0, len(x) - 1) * float(x.std(ddof=1)) / math.sqrt(len(x))
-    return mean, mean - half, mean + half
+def lower_is_better(task: str) -> bool:
+    return task_facts(task).lower_is_better
 
 
 # ------------------------------------------------------------------------------------------- summaries
@@ -146,10 +122,14 @@ def with_full_scores(rows: pd.DataFrame) -> pd.DataFrame:
     """Adds `full_score`: the full cache's score on the same example in the same setting (NaN if none ran)."""
     # match on the keys' text: a merge on the columns fails when an all-missing column (e.g. no subsets) reads
     # back as object in one frame and float in another, and None/NaN keys must still match each other
-    keys = pd.Series(["\x1f".join("" if pd.isna(v) else str(v) for v in key)
-                      for key in rows[MATCH_KEYS].itertuples(index=False)], index=rows.index, dtype=object)
+    keys = _text_keys(rows, MATCH_KEYS)
     full = rows["score"].where(rows["method"] == FULL).groupby(keys).mean()  # mean skips the non-full NaNs
     return rows.assign(full_score=keys.map(full).to_numpy())
+
+
+def _text_keys(rows: pd.DataFrame, columns: list[str]) -> pd.Series:
+    return pd.Series(["\x1f".join("" if pd.isna(v) else str(v) for v in key)
+                      for key in rows[columns].itertuples(index=False)], index=rows.index, dtype=object)
 
 
 def drop_vs_full(rows: pd.DataFrame) -> tuple[float, int]:
@@ -162,14 +142,54 @@ def drop_vs_full(rows: pd.DataFrame) -> tuple[float, int]:
     return float((matched["full_score"] - matched["score"]).mean()), len(matched)
 
 
-def _aggregate(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
+def common_examples(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows restricted to the examples every configuration among them ran (configuration = model, method,
+    budget, query_aware; example = task, subset, example_id): the fair basis for pooling several of them."""
+    config, example = _text_keys(rows, CONFIG_KEYS), _text_keys(rows, EXAMPLE_KEYS)
+    sets = [set(example[config == c]) for c in config.unique()]
+    shared = set.intersection(*sets) if sets else set()
+    return rows[example.isin(shared)]
+
+
+def _comparison(scope: pd.DataFrame) -> pd.Series:
+    """Per row of one scope: True when its configuration is compared on the scope's common examples, False when
+    it ran only part of them; rows of compared configurations outside the common examples are dropped (NaN).
+
+    The common examples are one configuration's example set: the one covering the most tasks, then ranking
+    the most (configurations that ran all of it × its size), then the full cache's. Configurations that ran
+    all of it are compared on exactly it; the others are shown apart, on their own examples."""
+    config = _text_keys(scope, ["method", "budget"])
+    example = _text_keys(scope, ["task_of_example", "subset_of_example", "example_id"])
+    sets = {c: frozenset(example[config == c]) for c in config.unique()}
+    tasks = {c: scope.loc[config == c, "task_of_example"].nunique() for c in sets}
+
+    def rank(c):
+        covering = sum(s >= sets[c] for s in sets.values())
+        return tasks[c], covering * len(sets[c]), c.startswith(FULL + "\x1f"), len(sets[c])
+
+    core = sets[max(sorted(sets), key=rank)]
+    compared = {c for c, s in sets.items() if s >= core}
+    in_core = example.isin(core)
+    out = pd.Series(False, index=scope.index, dtype=object)
+    out[config.isin(compared) & in_core] = True
+    out[config.isin(compared) & ~in_core] = None  # extra examples of a compared configuration: left out
+    return out
+
+
+def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
+    rows = rows.assign(compared=None)
+    for _, scope in rows.groupby(["model", "task", "subset", "query_aware"], dropna=False, sort=False):
+        rows.loc[scope.index, "compared"] = _comparison(scope)
+    rows = rows[rows["compared"].notna()]
     out = []
     for key, group in rows.groupby(GROUP_KEYS, dropna=False, sort=True):
-        mean, low, high = mean_ci(group["score"], confidence)
+        tasks = sorted(group["task_of_example"].unique())
+        facts = task_facts(tasks[0]) if len(tasks) == 1 else task_facts("")
+        mean, low, high, how = mean_interval(group["score"], facts.score_range, confidence)
         drop, n_matched = drop_vs_full(group)
-        record = dict(level=level, **dict(zip(GROUP_KEYS, key)), n=int(group["score"].notna().sum()),
-                      score=mean, ci_low=low, ci_high=high,
-                      lower_is_better=bool(group["metric"].isin(LOWER_IS_BETTER).all()))
+        record = dict(level=level, **dict(zip(GROUP_KEYS, key)), compared=bool(group["compared"].iloc[0]),
+                      tasks=", ".join(tasks), n=int(group["score"].notna().sum()), score=mean, ci_low=low,
+                      ci_high=high, ci_method=how, lower_is_better=all(map(lower_is_better, tasks)))
         if "score_partial" in group:
             record["score_partial"] = group["score_partial"].mean()
         record.update(
@@ -181,12 +201,17 @@ def _aggregate(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
 
 
 def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
-    """Per subset, per task and overall; see the module docstring for the levels."""
-    rows = with_full_scores(rows)
+    """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring."""
+    rows = with_full_scores(rows).assign(task_of_example=rows["task"], subset_of_example=rows["subset"])
+    levels = [("subset", rows)]
+    if "scenario" in rows and rows["scenario"].notna().any():
+        levels.append(("scenario", rows[rows["scenario"].notna()].assign(subset=lambda r: r["scenario"])))
     per_task = rows.assign(subset=ALL)
-    overall = per_task[~per_task["metric"].isin(LOWER_IS_BETTER)].assign(task=ALL)  # scores, not perplexities
-    records = (_aggregate(rows, "subset", confidence) + _aggregate(per_task, "task", confidence)
-               + _aggregate(overall, "overall", confidence))
+    levels.append(("task", per_task))
+    pooled = per_task[~per_task["task"].map(lower_is_better)]  # scores, not perplexities
+    if pooled["task"].nunique() > 1:
+        levels.append(("overall", pooled.assign(task=ALL)))
+    records = [r for level, frame in levels for r in _pool(frame, level, confidence)]
     return pd.DataFrame.from_records(records)
 
 
@@ -194,7 +219,8 @@ def knees(summary: pd.DataFrame, tolerance: float = 0.02) -> pd.DataFrame:
     """Per scope and method: the smallest budget whose mean score is within `tolerance` (absolute) of the full
     cache on the same examples; NaN where no budget is. The full cache itself is left out."""
     records = []
-    for key, curve in summary[summary["method"] != FULL].groupby(SCOPE_KEYS + ["method"], dropna=False, sort=True):
+    compared = summary[summary["compared"] & (summary["method"] != FULL)]
+    for key, curve in compared.groupby(SCOPE_KEYS + ["method"], dropna=False, sort=True):
         curve = curve.sort_values("budget")
         sign = -1.0 if curve["lower_is_better"].all() else 1.0  # perplexity: a loss is a *rise* over full
         good = curve[sign * curve["drop_vs_full"] <= tolerance + 1e-12]
@@ -213,7 +239,7 @@ def pareto(summary: pd.DataFrame) -> pd.DataFrame:
     """The (method, budget) points of each scope that no other point beats on both smaller kv_ratio and higher
     score (at least as good on both and better on one); sorted by kv_ratio."""
     frontier = []
-    for _, points in summary.groupby(SCOPE_KEYS, dropna=False, sort=True):
+    for _, points in summary[summary["compared"]].groupby(SCOPE_KEYS, dropna=False, sort=True):
         points = points.dropna(subset=["kv_ratio", "score"])
         sign = -1.0 if points["lower_is_better"].all() else 1.0
         x, y = points["kv_ratio"].to_numpy(), sign * points["score"].to_numpy()

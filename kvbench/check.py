@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from kvbench import KvbenchError
-from kvbench.aggregate import drop_vs_full, load_rows, with_full_scores
+from kvbench.aggregate import common_examples, drop_vs_full, load_rows, with_full_scores
 
 TOP_KEYS = ["description", "thresholds"]
 ENTRY_KEYS = ["select", "min_score", "max_drop_vs_full", "min_examples"]
@@ -127,9 +127,15 @@ def select_rows(rows: pd.DataFrame, threshold: Threshold) -> pd.DataFrame:
 
 
 def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
-    """(the ok line's measurements, one FAIL line per violated bound). `rows` carry `full_score`."""
-    selected = select_rows(rows, threshold)
+    """(the ok line's measurements, one FAIL line per violated bound). `rows` carry `full_score`.
+
+    A selector spanning several configurations is measured on the examples every one of them ran (the report's
+    rule: never pool unlike example sets); the line says how many rows that left out."""
+    matched = select_rows(rows, threshold)
+    selected = common_examples(matched)
+    left_out = len(matched) - len(selected)
     n = int(selected["score"].notna().sum())
+    note = f"; {left_out} rows left out: not run by every selected configuration" if left_out else ""
     measured, failures = [], []
 
     def record(what: str, op: str, bound, value, count: int) -> None:
@@ -138,7 +144,7 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
             measured.append(f"{what} {value:.4g} {op} {bound:g}")
         else:
             failures.append(f"FAIL {threshold.label}: {what} expected {op} {bound:g}, measured {value:.4g} "
-                            f"(n={count})")
+                            f"(n={count}{note})")
 
     if threshold.min_examples is not None:
         record("examples", ">=", threshold.min_examples, n, n)
@@ -150,7 +156,7 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
             raise KvbenchError(f"selector {threshold.label}: no full-cache rows on the same examples, so "
                                "max_drop_vs_full cannot be measured (run the full method too)")
         record("drop_vs_full", "<=", threshold.max_drop_vs_full, drop, matched)
-    return f"ok {threshold.label}: {', '.join(measured)} (n={n})", failures
+    return f"ok {threshold.label}: {', '.join(measured)} (n={n}{note})", failures
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,86 +1,82 @@
 """`python -m kvbench.report RESULTS_DIR [RESULTS_DIR ...] [--out DIR] [--tolerance 0.02]`
 
-Writes the plots (PNG), `summary.csv` (every aggregate, all levels), `report.html` (self-contained: the PNGs are
-embedded as data URIs) and `report.md` (the same tables; images by relative file name) into --out (default:
-the first RESULTS_DIR/report), and prints the files written. Exit 2 with one line on bad input.
+Writes the plots (PNG), `summary.csv` (every aggregate, all levels, with `compared`), `report.html`
+(self-contained: PNGs embedded as data URIs, no network) and `report.md` (the same content; images by relative
+file name) into --out (default: the first RESULTS_DIR/report), and prints the files written. Exit 2 with one line
+on bad input. Torch-free.
+
+The page reads top-down: takeaways per task (headline plot, knees, best method per budget, in words with the
+numbers; sections registered for "summary" such as the selection guide), then plots, then tables (default
+columns, the rest behind a toggle; per task, collapsible), then registered sections and provenance. Every pooled
+number compares configurations on the same examples; the others are listed apart (see kvbench.aggregate).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import html
 import math
 import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from kvbench import KvbenchError
-from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize
-from kvbench.report_sections import PLACES, Section, build_sections
-from kvbench.runner import with_variants
+from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize, with_variants
+from kvbench.intervals import MIN_N
+from kvbench.report_page import Page
+from kvbench.report_sections import PLACES, build_sections
+from kvbench.report_tables import Column, fixed, summary_columns
+from kvbench.report_takeaways import takeaways
 from kvbench.results import check_writable, write_atomic, write_csv
 
 PROVENANCE = ["git_sha", "kvbench_version", "torch_version", "transformers_version", "device_name", "dtype"]
-MiB = 2**20
+OPEN_ROWS = 14  # a per-task table longer than this starts collapsed
 
 
-# ------------------------------------------------------------------------------------------ the tables
-
-
-def _num(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "—"
-    if isinstance(value, (bool, np.bool_)):
-        return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _keys(rows: pd.DataFrame, with_subset: bool) -> list[tuple[str, str]]:
-    """(column, heading) of the identifying columns worth showing: model only when several ran."""
-    keys = [("model", "model")] if rows["model"].nunique() > 1 else []
-    keys += [("task", "task")] + ([("subset", "subset")] if with_subset else [])
-    return keys
-
-
-def summary_table(summary: pd.DataFrame, rows: pd.DataFrame, level: str) -> pd.DataFrame:
+def _scopes(summary: pd.DataFrame, level: str) -> list[tuple]:
     part = summary[summary["level"] == level]
-    columns = _keys(rows, level == "subset") + [
-        ("method", "method"), ("budget", "budget"), ("query_aware", "query_aware"), ("n", "n"),
-        ("score", "score"), ("ci_low", "ci95_low"), ("ci_high", "ci95_high")]
-    if "score_partial" in part and part["score_partial"].notna().any():
-        columns.append(("score_partial", "score_partial"))
-    columns += [("drop_vs_full", "drop_vs_full"), ("kv_ratio", "kv_ratio"), ("kv_MiB", "kv_MiB"),
-                ("peak_MiB", "peak_mem_MiB"), ("prefill_s", "prefill_s"),
-                ("decode_ms_per_token", "decode_ms_per_token")]
-    part = part.assign(kv_MiB=part["kv_bytes"] / MiB, peak_MiB=part["peak_mem_bytes"] / MiB)
-    if level != "overall":
-        part = part.assign(task=part["task"].replace(ALL, "all"))
-    return _format(part, columns)
+    return sorted(part[["model", "task", "query_aware"]].drop_duplicates().itertuples(index=False, name=None),
+                  key=lambda k: tuple(map(str, k)))
 
 
-def knee_table(table: pd.DataFrame, rows: pd.DataFrame, levels: list[str]) -> pd.DataFrame:
-    part = table[table["level"].isin(levels)].assign(knee_budget=lambda t: t["knee_budget"].map(
-        lambda b: "none" if math.isnan(b) else f"{b:g}"))
-    columns = _keys(rows, False) + [
-        ("method", "method"), ("query_aware", "query_aware"), ("budgets", "budgets tested"),
-        ("knee_budget", "knee budget"), ("kv_ratio", "kv_ratio"), ("score", "score"),
-        ("drop_vs_full", "drop_vs_full")]
-    return _format(part.assign(task=part["task"].replace(ALL, "all tasks")), columns)
+def _name(model, task, query_aware, several_models: bool, several_settings: bool) -> str:
+    name = "all tasks pooled" if task == ALL else f"task {task}"
+    if several_models:
+        name += f" — {model}"
+    if several_settings:
+        name += " (query-aware)" if query_aware else " (context-only)"
+    return name
 
 
-def pareto_table(frontier: pd.DataFrame, rows: pd.DataFrame, levels: list[str]) -> pd.DataFrame:
-    part = frontier[frontier["level"].isin(levels)]
-    columns = _keys(rows, False) + [
-        ("query_aware", "query_aware"), ("kv_ratio", "kv_ratio"), ("score", "score"), ("method", "method"),
-        ("budget", "budget"), ("n", "n"), ("drop_vs_full", "drop_vs_full")]
-    return _format(part.assign(task=part["task"].replace(ALL, "all tasks")), columns)
+def _part(table: pd.DataFrame, level: str, model, task, query_aware) -> pd.DataFrame:
+    return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)
+                 & (table["query_aware"] == query_aware)]
+
+
+def _summary_tables(page: Page, part: pd.DataFrame, **columns) -> None:
+    """The compared configurations, then those that ran on only part of the examples (never ranked with them)."""
+    compared, apart = part[part["compared"]], part[~part["compared"]]
+    cols = summary_columns(part, **columns)
+    page.table(compared, cols, compared["n"] < MIN_N)
+    if len(apart):
+        page.note("Ran on only part of the examples: not comparable with the table above (own n, tasks covered).")
+        page.table(apart, summary_columns(part, tasks=True, **{k: v for k, v in columns.items() if k != "tasks"}),
+                   apart["n"] < MIN_N)
+
+
+def knee_columns() -> list[Column]:
+    return [Column("method", lambda r: r["method"]), Column("budgets tested", lambda r: r["budgets"]),
+            Column("knee budget", lambda r: r["knee_budget"], lambda v: "none" if math.isnan(v) else f"{v:g}"),
+            Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)), Column("score", lambda r: r["score"], fixed(3)),
+            Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True))]
+
+
+def pareto_columns() -> list[Column]:
+    return [Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)), Column("score", lambda r: r["score"], fixed(3)),
+            Column("method", lambda r: r["method"]), Column("budget", lambda r: r["budget"], lambda v: f"{v:g}"),
+            Column("n", lambda r: r["n"]), Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True))]
 
 
 def provenance_table(rows: pd.DataFrame, paths: list[Path]) -> pd.DataFrame:
@@ -90,74 +86,6 @@ def provenance_table(rows: pd.DataFrame, paths: list[Path]) -> pd.DataFrame:
               ("inputs", ", ".join(map(str, paths))),
               ("report written", datetime.now(timezone.utc).isoformat(timespec="seconds"))]
     return pd.DataFrame(items, columns=["field", "value"])
-
-
-def _format(part: pd.DataFrame, columns: list[tuple[str, str]]) -> pd.DataFrame:
-    out = pd.DataFrame({heading: [_num(v) if column != "budget" else f"{v:g}" for v in part[column]]
-                        for column, heading in columns})
-    return out.reset_index(drop=True)
-
-
-# ------------------------------------------------------------------------------------------ rendering
-
-
-def markdown_table(table: pd.DataFrame) -> str:
-    def cell(v):
-        return str(v).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(map(cell, table.columns)) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in table.itertuples(index=False)]
-    return "\n".join(lines)
-
-
-def html_table(table: pd.DataFrame) -> str:
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>"
-                   for row in table.itertuples(index=False))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
-
-
-CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;margin:0.5em 0 1.5em;font-size:0.85em}th,td{border:1px solid #ccc;padding:3px 7px;
-text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%;
-display:block;margin:0.5em 0 1.5em}.note{color:#555;font-size:0.9em}"""
-
-
-def _image(image: Path) -> str:
-    data = base64.b64encode(image.read_bytes()).decode("ascii")
-    return f'<img alt="{html.escape(image.stem)}" src="data:image/png;base64,{data}">'
-
-
-def _extra(sections: list[Section], md: list[str], body: list[str]) -> None:
-    """Sections registered by other modules (kvbench.report_sections)."""
-    for section in sections:
-        md += [f"## {section.title}", "", section.markdown, ""] + [f"![{f.stem}]({f.name})" for f in section.files]
-        body += [f"<h2>{html.escape(section.title)}</h2>", section.html] + [_image(f) for f in section.files]
-
-
-def render(sections: list[tuple[str, str, pd.DataFrame]], images: list[Path], title: str,
-           extra: dict[str, list[Section]] | None = None) -> tuple[str, str]:
-    """(HTML, Markdown) of the same sections; HTML embeds the images, Markdown links them by file name."""
-    extra = extra or {}
-    md = [f"# {title}", ""]
-    body = [f"<h1>{html.escape(title)}</h1>"]
-    _extra(extra.get("summary", []), md, body)
-    for heading, note, table in sections:
-        md += [f"## {heading}", "", note, "", markdown_table(table), ""]
-        body += [f"<h2>{html.escape(heading)}</h2>", f'<p class="note">{html.escape(note)}</p>', html_table(table)]
-    _extra(extra.get("tables", []), md, body)
-    md += ["## Plots", ""]
-    body.append("<h2>Plots</h2>")
-    for image in images:
-        md += [f"![{image.stem}]({image.name})", ""]
-        body.append(_image(image))
-    _extra(extra.get("plots", []), md, body)
-    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
-    return page, "\n".join(md)
-
-
-# ------------------------------------------------------------------------------------------ the report
 
 
 def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Path]:
@@ -170,37 +98,118 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     knee = knees(summary, tolerance)
     frontier = pareto(summary)
     check_writable(out_dir)
-    images = plot_all(rows, summary, knee, frontier, out_dir, tolerance)
-
-    several_tasks = rows["task"].nunique() > 1
-    several_subsets = len(rows[["task", "subset"]].drop_duplicates()) > rows["task"].nunique()
-    levels = ["task"] + (["overall"] if several_tasks else [])
-    sections = [("Quality and cost per task",
-                 "Means over examples, pooled over subsets; 95 % Student-t interval on the per-example scores. "
-                 "drop_vs_full = full-cache mean minus the method's mean on the examples both ran. kv_ratio is "
-                 "the measured cache size relative to the full cache.", summary_table(summary, rows, "task"))]
-    if several_subsets:
-        sections.append(("Per subset", "As above, per subset.", summary_table(summary, rows, "subset")))
-    if several_tasks:
-        sections.append(("Overall (all tasks pooled)", "Means over every example of every task.",
-                         summary_table(summary, rows, "overall")))
-    sections += [
-        ("Knees", f"Smallest budget whose mean score is within {tolerance:g} (absolute) of the full cache on the "
-                  "same examples; 'none': no budget tested is.", knee_table(knee, rows, levels)),
-        ("Pareto frontier", "The (method, budget) points no other point beats on both smaller kv_ratio and "
-                            "higher score.", pareto_table(frontier, rows, levels)),
-        ("Provenance", "Distinct values over the rows shown.", provenance_table(rows, paths)),
-    ]
+    plots = plot_all(rows, summary, knee, frontier, out_dir, tolerance)
     extra = {place: build_sections(rows, summary, out_dir, place) for place in PLACES}
-    page, md = render(sections, images, "kvbench report", extra)
-    written = list(images) + [f for sections_ in extra.values() for s in sections_ for f in s.files]
-    for name, text in [("report.html", page), ("report.md", md)]:
+    page = render(rows, summary, knee, frontier, plots, extra, paths, tolerance)
+
+    written = [p.path for p in plots] + [f for sections in extra.values() for s in sections for f in s.files]
+    for name, text in [("report.html", page[0]), ("report.md", page[1])]:
         write_atomic(out_dir / name, lambda tmp, text=text: Path(tmp).write_text(text, encoding="utf-8"))
         written.append(out_dir / name)
     write_csv(summary, out_dir / "summary.csv")
     written.append(out_dir / "summary.csv")
     _readable(written)
     return written
+
+
+def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tuple[str, str]:
+    several_models = rows["model"].nunique() > 1
+    several_settings = rows["query_aware"].nunique() > 1
+    scopes = _scopes(summary, "task") + _scopes(summary, "overall")
+
+    def name(scope):
+        return _name(*scope, several_models, several_settings)
+
+    def images(model, task, kinds):
+        return [p.path for kind in kinds for p in plots if (p.model, p.task, p.kind) == (model, task, kind)]
+
+    page = Page("kvbench report")
+    page.note(f"{rows['model'].nunique()} model(s): {', '.join(sorted(map(str, rows['model'].unique())))} · "
+              f"{len(rows)} result rows · tasks {', '.join(sorted(map(str, rows['task'].unique())))} · written "
+              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", cls="meta")
+    page.heading(2, "Takeaways", "takeaways")
+    page.note(f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
+              f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
+              f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples.")
+    for section in extra["summary"]:
+        _extra(page, section)
+    for scope in scopes:
+        lines = takeaways(summary, knee, tolerance, "task" if scope[1] != ALL else "overall", *scope)
+        if lines:
+            page.heading(3, name(scope).capitalize())
+            quality = images(scope[0], scope[1], ["quality"])
+            page.card(quality[0] if quality else None, lines)
+
+    page.heading(2, "Plots", "plots")
+    for scope in scopes:
+        more = images(scope[0], scope[1], ["pareto", "costs", "stream"])
+        heatmaps = images(scope[0], scope[1], ["heatmap"])
+        if more or heatmaps:
+            page.open(f"{name(scope).capitalize()}: Pareto frontier, memory and latency", is_open=True)
+            page.images(more)
+            if heatmaps:
+                page.open(f"length × depth heatmaps, one per method ({len(heatmaps)})")
+                page.images(heatmaps)
+                page.close()
+            page.close()
+    for section in extra["plots"]:
+        _extra(page, section)
+
+    page.heading(2, "Tables", "tables")
+    page.raw('<label class="toggle"><input type="checkbox" id="allcols"> show all columns (partial score, cache '
+             'MiB, matched examples, interval method)</label><p class="note">Click a column heading to sort. Grey '
+             f'rows: fewer than {MIN_N} examples. drop vs full = full-cache mean minus the mean, on the same '
+             "examples.</p>")
+    for scope in scopes:
+        level = "task" if scope[1] != ALL else "overall"
+        part = _part(summary, level, *scope)
+        anchor = "overall" if scope[1] == ALL else ""
+        if anchor:
+            page.raw('<div id="overall"></div>')
+        n_compared = int(part["compared"].sum())
+        apart = f", {len(part) - n_compared} on only part of the examples" if len(part) > n_compared else ""
+        page.open(f"{name(scope).capitalize()}: {n_compared} configurations compared{apart}",
+                  is_open=n_compared <= OPEN_ROWS)
+        _summary_tables(page, part, model=False, tasks=scope[1] == ALL, setting=False)
+        for sub in ("scenario", "subset"):
+            subpart = summary[(summary["level"] == sub) & (summary["model"] == scope[0])
+                              & (summary["task"] == scope[1]) & (summary["query_aware"] == scope[2])]
+            if subpart["subset"].nunique() > 1:
+                page.open(f"per {sub} ({subpart['subset'].nunique()})")
+                _summary_tables(page, subpart.sort_values(["subset", "method", "budget"]), subset=True)
+                page.close()
+        page.close()
+    page.open("Knees per task")
+    for scope in scopes:
+        part = _part(knee, "task" if scope[1] != ALL else "overall", *scope)
+        if len(part):
+            page.heading(3, name(scope).capitalize())
+            page.table(part, knee_columns())
+    page.close()
+    page.open("Pareto frontiers per task (the points no other beats on both smaller kv_ratio and better score)")
+    for scope in scopes:
+        part = _part(frontier, "task" if scope[1] != ALL else "overall", *scope)
+        if len(part):
+            page.heading(3, name(scope).capitalize())
+            page.table(part, pareto_columns())
+    page.close()
+    for section in extra["tables"]:
+        _extra(page, section)
+
+    page.heading(2, "Provenance", "provenance")
+    prov = provenance_table(rows, paths)
+    page.table(prov, [Column(c, lambda r, c=c: r[c]) for c in prov.columns], cls="left")
+    nav = [("takeaways", "Takeaways"), ("plots", "Plots"), ("tables", "Tables")] + (
+        [("overall", "All tasks pooled")] if any(s[1] == ALL for s in scopes) else []) + [
+        ("provenance", "Provenance")]
+    return page.html(nav), page.markdown()
+
+
+def _extra(page: Page, section) -> None:
+    """A section registered by another module (kvbench.report_sections)."""
+    page.heading(2 if section.title else 3, section.title)
+    page.raw(section.html, section.markdown)
+    page.images(section.files)
 
 
 def _readable(paths: list[Path]) -> None:

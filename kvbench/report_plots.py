@@ -1,9 +1,14 @@
-"""The report's PNGs (matplotlib, Agg): quality vs measured kv_ratio, NIAH length × depth heatmaps, memory and
-latency vs kv_ratio, Pareto frontiers with knees. Every function writes one file and returns its path."""
+"""The report's PNGs (matplotlib, Agg): quality vs measured kv_ratio, length × depth heatmaps, memory and
+latency vs kv_ratio, Pareto frontiers with knees, streamed perplexity. Every function writes one file and returns
+its path. Only configurations compared on the same examples are drawn (summary column `compared`); points from
+fewer than MIN_N examples are grey and hollow, without an interval. Which extra plots a task gets comes from its
+declared facts (kvbench/tasks/facts.py)."""
 
 from __future__ import annotations
 
+import io
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -14,6 +19,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.aggregate import ALL, FULL  # noqa: E402
+from kvbench.intervals import MIN_N  # noqa: E402
+from kvbench.tasks.facts import task_facts  # noqa: E402
 
 # Fixed colours for the known methods, so a method looks the same in every plot and every report; other names
 # get the remaining colours in sorted order.
@@ -46,9 +53,24 @@ def _curves(points: pd.DataFrame):
         yield label, method, "-" if query_aware else "--", curve.sort_values("kv_ratio")
 
 
+@dataclass
+class Plot:
+    model: str
+    task: str  # ALL: the overall plots
+    kind: str  # quality | pareto | costs | heatmap | stream
+    path: Path
+
+
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    """PNG with a 256-colour palette: a third of the bytes of RGBA, the same look (the HTML embeds every plot)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, dpi=100, bbox_inches="tight", format="png")
     plt.close(fig)
+    buffer.seek(0)
+    Image.open(buffer).convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(
+        path, optimize=True)
     return path
 
 
@@ -60,22 +82,31 @@ def _title(model: str, task: str, several_models: bool) -> str:
 def plot_quality(points: pd.DataFrame, path: Path, title: str, metric: str, colours: dict) -> Path:
     """Mean score (95 % CI bars) vs measured kv_ratio, one line per method, the full cache as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    few_any = False
     for label, method, style, curve in _curves(points):
         if method == FULL:
             for _, row in curve.iterrows():
                 ax.axhline(row["score"], color=colours[FULL], linestyle=":" if style == "-" else "-.", lw=1,
                            label=f"{label} (score {row['score']:.3f})")
-                ax.axhspan(row["ci_low"], row["ci_high"], color=colours[FULL], alpha=0.06, lw=0)
+                if row["n"] >= MIN_N:
+                    ax.axhspan(row["ci_low"], row["ci_high"], color=colours[FULL], alpha=0.06, lw=0)
             continue
-        err = np.vstack([curve["score"] - curve["ci_low"], curve["ci_high"] - curve["score"]])
-        ax.errorbar(curve["kv_ratio"], curve["score"], yerr=err, color=colours[method], linestyle=style,
-                    marker="o", capsize=3, label=label)
+        ax.plot(curve["kv_ratio"], curve["score"], color=colours[method], linestyle=style, label=label)
+        enough = curve[curve["n"] >= MIN_N]
+        err = np.vstack([enough["score"] - enough["ci_low"], enough["ci_high"] - enough["score"]])
+        ax.errorbar(enough["kv_ratio"], enough["score"], yerr=np.nan_to_num(err), color=colours[method],
+                    linestyle="none", marker="o", capsize=3)
+        few = curve[curve["n"] < MIN_N]
+        ax.scatter(few["kv_ratio"], few["score"], facecolor="none", edgecolor="0.6", zorder=3)
+        few_any = few_any or len(few) > 0
+    if few_any:
+        ax.scatter([], [], facecolor="none", edgecolor="0.6", label=f"n < {MIN_N}: no interval")
     ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
-    ax.set_ylabel(f"mean score ({metric}), 95 % CI")
+    ax.set_ylabel(f"mean score ({metric}), 95 % interval")
     ax.set_xlim(0, 1.05)
     ax.set_title(f"Quality vs KV cache size: {title}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
@@ -120,7 +151,7 @@ def plot_pareto(points: pd.DataFrame, frontier: pd.DataFrame, knee_points: pd.Da
     ax.set_xlim(0, 1.05)
     ax.set_title(f"Pareto frontier: {title}  (labels: budget)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
@@ -154,13 +185,13 @@ def plot_niah_heatmaps(rows: pd.DataFrame, path: Path, title: str) -> Path:
 
 
 def plot_all(rows: pd.DataFrame, summary: pd.DataFrame, knee_table: pd.DataFrame, frontier: pd.DataFrame,
-             out_dir: Path, tolerance: float) -> list[Path]:
+             out_dir: Path, tolerance: float) -> list[Plot]:
     """Every plot of the report: per task (pooled over subsets) and, with several tasks, overall."""
     colours = method_colours(rows["method"])
     several_models = rows["model"].nunique() > 1
-    levels = ["task"] + (["overall"] if rows["task"].nunique() > 1 else [])
+    compared = summary[summary["compared"]]
     written = []
-    for (level, model, task), points in summary[summary["level"].isin(levels)].groupby(
+    for (level, model, task), points in compared[compared["level"].isin(["task", "overall"])].groupby(
             ["level", "model", "task"], sort=True):
         title = _title(model, task, several_models)
         name = slug(model if several_models else "", "overall" if task == ALL else task)
@@ -171,19 +202,24 @@ def plot_all(rows: pd.DataFrame, summary: pd.DataFrame, knee_table: pd.DataFrame
             return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)]
 
         knee_points = scope(knee_table).dropna(subset=["knee_budget"])
-        written.append(plot_quality(points, out_dir / f"quality_{name}.png", title, metric, colours))
-        written.append(plot_pareto(points, scope(frontier), knee_points, out_dir / f"pareto_{name}.png", title,
-                                   metric, tolerance, colours))
+        written.append(Plot(model, task, "quality", plot_quality(points, out_dir / f"quality_{name}.png", title,
+                                                                 metric, colours)))
+        written.append(Plot(model, task, "pareto", plot_pareto(points, scope(frontier), knee_points,
+                                                               out_dir / f"pareto_{name}.png", title, metric,
+                                                               tolerance, colours)))
         if level == "task":
-            written.append(plot_costs(points, out_dir / f"costs_{name}.png", title, colours))
-    written += _niah_plots(rows, out_dir, several_models)
-    written += _stream_plots(rows, out_dir, several_models, colours)
+            written.append(Plot(model, task, "costs", plot_costs(points, out_dir / f"costs_{name}.png", title,
+                                                                 colours)))
+    plots = {task: task_facts(task).plots for task in rows["task"].unique()}
+    written += _niah_plots(rows[rows["task"].map(lambda t: "heatmap" in plots[t])], out_dir, several_models)
+    written += _stream_plots(rows[rows["task"].map(lambda t: "stream" in plots[t])], out_dir, several_models,
+                             colours)
     return written
 
 
-def _stream_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool, colours: dict) -> list[Path]:
+def _stream_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool, colours: dict) -> list[Plot]:
     """Streamed perplexity (task ppl): the curve over tokens seen, per configuration (window and cumulative)."""
-    if "perplexity_so_far" not in rows:
+    if rows.empty or "perplexity_so_far" not in rows:
         return []
     written = []
     streams = rows.dropna(subset=["perplexity_so_far"])
@@ -203,12 +239,13 @@ def _stream_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool, colou
         ax_total.legend(fontsize=8)
         fig.suptitle(f"Streamed perplexity with a bounded cache: {_title(model, f'{task} ({subset})', several_models)}")
         fig.tight_layout()
-        written.append(_save(fig, out_dir / f"stream_{slug(model if several_models else '', task, subset)}.png"))
+        path = out_dir / f"stream_{slug(model if several_models else '', task, subset)}.png"
+        written.append(Plot(model, task, "stream", _save(fig, path)))
     return written
 
 
-def _niah_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool) -> list[Path]:
-    if "depth" not in rows or "length_target" not in rows:
+def _niah_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool) -> list[Plot]:
+    if rows.empty or "depth" not in rows or "length_target" not in rows:
         return []
     grid_rows = rows.dropna(subset=["depth", "length_target"])
     written = []
@@ -218,5 +255,6 @@ def _niah_plots(rows: pd.DataFrame, out_dir: Path, several_models: bool) -> list
         setting = ("query-aware" if query_aware else "context-only") if several_settings else ""
         title = ", ".join(p for p in [f"{task} · {method}", model if several_models else "", setting] if p)
         name = slug(model if several_models else "", task, method, setting)
-        written.append(plot_niah_heatmaps(group, out_dir / f"heatmap_{name}.png", title))
+        written.append(Plot(model, task, "heatmap", plot_niah_heatmaps(group, out_dir / f"heatmap_{name}.png",
+                                                                       title)))
     return written

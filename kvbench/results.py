@@ -15,12 +15,15 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
-import torch
 
 import kvbench
 from kvbench import KvbenchError
+
+if TYPE_CHECKING:
+    import torch
 
 SCHEMA_VERSION = 1
 
@@ -45,6 +48,8 @@ def git_sha() -> str:
 
 
 def device_name(device: torch.device) -> str:
+    import torch  # here, not at the top: kvbench.report and kvbench.check read rows without torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
@@ -58,6 +63,7 @@ def device_name(device: torch.device) -> str:
 
 
 def provenance(device: torch.device) -> dict:
+    import torch
     import transformers
 
     return {

@@ -20,9 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kvbench import KvbenchError
+from kvbench.aggregate import summarize, with_variants
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine, Generation
-from kvbench.methods import Budget, Method, build_method, method_defaults, variant_label
+from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
 from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
 from kvbench.tasks import Example, build_task
@@ -206,11 +207,11 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
     write_rows(frame, out_dir / "rows.parquet")
-    summary = summarize(frame)
+    summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
     write_csv(summary, out_dir / "summary.csv")
     print_summary(summary, out_dir, store, len(computed), len(rows) - len(computed), time.perf_counter() - started)
     if cfg.get("report", True):
-        from kvbench.report import build_report  # imported late: report ↔ runner
+        from kvbench.report import build_report  # imported here: matplotlib only when a report is wanted
 
         files = build_report([out_dir / "rows.parquet"], out_dir / "report", tolerance=0.02)
         plots = [f for f in files if f.suffix == ".png"]
@@ -219,32 +220,19 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     return frame
 
 
-def with_variants(rows: pd.DataFrame) -> pd.DataFrame:
-    """Add `variant`: the method with its non-default knobs (kivi bits=2 and bits=4 are different lines)."""
-    labels = [variant_label(m, json.loads(p)) for m, p in zip(rows["method"], rows["method_params"])]
-    return rows.assign(variant=labels)
-
-
-def summarize(rows: pd.DataFrame) -> pd.DataFrame:
-    rows = with_variants(rows)
-    keys = ["model", "task", "method", "variant", "budget", "query_aware"]
-    agg = rows.groupby(keys, sort=False).agg(
-        n=("score", "size"), score=("score", "mean"),
-        **({"score_partial": ("score_partial", "mean")} if "score_partial" in rows else {}),
-        kv_ratio=("kv_ratio", "mean"), kv_bytes=("kv_bytes", "mean"), peak_mem_bytes=("peak_mem_bytes", "max"),
-        prefill_s=("prefill_s", "mean"), decode_ms_per_token=("decode_ms_per_token", "mean"),
-    ).reset_index()
-    full = agg[agg.method == "full"].set_index(["model", "task", "query_aware"])["score"]
-    agg["drop_vs_full"] = [full.get((m, t, q), float("nan")) - s
-                           for m, t, q, s in zip(agg.model, agg.task, agg.query_aware, agg.score)]
-    return agg
-
-
 def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,
                   seconds: float) -> None:
-    cols = ["variant", "budget", "n", "score"] + (["score_partial"] if "score_partial" in summary else []) + [
+    """The per-task table (configurations compared on the same examples; others listed apart with their n)."""
+    table = summary[summary["level"] == "task"].assign(
+        ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])])
+    cols = ["task", "method", "budget", "n", "score", "ci95"] + (
+        ["score_partial"] if "score_partial" in table else []) + [
         "drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
     print()
-    print(summary[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(table[table["compared"]][cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    apart = table[~table["compared"]]
+    if len(apart):
+        print("\nran on only part of the examples (not comparable with the rows above):")
+        print(apart[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
     print(f"rows:    {out_dir / 'rows.parquet'}\nsummary: {out_dir / 'summary.csv'}\nstore:   {store.rows_dir}")

@@ -186,19 +186,6 @@ def _method_defaults(name: str) -> dict:
     return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path), resolve=True).items() if k != "name"}
 
 
-def variant_label(name: str, params: dict) -> str:
-    """A configuration's short name for tables and plot legends: the method plus the knobs that differ from its
-    conf/method/<name>.yaml, e.g. `kivi(bits=2)`, `compose(headmerge+h2o+kivi)`."""
-    if name == "compose":
-        return f"compose({'+'.join(params.get('stack', []))})"
-    try:
-        defaults = method_defaults(name)
-    except KvbenchError:
-        defaults = {}
-    changed = {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
-    return f"{name}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else name
-
-
 def build_method(name: str, params: dict | None = None) -> Method:
     """Instantiate a registered method from its config (unknown names and parameters list the valid ones)."""
     cls = METHODS.get(name)

@@ -103,3 +103,20 @@ def test_missing_inputs_exit_2(tmp_path, capsys):
     assert "cannot read thresholds" in capsys.readouterr().err
     assert check_main([str(tmp_path / "nowhere"), "--thresholds", str(thresholds)]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_selector_over_several_configurations_uses_their_common_examples(tmp_path, capsys):
+    # h2o ran two of the four examples (both scored 0); snapkv ran all four (1, 1, 0, 0). Pooling all six rows
+    # would mix example sets; on the common two (e0, e1) snapkv scores 1 and h2o 0.
+    rows = ROWS + [row("snapkv", 0.5, f"e{i}", float(i < 2)) for i in range(4)] + [
+        row("h2o", 0.5, f"e{i}", 0.0) for i in range(2)]
+    results = store(tmp_path / "results", rows)
+    code, out, _ = run_check(results, tmp_path, """
+thresholds:
+  - select: {budget: 0.5, method: [snapkv, h2o]}
+    min_score: 0.5
+    max_drop_vs_full: 0.5
+""", capsys)
+    assert code == 0, out
+    assert out == ["ok {budget: 0.5, method: [snapkv, h2o]}: score 0.5 >= 0.5, drop_vs_full 0.5 <= 0.5 "
+                   "(n=4; 2 rows left out: not run by every selected configuration)"]

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.aggregate import ALL, knees, load_rows, mean_ci, pareto, summarize, t_quantile
+from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize
+from kvbench.intervals import mean_interval, wilson
 from kvbench.report import main as report_main
 from kvbench.results import COLUMNS, SCHEMA_VERSION, write_rows
 
@@ -57,20 +58,23 @@ def niah_grid(methods_budgets, scores_of) -> list[dict]:
 # ----------------------------------------------------------------------------------------- statistics
 
 
-@pytest.mark.parametrize("df, expected", [(1, 12.706), (2, 4.303), (3, 3.182), (9, 2.262), (29, 2.045),
-                                          (120, 1.980), (1e7, 1.960)])
-def test_t_quantile_matches_tables(df, expected):
-    assert t_quantile(0.975, df) == pytest.approx(expected, abs=6e-4)
-    assert t_quantile(0.025, df) == pytest.approx(-expected, abs=6e-4)
+def test_wilson_matches_known_values_and_stays_in_0_1():
+    assert wilson(9, 10) == pytest.approx((0.5958, 0.9821), abs=1e-4)  # Wilson 1927 / R's prop.test(correct=F)
+    assert wilson(0, 5)[0] == 0.0 and wilson(5, 5)[1] == 1.0
 
 
-def test_mean_ci_known_answers():
-    mean, low, high = mean_ci([0, 1, 1, 1])  # s = 0.5, n = 4: half width t_{.975,3}·0.5/2
-    assert mean == 0.75 and (high - mean) == pytest.approx(3.182446 * 0.25, rel=1e-5)
-    mean, low, high = mean_ci(range(1, 11))  # s = 3.02765
-    assert mean == 5.5 and (mean - low) == pytest.approx(2.262157 * 3.0276504 / math.sqrt(10), rel=1e-5)
-    assert mean_ci([0.3]) == (0.3, 0.3, 0.3)
-    assert all(math.isnan(v) for v in mean_ci([]))
+def test_intervals_respect_the_metric_range_and_need_five_examples():
+    mean, low, high, how = mean_interval([0, 1, 1, 1, 1, 1])  # Student-t gave 0.40–1.26 here
+    assert how == "wilson" and 0.0 <= low < mean < high <= 1.0
+    mean, low, high, how = mean_interval([0.0, 0.0, 0.0, 0.0, 0.1])  # t: below 0
+    assert how == "bootstrap" and low == 0.0 and 0.02 < high <= 0.1 and mean == pytest.approx(0.02)
+    assert mean_interval([0.9, 1.0, 1.0, 1.0, 1.0])[2] <= 1.0
+    mean, low, high, how = mean_interval([1.0, 0.0])  # n = 2: a mean, no interval
+    assert mean == 0.5 and math.isnan(low) and math.isnan(high) and how == ""
+    _, low, high, how = mean_interval([10.0, 12.0, 11.0, 13.0, 9.5], score_range=(1.0, math.inf))
+    assert how == "bootstrap" and 9.5 <= low < high <= 13.0
+    assert mean_interval([0.3, 0.5, 0.2, 0.9, 0.4]) == mean_interval([0.3, 0.5, 0.2, 0.9, 0.4])  # seeded
+    assert all(math.isnan(v) for v in mean_interval([])[:3])
 
 
 def test_drop_vs_full_uses_only_matched_examples():
@@ -85,6 +89,47 @@ def test_drop_vs_full_uses_only_matched_examples():
     overall = summary.loc[("overall", ALL, ALL, "snapkv")]
     assert overall["n"] == 3 and overall["drop_vs_full"] == pytest.approx((1 + 0 + 0.5) / 3)
     assert summary.loc[("task", "qa", ALL, "snapkv"), "drop_vs_full"] == 0.5
+
+
+def test_pooled_numbers_compare_only_configurations_on_the_same_examples():
+    # the reference report's bug: full over NIAH + RULER (0.59) ranked against compose over NIAH only (1.0)
+    rows = [row("full", 1.0, f"n{i}", 1.0) for i in range(6)]
+    rows += [row("full", 1.0, f"r{i}", 0.0, task="ruler") for i in range(6)]
+    rows += [row("snapkv", 0.5, f"n{i}", 1.0) for i in range(6)] + [
+        row("snapkv", 0.5, f"r{i}", 0.0, task="ruler") for i in range(6)]
+    rows += [row("compose", 0.5, f"n{i}", 1.0) for i in range(6)]  # NIAH only
+    rows += [row("h2o", 0.5, f"n{i}", float(i < 3)) for i in range(6)] + [
+        row("h2o", 0.5, f"r{i}", 0.0, task="ruler") for i in range(6)] + [
+        row("h2o", 0.5, "r-extra", 1.0, task="ruler")]  # one example nobody else ran
+    summary = summarize(pd.DataFrame(rows)).set_index(["level", "task", "method"]).sort_index()
+    overall = summary.loc["overall", ALL]
+    assert overall.loc["full", "compared"] and overall.loc["full", "n"] == 12
+    assert overall.loc["full", "score"] == 0.5 and overall.loc["snapkv", "compared"]
+    assert not overall.loc["compose", "compared"]  # kept apart, with its own n and tasks
+    assert overall.loc["compose", "n"] == 6 and overall.loc["compose", "tasks"] == "niah"
+    assert overall.loc["full", "tasks"] == "niah, ruler"
+    # h2o is compared on the 12 common examples: its extra RULER example is left out of every pooled number
+    assert overall.loc["h2o", "n"] == 12 and overall.loc["h2o", "score"] == 0.25
+    assert summary.loc[("task", "ruler", "h2o"), "n"] == 6 and summary.loc[("task", "ruler", "h2o"), "score"] == 0
+    assert summary.loc[("task", "niah", "compose"), "compared"]  # on NIAH alone it ran everything
+    knee = knees(summarize(pd.DataFrame(rows)), 0.02).query("level == 'overall'")
+    assert "compose" not in set(knee["method"])
+    front = pareto(summarize(pd.DataFrame(rows))).query("level == 'overall'")
+    assert "compose" not in set(front["method"])
+
+
+def test_report_keeps_partial_configurations_apart(tmp_path):
+    rows = [row("full", 1.0, f"n{i}", 1.0) for i in range(6)] + [
+        row("full", 1.0, f"r{i}", 0.0, task="ruler") for i in range(6)]
+    rows += [row("compose", 0.5, f"n{i}", 1.0, method_params='{"stack": ["snapkv", "kivi"]}') for i in range(6)]
+    out = tmp_path / "out"
+    assert report_main([str(store(tmp_path / "results", rows)), "--out", str(out)]) == 0
+    csv = pd.read_csv(out / "summary.csv").query("level == 'overall'").set_index("method")
+    assert not csv.loc["compose(snapkv+kivi)", "compared"] and csv.loc["full", "compared"]
+    page = (out / "report.html").read_text()
+    overall = page[page.index('id="overall"'):]
+    compared, apart = overall.split("Ran on only part of the examples", 1)
+    assert "compose(snapkv+kivi)" not in compared.split("</table>")[0] and "compose(snapkv+kivi)" in apart
 
 
 def test_knee_and_pareto_on_a_constructed_curve():
@@ -156,7 +201,7 @@ def test_report_writes_every_plot_and_a_self_contained_html(tmp_path, capsys):
             assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG_MAGIC)
         else:
             assert (out / src).is_file()
-    for needed in ("Knees", "Pareto frontier", "Provenance", "abc123", "cpu: test", "float32", "<table>"):
+    for needed in ("Knees", "Pareto frontier", "Provenance", "abc123", "cpu: test", "float32", "<table"):
         assert needed in page
     markdown = (out / "report.md").read_text()
     for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown):
@@ -200,8 +245,7 @@ def test_perplexity_is_lower_is_better_and_never_pooled_with_scores():
     rows += [row("h2o", 0.5, f"w{i}", 10.01, task="ppl", metric="perplexity") for i in range(3)]  # within 0.02
     rows += [row("full", 1.0, "n1", 1.0), row("h2o", 0.25, "n1", 1.0)]
     summary = summarize(pd.DataFrame(rows))
-    overall = summary[(summary.level == "overall") & (summary.method == "h2o") & (summary.budget == 0.25)]
-    assert overall.score.tolist() == [1.0]  # only the NIAH score, not a mean of 1.0 and 12.0
+    assert "overall" not in set(summary.level)  # one task with scores: nothing to pool, never 1.0 with 12.0
     knee = knees(summary, 0.02)
     ppl_knee = knee[(knee.level == "task") & (knee.task == "ppl")]
     assert ppl_knee.knee_budget.tolist() == [0.5]  # 0.25 raised perplexity by 2: not within tolerance
@@ -231,3 +275,79 @@ def test_registered_report_sections_appear_when_their_columns_do(tmp_path):
         assert "mean reused 4" in (tmp_path / "b" / "report.md").read_text()
     finally:
         SECTIONS[:] = [s for s in SECTIONS if s.build is not reuse]
+
+
+class _Outline(__import__("html.parser").parser.HTMLParser):
+    """The page's h2 ids in order, and every table's rows (cell texts) with the nearest preceding anchor."""
+
+    def __init__(self):
+        super().__init__()
+        self.order, self.tables, self._anchor, self._cell = [], [], "", None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self._anchor = attrs["id"]
+            if tag == "h2":
+                self.order.append(attrs["id"])
+        if tag == "table":
+            self.tables.append((self._anchor, []))
+        elif tag == "tr":
+            self.tables[-1][1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell += data
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.tables[-1][1][-1].append(self._cell)
+            self._cell = None
+
+
+def test_page_leads_with_takeaways_and_never_pools_unlike_example_sets(tmp_path):
+    rows = [row("full", 1.0, f"n{i}", 1.0) for i in range(6)] + [
+        row("full", 1.0, f"r{i}", float(i < 2), task="ruler") for i in range(6)]
+    rows += [row("snapkv", b, f"n{i}", float(i < 5)) for b in (0.25, 0.5) for i in range(6)]
+    rows += [row("snapkv", b, f"r{i}", 0.0, task="ruler") for b in (0.25, 0.5) for i in range(6)]
+    rows += [row("compose", 0.5, f"n{i}", 1.0, method_params='{"stack": ["snapkv", "kivi"]}') for i in range(6)]
+    rows += [row("h2o", 0.5, f"n{i}", 1.0) for i in range(3)]  # n = 3: no interval, greyed
+    out = tmp_path / "out"
+    assert report_main([str(store(tmp_path / "results", rows)), "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    outline = _Outline()
+    outline.feed(page)
+    assert outline.order[:3] == ["takeaways", "plots", "tables"] and outline.order[-1] == "provenance"
+    assert page.index('id="takeaways"') < page.index("<img") < page.index('id="plots"')  # headline plot first
+    takeaways = page[page.index('id="takeaways"'):page.index('id="plots"')]
+    assert "Knees" in takeaways and "Budget 0.5: best" in takeaways
+    assert "Not ranked (ran on only part of the examples): compose(snapkv+kivi)" in takeaways
+    # every table after the overall anchor: the first holds only configurations run on all 12 examples
+    overall = [cells for anchor, cells in outline.tables if anchor == "overall"]
+    heading, *body = overall[0]
+    n = heading.index("n")
+    assert {r[0] for r in body} == {"full", "snapkv"} and {r[n] for r in body} == {"12"}
+    assert {r[0] for r in overall[1][1:]} == {"compose(snapkv+kivi)", "h2o"}
+    # n < 5: no interval, greyed row
+    assert re.search(r'<tr class=few><td>h2o</td>.*?n&lt;5', page)
+    assert page.count("<script>") == 1 and "<link" not in page and "@import" not in page
+    for src in re.findall(r'src="([^"]+)"', page):
+        assert src.startswith("data:image/png;base64,")  # self-contained: nothing fetched
+
+
+def test_python_m_kvbench_report_imports_neither_torch_nor_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    results = store(tmp_path / "results", [row("full", 1.0, "e0", 1.0), row("snapkv", 0.5, "e0", 1.0)])
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['kvbench.report', {str(results)!r}, '--out', {str(tmp_path / 'out')!r}]\n"
+            "try:\n    runpy.run_module('kvbench.report', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "out" / "report.html").is_file()

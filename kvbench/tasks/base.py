@@ -7,6 +7,7 @@ from typing import Any
 
 from kvbench import KvbenchError
 from kvbench.registry import Registry
+from kvbench.tasks.facts import TaskFacts
 
 TASKS = Registry("task")
 
@@ -46,6 +47,7 @@ class Task:
     name: str
     metric: str
     streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
+    facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it

@@ -13,6 +13,7 @@ import uuid
 from kvbench import KvbenchError
 from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.haystack import load_sentences
 
 ADJECTIVES = ("amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
@@ -84,6 +85,7 @@ def insert_at_depth(sentences: list[list[int]], needle: list[int], depth: float)
 @TASKS.register("niah")
 class NeedleInAHaystack(Task):
     metric = "string_match"
+    facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
 
     def examples(self) -> list[Example]:
         cfg = self.cfg

@@ -13,12 +13,14 @@ import random
 
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.haystack import load_sentences
 
 
 @TASKS.register("ppl")
 class Perplexity(Task):
-    metric = "perplexity"  # lower is better
+    metric = "perplexity"
+    facts = TaskFacts(lower_is_better=True, score_range=(1.0, math.inf), plots=("stream",))
     streaming = True
 
     @property

@@ -16,6 +16,7 @@ from typing import Callable
 from kvbench import KvbenchError
 from kvbench.metrics import string_match_all
 from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.ruler_aggregation import cwe_draft, fwe_draft
 from kvbench.tasks.ruler_draft import Draft, fit
 from kvbench.tasks.ruler_niah import VARIANTS, niah_draft
@@ -41,6 +42,7 @@ SUBTASKS = {
 @TASKS.register("ruler")
 class Ruler(Task):
     metric = "string_match_all"
+    facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
 
     def examples(self) -> list[Example]:
         names, lengths = self._subtasks(), self._lengths()
