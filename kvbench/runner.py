@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvbench import KvbenchError
 from kvbench.aggregate import summarize, with_variants
 from kvbench.attention import StatsRequest
+from kvbench.claims import Claims
 from kvbench.engine import Engine, Generation
 from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
@@ -164,6 +165,10 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
     confs = configurations(cfg)
+    if (cfg.get("launcher") or {}).get("name", "local") == "ray" and shard_of(cfg) is None:
+        from kvbench.launch_ray import run_ray  # the driver: shards go to Ray workers, each loads the model once
+
+        return run_ray(cfg, output_dir)
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
     examples = task.examples()
@@ -181,35 +186,101 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     check_writable(out_dir)
 
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    shard = shard_of(cfg)
+    if shard:
+        examples = examples[shard[0]::shard[1]]  # a launcher's shard: every n-th example, prefills stay whole
+        run_id += f"-shard{shard[0]}-{cfg.launcher.get('attempt') or uuid.uuid4().hex[:6]}"
+        if not examples:
+            return pd.DataFrame()
     common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device)}
-    existing = {} if cfg.get("rerun") else store.existing()
-    engine = Engine(lm)
-    computed, rows = [], []
+    work = ExampleWork(cfg, confs, task, Engine(lm), store, run_id, common, lm)
     started = time.perf_counter()
-    for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
-        todo = []
-        for c in confs:
-            old = [existing.get((c.hash, row_id)) for row_id in task.row_ids(ex)]
-            if all(r is not None for r in old):
-                rows.extend({**r, "reused": True} for r in old)
-            else:
-                todo.append(c)
-        if not todo:
-            continue
-        if task.streaming:
-            new = [row for c in todo for row in stream_rows(engine, c, ex, task, common, lm)]
-        else:
-            new = generation_rows(engine, todo, ex, task, common, lm)
-        computed.extend(new)
-        rows.extend(new)
-        store.save_run(run_id, computed)  # after every example: an interrupted sweep resumes from here
-
-    frame = pd.DataFrame(rows)
+    try:
+        for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
+            work.do(ex)
+        work.finish_claimed_elsewhere()
+    finally:
+        work.claims.release_all()
+    frame = pd.DataFrame(work.rows)
     frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
+    if shard:
+        return frame  # the launcher's driver gathers the shards and writes the run's outputs
+    finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
+    return frame
+
+
+def shard_of(cfg: DictConfig) -> tuple[int, int] | None:
+    """(shard, n_shards) when a launcher runs this process on one shard of the examples."""
+    launcher = cfg.get("launcher") or {}
+    return (int(launcher["shard"]), int(launcher["n_shards"])) if launcher.get("shard") is not None else None
+
+
+class ExampleWork:
+    """Rows of one example × configurations: reused from the store, computed here, or — when another process
+    has claimed them (concurrent writers, see kvbench.claims) — awaited and collected from the store."""
+
+    def __init__(self, cfg, confs, task, engine, store, run_id, common, lm):
+        self.cfg, self.confs, self.task, self.engine, self.store = cfg, confs, task, engine, store
+        self.run_id, self.common, self.lm = run_id, common, lm
+        self.existing = {} if cfg.get("rerun") else store.existing()
+        self.claims = Claims(store.root)
+        self.rows: list[dict] = []
+        self.computed: list[dict] = []
+        self.elsewhere: list[tuple[Example, list[Configuration]]] = []
+
+    def _reuse(self, c: Configuration, ex: Example) -> list[dict] | None:
+        old = [self.existing.get((c.hash, row_id)) for row_id in self.task.row_ids(ex)]
+        return [{**r, "reused": True} for r in old] if all(r is not None for r in old) else None
+
+    def do(self, ex: Example) -> None:
+        todo, busy = [], []
+        for c in self.confs:
+            old = self._reuse(c, ex)
+            if old is not None:
+                self.rows.extend(old)
+            elif self.claims.try_claim(c.hash, ex.example_id):
+                todo.append(c)
+            else:
+                busy.append(c)
+        if busy:
+            self.elsewhere.append((ex, busy))
+        if not todo:
+            return
+        if self.task.streaming:
+            new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
+        else:
+            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm)
+        self.computed.extend(new)
+        self.rows.extend(new)
+        self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes here
+        self.claims.release((c.hash, ex.example_id) for c in todo)
+
+    def finish_claimed_elsewhere(self, poll_s: float = 2.0) -> None:
+        """Wait for rows other processes were computing, then take them from the store (or compute what a
+        process that died left undone)."""
+        pending, self.elsewhere = self.elsewhere, []
+        if pending:
+            print(f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process")
+        for ex, busy in pending:
+            while any(self.claims.held_elsewhere(c.hash, ex.example_id) for c in busy):
+                time.sleep(poll_s)
+            self.existing = self.store.existing()
+            confs, self.confs = self.confs, busy
+            try:
+                self.do(ex)
+            finally:
+                self.confs = confs
+        if self.elsewhere:  # claimed again meanwhile (another late process): wait once more
+            self.finish_claimed_elsewhere(poll_s)
+
+
+def finish_run(cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int,
+               seconds: float) -> None:
+    """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
     write_rows(frame, out_dir / "rows.parquet")
     summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
     write_csv(summary, out_dir / "summary.csv")
-    print_summary(summary, out_dir, store, len(computed), len(rows) - len(computed), time.perf_counter() - started)
+    print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds)
     if cfg.get("report", True):
         from kvbench.report import build_report  # imported here: matplotlib only when a report is wanted
 
@@ -217,7 +288,6 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         plots = [f for f in files if f.suffix == ".png"]
         print(f"plots:   {len(plots)} PNGs in {out_dir / 'report'} (e.g. {plots[0].name})" if plots else "")
         print(f"report:  {out_dir / 'report' / 'report.html'}")
-    return frame
 
 
 def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,

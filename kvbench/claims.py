@@ -1,0 +1,120 @@
+"""Work claims in the results store, so that concurrent writers compute each row once.
+
+Several processes may share one store: Ray workers, Slurm/submitit jobs on a shared filesystem, two shells. Each
+process claims a (config_hash, example_id) before computing it and releases the claim once the rows are saved:
+
+    <results_dir>/claims/<config_hash>/<sha1(example_id)>     created with O_CREAT | O_EXCL (atomic, NFS-safe)
+
+The file holds the owner's host, pid and process start time. A claim is *stale* — and may be taken over — when its
+owner is a process on this host that no longer runs, or when it is older than `KVBENCH_CLAIM_TTL_S` (default 2 h:
+a job on another host that died). Taking over renames the stale file first, which only one contender can do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+CLAIM_TTL_S = float(os.environ.get("KVBENCH_CLAIM_TTL_S", 2 * 3600))
+HOST = socket.gethostname()
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (tells a live pid from a reused one); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22 of stat, counted after the command name
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return ""  # alive, start time unknown (no /proc)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return ""
+
+
+def _owner() -> dict:
+    return {"host": HOST, "pid": os.getpid(), "start": _process_start(os.getpid()), "time": time.time()}
+
+
+class Claims:
+    """Claims of one process in one store."""
+
+    def __init__(self, store_root: str | Path):
+        self.root = Path(store_root) / "claims"
+        self.held: set[Path] = set()
+        self.me = _owner()
+
+    def _path(self, config_hash: str, example_id: str) -> Path:
+        return self.root / config_hash / hashlib.sha1(str(example_id).encode()).hexdigest()
+
+    def try_claim(self, config_hash: str, example_id: str) -> bool:
+        """True when this process now holds the claim (new, already ours, or taken over from a dead owner)."""
+        path = self._path(config_hash, example_id)
+        if path in self.held:
+            return True
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if not self._take_over_if_stale(path):
+                    return False
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({**self.me, "example_id": str(example_id)}, f)
+            self.held.add(path)
+            return True
+        return False
+
+    def _take_over_if_stale(self, path: Path) -> bool:
+        if not is_stale(path):
+            return False
+        try:  # only one contender's rename succeeds; the others see the file gone and retry the O_EXCL create
+            os.rename(path, path.with_name(f"{path.name}.stale-{uuid.uuid4().hex[:8]}"))
+        except FileNotFoundError:
+            pass
+        for old in path.parent.glob(f"{path.name}.stale-*"):
+            old.unlink(missing_ok=True)
+        return True
+
+    def held_elsewhere(self, config_hash: str, example_id: str) -> bool:
+        """Another live process holds this claim (its rows will appear in the store when it finishes)."""
+        path = self._path(config_hash, example_id)
+        return path not in self.held and path.exists() and not is_stale(path)
+
+    def release(self, keys) -> None:
+        """Drop the claims on `keys` ((config_hash, example_id) pairs) once their rows are saved."""
+        for config_hash, example_id in keys:
+            path = self._path(config_hash, example_id)
+            if path in self.held:
+                path.unlink(missing_ok=True)
+                self.held.discard(path)
+
+    def release_all(self) -> None:
+        for path in list(self.held):
+            path.unlink(missing_ok=True)
+        self.held.clear()
+
+
+def is_stale(path: Path) -> bool:
+    try:
+        owner = json.loads(path.read_text())
+        age = time.time() - float(owner["time"])
+    except FileNotFoundError:
+        return False  # released meanwhile: not ours to take over, the caller retries
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: half-written, by a live or a dead process
+        try:
+            return time.time() - path.stat().st_mtime > 10.0
+        except FileNotFoundError:
+            return False
+    if owner.get("host") == HOST:
+        start = _process_start(int(owner["pid"]))
+        return start is None or (start != "" and owner.get("start") not in (None, "", start))
+    return age > CLAIM_TTL_S
