@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvbench import KvbenchError
 from kvbench.kernels import attention_column_sums
 
 ATTN_IMPLEMENTATION = "kvbench_sdpa"
@@ -27,12 +28,15 @@ class StatsRequest:
 
     windows: frozenset[int] = frozenset()  # observation windows W: attention of the last W queries onto each key
     all_queries: bool = False  # attention of every query onto each key (H2O's accumulated scores)
+    # pre-RoPE query moments (Expected Attention), one per number of leading (sink) positions left out
+    query_moments: frozenset[int] = frozenset()
 
     def __or__(self, other: "StatsRequest") -> "StatsRequest":
-        return StatsRequest(self.windows | other.windows, self.all_queries or other.all_queries)
+        return StatsRequest(self.windows | other.windows, self.all_queries or other.all_queries,
+                            self.query_moments | other.query_moments)
 
     def __bool__(self) -> bool:
-        return bool(self.windows) or self.all_queries
+        return bool(self.windows) or self.all_queries or bool(self.query_moments)
 
 
 @dataclass
@@ -40,11 +44,13 @@ class StatsRecorder:
     """Per-layer statistics of one forward pass, each (B, H_q, T_keys) fp32.
 
     `window[W][layer]`: column sums over the last W queries; `all_queries[layer]`: over every query of the pass.
+    `moments[S][layer]`: `QueryMoments` of the pre-RoPE queries at positions ≥ S (accumulated over calls).
     """
 
     request: StatsRequest
     window: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     all_queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    moments: dict[int, dict[int, "QueryMoments"]] = field(default_factory=dict)
     # seconds spent computing each statistic ("all" or the window size W): a shared prefill charges each
     # configuration only the statistics its own method asked for
     seconds: dict = field(default_factory=dict)
@@ -62,6 +68,23 @@ class StatsRecorder:
                 else:
                     self.all_queries[layer_idx] = attention_column_sums(query, key, scaling)
 
+    def record_query_moments(self, module, query: torch.Tensor, position_ids: torch.Tensor | None) -> None:
+        """Accumulate Σq and Σqqᵀ of the pre-RoPE queries (the post-RoPE ones rotated back by their positions)."""
+        from kvbench.rope import rerotate
+
+        with self._timed("moments"):
+            if position_ids is None:  # Llama-style decoder layers pass them through to the attention call
+                raise KvbenchError("query moments need position_ids in the attention call (Llama-style models)")
+            positions = position_ids[0].to(query.device)  # (Q,)
+            inv_freq, scaling = rope_of(module)
+            inv_freq = inv_freq.to(query.device)
+            pre_rope = rerotate(query.float(), -positions, inv_freq) / scaling  # (B, H_q, Q, D)
+            for skip in self.request.query_moments:
+                kept = pre_rope[:, :, positions >= skip]  # (B, H_q, N, D)
+                moments = self.moments.setdefault(skip, {}).setdefault(
+                    module.layer_idx, QueryMoments.empty(*query.shape[:2], query.shape[-1], inv_freq, scaling))
+                moments.add(kept)
+
     @contextlib.contextmanager
     def _timed(self, name):
         start = time.perf_counter()
@@ -71,7 +94,53 @@ class StatsRecorder:
     def seconds_for(self, request: StatsRequest) -> float:
         """Time spent on the statistics `request` needs (CPU wall time; GPU kernels are asynchronous)."""
         return sum(self.seconds.get(w, 0.0) for w in request.windows) + (
-            self.seconds.get("all", 0.0) if request.all_queries else 0.0)
+            self.seconds.get("all", 0.0) if request.all_queries else 0.0) + (
+            self.seconds.get("moments", 0.0) if request.query_moments else 0.0)
+
+
+@dataclass
+class QueryMoments:
+    """Running sums of pre-RoPE queries per query head: count N, Σq (B, H_q, D), Σqqᵀ (B, H_q, D, D), fp32;
+    with the model's RoPE (inv_freq (D/2,), attention scaling) to carry them to other positions."""
+
+    count: int
+    total: torch.Tensor
+    outer: torch.Tensor
+    inv_freq: torch.Tensor
+    rope_scaling: float
+
+    @classmethod
+    def empty(cls, bsz: int, n_heads: int, head_dim: int, inv_freq: torch.Tensor, rope_scaling: float):
+        device = inv_freq.device
+        return cls(0, torch.zeros(bsz, n_heads, head_dim, device=device),
+                   torch.zeros(bsz, n_heads, head_dim, head_dim, device=device), inv_freq, rope_scaling)
+
+    def add(self, queries: torch.Tensor) -> None:
+        """queries (B, H_q, N, D) fp32."""
+        self.count += queries.shape[2]
+        self.total += queries.sum(2)  # (B, H_q, D)
+        self.outer += torch.einsum("bhnd,bhne->bhde", queries, queries)  # (B, H_q, D, D)
+
+    def mean_cov(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean (B, H_q, D) and population covariance (B, H_q, D, D) (kvpress divides by N)."""
+        mean = self.total / self.count
+        return mean, self.outer / self.count - mean[..., :, None] * mean[..., None, :]
+
+
+def rope_of(module) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_scaling) of an attention module's model, from its family's rotary embedding class
+    built on the module's config (the attention call does not receive cos/sin); kept on the module."""
+    if not hasattr(module, "_kvbench_rope"):
+        import sys
+
+        family = sys.modules[type(module).__module__]
+        rotary = [cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)]
+        if not rotary:
+            raise KvbenchError(f"{type(module).__name__} has no rotary embedding class beside it; query moments "
+                               f"(expected_attention) need a RoPE model")
+        embedding = rotary[0](module.config)
+        module._kvbench_rope = (embedding.inv_freq.float(), float(getattr(embedding, "attention_scaling", 1.0)))
+    return module._kvbench_rope
 
 
 _active = threading.local()
@@ -95,6 +164,8 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
     if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         recorder.record(module.layer_idx, query, key, scale)
+        if recorder.request.query_moments:
+            recorder.record_query_moments(module, query, kwargs.get("position_ids"))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

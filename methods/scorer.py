@@ -1,0 +1,53 @@
+"""Score-based eviction: a method defines one score per (KV head, position); each head keeps its top scores.
+
+The interface the new scorers share (TOVA, Knorm, KeyDiff, Expected Attention) and that composite methods read
+(AdaKV redistributes a layer's budget across heads by these scores; `decoding` re-selects with them while
+generating): `head_scores(method, layer_idx, keys, values, stats)` → (B, H_kv, T), where +inf marks positions
+the method always keeps (sinks, observation windows). SnapKV and PyramidKV are adapted here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.methods.base import Method
+from kvbench.methods.scoring import top_k_sorted
+
+
+@dataclass
+class ScoreEviction(Method):
+    """Keeps each KV head's `n_keep` highest `scores`, once after prefill (decode tokens are appended)."""
+
+    def scores(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats) -> torch.Tensor:
+        """(B, H_kv, T) fp32; keys/values (B, H_kv, T, D) as cached (post-RoPE keys)."""
+        raise NotImplementedError
+
+    def keep_indices(self, layer_idx, keys, stats, n_keep):
+        values = self._prefill_values[layer_idx]  # the base hook passes keys only; value-aware scorers read these
+        return top_k_sorted(self.scores(layer_idx, keys, values, stats), n_keep)  # (B, H_kv, n_keep)
+
+    def compress(self, prefill_kv, stats, budget):
+        self._prefill_values = [values for _, values in prefill_kv]
+        try:
+            return super().compress(prefill_kv, stats, budget)
+        finally:
+            self._prefill_values = None
+
+
+def head_scores(method: Method, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats) -> torch.Tensor:
+    """Any scoring method's per-head scores (B, H_kv, T); +inf where it always keeps the position."""
+    from kvbench.methods.snapkv import SnapKV
+
+    if isinstance(method, ScoreEviction):
+        return method.scores(layer_idx, keys, values, stats)
+    if isinstance(method, SnapKV):  # SnapKV, PyramidKV: pooled window votes, the window itself always kept
+        prefix = method.prefix_scores(layer_idx, keys, stats)  # (B, H_kv, T − W)
+        window = prefix.new_full((*prefix.shape[:2], keys.shape[2] - prefix.shape[2]), float("inf"))  # (B, H_kv, W)
+        return torch.cat([prefix, window], dim=-1)  # (B, H_kv, T)
+    raise KvbenchError(f"{method.name} has no per-head scores; use a scorer: {', '.join(SCORERS)}")
+
+
+SCORERS = ("snapkv", "pyramidkv", "tova", "knorm", "keydiff", "expected_attention")
