@@ -60,6 +60,8 @@ def load_thresholds(path: Path) -> list[Threshold]:
         document = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as error:
         raise KvbenchError(f"{path}: cannot read thresholds ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise KvbenchError(f"{path}: not UTF-8 text (byte {error.start}); save the thresholds file as UTF-8") from None
     except yaml.YAMLError as error:
         raise KvbenchError(f"{path}: invalid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(document, dict):

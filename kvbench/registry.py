@@ -41,4 +41,22 @@ def build_dataclass(cls: type, params: dict, what: str) -> Any:
             f"{what} has no parameter {', '.join(map(repr, unknown))}; valid parameters: "
             f"{', '.join(sorted(fields)) or '(none)'}"
         )
-    return cls(**params)
+    try:
+        return cls(**params)
+    except (TypeError, ValueError, AttributeError) as error:  # a knob of the wrong shape that slipped past validate
+        raise KvbenchError(f"{what}: {error}; check its parameters against its conf yaml") from None
+
+
+def knob(default: Any = dataclasses.MISSING, *, min: float | None = None, max: float | None = None,
+         choices: tuple = (), **field_kwargs: Any) -> Any:
+    """A dataclass field with the range kvbench.validate checks before the model loads, e.g.
+    `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
+    a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf."""
+    metadata: dict[str, Any] = {}
+    if min is not None:
+        metadata["min"] = min
+    if max is not None:
+        metadata["max"] = max
+    if choices:
+        metadata["choices"] = tuple(choices)
+    return dataclasses.field(default=default, metadata=metadata, **field_kwargs)

@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,12 +118,23 @@ def check_writable(directory: Path) -> None:
         ) from None
 
 
+def _read_or_skip(path: Path) -> pd.DataFrame | None:
+    """One Parquet file of the store; an unreadable one (truncated by a crash, not ours) is skipped with a warning
+    so that it does not block every later run."""
+    try:
+        return pd.read_parquet(path)
+    except Exception as error:  # pyarrow raises several types for a damaged file
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"[kvbench] warning: skipping unreadable results file {path} ({reason}); delete it to silence this",
+              file=sys.stderr)
+        return None
+
+
 def read_rows(path: Path) -> pd.DataFrame:
     """All rows under `path` (a Parquet file, a run directory or a store), newest first per configuration."""
     path = Path(path)
     files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
-    frames = [pd.read_parquet(f) for f in files]
-    frames = [f for f in frames if len(f)]
+    frames = [f for f in map(_read_or_skip, files) if f is not None and len(f)]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)
     rows = pd.concat(frames, ignore_index=True)

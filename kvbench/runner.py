@@ -29,6 +29,7 @@ from kvbench.models import load_model
 from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
 from kvbench.tasks import Example, build_task
 from kvbench.tasks.base import check_fits
+from kvbench.validate import check_config
 
 # task keys that select examples rather than change them: excluded from config_hash so rows are reused
 # across runs with a different grid or limit
@@ -164,6 +165,7 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
 
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
+    check_config(cfg)  # every key, knob and grid entry, before the model loads
     confs = configurations(cfg)
     if (cfg.get("launcher") or {}).get("name", "local") == "ray" and shard_of(cfg) is None:
         from kvbench.launch_ray import run_ray  # the driver: shards go to Ray workers, each loads the model once

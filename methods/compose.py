@@ -22,12 +22,13 @@ FAMILY_ORDER = ("structure", "eviction", "precision")
 @METHODS.register("compose")
 @dataclass
 class Compose(Method):
-    stack: list = field(default_factory=lambda: ["snapkv", "kivi"])
-    overrides: dict = field(default_factory=dict)  # per-part parameters: {kivi: {bits: 2}}
+    stack: list[str] = field(default_factory=lambda: ["snapkv", "kivi"])
+    overrides: dict | None = field(default_factory=dict)  # per-part parameters: {kivi: {bits: 2}}
 
     family = "composite"
 
     def __post_init__(self):
+        self.overrides = dict(self.overrides or {})  # overrides: null in the yaml (an empty {} would be struct-locked)
         unknown = sorted(set(self.overrides) - set(self.stack))
         if unknown:
             raise KvbenchError(f"compose overrides for {', '.join(unknown)}, not in stack={list(self.stack)}")

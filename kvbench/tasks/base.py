@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvbench import KvbenchError
 from kvbench.registry import Registry
@@ -46,12 +46,18 @@ class Task:
 
     name: str
     metric: str
+    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.validate.Rule, where the yaml default's type is not enough
     streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
     facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it
         self.cfg, self.tokenizer, self.seed, self.max_context = cfg, tokenizer, seed, max_context
+
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
+        and ranges come from `knobs` and the yaml defaults (kvbench.validate), this adds the rest."""
 
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it

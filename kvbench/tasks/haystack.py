@@ -10,6 +10,8 @@ from kvbench import KvbenchError
 # RULER's "noise" haystack (hsiehjackson/RULER, synthetic niah): five sentences, repeated.
 NOISE = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."]
 
+HAYSTACKS = ("noise", "prose", "file")
+
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
@@ -33,6 +35,15 @@ def python_docs_prose() -> list[str]:
             if len(text) > 80 and "::=" not in text:
                 sentences.extend(split_sentences(text))
     return sentences
+
+
+def check_files(key: str, files) -> None:
+    """`key` (a list of text files) is non-empty and every file exists."""
+    if not files:
+        raise KvbenchError(f"{key} is empty; give plain-text files: {key}=[path,...]")
+    for path in files:
+        if not Path(str(path)).expanduser().is_file():
+            raise KvbenchError(f"{key}: {path} is not a file; fix the path in {key}=[...]")
 
 
 def load_sentences(kind: str, files: list[str] | None = None) -> list[str]:

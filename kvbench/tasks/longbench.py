@@ -31,6 +31,7 @@ from kvbench.metrics import LONGBENCH_METRICS
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.longbench_config import E_SUBSETS, ENGLISH_SUBSETS, SCENARIOS, SubsetSpec, all_subset_names
 from kvbench.tasks.longbench_config import length_bucket, subset_spec
+from kvbench.validate import Rule
 
 # the official data (what pred.py's `load_dataset('THUDM/LongBench', ...)` reads): JSONL files in LongBench's schema
 DATA_REPO, DATA_ARCHIVE = "THUDM/LongBench", "data.zip"
@@ -63,15 +64,19 @@ def read_records(directory: Path, spec: SubsetSpec) -> list[dict]:
     jsonl, parquet = directory / f"{spec.name}.jsonl", directory / f"{spec.name}.parquet"
     if jsonl.is_file():
         records = []
-        with open(jsonl, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise KvbenchError(f"{jsonl}, line {lineno}: not valid JSON ({error.msg})") from None
-                records.append(validate_record(record, f"{jsonl}, line {lineno}", spec))
+        try:
+            lines = jsonl.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit inside a string
+        except UnicodeDecodeError as error:
+            raise KvbenchError(f"{jsonl} is not UTF-8 text (byte {error.start}: {error.reason}); LongBench's files "
+                               "are UTF-8 JSONL: convert it (e.g. iconv -t UTF-8) or replace it") from None
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise KvbenchError(f"{jsonl}, line {lineno}: not valid JSON ({error.msg})") from None
+            records.append(validate_record(record, f"{jsonl}, line {lineno}", spec))
         return records
     if parquet.is_file():
         import pyarrow.parquet as pq
@@ -81,6 +86,16 @@ def read_records(directory: Path, spec: SubsetSpec) -> list[dict]:
     raise KvbenchError(f"LongBench file {jsonl.name} not found in task.data_dir={directory}: the directory needs "
                        f"one <subset>.jsonl (or .parquet) per subset in LongBench's schema, e.g. the unzipped "
                        f"{DATA_ARCHIVE}")
+
+
+def data_dir(cfg) -> Path:
+    """task.data_dir, checked: a directory."""
+    directory = Path(str(cfg.get("data_dir"))).expanduser()
+    if not directory.is_dir():
+        raise KvbenchError(f"task.data_dir={directory} is not a directory; point it at the unzipped "
+                           f"{DATA_ARCHIVE} (one <subset>.jsonl per subset), or set task.data_dir=null to "
+                           "download it")
+    return directory
 
 
 def official_data_dir() -> Path:
@@ -182,21 +197,38 @@ def scorer(subset: str, predictions: list[str], answers: list[list], all_classes
 
 @TASKS.register("longbench")
 class LongBench(Task):
+    knobs = {
+        "subsets": Rule("any"),  # a list of names, or one group name (task.subsets=all): checked by `select`
+        "categories": Rule("list", f"task.categories=[single_doc_qa] (null: all; valid: {', '.join(SCENARIOS)})",
+                           nullable=True, item=Rule("str", f"scenarios: {', '.join(SCENARIOS)}", choices=SCENARIOS)),
+        "limit_per_subset": Rule("int", "task.limit_per_subset=10 or null (every record)", nullable=True, min=1),
+        "data_dir": Rule("str", "task.data_dir=DIR (one <subset>.jsonl per subset) or null (download)", nullable=True),
+        "max_length": Rule("int", "task.max_length=3500 (prompt tokens) or null (fit the model)", nullable=True, min=2),
+        "stop_at_newline": Rule("bool", "task.stop_at_newline=true or false"),
+    }
+
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         super().__init__(cfg, tokenizer, seed, max_context)
-        self.specs = self._select()
+        self.specs = self.select(cfg)
         self.metric = "longbench"  # each row's own metric comes from metric_of
         self._all_classes: dict[str, list | None] = {}
 
-    def _select(self) -> list[SubsetSpec]:
-        subsets = self.cfg.get("subsets") or []
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        cls.select(cfg)
+        if cfg.get("data_dir"):
+            data_dir(cfg)
+
+    @staticmethod
+    def select(cfg) -> list[SubsetSpec]:
+        subsets = cfg.get("subsets") or []
         requested = [subsets] if isinstance(subsets, str) else list(subsets)  # task.subsets=all works too
         if not requested:
             raise KvbenchError("task.subsets is empty; name LongBench subsets (e.g. task.subsets=[hotpotqa,qasper]) "
                                f"or a group: {', '.join(SUBSET_GROUPS)}")
         names = [n for r in requested for n in SUBSET_GROUPS.get(str(r), (str(r),))]
         specs = [subset_spec(n) for n in dict.fromkeys(names)]
-        categories = list(self.cfg.get("categories") or [])
+        categories = list(cfg.get("categories") or [])
         unknown = sorted(set(categories) - set(SCENARIOS))
         if unknown:
             raise KvbenchError(f"task.categories: unknown {', '.join(unknown)}; valid: {', '.join(SCENARIOS)}")
@@ -205,7 +237,7 @@ class LongBench(Task):
             if not specs:
                 raise KvbenchError(f"task.categories={categories} keeps none of task.subsets={requested}; widen "
                                    "either (task.categories=null keeps every subset)")
-        limit = self.cfg.get("limit_per_subset")
+        limit = cfg.get("limit_per_subset")
         if limit is not None and int(limit) < 1:
             raise KvbenchError(f"task.limit_per_subset={limit}: use a positive number, or null for every record")
         return specs
@@ -233,14 +265,7 @@ class LongBench(Task):
         return length
 
     def _data_dir(self) -> Path:
-        if not self.cfg.get("data_dir"):
-            return official_data_dir()
-        directory = Path(str(self.cfg.data_dir)).expanduser()
-        if not directory.is_dir():
-            raise KvbenchError(f"task.data_dir={directory} is not a directory; point it at the unzipped "
-                               f"{DATA_ARCHIVE} (one <subset>.jsonl per subset), or set task.data_dir=null to "
-                               "download it")
-        return directory
+        return data_dir(self.cfg) if self.cfg.get("data_dir") else official_data_dir()
 
     def examples(self) -> list[Example]:
         directory, limit = self._data_dir(), self.cfg.get("limit_per_subset")

@@ -14,7 +14,8 @@ from kvbench import KvbenchError
 from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.haystack import load_sentences
+from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences
+from kvbench.validate import Rule
 
 ADJECTIVES = ("amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
               "fierce gentle giant golden hollow humble icy jolly lively lonely loud lucky misty modern narrow "
@@ -86,6 +87,22 @@ def insert_at_depth(sentences: list[list[int]], needle: list[int], depth: float)
 class NeedleInAHaystack(Task):
     metric = "string_match"
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
+    knobs = {
+        "context_lengths": Rule("list", "task.context_lengths=[1024,2048] (prompt tokens)", non_empty=True,
+                                item=Rule("int", "token counts ≥ 1", min=1)),
+        "depths": Rule("list", "task.depths=[0.1,0.5,0.9] (0 = start of the context, 1 = end)", non_empty=True,
+                       item=Rule("float", "depths in [0, 1]", min=0, max=1)),
+        "haystack": Rule("str", "task.haystack=noise, prose or file", choices=HAYSTACKS),
+        "haystack_files": Rule("list", "task.haystack_files=[a.txt,b.txt]", item=Rule("str", "file paths")),
+        "value_type": Rule("str", "task.value_type=digits, words or uuid", choices=tuple(VALUE_NAMES)),
+        "value_length": Rule("int", "task.value_length=7 (digits per value)", min=1),
+        "max_new_tokens": Rule("int", "task.max_new_tokens=24", min=1),
+    }
+
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        if cfg.get("haystack") == "file":
+            check_files("task.haystack_files", cfg.get("haystack_files"))
 
     def examples(self) -> list[Example]:
         cfg = self.cfg

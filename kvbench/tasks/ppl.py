@@ -14,7 +14,8 @@ import random
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.haystack import load_sentences
+from kvbench.tasks.haystack import check_files, load_sentences
+from kvbench.validate import Rule
 
 
 @TASKS.register("ppl")
@@ -22,6 +23,20 @@ class Perplexity(Task):
     metric = "perplexity"
     facts = TaskFacts(lower_is_better=True, score_range=(1.0, math.inf), plots=("stream",))
     streaming = True
+    knobs = {
+        "text": Rule("str", "task.text=prose or task.text=file", choices=("prose", "file")),
+        "text_files": Rule("list", "task.text_files=[a.txt]", item=Rule("str", "file paths")),
+        "length": Rule("int", "task.length=4096 (tokens to stream)", min=2),
+        "chunk": Rule("int", "task.chunk=256 (tokens per step)", min=1),
+    }
+
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        if int(cfg.get("length", 0)) < 2 * int(cfg.get("chunk", 1)):
+            raise KvbenchError(f"task ppl: length={cfg.get('length')} must be at least two chunks of "
+                               f"chunk={cfg.get('chunk')}; raise task.length or lower task.chunk")
+        if cfg.get("text") == "file":
+            check_files("task.text_files", cfg.get("text_files"))
 
     @property
     def chunk(self) -> int:

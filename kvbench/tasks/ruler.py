@@ -21,6 +21,7 @@ from kvbench.tasks.ruler_aggregation import cwe_draft, fwe_draft
 from kvbench.tasks.ruler_draft import Draft, fit
 from kvbench.tasks.ruler_niah import VARIANTS, niah_draft
 from kvbench.tasks.ruler_vt import vt_draft
+from kvbench.validate import Rule
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,22 @@ SUBTASKS = {
 class Ruler(Task):
     metric = "string_match_all"
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
+    knobs = {
+        "tasks": Rule("list", "task.tasks=[niah_single_1,vt] or task.tasks=null (all)", nullable=True, non_empty=True,
+                      item=Rule("str", choices=tuple(SUBTASKS))),
+        "context_lengths": Rule("list", "task.context_lengths=[2048,4096] (prompt tokens)", non_empty=True,
+                                item=Rule("int", "token counts ≥ 1", min=1)),
+        "num_samples": Rule("int", "task.num_samples=2 (examples per subtask and length)", min=1),
+        "max_new_tokens": Rule("int", "task.max_new_tokens=64 or null (RULER's lengths)", nullable=True, min=1),
+        **{name: Rule("dict", f"task.{name}.<knob>=... (conf/task/ruler.yaml)", nullable=True)
+           for name, sub in SUBTASKS.items() if sub.knobs},
+    }
+
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        for name, subtask in SUBTASKS.items():
+            if subtask.knobs is not None:
+                cls._merged_knobs(cfg, name, subtask.knobs)
 
     def examples(self) -> list[Example]:
         names, lengths = self._subtasks(), self._lengths()
@@ -67,11 +84,19 @@ class Ruler(Task):
         return [int(n) for n in lengths]
 
     def _knobs(self, name: str, defaults: dict) -> dict:
-        given = dict(self.cfg.get(name) or {})
+        return self._merged_knobs(self.cfg, name, defaults)
+
+    @staticmethod
+    def _merged_knobs(cfg, name: str, defaults: dict) -> dict:
+        given = dict(cfg.get(name) or {})
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise KvbenchError(f"task.{name} has no parameter {', '.join(map(repr, unknown))}; valid parameters: "
                                f"{', '.join(defaults)}")
+        for knob, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise KvbenchError(f"task.{name}.{knob}={value} is not a positive number; use "
+                                   f"task.{name}.{knob}={defaults[knob]} (RULER's default)")
         return {**defaults, **given}
 
     def _max_new_tokens(self, subtask: Subtask) -> int:

@@ -1,0 +1,263 @@
+"""Check the whole configuration before anything heavy runs (model load, baseline): every top-level key, method
+knob, grid entry and task knob, each bad value → one `KvbenchError` line naming the fix (exit 2).
+
+Declarative, so a new key is one line:
+- a top-level key: one `Rule` in `TOP_LEVEL` below (a test fails when conf/config.yaml has a key not listed);
+- a method knob: its dataclass field's annotation (`int`, `float`, `bool`, `str`, `list[str]`, `dict`, `X | None`,
+  `Literal[...]`) is the type; numbers are ≥ 0 unless the field says otherwise with
+  `knob(default, min=..., max=..., choices=...)` (kvbench.registry); the method's `__post_init__` adds its own checks;
+- a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
+
+Importable without torch (tasks declare their `knobs` with `Rule`).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from kvbench import KvbenchError
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value may be. `kind`: int | float | bool | str | list | dict | budget | any."""
+
+    kind: str
+    fix: str = ""  # a good value to show, e.g. "limit=10 (at most 10 examples) or limit=null (all)"
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    choices: tuple = ()
+    item: Rule | None = None  # the rule every list item follows
+    non_empty: bool = False  # lists: [] is an error (it would silently mean "the default")
+
+
+BOOL_FIX = "true or false"
+DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+
+# ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
+TOP_LEVEL: dict[str, Rule] = {
+    "budget": Rule("budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True),
+    "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
+    "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
+    "seed": Rule("int", "seed=0 (any integer)"),
+    "device": Rule("str", "device=auto, device=cpu or device=cuda (cuda:N)"),
+    "dtype": Rule("str", "dtype=auto (native bf16 else fp32), bfloat16, float16 or float32", choices=DTYPE_CHOICES),
+    "results_dir": Rule("str", "results_dir=PATH (a directory for the results store)"),
+    "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
+    "report": Rule("bool", "report=true or report=false"),
+    "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
+    "grid.method": Rule("list", "grid.method=[snapkv,h2o] (a list; null: the selected method)", nullable=True,
+                        non_empty=True, item=Rule("any")),
+    "grid.budget": Rule("list", "grid.budget=[0.25,0.5] (a list; null: budget)", nullable=True, non_empty=True,
+                        item=Rule("budget", "budget fractions in (0, 1] or token counts")),
+}
+# keys that are Hydra's or composition's, not the job's
+NOT_JOB_KEYS = {"defaults", "hydra", "model", "method", "task"}
+
+
+def _show(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return f"[{','.join(map(_show, value))}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _problem(value: Any, rule: Rule) -> str | None:
+    """What is wrong with `value` under `rule`, or None."""
+    if value is None:
+        return None if rule.nullable or rule.kind == "any" else "must be set (null is not allowed)"
+    kind = rule.kind
+    if kind == "bool":
+        return None if isinstance(value, bool) else "is not a boolean"
+    if kind in ("int", "float", "budget"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "is not a number"
+        if kind == "int" and not float(value).is_integer():
+            return "is not an integer"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "is not a finite number"
+        if kind == "budget":
+            if value <= 0:
+                return "must be > 0"
+            if value > 1 and not float(value).is_integer():
+                return "is above 1, so a token count, and must be an integer"
+    elif kind == "str":
+        if not isinstance(value, str) or not value:
+            return "is not a non-empty string"
+    elif kind == "list":
+        if not isinstance(value, (list, tuple)):
+            return "is not a list"
+        if rule.non_empty and not value:
+            return "is an empty list"
+        for i, item in enumerate(value):
+            problem = _problem(item, rule.item) if rule.item else None
+            if problem:
+                return f"item {i} ({_show(item)}) {problem}"
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            return "is not a mapping"
+    elif kind != "any":
+        raise ValueError(f"unknown Rule kind {kind!r}")
+    if rule.min is not None and isinstance(value, (int, float)) and value < rule.min:
+        return f"must be ≥ {rule.min:g}"
+    if rule.max is not None and isinstance(value, (int, float)) and value > rule.max:
+        return f"must be ≤ {rule.max:g}"
+    if rule.choices and value not in rule.choices:
+        return f"is not one of {', '.join(map(_show, rule.choices))}"
+    return None
+
+
+def check_value(key: str, value: Any, rule: Rule) -> None:
+    """Raise one line naming `key`, the bad value, what is wrong and the fix."""
+    problem = _problem(value, rule)
+    if problem:
+        raise KvbenchError(f"{key}={_show(value)} {problem}; use {rule.fix or 'a valid value'}")
+
+
+# ---- method knobs, from the dataclass annotations -------------------------------------------------------------
+def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping) -> Rule:
+    """The Rule a dataclass field's annotation (and `knob()` metadata) implies; `example` shows a good value."""
+    nullable = False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        nullable = len(args) < len(typing.get_args(annotation))
+        annotation = args[0] if len(args) == 1 else Any
+        origin = typing.get_origin(annotation)
+    choices = tuple(metadata.get("choices", ()))
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        annotation = type(choices[0])
+    base = origin or annotation
+    kind = {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "list", dict: "dict"}.get(
+        base, "any")
+    item = None
+    if kind == "list" and typing.get_args(annotation):
+        inner = typing.get_args(annotation)[0]
+        item = rule_from_annotation(inner, example, {}) if inner is not Ellipsis else None
+    low = metadata["min"] if "min" in metadata else (0 if kind in ("int", "float") else None)
+    return Rule(kind, example, nullable=nullable, min=low, max=metadata.get("max"), choices=choices, item=item)
+
+
+def check_method_params(where: str, cls: type, params: dict, example=None) -> None:
+    """Type/range of each given knob of a method dataclass (unknown knobs: build_dataclass names the valid ones).
+    `example(knob, shown_default)` writes a good value the way the user gives it (default: method.knob=value)."""
+    example = example or (lambda name, shown: f"{where}.{name}={shown}")
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if not f.init or f.name not in params:
+            continue
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else None)
+        rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
+        check_value(f"{where}.{f.name}", params[f.name], rule)
+
+
+def method_class(where: str, name: Any) -> type:
+    from kvbench.methods import METHODS
+
+    if not isinstance(name, str):
+        raise KvbenchError(f"{where}: method name {_show(name)} is not a string; valid methods: "
+                           f"{', '.join(METHODS.names())}")
+    return METHODS.get(name)
+
+
+def check_grid_entry(index: int, entry: Any) -> None:
+    from kvbench.methods import build_method, method_defaults
+
+    where = f"grid.method[{index}]"
+    if not isinstance(entry, dict):
+        method_class(where, entry)
+        build_method(entry, method_defaults(entry))
+        return
+    if "name" not in entry:
+        raise KvbenchError(f"{where}={_show(entry)} has no `name`; use e.g. 'grid.method=[{{name: kivi, bits: 2}}]'")
+    name = entry["name"]
+    params = {k: v for k, v in entry.items() if k != "name"}
+    check_method_params(where, method_class(where, name), params,
+                        lambda knob, shown: f"'grid.method=[{{name: {name}, {knob}: {shown}}}]'")
+    build_method(name, {**method_defaults(name), **params})  # the method's own __post_init__ checks
+
+
+# ---- task knobs -----------------------------------------------------------------------------------------------
+def task_rule(task_name: str, key: str, default: Any, declared: dict[str, Rule]) -> Rule | None:
+    """A task knob's rule: the task class's declared `knobs`, else the type of its yaml default (None: any)."""
+    if key in declared:
+        return declared[key]
+    kinds = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}
+    kind = kinds.get(type(default))
+    if kind is None:
+        return None
+    shown = f"[{','.join(map(str, default))}]" if isinstance(default, list) else _show(default)
+    fix = f"task.{key}={shown} (conf/task/{task_name}.yaml)"
+    item = None
+    if kind == "list" and default and type(default[0]) in (int, float, str):
+        item = Rule(kinds[type(default[0])], fix, min=0 if type(default[0]) in (int, float) else None)
+    return Rule(kind, fix, min=0 if kind in ("int", "float") else None, item=item)
+
+
+def check_task(task_cfg: dict) -> None:
+    from kvbench import conf_dir
+    from kvbench.tasks import TASKS
+
+    name = task_cfg.get("name")
+    cls = TASKS.get(name)
+    declared: dict[str, Rule] = dict(getattr(cls, "knobs", {}) or {})
+    path = conf_dir() / "task" / f"{name}.yaml"
+    defaults: dict = {}
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[assignment]
+    for key, value in task_cfg.items():
+        if key == "name":
+            continue
+        rule = task_rule(name, key, defaults.get(key), declared)
+        if rule is not None:
+            check_value(f"task.{key}", value, rule)
+    cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
+
+
+# ---- the whole configuration ----------------------------------------------------------------------------------
+def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check_config(cfg) -> None:
+    """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
+    from omegaconf import OmegaConf
+
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    except Exception as error:  # an interpolation that does not resolve
+        raise KvbenchError(f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} "
+                           "reference it names") from None
+    for key, rule in TOP_LEVEL.items():
+        present, value = _lookup(config, key)
+        if present:
+            check_value(key, value, rule)
+    from kvbench.methods import build_method
+
+    method = config.get("method") or {}
+    params = {k: v for k, v in method.items() if k != "name"}
+    check_method_params("method", method_class("method", method.get("name")), params)
+    build_method(method["name"], params)  # the method's own __post_init__ checks
+    for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
+        check_grid_entry(index, entry)
+    check_task(config.get("task") or {})
