@@ -56,8 +56,8 @@ TOP_LEVEL: dict[str, Rule] = {
     "grid.budget": Rule("list", "grid.budget=[0.25,0.5] (a list; null: budget)", nullable=True, non_empty=True,
                         item=Rule("budget", "budget fractions in (0, 1] or token counts")),
 }
-# keys that are Hydra's or composition's, not the job's
-NOT_JOB_KEYS = {"defaults", "hydra", "model", "method", "task"}
+# keys that are Hydra's, not the job's (config groups, conf/<group>/, are checked by their own code)
+NOT_JOB_KEYS = {"defaults", "hydra"}
 
 
 def _show(value: Any) -> str:
