@@ -178,7 +178,8 @@ class Engine:
         transformers builds a single causal mask from the first layer's length.
         """
         method.on_extend(len(ids))  # the appended question is not part of the compressed budget
-        chunks = [ids] if len(set(layer_lengths(cache))) == 1 else [[t] for t in ids]
+        one_forward = len(set(layer_lengths(cache))) == 1 and not getattr(method, "extends_token_by_token", False)
+        chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
         for chunk in chunks:
             base = method.position(position, cache)  # rolling positions count inside the cache
             positions = [base + i for i in range(len(chunk))]

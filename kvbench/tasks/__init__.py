@@ -6,5 +6,6 @@ from kvbench.tasks import niah  # noqa: F401,E402  (registers)
 from kvbench.tasks import longbench  # noqa: F401,E402
 from kvbench.tasks import ppl  # noqa: F401,E402
 from kvbench.tasks import ruler  # noqa: F401,E402
+from kvbench.tasks import longgen  # noqa: F401,E402
 
 __all__ = ["TASKS", "Example", "Task", "build_task"]

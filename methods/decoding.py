@@ -1,0 +1,120 @@
+"""Compression during long generations (kvpress's DecodingPress), for any scoring method.
+
+The prompt is compressed by the `scorer` method at the run's `budget` as usual (1.0: not at all); then, while
+generating, every `compress_every` steps each layer holding more than `decode_budget` tokens is re-selected down
+to `decode_budget` by the scorer's per-head scores over everything cached (prompt and generated tokens), so the
+cache oscillates between `decode_budget` and `decode_budget + compress_every` tokens per layer.
+
+Decode-time statistics: each step's forward records the scorer's statistics for its single query; the rows of the
+steps since the last compression stand in for an observation window (summed over the last W of them, as SnapKV's
+window of W queries; TOVA's W = 1 is the last query), and their pre-RoPE query moments for Expected Attention's
+(kvpress buffers the decode hidden states for the same purpose). Both are cleared after each compression.
+Tokens appended after prefill (a forced trace, the question when query_aware=false) go through the same per-token
+path as generated ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.attention import QueryMoments, StatsRecorder, StatsRequest
+from kvbench.cache import layer_select
+from kvbench.methods.base import METHODS, Method, build_method, method_defaults
+from kvbench.methods.scorer import SCORERS, head_scores
+from kvbench.methods.scoring import check_choice, top_k_sorted
+
+
+@METHODS.register("decoding")
+@dataclass
+class Decoding(Method):
+    scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
+    compress_every: int = 64  # generated tokens between two compressions
+    decode_budget: int = 256  # tokens per layer kept by each decode-time compression
+
+    extends_token_by_token = True  # appended tokens are decode steps (engine._extend)
+
+    def __post_init__(self):
+        check_choice("scorer", self.scorer, SCORERS)
+        if self.compress_every < 1 or self.decode_budget < 1:
+            raise KvbenchError(f"decoding: compress_every={self.compress_every} and decode_budget="
+                               f"{self.decode_budget} must be ≥ 1")
+        self._scorer = build_method(self.scorer, method_defaults(self.scorer))
+        self.reset()
+
+    def reset(self) -> None:
+        self._armed = False
+        self._steps = 0
+        self._rows: dict[int, dict[int, list[torch.Tensor]]] = {}  # W → layer → recent (B, H_q, T_step) rows
+        self._moments: dict[int, dict[int, QueryMoments]] = {}  # n_sink → layer → moments since last compression
+
+    # ---- prefill: the scorer's own compression ---------------------------------------------------------------
+    def bind(self, lm) -> None:
+        self._scorer.bind(lm)
+
+    def stats_request(self) -> StatsRequest:
+        return self._scorer.stats_request()
+
+    def min_tokens(self) -> int:
+        return self._scorer.min_tokens()
+
+    def layer_tokens(self, n_keep, n_layers, n_prompt):
+        return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
+
+    def compress(self, prefill_kv, stats, budget):
+        self.reset()
+        cache = self._scorer.compress(prefill_kv, stats, budget)
+        self._scorer.reset()  # its own decode-time eviction (TOVA) stays off: this wrapper decides when
+        self._armed = True
+        return cache
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def evicts_while_decoding(self) -> bool:
+        return True
+
+    def decode_request(self) -> StatsRequest:
+        return self._scorer.stats_request() if self._armed else StatsRequest()
+
+    def on_decode_step(self, cache, stats) -> None:
+        if not self._armed:
+            return
+        self._remember(stats)
+        self._steps += 1
+        if self._steps < self.compress_every:
+            return
+        window = self._window_stats(cache)
+        for layer_idx, layer in enumerate(cache.layers):
+            if layer.get_seq_length() > self.decode_budget:
+                scores = head_scores(self._scorer, layer_idx, layer.keys, layer.values, window)  # (B, H_kv, T)
+                layer_select(layer, top_k_sorted(scores, self.decode_budget))
+        self._steps, self._rows, self._moments = 0, {}, {}
+
+    def _remember(self, stats: StatsRecorder) -> None:
+        for w, layers in stats.window.items():
+            for layer_idx, row in layers.items():  # (B, H_q, T_step): one query's attention
+                rows = self._rows.setdefault(w, {}).setdefault(layer_idx, [])
+                rows.append(row)
+                del rows[:-w]  # only the last W queries vote
+        for skip, layers in stats.moments.items():
+            for layer_idx, step in layers.items():
+                total = self._moments.setdefault(skip, {}).setdefault(layer_idx, QueryMoments.empty(
+                    *step.total.shape[:2], step.total.shape[-1], step.inv_freq, step.rope_scaling))
+                total.count, total.total, total.outer = (total.count + step.count, total.total + step.total,
+                                                         total.outer + step.outer)
+
+    def _window_stats(self, cache) -> StatsRecorder:
+        """The recent steps' statistics in the shape the scorer reads after prefill."""
+        recorder = StatsRecorder(self._scorer.stats_request())
+        for w, layers in self._rows.items():
+            for layer_idx, rows in layers.items():
+                n_tokens = cache.layers[layer_idx].get_seq_length()
+                padded = [torch.nn.functional.pad(row, (0, n_tokens - row.shape[-1])) for row in rows]  # later keys: 0
+                recorder.window.setdefault(w, {})[layer_idx] = torch.stack(padded).sum(0)  # (B, H_q, T)
+        recorder.moments = self._moments
+        return recorder
+
+    @classmethod
+    def lossless_params(cls, lm) -> dict | None:
+        return {"decode_budget": 1 << 40}
