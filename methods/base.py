@@ -93,28 +93,35 @@ class Method:
         """Positions to keep for one layer: (B, H_kv, n_keep) int64, sorted ascending."""
         raise KvbenchError(f"method {self.name!r} does not evict tokens")
 
-    def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
-        """The cache to decode from: each layer's kept positions gathered into new tensors."""
-        self.reset()
-        n_prompt = prefill_kv[0][0].shape[2]
+    def layer_keep_counts(self, n_prompt: int, n_layers: int, budget: Budget | None) -> list[int] | None:
+        """Prompt tokens each layer keeps under `budget`; None when nothing is evicted. The one rule both
+        `compress` and the planner's byte accounting (kvbench.kv_bytes) follow."""
         if budget is None or not self.has_budget:
-            return cache_from_kv(prefill_kv)
+            return None
         n_keep = budget.tokens(n_prompt)
         if n_keep >= n_prompt:
-            return cache_from_kv(prefill_kv)
+            return None
         if n_keep < self.min_tokens() and not budget.is_tokens:
             # a fraction of a short prompt: keep the method's minimum (its window/sinks) instead, as SnapKV
             # compresses only prompts longer than its capacity; the measured kv_ratio records what was kept
             n_keep = self.min_tokens()
             if n_keep >= n_prompt:
-                return cache_from_kv(prefill_kv)
+                return None
         if n_keep < self.min_tokens():
             raise KvbenchError(
                 f"budget {budget.value} keeps {n_keep} of {n_prompt} prompt tokens, fewer than {self.name} needs "
                 f"({self.min_tokens()}: its sinks/windows); raise the budget or shrink the window"
             )
+        return [min(n, n_prompt) for n in self.layer_tokens(n_keep, n_layers, n_prompt)]
+
+    def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
+        """The cache to decode from: each layer's kept positions gathered into new tensors."""
+        self.reset()
+        counts = self.layer_keep_counts(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
+        if counts is None:
+            return cache_from_kv(prefill_kv)
         kept = []
-        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, self.layer_tokens(n_keep, len(prefill_kv), n_prompt))):
+        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, counts)):
             if layer_keep >= keys.shape[2]:
                 kept.append((keys, values))
                 continue

@@ -1,0 +1,121 @@
+"""KV-cache bytes by method, analytically: the accounting the planner uses, checked against what the engine measures.
+
+The engine measures `kv_bytes` as the storages a cache physically holds (kvbench.cache.cache_nbytes). This module
+predicts the same number without running the model, from the same rules the code follows:
+- tokens kept per layer: `Method.layer_keep_counts` (the very function `Method.compress` evicts by), then the
+  appended question and the decoded tokens, which decode-time evictors (H2O, StreamingLLM) evict again;
+- KV heads: the model's, or head merging's `kv_heads`;
+- storage layout: dense K/V (`kvbench.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
+  (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque).
+tests/test_plan_bytes.py checks predicted == measured for every registered method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.cache import full_cache_nbytes
+
+# hf-quant's storage is quanto's (packed data + per-group scale and shift): predicted within this relative error
+OPAQUE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The terms of the seed's formula: 2 · layers · kv_heads · head_dim · bytes per element (· tokens · batch)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return full_cache_nbytes(self.n_layers, self.n_kv_heads, self.head_dim, 1, self.dtype)
+
+    def dense_layer_bytes(self, tokens: int, batch: int = 1) -> int:
+        return batch * full_cache_nbytes(1, self.n_kv_heads, self.head_dim, tokens, self.dtype)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    kv_bytes: int  # the whole batch
+    exact: bool  # False: an estimate within OPAQUE_TOLERANCE (a backend whose internals are opaque)
+    layer_tokens: tuple[int, ...]  # tokens each layer holds at the end
+
+
+def kivi_layer_bytes(shape: KVShape, tokens: int, bits: int, group_size: int, residual_length: int,
+                     batch: int = 1) -> int:
+    """One KiviLayer holding `tokens` (a function of the count alone: prefill, flushes and `select` all store by
+    KIVI's prefill rule). Keys: whole residual blocks quantized per channel, the rest full precision; values: all
+    but the newest residual_length quantized per token. Packed words are int32, scales/zeros in the model dtype."""
+    heads, dim, elem = batch * shape.n_kv_heads, shape.head_dim, shape.element_bytes
+    if bits == 16:  # passthrough: every token stays in the full-precision residual
+        return 2 * heads * tokens * dim * elem
+    words_per_group = -(-group_size * bits // 32)
+    key_tokens = tokens // residual_length * residual_length
+    key_groups = key_tokens // group_size  # per channel
+    keys = heads * dim * key_groups * (4 * words_per_group + 2 * elem) + heads * (tokens - key_tokens) * dim * elem
+    value_tokens = max(0, tokens - residual_length)
+    value_groups = dim // group_size  # per token
+    values = heads * value_tokens * value_groups * (4 * words_per_group + 2 * elem)
+    values += heads * (tokens - value_tokens) * dim * elem
+    return keys + values
+
+
+def quanto_layer_bytes(shape: KVShape, tokens: int, updates: list[int], nbits: int, group_size: int,
+                       residual_length: int, batch: int = 1) -> int:
+    """transformers' QuantizedLayer: the first update quantizes everything; later updates collect a full-precision
+    residual until it reaches residual_length, then requantize the whole cache. quanto stores `nbits`-bit codes
+    packed into bytes plus one scale and one shift per group in the model dtype (estimate: padding not modelled)."""
+    residual = 0
+    for n in updates:
+        residual = 0 if residual + n >= residual_length else residual + n
+    quantized = batch * shape.n_kv_heads * (tokens - residual) * shape.head_dim  # elements, K or V
+    per_tensor = quantized * nbits // 8 + 2 * (quantized // group_size) * shape.element_bytes
+    return 2 * per_tensor + shape.dense_layer_bytes(residual, batch)
+
+
+def _parts(method) -> tuple:
+    """(structure, eviction, precision) parts of a method; compose stacks one of each at most."""
+    if method.name == "compose":
+        return method._structure, method._eviction, method._precision
+    family = getattr(method, "family", "eviction")
+    return (method if family == "structure" else None, method if family == "eviction" else None,
+            method if family == "precision" else None)
+
+
+def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appended_tokens: int = 0,
+                     decoded_tokens: int = 0, batch: int = 1) -> Prediction:
+    """Bytes the cache of `batch` requests holds after compressing a `prompt_tokens` prompt with `method` at
+    `budget`, appending `appended_tokens` uncompressed (query_aware=false) and feeding `decoded_tokens`."""
+    structure, eviction, precision = _parts(method)
+    if structure is not None:
+        shape = KVShape(shape.n_layers, structure.kv_heads, shape.head_dim, shape.dtype)
+    counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
+    evicted = counts is not None
+    counts = counts or [prompt_tokens] * shape.n_layers
+    stays = evicted and eviction.evicts_while_decoding()  # H2O / StreamingLLM evict back to their size each step
+    tokens = [n + appended_tokens + (0 if stays else decoded_tokens) for n in counts]
+    exact = True
+    if precision is None:
+        total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
+    elif precision.name == "kivi":
+        total = sum(kivi_layer_bytes(shape, t, precision.bits, precision.group_size, precision.residual_length, batch)
+                    for t in tokens)
+    elif precision.name == "hf-quant" and precision.backend == "quanto":
+        updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
+        total = sum(quanto_layer_bytes(shape, t, updates, precision.nbits, precision.q_group_size,
+                                       precision.residual_length, batch) for t in tokens)
+        exact = False
+    else:
+        raise KvbenchError(f"no byte accounting for {precision.name} "
+                           f"{getattr(precision, 'backend', '')}; the planner supports kivi and hf-quant backend=quanto")
+    return Prediction(total, exact, tuple(tokens))
