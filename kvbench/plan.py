@@ -37,7 +37,7 @@ def as_ints(value, key: str) -> list[int]:
 
 def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(plan rows, limits rows, header) for the configured model, hardware, configurations, contexts, batches."""
-    from kvbench.methods import variant_label
+    from kvbench.aggregate import variant_label
     from kvbench.models import resolve_dtype
     from kvbench.plan_hardware import build_hardware
     from kvbench.plan_model import arch_of, element_bytes, plan_point

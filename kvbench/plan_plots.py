@@ -21,7 +21,7 @@ def region_plot(cfg, path: Path) -> Path:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from kvbench.methods import variant_label
+    from kvbench.aggregate import variant_label
     from kvbench.models import resolve_dtype
     from kvbench.plan_hardware import build_hardware
     from kvbench.plan_model import arch_of, plan_point
