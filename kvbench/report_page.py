@@ -22,7 +22,7 @@ border-bottom:1px solid #eee;z-index:2;font-size:.92em}nav a{margin-right:1.2em;
 margin:.4em 0 1.2em}.card ul{margin:0;padding-left:1.1em}.card li{margin:.25em 0}
 img{max-width:100%;height:auto;display:block}.plots{display:grid;grid-template-columns:repeat(auto-fill,
 minmax(520px,1fr));gap:14px;margin:.5em 0 1em}
-details{margin:.3em 0 .8em}details details{margin-left:1.4em}table.left td{text-align:left}summary{cursor:pointer;font-weight:600;padding:.2em 0}
+details{margin:.3em 0 .8em}details details{margin-left:1.4em}table.left td,th.l,td.l{text-align:left}summary{cursor:pointer;font-weight:600;padding:.2em 0}
 .wrap{overflow-x:auto;max-width:100%}table{border-collapse:collapse;font-size:.84em;margin:.3em 0 .9em;
 font-variant-numeric:tabular-nums}th,td{border-bottom:1px solid #e3e3e3;padding:3px 9px;text-align:right;
 white-space:nowrap}th{background:#f5f5f7;position:relative;cursor:pointer;user-select:none}

@@ -46,6 +46,11 @@ class Column:
     text: Callable[[object], str] = str
     default: bool = True  # False: behind the "all columns" toggle
     title: str = ""  # the header's tooltip
+    left: bool = False  # text, aligned left (numbers align right)
+
+    def cls(self) -> str:
+        names = ([] if self.default else ["more"]) + (["l"] if self.left else [])
+        return f' class="{" ".join(names)}"' if names else ""
 
 
 def summary_columns(part: pd.DataFrame, *, subset: bool = False, model: bool = False, tasks: bool = False,
@@ -69,9 +74,9 @@ def summary_columns(part: pd.DataFrame, *, subset: bool = False, model: bool = F
         Column("decode ms/token", lambda r: r["decode_ms_per_token"], fixed(1)),
     ]
     if tasks:
-        cols.append(Column("tasks", lambda r: r["tasks"], default=True, title="tasks the examples come from"))
+        cols.append(Column("tasks", lambda r: r["tasks"], left=True, title="tasks the examples come from"))
     if setting:
-        cols.append(Column("query_aware", lambda r: str(bool(r["query_aware"])).lower()))
+        cols.append(Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True))
     if "score_partial" in part and part["score_partial"].notna().any():
         cols.append(Column("partial score", lambda r: r["score_partial"], fixed(3), default=False))
     cols += [Column("kv MiB", lambda r: r["kv_bytes"], mib, default=False),
@@ -97,13 +102,11 @@ def cells(part: pd.DataFrame, columns: list[Column]) -> list[list[tuple[object, 
 
 def html_table(part: pd.DataFrame, columns: list[Column], few: pd.Series | None = None, cls: str = "") -> str:
     """A sortable table (click a header); `few` marks rows to grey out (fewer than MIN_N examples)."""
-    head = "".join(f'<th{"" if c.default else " class=more"}{_title(c)}>{html.escape(c.heading)}</th>'
-                   for c in columns)
+    head = "".join(f"<th{c.cls()}{_title(c)}>{html.escape(c.heading)}</th>" for c in columns)
     rows = []
     grey = list(few) if few is not None else [False] * len(part)
     for line, is_few in zip(cells(part, columns), grey):
-        tds = "".join(f'<td{"" if c.default else " class=more"}{_sort_key(key)}>{html.escape(text)}</td>'
-                      for c, (key, text) in zip(columns, line))
+        tds = "".join(f"<td{c.cls()}{_sort_key(key)}>{html.escape(text)}</td>" for c, (key, text) in zip(columns, line))
         rows.append(f'<tr{" class=few" if is_few else ""}>{tds}</tr>')
     return f'<div class=wrap><table class="sortable {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}' \
            f"</tbody></table></div>"
