@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pandas as pd
@@ -82,7 +82,7 @@ def validate(rows: pd.DataFrame) -> None:
 # ---------------------------------------------------------------------------------------------- labels
 
 
-@functools.lru_cache(maxsize=None)  # every row is labelled: read each yaml once
+@functools.cache  # every row is labelled: read each yaml once
 def method_yaml(name: str) -> dict:
     """The knobs of conf/method/<name>.yaml (without `name`); {} when there is no such file."""
     from omegaconf import OmegaConf

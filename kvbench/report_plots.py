@@ -114,7 +114,7 @@ def plot_costs(points: pd.DataFrame, path: Path, title: str, colours: dict) -> P
     """2×2: cache bytes, peak memory, prefill time, decode time per token, each vs measured kv_ratio."""
     panels = [("kv_bytes", MiB, "KV cache held (MiB)"), ("peak_mem_bytes", MiB, "peak memory (MiB)"),
               ("prefill_s", 1, "prefill incl. compression (s)"), ("decode_ms_per_token", 1, "decode (ms / token)")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 2, figsize=(7.5, 5.6))
     for ax, (column, scale, ylabel) in zip(axes.flat, panels):
         for label, method, style, curve in _curves(points):
             ax.plot(curve["kv_ratio"], curve[column] / scale, color=colours[method], linestyle=style, marker="o",
@@ -125,9 +125,10 @@ def plot_costs(points: pd.DataFrame, path: Path, title: str, colours: dict) -> P
         top = max((points[column] / scale).max(), 0)
         ax.set_ylim(0, top * 1.12 if top > 0 else 1)  # from zero: the eye reads ratios between methods
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.suptitle(f"Memory and latency vs KV cache size: {title}")
     fig.tight_layout()
+    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))  # off the data
     return _save(fig, path)
 
 
@@ -197,8 +198,9 @@ def plot_all(rows: pd.DataFrame, summary: pd.DataFrame, knee_table: pd.DataFrame
         name = slug(model if several_models else "", "overall" if task == ALL else task)
         in_scope = rows if task == ALL else rows[rows["task"] == task]
         metric = ", ".join(sorted(in_scope[in_scope["model"] == model]["metric"].astype(str).unique()))
+        metric += "; lower is better" if points["lower_is_better"].all() else ""
 
-        def scope(table):
+        def scope(table, level=level, model=model, task=task):
             return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)]
 
         knee_points = scope(knee_table).dropna(subset=["knee_budget"])

@@ -95,7 +95,11 @@ def takeaways(summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level
     else:
         lines.append("No full-cache rows on these examples: no drop vs full and no knees.")
     lines += budget_lines(points)
-    if len(apart):
+    if len(apart) > 4:
+        covered = " / ".join(sorted(apart["tasks"].unique()))
+        lines.append(f"Not ranked: {len(apart)} configurations ran on only part of the examples ({covered}; "
+                     f"{apart['n'].min()}–{apart['n'].max()} examples each); they are listed apart in the tables.")
+    elif len(apart):
         lines.append("Not ranked (ran on only part of the examples): " + "; ".join(
             f"{r['method']} budget {r['budget']:g}: {r['score']:.3f} on {r['n']} examples of {r['tasks']}"
             for _, r in apart.iterrows()) + ".")

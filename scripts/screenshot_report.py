@@ -59,7 +59,7 @@ def save(image: Image.Image, path: Path, scale: float = 1.0) -> None:
     """Palette-encoded (these are committed next to the report)."""
     if scale != 1:
         image = image.resize((int(image.width * scale), int(image.height * scale)), Image.LANCZOS)
-    image.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+    image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(path, optimize=True)
     print(path)
 
 
