@@ -48,6 +48,44 @@ def git_sha() -> str:
         return "unknown"
 
 
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 (16 hex) of the kvbench sources that ran: the package, its methods and kernels (every .py file).
+    Unlike git_sha it sees uncommitted edits and works from a pip install; reused rows with another fingerprint
+    were computed by different code (the run says so)."""
+    import importlib
+
+    digest = hashlib.sha256()
+    for package in ("kvbench", "kvbench.methods", "kvbench.kernels"):
+        for directory in map(Path, importlib.import_module(package).__path__):
+            for source in sorted(directory.rglob("*.py")):
+                if "__pycache__" in source.parts:
+                    continue
+                digest.update(f"{package}/{source.relative_to(directory).as_posix()}\0".encode())
+                digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_FILE_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → sha256: multiruns hash a file once
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a data file's content (the key of reused rows includes it: an edited file is recomputed)."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key not in _FILE_DIGESTS:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            _FILE_DIGESTS[key] = digest.hexdigest()
+        return _FILE_DIGESTS[key]
+    except OSError as error:
+        raise KvbenchError(f"cannot read data file {path} ({error.strerror}); fix the path in the task's config")
+
+
 def device_name(device: torch.device) -> str:
     import torch  # here, not at the top: kvbench.report and kvbench.check read rows without torch
 
@@ -69,6 +107,7 @@ def provenance(device: torch.device) -> dict:
 
     return {
         "git_sha": git_sha(),
+        "code_fingerprint": code_fingerprint(),
         "kvbench_version": kvbench.__version__,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

@@ -26,7 +26,8 @@ from kvbench.claims import Claims
 from kvbench.engine import Engine, Generation
 from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
-from kvbench.results import COLUMNS, ResultStore, check_writable, config_hash, provenance, write_csv, write_rows
+from kvbench.results import COLUMNS, ResultStore, check_writable, code_fingerprint, config_hash, file_digest, provenance
+from kvbench.results import write_csv, write_rows
 from kvbench.tasks import Example, build_task
 from kvbench.tasks.base import check_fits
 from kvbench.validate import check_config
@@ -96,12 +97,13 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     return out
 
 
-def hash_configuration(c: Configuration, cfg: DictConfig, lm) -> str:
+def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
+    """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
     task = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items() if k not in SELECTION_KEYS}
     return config_hash({
         "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": str(lm.dtype), "device": lm.device.type,
         "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
-        "budget": c.budget_value, "query_aware": c.query_aware,
+        "budget": c.budget_value, "query_aware": c.query_aware, **({"data": data} if data else {}),
     })
 
 
@@ -180,8 +182,9 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     if not task.streaming:  # a stream may run past the context window: that is what it measures
         check_fits(examples, lm.max_context)
+    data = {str(path): file_digest(path) for path in task.data_files()}
     for c in confs:
-        c.hash = hash_configuration(c, cfg, lm)
+        c.hash = hash_configuration(c, cfg, lm, data)
     store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
     check_writable(store.rows_dir)
     out_dir = Path(output_dir) if output_dir else store.root / "last"
@@ -282,7 +285,7 @@ def finish_run(cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: Resul
     write_rows(frame, out_dir / "rows.parquet")
     summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
     write_csv(summary, out_dir / "summary.csv")
-    print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds)
+    print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame))
     if cfg.get("report", True):
         from kvbench.report import build_report  # imported here: matplotlib only when a report is wanted
 
@@ -292,8 +295,16 @@ def finish_run(cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: Resul
         print(f"report:  {out_dir / 'report' / 'report.html'}")
 
 
+def stale_rows(frame: pd.DataFrame) -> int:
+    """Reused rows computed by other code than this run's (or by code that recorded no fingerprint)."""
+    if "reused" not in frame or not len(frame):
+        return 0
+    recorded = frame["code_fingerprint"] if "code_fingerprint" in frame else pd.Series(None, index=frame.index)
+    return int((frame["reused"].astype(bool) & (recorded != code_fingerprint())).sum())
+
+
 def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,
-                  seconds: float) -> None:
+                  seconds: float, stale: int = 0) -> None:
     """The per-task table (configurations compared on the same examples; others listed apart with their n)."""
     table = summary[summary["level"] == "task"].assign(
         ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])])
@@ -307,4 +318,7 @@ def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_ne
         print("\nran on only part of the examples (not comparable with the rows above):")
         print(apart[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
+    if stale:
+        print(f"note: {stale} of the {n_reused} reused rows were computed by different kvbench code (another "
+              "code_fingerprint); rerun=true to recompute")
     print(f"rows:    {out_dir / 'rows.parquet'}\nsummary: {out_dir / 'summary.csv'}\nstore:   {store.rows_dir}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench import KvbenchError
@@ -61,6 +62,12 @@ class Task:
 
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it
+
+    def data_files(self) -> list[Path]:
+        """Every file whose content shapes this task's examples, whatever the selection keys pick (they are
+        outside config_hash): their sha256 goes into config_hash, so an edited file is never answered with old
+        rows. Tasks reading files (haystacks, LongBench's JSONL) override it."""
+        return []
 
     def row_ids(self, example: Example) -> list[str]:
         """The `example_id`s of the rows one configuration produces for this example."""

@@ -46,6 +46,17 @@ def check_files(key: str, files) -> None:
             raise KvbenchError(f"{key}: {path} is not a file; fix the path in {key}=[...]")
 
 
+def sentence_files(kind: str, files: list[str] | None = None) -> list[Path]:
+    """The files `load_sentences(kind, files)` reads (their content goes into config_hash)."""
+    if kind == "prose":
+        import pydoc_data.topics
+
+        return [Path(pydoc_data.topics.__file__)]  # differs between Python versions
+    if kind == "file":
+        return [Path(str(f)).expanduser() for f in files or []]
+    return []
+
+
 def load_sentences(kind: str, files: list[str] | None = None) -> list[str]:
     if kind == "noise":
         return list(NOISE)

@@ -267,6 +267,12 @@ class LongBench(Task):
     def _data_dir(self) -> Path:
         return data_dir(self.cfg) if self.cfg.get("data_dir") else official_data_dir()
 
+    def data_files(self) -> list[Path]:
+        """Every LongBench file in the data directory (not only the selected subsets': subsets is a selection key,
+        so rows stay reusable across selections, and any edit in the directory recomputes)."""
+        directory = self._data_dir()
+        return sorted(p for p in directory.iterdir() if p.suffix in (".jsonl", ".parquet") and p.is_file())
+
     def examples(self) -> list[Example]:
         directory, limit = self._data_dir(), self.cfg.get("limit_per_subset")
         out = []

@@ -14,7 +14,7 @@ from kvbench import KvbenchError
 from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences
+from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences, sentence_files
 from kvbench.validate import Rule
 
 ADJECTIVES = ("amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
@@ -115,6 +115,9 @@ class NeedleInAHaystack(Task):
         encoded = [self._encode(" " + s) for s in sentences]
         return [self._example(int(length), float(depth), encoded)
                 for length in cfg.context_lengths for depth in cfg.depths]
+
+    def data_files(self):
+        return sentence_files(self.cfg.haystack, list(self.cfg.get("haystack_files") or []))
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -14,7 +14,7 @@ import random
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.haystack import check_files, load_sentences
+from kvbench.tasks.haystack import check_files, load_sentences, sentence_files
 from kvbench.validate import Rule
 
 
@@ -57,6 +57,9 @@ class Perplexity(Task):
         return [Example(example_id=f"ppl-{cfg.text}-L{len(ids)}-s{self.seed}", context_ids=ids, question_ids=[],
                         answers=[], max_new_tokens=0, subset=cfg.text,
                         meta={"length_target": int(cfg.length), "scenario": "language modelling"})]
+
+    def data_files(self):
+        return sentence_files(self.cfg.text, list(self.cfg.get("text_files") or []))
 
     def row_ids(self, example: Example) -> list[str]:
         n_windows = math.ceil((len(example.context_ids) - 1) / self.chunk)

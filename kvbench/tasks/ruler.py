@@ -126,6 +126,11 @@ class Ruler(Task):
             meta=meta,
         )
 
+    def data_files(self):
+        from kvbench.tasks.haystack import sentence_files
+
+        return sentence_files("prose")  # the essay haystack of the niah variants (Python's bundled docs)
+
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
