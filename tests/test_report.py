@@ -337,7 +337,7 @@ def test_page_leads_with_takeaways_and_never_pools_unlike_example_sets(tmp_path)
         assert src.startswith("data:image/png;base64,")  # self-contained: nothing fetched
 
 
-def test_python_m_kvbench_report_imports_neither_torch_nor_transformers(tmp_path):
+def test_python_m_kvbench_report_and_check_import_neither_torch_nor_transformers(tmp_path):
     import subprocess
     import sys
 
@@ -346,8 +346,27 @@ def test_python_m_kvbench_report_imports_neither_torch_nor_transformers(tmp_path
             f"sys.argv = ['kvbench.report', {str(results)!r}, '--out', {str(tmp_path / 'out')!r}]\n"
             "try:\n    runpy.run_module('kvbench.report', run_name='__main__')\nexcept SystemExit as e:\n"
             "    assert not e.code, e.code\n"
+            "import kvbench.check\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
     assert (tmp_path / "out" / "report.html").is_file()
+
+
+def test_tasks_declare_their_facts_and_the_plots_follow_them(tmp_path, capsys):
+    from kvbench.tasks import TASKS
+    from kvbench.tasks.facts import TaskFacts, task_facts
+
+    for name in TASKS.names():
+        assert isinstance(task_facts(name), TaskFacts)  # every registered task's facts are valid
+    assert task_facts("ppl").lower_is_better and task_facts("ppl").score_range[0] == 1.0
+    assert "heatmap" in task_facts("niah").plots and task_facts("not-a-task") == TaskFacts()
+    with pytest.raises(ValueError, match="unknown"):
+        TaskFacts(plots=("pie",))
+    # the same grid columns on a task that declares no heatmap (here an unregistered one) give no heatmap
+    grid = niah_grid([("full", 1.0)], lambda *_: 1.0)
+    rows = grid + [{**r, "task": "other", "config_hash": "other-" + r["config_hash"]} for r in grid]
+    assert report_main([str(store(tmp_path / "results", rows)), "--out", str(tmp_path / "out")]) == 0
+    names = {p.split("/")[-1] for p in capsys.readouterr().out.split()}
+    assert "heatmap_niah_full.png" in names and not any(n.startswith("heatmap_other") for n in names)
