@@ -79,6 +79,12 @@ def _title(model: str, task: str, several_models: bool) -> str:
     return f"{scope} — {model}" if several_models else scope
 
 
+def _score_axis(ax, points: pd.DataFrame) -> None:
+    """Scores in [0, 1] on the whole [0, 1] axis: a zoomed axis makes a 0.67 look like a collapse."""
+    if not points["lower_is_better"].any() and points["score"].between(0, 1).all():
+        ax.set_ylim(-0.03, 1.05)
+
+
 def plot_quality(points: pd.DataFrame, path: Path, title: str, metric: str, colours: dict) -> Path:
     """Mean score (95 % CI bars) vs measured kv_ratio, one line per method, the full cache as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -103,6 +109,7 @@ def plot_quality(points: pd.DataFrame, path: Path, title: str, metric: str, colo
         ax.scatter([], [], facecolor="none", edgecolor="0.6", label=f"n < {MIN_N}: no interval")
     ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
     ax.set_ylabel(f"mean score ({metric}), 95 % interval")
+    _score_axis(ax, points)
     ax.set_xlim(0, 1.05)
     ax.set_title(f"Quality vs KV cache size: {title}")
     ax.grid(alpha=0.3)
@@ -149,6 +156,7 @@ def plot_pareto(points: pd.DataFrame, frontier: pd.DataFrame, knee_points: pd.Da
                    edgecolor="black", lw=1.2, zorder=4, label=f"knee (within {tolerance:g} of full)")
     ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
     ax.set_ylabel(f"mean score ({metric})")
+    _score_axis(ax, points)
     ax.set_xlim(0, 1.05)
     ax.set_title(f"Pareto frontier: {title}  (labels: budget)")
     ax.grid(alpha=0.3)

@@ -55,11 +55,15 @@ def positions(page: Path, width: int) -> dict:
     return json.loads(found.group(1).replace("&quot;", '"')) if found else {"height": 8000}
 
 
-def save(image: Image.Image, path: Path, scale: float = 1.0) -> None:
-    """Palette-encoded (these are committed next to the report)."""
+def save(image: Image.Image, path: Path, scale: float = 1.0, exact: bool = False) -> None:
+    """Palette-encoded unless `exact` (these are committed next to the report): screens with plots stay RGB,
+    a 256-colour palette greys out their method colours."""
+    image = image.convert("RGB")
     if scale != 1:
         image = image.resize((int(image.width * scale), int(image.height * scale)), Image.LANCZOS)
-    image.convert("RGB").quantize(colors=256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE).save(path, optimize=True)
+    if not exact:
+        image = image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    image.save(path, optimize=True)
     print(path)
 
 
@@ -81,11 +85,12 @@ def main() -> int:
         browse(args.page, args.width, height, f"--screenshot={shot}")
         whole = Image.open(shot)
         whole.load()
-    save(whole.crop((0, 0, whole.width, min(args.screen, whole.height))), args.out / "top.png")
+    save(whole.crop((0, 0, whole.width, min(args.screen, whole.height))), args.out / "top.png", exact=True)
     for anchor in ANCHORS:
         if anchor in where:
             top = max(0, int(where[anchor]) - 10)
-            save(whole.crop((0, top, whole.width, min(top + args.screen, whole.height))), args.out / f"{anchor}.png")
+            save(whole.crop((0, top, whole.width, min(top + args.screen, whole.height))), args.out / f"{anchor}.png",
+                 exact=anchor == "plots")
     save(whole, args.out / "full.png", scale=0.25)
     print(f"page height: {where['height']} px at {args.width} px wide")
     return 0
