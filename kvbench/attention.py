@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench import KvbenchError
 from kvbench.kernels import attention_column_sums
+from kvbench.ragged import RaggedKV, ragged_attention
 
 ATTN_IMPLEMENTATION = "kvbench_sdpa"
 
@@ -161,6 +162,10 @@ def recording(request: StatsRequest):
 def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers attention signature: query (B, H_q, Q, D); key/value (B, H_kv, T, D) from the cache."""
     recorder = getattr(_active, "recorder", None)
+    if isinstance(key, RaggedKV):  # KV heads of different lengths (adakv): per-head attention, no statistics
+        if recorder is not None:
+            raise KvbenchError("attention statistics over ragged (adakv) cache layers are not supported")
+        return ragged_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
     if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         recorder.record(module.layer_idx, query, key, scale)

@@ -35,6 +35,10 @@ def test_eviction_shrinks_every_layer_to_the_budget(name, budget, tiny_engine, t
     n_keep = Budget.parse(budget).tokens(len(prompt_ids))
     total = 0
     for layer, (keys, _) in zip(cache.layers, prefill.kv):
+        if hasattr(layer, "lengths"):  # ragged heads (adakv): the layer's H_kv · n_keep tokens, stored flat
+            assert layer.flat_keys.shape == (sum(layer.lengths), keys.shape[-1]) == layer.flat_values.shape
+            total += sum(layer.lengths) // keys.shape[1]
+            continue
         assert layer.keys.shape[:2] == keys.shape[:2] and layer.keys.shape[-1] == keys.shape[-1]
         assert layer.keys.shape == layer.values.shape
         assert layer.keys.untyped_storage().nbytes() == layer.keys.numel() * layer.keys.element_size()

@@ -1,0 +1,97 @@
+"""Ada-KV — head-wise adaptive budgets (Feng et al. 2024, https://arxiv.org/abs/2407.11550; kvpress's AdaKVPress).
+
+A layer's budget (H_kv × n_keep tokens) is shared by its KV heads: the positions with the highest scores of the
+`scorer` method over all heads of the layer together are kept, so heads whose scores concentrate keep few tokens and
+heads that attend broadly keep many. A safeguard keeps at least ⌊alpha_safeguard · n_keep⌋ top positions in every
+head (kvpress's default 0.2). Layer budgets come from the scorer (PyramidKV's pyramid, uniform otherwise), so
+`scorer=snapkv` is the paper's Ada-SnapKV and `scorer=pyramidkv` its Ada-Pyramid.
+
+kvpress only masks the evicted entries (the cache keeps its full size); here each layer is stored ragged and
+physically (kvbench.ragged: flat (Σ T_h, D) keys and values), so the measured kv_bytes equal the budget exactly.
+Decode tokens are appended to every head; there is no decode-time eviction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvbench import KvbenchError
+from kvbench.attention import StatsRequest
+from kvbench.methods.base import METHODS, Method, build_method, method_defaults
+from kvbench.methods.scorer import SCORERS, head_scores
+from kvbench.methods.scoring import check_choice
+from kvbench.ragged import RaggedLayer
+
+
+def adaptive_keep(scores: torch.Tensor, n_keep: int, alpha_safeguard: float) -> torch.Tensor:
+    """(B, H_kv, T) scores → (B, H_kv, T) bool: the layer's top H_kv·n_keep positions over all heads together,
+    after each head's top ⌊alpha·n_keep⌋ are guaranteed (kvpress: scatter finfo.max, then one top-k)."""
+    bsz, n_heads, n_tokens = scores.shape
+    scores = scores.float().clone()
+    n_safe = int(n_keep * alpha_safeguard)
+    if n_safe:
+        safe = scores.topk(n_safe, dim=-1).indices  # (B, H_kv, n_safe)
+        scores.scatter_(-1, safe, torch.finfo(scores.dtype).max)  # inf (always-kept windows) stays above
+    chosen = scores.reshape(bsz, n_heads * n_tokens).topk(n_heads * n_keep, dim=-1).indices  # (B, H_kv·n_keep)
+    keep = torch.zeros(bsz, n_heads * n_tokens, dtype=torch.bool, device=scores.device)
+    keep.scatter_(1, chosen, True)
+    return keep.view(bsz, n_heads, n_tokens)  # (B, H_kv, T)
+
+
+@METHODS.register("adakv")
+@dataclass
+class AdaKV(Method):
+    scorer: str = "snapkv"  # the per-head scores redistributed: snapkv | pyramidkv | tova | knorm | keydiff | ...
+    alpha_safeguard: float = 0.2  # share of each head's uniform budget it keeps whatever the other heads score
+
+    def __post_init__(self):
+        check_choice("scorer", self.scorer, SCORERS)
+        if not 0 <= self.alpha_safeguard <= 1:
+            raise KvbenchError(f"alpha_safeguard={self.alpha_safeguard}: must be in [0, 1]")
+        self._scorer = build_method(self.scorer, method_defaults(self.scorer))
+        self.reset()
+
+    def reset(self) -> None:
+        self._keep: dict[int, torch.Tensor] = {}
+
+    def bind(self, lm) -> None:
+        self._scorer.bind(lm)
+
+    def stats_request(self) -> StatsRequest:
+        return self._scorer.stats_request()
+
+    def min_tokens(self) -> int:
+        return self._scorer.min_tokens()
+
+    def layer_tokens(self, n_keep, n_layers, n_prompt):
+        return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
+
+    def keep_indices(self, layer_idx, keys, stats, n_keep):
+        """Records the layer's ragged choice; the dense gather the base class does with the returned (empty)
+        index costs nothing and is replaced by the ragged layer in `compress`."""
+        scores = head_scores(self._scorer, layer_idx, keys, self._values[layer_idx], stats)  # (B, H_kv, T)
+        self._keep[layer_idx] = adaptive_keep(scores, n_keep, self.alpha_safeguard)
+        return torch.empty(*keys.shape[:2], 0, dtype=torch.long, device=keys.device)  # (B, H_kv, 0)
+
+    def compress(self, prefill_kv, stats, budget):
+        """The base class resolves the budget (fractions, minimums, nothing to evict) and calls keep_indices per
+        layer; layers it left whole stay dense, the others become ragged."""
+        self._values = [values for _, values in prefill_kv]
+        try:
+            dense = super().compress(prefill_kv, stats, budget)
+        finally:
+            self._values = None
+        if not self._keep:
+            return dense
+        cache = DynamicCache()
+        for layer_idx, ((keys, values), layer) in enumerate(zip(prefill_kv, dense.layers)):
+            keep = self._keep.get(layer_idx)
+            cache.layers.append(layer if keep is None else RaggedLayer.gather(keys, values, keep))
+        self.reset()
+        return cache
+
+    def stream_bound(self, cache, stats, budget, first: bool):
+        raise KvbenchError("adakv is not supported by the streaming perplexity task (task=ppl); use its scorer")
