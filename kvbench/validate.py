@@ -56,6 +56,17 @@ TOP_LEVEL: dict[str, Rule] = {
     "grid.budget": Rule("list", "grid.budget=[0.25,0.5] (a list; null: budget)", nullable=True, non_empty=True,
                         item=Rule("budget", "budget fractions in (0, 1] or token counts")),
 }
+# the `launcher` group's keys (conf/launcher/*.yaml); checked when present
+LAUNCHER: dict[str, Rule] = {
+    "launcher.name": Rule("str", "launcher=local or launcher=ray", choices=("local", "ray")),
+    "launcher.workers": Rule("int", "launcher.workers=2 (shards in flight at once)", min=1),
+    "launcher.address": Rule("str", "launcher.address=auto (or ray://head:10001); null starts a local cluster",
+                             nullable=True),
+    "launcher.num_cpus": Rule("float", "launcher.num_cpus=1 (CPUs per worker, > 0)", min=0.01),
+    "launcher.num_gpus": Rule("float", "launcher.num_gpus=0 (GPUs per worker, e.g. 1)", min=0),
+    "launcher.shards": Rule("int", "launcher.shards=8, or null for 4 × workers", nullable=True, min=1),
+    "launcher.max_retries": Rule("int", "launcher.max_retries=3 (retries of a shard whose worker died)", min=0),
+}
 # keys that are Hydra's, not the job's (config groups, conf/<group>/, are checked by their own code)
 NOT_JOB_KEYS = {"defaults", "hydra"}
 
@@ -248,7 +259,7 @@ def check_config(cfg) -> None:
     except Exception as error:  # an interpolation that does not resolve
         raise KvbenchError(f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} "
                            "reference it names") from None
-    for key, rule in TOP_LEVEL.items():
+    for key, rule in {**TOP_LEVEL, **LAUNCHER}.items():
         present, value = _lookup(config, key)
         if present:
             check_value(key, value, rule)

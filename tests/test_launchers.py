@@ -137,3 +137,17 @@ def test_submitit_local_multirun_writes_every_job_to_the_shared_store(tmp_path):
     stored = read_rows(store)
     assert set(stored["budget"]) == {1.0, 0.25, 0.5} and len(stored) == 12  # shared baseline + 2 budgets × 4
     assert not every_stored_row(store).duplicated(["config_hash", "example_id"]).any()
+
+
+@pytest.mark.parametrize("override, fix", [
+    ("launcher.workers=0", "launcher.workers=2"), ("launcher.num_cpus=-1", "launcher.num_cpus=1"),
+    ("launcher.shards=abc", "launcher.shards=8"), ("launcher.max_retries=-2", "launcher.max_retries=3"),
+    ("launcher.num_gpus=x", "launcher.num_gpus=0"),
+])
+def test_bad_launcher_settings_name_the_fix(override, fix):
+    from kvbench import KvbenchError
+    from kvbench.validate import check_config
+    from tests.conftest import compose_config
+
+    with pytest.raises(KvbenchError, match=fix.replace(".", r"\.")):
+        check_config(compose_config("model=tiny-random", "launcher=ray", override))
