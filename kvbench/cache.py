@@ -15,6 +15,10 @@ from transformers.cache_utils import DynamicLayer
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 
+# called as observer(layer, index) before each decode-time eviction: diagnostics (kvbench.diagnose) follow which
+# original positions a layer still holds without the cache storing anything extra
+SELECT_OBSERVERS: list = []
+
 
 def cache_from_kv(layers: list[KV]) -> DynamicCache:
     """A DynamicCache holding these tensors as they are (no copy); updates concatenate into new tensors."""
@@ -47,6 +51,8 @@ def layer_select(layer, index: torch.Tensor) -> None:
 
     Layers with storage of their own (quantized caches) implement `select(index)`; plain layers gather K/V.
     """
+    for observer in SELECT_OBSERVERS:
+        observer(layer, index)
     if hasattr(layer, "select"):
         layer.select(index)
     elif type(layer) is DynamicLayer:

@@ -172,7 +172,8 @@ def _read_or_skip(path: Path) -> pd.DataFrame | None:
 def read_rows(path: Path) -> pd.DataFrame:
     """All rows under `path` (a Parquet file, a run directory or a store), newest first per configuration."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(path.rglob("*.parquet"))
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*.parquet")
+                                                 if not f.name.endswith(".diagnose.parquet"))  # side tables
     frames = [f for f in map(_read_or_skip, files) if f is not None and len(f)]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)

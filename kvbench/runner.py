@@ -127,8 +127,12 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
     )
 
 
-def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm) -> list[dict]:
-    """One prefill serves every configuration that shares it; methods that change the model get their own."""
+def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm,
+                    diagnose=None, side: list | None = None) -> list[dict]:
+    """One prefill serves every configuration that shares it; methods that change the model get their own.
+
+    diagnose: verdict Thresholds when `diagnose=true` (kvbench.diagnose_run): rows gain the diagnostic columns and
+    the per-(layer, KV head) records are appended to `side`."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     shared = [c for c in todo if c.method.shares_prefill]
     request = StatsRequest()
@@ -141,6 +145,10 @@ def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task
         source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
+    if diagnose is not None:
+        from kvbench.diagnose_run import diagnose_example
+
+        side.extend(diagnose_example(engine, todo, ex, task, prefill, rows, diagnose))
     return rows
 
 
@@ -232,10 +240,17 @@ class ExampleWork:
         self.rows: list[dict] = []
         self.computed: list[dict] = []
         self.elsewhere: list[tuple[Example, list[Configuration]]] = []
+        self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.diagnose_run)
+        self.diagnose = None
+        if cfg.get("diagnose"):
+            from kvbench.diagnose_run import thresholds_for
+
+            self.diagnose = thresholds_for(cfg, task)
 
     def _reuse(self, c: Configuration, ex: Example) -> list[dict] | None:
         old = [self.existing.get((c.hash, row_id)) for row_id in self.task.row_ids(ex)]
-        return [{**r, "reused": True} for r in old] if all(r is not None for r in old) else None
+        done = all(r is not None and (self.diagnose is None or isinstance(r.get("verdict"), str)) for r in old)
+        return [{**r, "reused": True} for r in old] if done else None
 
     def do(self, ex: Example) -> None:
         todo, busy = [], []
@@ -254,10 +269,14 @@ class ExampleWork:
         if self.task.streaming:
             new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
         else:
-            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm)
+            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         self.computed.extend(new)
         self.rows.extend(new)
-        self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes here
+        path = self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes
+        if self.diagnose is not None:
+            from kvbench.diagnose_run import write_side_table
+
+            write_side_table(self.side, path)
         self.claims.release((c.hash, ex.example_id) for c in todo)
 
     def finish_claimed_elsewhere(self, poll_s: float = 2.0) -> None:
@@ -283,6 +302,10 @@ def finish_run(cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: Resul
                seconds: float) -> None:
     """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
     write_rows(frame, out_dir / "rows.parquet")
+    if cfg.get("diagnose"):
+        from kvbench.diagnose_run import copy_side_records
+
+        copy_side_records(store.rows_dir, frame, out_dir / "rows.parquet")
     summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
     write_csv(summary, out_dir / "summary.csv")
     print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame))

@@ -55,6 +55,11 @@ TOP_LEVEL: dict[str, Rule] = {
                         non_empty=True, item=Rule("any")),
     "grid.budget": Rule("list", "grid.budget=[0.25,0.5] (a list; null: budget)", nullable=True, non_empty=True,
                         item=Rule("budget", "budget fractions in (0, 1] or token counts")),
+    "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
+    "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/verdict.py)"),
+    **{f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/verdict.py)", min=0)
+       for name in ("full_fails_below", "score_tolerance", "kl_tolerance", "evicted_tolerance", "recall_high",
+                    "recall_low", "evidence_retention_min", "evidence_mass_min")},
 }
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {

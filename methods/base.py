@@ -115,8 +115,12 @@ class Method:
         return [min(n, n_prompt) for n in self.layer_tokens(n_keep, n_layers, n_prompt)]
 
     def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
-        """The cache to decode from: each layer's kept positions gathered into new tensors."""
+        """The cache to decode from: each layer's kept positions gathered into new tensors.
+
+        Records `kept_positions` (kvbench.diagnose): per layer the (B, H_kv, N) prompt positions kept, None where a
+        layer keeps every token."""
         self.reset()
+        self.kept_positions: list[torch.Tensor | None] = [None] * len(prefill_kv)
         counts = self.layer_keep_counts(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
         if counts is None:
             return cache_from_kv(prefill_kv)
@@ -126,6 +130,7 @@ class Method:
                 kept.append((keys, values))
                 continue
             index = self.keep_indices(layer_idx, keys, stats, layer_keep)  # (B, H_kv, layer_keep)
+            self.kept_positions[layer_idx] = index
             kept.append(gather_kv(keys, values, index))
         return cache_from_kv(kept)
 

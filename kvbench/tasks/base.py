@@ -30,6 +30,9 @@ class Example:
     subset: str = ""
     stop: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # task-specific columns (e.g. NIAH depth)
+    # strings in the prompt the answer depends on (NIAH: the needle's value); kvbench.diagnose locates their
+    # tokens. Empty where the task does not know its evidence (LongBench, RULER's aggregation tasks)
+    evidence: tuple[str, ...] = ()
 
     @property
     def n_tokens(self) -> int:

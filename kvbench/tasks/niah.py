@@ -150,6 +150,7 @@ class NeedleInAHaystack(Task):
             max_new_tokens=int(cfg.max_new_tokens),
             subset=f"{cfg.haystack}-{cfg.value_type}",
             meta={"length_target": length, "depth": depth, "scenario": "synthetic retrieval"},
+            evidence=(value,),
         )
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:

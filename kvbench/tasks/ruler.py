@@ -124,6 +124,7 @@ class Ruler(Task):
             max_new_tokens=self._max_new_tokens(subtask),
             subset=name,
             meta=meta,
+            evidence=tuple(draft.answers) if name.startswith("niah") else (),  # the queried needles' values
         )
 
     def data_files(self):
