@@ -217,6 +217,10 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
         "kl_per_step": json.dumps([round(x, 6) for x in kl]), "top1_per_step": json.dumps(top1),
         **{k: mean(k) for k in names},
     }
+    for key in ("mass_recall", "evidence_retention"):  # compact [layer][head] grids: the report's heatmaps
+        grid = [[None if math.isnan(v := records[layer * n_kv_heads + head][key]) else round(v, 4)
+                 for head in range(n_kv_heads)] for layer in range(n_layers)]
+        columns[f"{key}_by_layer_head"] = json.dumps(grid)  # null: unknown (no evidence, unrecorded positions)
     columns["evicted_share"] = 1.0 - columns.pop("kept_share")
     for r in records:
         r["evicted_share"] = 1.0 - r.pop("kept_share")

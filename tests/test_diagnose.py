@@ -110,6 +110,15 @@ def test_runner_columns_side_table_and_reuse(tmp_path):
     assert len(read_rows(tmp_path / "store")) == 2  # side tables are not rows
     again = run(compose_config(*overrides), tmp_path / "out2")
     assert again.reused.all() and list(again.verdict) == list(rows.verdict)
+    assert len(pd.read_parquet(tmp_path / "out2" / "rows.diagnose.parquet")) == len(side)  # reused rows' records
+
+    from kvbench.report import build_report
+
+    files = build_report([tmp_path / "out" / "rows.parquet"], tmp_path / "report", tolerance=0.02)
+    names = {f.name for f in files}
+    assert {"diagnose_mass_recall_by_layer_head.png", "diagnose_kl_per_step.png"} <= names
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "## Why quality dropped (diagnostics)" in md and "## Which method (selection guide)" in md
 
 
 def test_diagnose_refuses_streamed_tasks(tmp_path):
