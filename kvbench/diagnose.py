@@ -93,7 +93,7 @@ def teacher_forced(engine, prefill, method, budget, suffix_ids: list[int], answe
     method.bind(engine.lm)
     cache = method.compress(prefill.kv, prefill.stats, budget)
     kv_heads = [keys.shape[1] for keys, _ in prefill.kv]
-    tracker = PositionTracker(cache, getattr(method, "kept_positions", None), prefill.n_tokens, kv_heads)
+    tracker = PositionTracker(cache, kept_positions(method), prefill.n_tokens, kv_heads)
     out = Pass([], [])
     with tracker.observing():
         logits, position = prefill.last_logits, prefill.n_tokens
@@ -115,6 +115,15 @@ def teacher_forced(engine, prefill, method, budget, suffix_ids: list[int], answe
                 break
     out.seconds = time.perf_counter() - start
     return out
+
+
+def kept_positions(method) -> list | None:
+    """What the method's last `compress` kept per layer (Method.compress records it), looked up through wrappers
+    that delegate compression to a part (compose's eviction part, decoding's scorer)."""
+    for part in (method, getattr(method, "_eviction", None), getattr(method, "_scorer", None)):
+        if part is not None and getattr(part, "kept_positions", None) is not None:
+            return part.kept_positions
+    return None
 
 
 def _finished(engine, tokens: list[int], answer, max_new_tokens: int, stop) -> bool:

@@ -17,7 +17,6 @@ configuration and a precision method that each meet --max-drop, whose kv_ratios 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -26,7 +25,9 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import KvbenchError
-from kvbench.aggregate import LOWER_IS_BETTER, MATCH_KEYS, load_rows, mean_ci
+from kvbench.aggregate import MATCH_KEYS, load_rows, lower_is_better, variant_label
+from kvbench.intervals import mean_interval
+from kvbench.tasks.facts import task_facts
 
 # what each method does, kept torch-free here (tests/test_guide.py checks them against the method registry)
 NEEDS_STATISTICS = {"snapkv", "pyramidkv", "h2o", "adakv", "tova", "expected_attention"}
@@ -43,29 +44,6 @@ def _parts(method: str, params: str) -> list[str]:
         except (TypeError, ValueError):
             return []
     return [method]
-
-
-def _variant(method: str, params: str) -> str:
-    """The method plus the knobs that differ from conf/method/<name>.yaml (as kvbench.methods.variant_label)."""
-    if method == "compose":
-        return f"compose({'+'.join(_parts(method, params))})"
-    try:
-        knobs = json.loads(params) if isinstance(params, str) else {}
-    except ValueError:
-        knobs = {}
-    defaults = _defaults(method)
-    changed = {k: v for k, v in knobs.items() if k not in defaults or defaults[k] != v}
-    return f"{method}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else method
-
-
-@functools.lru_cache(maxsize=None)
-def _defaults(method: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from kvbench import conf_dir
-
-    path = conf_dir() / "method" / f"{method}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {}
 
 
 def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0, min_n: int = 5,
@@ -85,17 +63,18 @@ def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float 
         group_keys = key[group.index]
         matched = group_keys.isin(full.index)
         base = full.loc[group_keys[matched]]
-        lower = bool(group["metric"].isin(LOWER_IS_BETTER).all())
+        lower = lower_is_better(task)
         sign = -1.0 if lower else 1.0
         drops = sign * (base["score"].to_numpy() - group.loc[matched, "score"].to_numpy())  # (n_matched,)
-        score, low, high = mean_ci(group["score"])
-        drop, drop_low, drop_high = mean_ci(drops)
+        lo, hi = task_facts(task).score_range
+        score, low, high, _ = mean_interval(group["score"], (lo, hi))  # kvbench.aggregate's intervals
+        drop, drop_low, drop_high, _ = mean_interval(drops, (lo - hi, hi - lo))  # paired: Wilson when all 0/1
         parts = _parts(method, params)
         no_budget = all(p in PRECISION | CHANGES_MODEL for p in parts)
         kv_ratio = float(group["kv_ratio"].mean())
         records.append({
             "scenario": scen, "task": task, "budget": NO_BUDGET if no_budget else f"{budget:g}",
-            "config": _variant(method, params), "method": method, "method_params": params, "n": len(group),
+            "config": _label(method, params), "method": method, "method_params": params, "n": len(group),
             "metric": group["metric"].iloc[0], "score": score, "ci_low": low, "ci_high": high, "drop": drop,
             "drop_low": drop_low, "drop_high": drop_high, "n_matched": int(matched.sum()), "kv_ratio": kv_ratio,
             "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
@@ -118,6 +97,13 @@ def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float 
                          for i, r in enumerate(group.itertuples())]
         ranked.append(group)
     return pd.concat(ranked, ignore_index=True)
+
+
+def _label(method: str, params: str) -> str:
+    try:
+        return variant_label(method, json.loads(params))
+    except (TypeError, ValueError):
+        return method
 
 
 def _ratio(values: pd.Series, full: pd.Series) -> float:

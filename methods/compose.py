@@ -79,7 +79,6 @@ class Compose(Method):
 
     def compress(self, prefill_kv, stats, budget):
         cache = self._eviction.compress(prefill_kv, stats, budget) if self._eviction else cache_from_kv(prefill_kv)
-        self.kept_positions = getattr(self._eviction, "kept_positions", [None] * len(prefill_kv))
         if self._precision:
             cache = self._precision.compress(cache_kv(cache), stats, None)  # quantize what eviction kept
         return cache
