@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: install demo test test-fast gate report bench clean
+.PHONY: install demo test test-fast gate reference bench lint clean
 
 install: $(VENV)/.installed
 
@@ -42,6 +42,12 @@ reference: install
 
 bench: install
 	$(BIN)/python scripts/bench_engine.py
+
+# ruff (lint + format check) and mypy (lenient: pyproject [tool.mypy]) on the package, methods and kernels
+lint: install
+	$(BIN)/ruff check kvbench methods kernels
+	$(BIN)/ruff format --check kvbench methods kernels
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) outputs multirun results/runs .pytest_cache

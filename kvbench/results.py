@@ -83,7 +83,7 @@ def file_digest(path: Path) -> str:
             _FILE_DIGESTS[key] = digest.hexdigest()
         return _FILE_DIGESTS[key]
     except OSError as error:
-        raise KvbenchError(f"cannot read data file {path} ({error.strerror}); fix the path in the task's config")
+        raise KvbenchError(f"cannot read data file {path} ({error.strerror}); fix its path") from None
 
 
 def device_name(device: torch.device) -> str:

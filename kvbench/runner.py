@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kvbench import KvbenchError
@@ -26,17 +26,22 @@ from kvbench.claims import Claims
 from kvbench.engine import Engine, Generation
 from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
-from kvbench.results import COLUMNS, ResultStore, check_writable, code_fingerprint, config_hash, file_digest, provenance
-from kvbench.results import write_csv, write_rows
-from kvbench.tasks import Example, build_task
+from kvbench.results import (
+    COLUMNS,
+    ResultStore,
+    check_writable,
+    code_fingerprint,
+    config_hash,
+    file_digest,
+    provenance,
+    write_csv,
+    write_rows,
+)
+from kvbench.tasks import TASKS, Example, build_task
 from kvbench.tasks.base import check_fits
-from kvbench.validate import check_config
+from kvbench.validate import check_config, plain
 
-# task keys that select examples rather than change them: excluded from config_hash so rows are reused
-# across runs with a different grid or limit
 DEFAULT_BUDGET = 0.5  # for methods that take a budget, when `budget` is not given
-SELECTION_KEYS = {"context_lengths", "depths", "subsets", "categories", "limit", "limit_per_subset", "tasks",
-                  "num_samples"}
 
 
 @dataclass
@@ -64,7 +69,7 @@ def grid_entry(entry, cfg: DictConfig) -> dict:
             raise KvbenchError(f"grid.method entry {entry} needs a `name`")
         return {**method_config(entry["name"]), **entry}
     if entry == cfg.method.name:
-        return OmegaConf.to_container(cfg.method, resolve=True)
+        return plain(cfg.method)
     return method_config(entry)
 
 
@@ -79,11 +84,11 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     query_aware = bool(cfg.query_aware)
     grid = cfg.get("grid") or {}
     if grid.get("method") or grid.get("budget"):
-        entries = OmegaConf.to_container(grid.get("method"), resolve=True) if grid.get("method") else [cfg.method.name]
+        entries = plain(grid.get("method")) if grid.get("method") else [cfg.method.name]
         budgets = list(grid.get("budget") or [DEFAULT_BUDGET if cfg.budget is None else cfg.budget])
         requested = [make_configuration(grid_entry(e, cfg), b, query_aware) for e in entries for b in budgets]
     else:
-        method_cfg = OmegaConf.to_container(cfg.method, resolve=True)
+        method_cfg = plain(cfg.method)
         requested = [make_configuration(method_cfg, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, query_aware)]
         method = requested[0].method
         if cfg.budget is not None and not method.has_budget and method.family != "none":
@@ -99,9 +104,10 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
     """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
-    task = {k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items() if k not in SELECTION_KEYS}
+    selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
+    task = {k: v for k, v in plain(cfg.task).items() if k not in selection}
     return config_hash({
-        "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": str(lm.dtype), "device": lm.device.type,
+        "model": plain(cfg.model), "dtype": str(lm.dtype), "device": lm.device.type,
         "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
         "budget": c.budget_value, "query_aware": c.query_aware, **({"data": data} if data else {}),
     })
@@ -142,7 +148,8 @@ def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task
     rows = []
     for c in todo:
         own = engine if c.method.shares_prefill else engine.prepared(c.method)
-        source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
+        source = prefill if prefill is not None and c.method.shares_prefill else own.prefill(
+            prompt_ids, c.method.stats_request())
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
     if diagnose is not None:

@@ -41,7 +41,8 @@ DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32
 
 # ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
 TOP_LEVEL: dict[str, Rule] = {
-    "budget": Rule("budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True),
+    "budget": Rule("budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null",
+                   nullable=True),
     "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
     "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
     "seed": Rule("int", "seed=0 (any integer)"),
@@ -162,7 +163,7 @@ def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping
     if kind == "list" and typing.get_args(annotation):
         inner = typing.get_args(annotation)[0]
         item = rule_from_annotation(inner, example, {}) if inner is not Ellipsis else None
-    low = metadata["min"] if "min" in metadata else (0 if kind in ("int", "float") else None)
+    low = metadata.get("min", 0 if kind in ("int", "float") else None)
     return Rule(kind, example, nullable=nullable, min=low, max=metadata.get("max"), choices=choices, item=item)
 
 
@@ -227,7 +228,7 @@ def check_task(task_cfg: dict) -> None:
     from kvbench import conf_dir
     from kvbench.tasks import TASKS
 
-    name = task_cfg.get("name")
+    name = str(task_cfg.get("name"))
     cls = TASKS.get(name)
     declared: dict[str, Rule] = dict(getattr(cls, "knobs", {}) or {})
     path = conf_dir() / "task" / f"{name}.yaml"
@@ -235,7 +236,7 @@ def check_task(task_cfg: dict) -> None:
     if path.is_file():
         from omegaconf import OmegaConf
 
-        defaults = OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[assignment]
+        defaults = plain(OmegaConf.load(path))
     for key, value in task_cfg.items():
         if key == "name":
             continue
@@ -246,6 +247,13 @@ def check_task(task_cfg: dict) -> None:
 
 
 # ---- the whole configuration ----------------------------------------------------------------------------------
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers, interpolations resolved (a non-config value as it is)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
 def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
     node: Any = config
     for part in dotted.split("."):
@@ -257,10 +265,8 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
 
 def check_config(cfg) -> None:
     """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
-    from omegaconf import OmegaConf
-
     try:
-        config = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+        config: dict = dict(plain(cfg))
     except Exception as error:  # an interpolation that does not resolve
         raise KvbenchError(f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} "
                            "reference it names") from None

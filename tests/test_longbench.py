@@ -18,7 +18,7 @@ from kvbench.metrics import (LONGBENCH_METRICS, classification_score, code_sim_s
 from kvbench.runner import run
 from kvbench.tasks import build_task
 from kvbench.tasks.longbench import build_prompt, scorer
-from kvbench.tasks.longbench_config import (E_SUBSETS, ENGLISH_SUBSETS, PROMPTS, all_subset_names, length_bucket,
+from kvbench.tasks.longbench.config import (E_SUBSETS, ENGLISH_SUBSETS, PROMPTS, all_subset_names, length_bucket,
                                             subset_spec)
 from tests.conftest import CONF_DIR, compose_config
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from kvbench.results import code_fingerprint, file_digest
@@ -64,3 +65,35 @@ def test_every_row_records_its_code_and_a_mismatch_is_reported(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert f"note: {len(second)} of the {len(second)} reused rows were computed by different kvbench code" in out
     assert "rerun=true to recompute" in out
+
+
+SELECTIONS = [  # (task overrides, the same with a selection key narrowed)
+    (["task=niah", "task.context_lengths=[600,800]", "task.depths=[0.2,0.7]"],
+     ["task=niah", "task.context_lengths=[800]", "task.depths=[0.7]"]),
+    (["task=ruler", "task.tasks=[niah_single_1,niah_multivalue]", "task.context_lengths=[1500]", "task.num_samples=2"],
+     ["task=ruler", "task.tasks=[niah_multivalue]", "task.context_lengths=[1500]", "task.num_samples=1"]),
+    (["task=longgen", "task.trace_tokens=[16,32]", "task.n_facts=2"],
+     ["task=longgen", "task.trace_tokens=[32]", "task.n_facts=1"]),
+    (["task=longbench", f"task.data_dir={FIXTURES}", "task.subsets=[hotpotqa,qasper]", "task.max_length=600"],
+     ["task=longbench", f"task.data_dir={FIXTURES}", "task.subsets=[qasper]", "task.max_length=600",
+      "task.limit_per_subset=1"]),
+]
+
+
+@pytest.mark.parametrize("wide,narrow", SELECTIONS, ids=[s[0][0] for s in SELECTIONS])
+def test_selection_keys_only_select(tiny, wide, narrow):
+    """A task's `selection_keys` are left out of config_hash, so narrowing them must pick a subset of the same
+    examples, token for token (otherwise reused rows would answer a different prompt)."""
+    from kvbench.tasks import TASKS, build_task
+
+    def examples(overrides):
+        cfg = compose_config(*overrides)
+        changed = {k.split("=")[0].removeprefix("task.") for k in overrides} - {"task"}
+        task_cls = TASKS.get(cfg.task.name)
+        assert {k for k in changed if k not in ("data_dir", "max_length")} <= task_cls.selection_keys
+        task = build_task(cfg.task, tiny.tokenizer, 0, tiny.max_context)
+        return {ex.example_id: (ex.context_ids, ex.question_ids, ex.answers) for ex in task.examples()}
+
+    all_examples, some = examples(wide), examples(narrow)
+    assert some and set(some) < set(all_examples)
+    assert all(some[k] == all_examples[k] for k in some)

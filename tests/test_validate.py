@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.validate import TOP_LEVEL, NOT_JOB_KEYS, check_config
+from kvbench.validate import NOT_JOB_KEYS, TOP_LEVEL, check_config
 from tests.conftest import CONF_DIR, compose_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,10 +164,10 @@ def test_every_task_yaml_key_is_checked():
 # ---- files and environment ------------------------------------------------------------------------------------
 def test_non_utf8_longbench_file_is_one_line(tmp_path):
     from kvbench.tasks.longbench import read_records
-    from kvbench.tasks.longbench_config import subset_spec
+    from kvbench.tasks.longbench.config import subset_spec
 
     (tmp_path / "hotpotqa.jsonl").write_bytes(b'{"input": "caf\xe9"}\n')
-    with pytest.raises(KvbenchError, match="hotpotqa.jsonl is not UTF-8.*iconv"):
+    with pytest.raises(KvbenchError, match=r"hotpotqa.jsonl is not UTF-8.*iconv"):
         read_records(tmp_path, subset_spec("hotpotqa"))
 
 
@@ -196,7 +196,7 @@ def test_kvbench_cache_that_is_a_file_fails_before_converting(tmp_path, monkeypa
 
     (tmp_path / "cache").write_text("not a directory")
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(KvbenchError, match="KVBENCH_CACHE=.* is a file.*directory"):
+    with pytest.raises(KvbenchError, match=r"KVBENCH_CACHE=.* is a file.*directory"):
         cache_root()
 
 
@@ -250,3 +250,25 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "kvbench: interrupted; the rows computed so far are in the store: rerun the same command to resume"]
+
+
+def test_knob_ranges_and_choices_are_checked_from_the_dataclass():
+    from dataclasses import dataclass
+
+    from kvbench.registry import knob
+    from kvbench.validate import check_method_params
+
+    @dataclass
+    class Example:
+        window_size: int = knob(32, min=1)
+        shift: float = knob(0.0, min=-1.0, max=1.0)
+        pooling: str = knob("avg", choices=("avg", "max"))
+        note: str | None = None
+
+    check_method_params("method", Example, {"window_size": 1, "shift": -0.5, "pooling": "max", "note": None})
+    for params, fix in [({"window_size": 0}, "must be ≥ 1; use method.window_size=32"),
+                        ({"shift": 2}, "must be ≤ 1; use method.shift=0.0"),
+                        ({"pooling": "median"}, "is not one of avg, max; use method.pooling=avg"),
+                        ({"note": 5}, "is not a non-empty string")]:
+        with pytest.raises(KvbenchError, match=fix):
+            check_method_params("method", Example, params)

@@ -1,11 +1,15 @@
-"""Tasks: each builds token-level examples from a config and scores predictions with a pure metric function."""
+"""Tasks: each builds token-level examples from a config and scores predictions with a pure metric function.
+
+Every module and subpackage here is imported on first use (importing a task's module registers it with
+`@TASKS.register`), so adding a task is its file (or folder) plus conf/task/<name>.yaml: no list to edit.
+"""
+
+import importlib
+import pkgutil
 
 from kvbench.tasks.base import TASKS, Example, Task, build_task
 
-from kvbench.tasks import niah  # noqa: F401,E402  (registers)
-from kvbench.tasks import longbench  # noqa: F401,E402
-from kvbench.tasks import ppl  # noqa: F401,E402
-from kvbench.tasks import ruler  # noqa: F401,E402
-from kvbench.tasks import longgen  # noqa: F401,E402
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["TASKS", "Example", "Task", "build_task"]

@@ -50,6 +50,9 @@ class Task:
 
     name: str
     metric: str
+    # task keys that select examples rather than change them (a grid of lengths, subsets): left out of config_hash,
+    # so rows are reused across runs that select differently; every other key is part of the hash
+    selection_keys: ClassVar[frozenset[str]] = frozenset()
     knobs: ClassVar[dict] = {}  # task.<key> → kvbench.validate.Rule, where the yaml default's type is not enough
     streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
     facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import partial
 
 from kvbench import KvbenchError
 from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.niah import ADJECTIVES, NOUNS
+from kvbench.tasks.prompts import chat_text
+from kvbench.tasks.prompts import encode as encode_text
 
 
 @dataclass
@@ -31,7 +34,8 @@ class TraceExample(Example):
 
 def arithmetic_trace(rng: random.Random, tokenizer, n_tokens: int) -> list[int]:
     """Numbered steps `Step k: a + b = c.` chained through their results, cut to exactly n_tokens tokens."""
-    ids, total, step = [], rng.randint(10, 99), 1
+    ids: list[int] = []
+    total, step = rng.randint(10, 99), 1
     while len(ids) < n_tokens:
         operand = rng.randint(2, 49)
         if rng.random() < 0.5 or total < operand:
@@ -46,6 +50,7 @@ def arithmetic_trace(rng: random.Random, tokenizer, n_tokens: int) -> list[int]:
 @TASKS.register("longgen")
 class LongGeneration(Task):
     metric = "string_match"
+    selection_keys = frozenset({"trace_tokens", "n_facts"})  # one example per (trace length, fact index)
 
     MARK = "\x00TRACE\x00"
 
@@ -67,12 +72,9 @@ class LongGeneration(Task):
             {"role": "user", "content": f"What is the access code for the {key} vault?"},
         ]
         tokenizer = self.tokenizer
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "\n".join(m["content"] for m in messages) + "\n"
+        text = chat_text(tokenizer, messages, "\n".join(m["content"] for m in messages) + "\n")
         head, tail = (text + f"The access code for the {key} vault is").split(self.MARK)
-        encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+        encode = partial(encode_text, tokenizer)
         trace = arithmetic_trace(random.Random(f"{self.seed}:trace:{index}"), tokenizer, length)
         return TraceExample(
             example_id=f"longgen-T{length}-{index}-s{self.seed}",

@@ -15,6 +15,7 @@ from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences, sentence_files
+from kvbench.tasks.prompts import PromptBuilder, encode
 from kvbench.validate import Rule
 
 ADJECTIVES = ("amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
@@ -37,26 +38,6 @@ def random_value(rng: random.Random, value_type: str, length: int) -> str:
     if value_type == "uuid":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     raise KvbenchError(f"task.value_type={value_type!r}: use one of {', '.join(VALUE_NAMES)}")
-
-
-class PromptBuilder:
-    """Chat-templated prompt around a context, split into (head, question) token ids."""
-
-    MARK = "\x00CONTEXT\x00"
-
-    def __init__(self, tokenizer, instruction: str, question: str, answer_prefix: str, chat: bool = True):
-        self.tokenizer = tokenizer
-        user = f"{instruction}\n{self.MARK}\n{question}"
-        if chat and tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = user + "\n"
-        head, tail = (text + answer_prefix).split(self.MARK)
-        self.head_ids, self.tail_ids = self.encode(head), self.encode(tail)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def fill_haystack(encoded: list[list[int]], start: int, n_tokens: int) -> list[list[int]]:
@@ -87,6 +68,7 @@ def insert_at_depth(sentences: list[list[int]], needle: list[int], depth: float)
 class NeedleInAHaystack(Task):
     metric = "string_match"
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
+    selection_keys = frozenset({"context_lengths", "depths"})
     knobs = {
         "context_lengths": Rule("list", "task.context_lengths=[1024,2048] (prompt tokens)", non_empty=True,
                                 item=Rule("int", "token counts ≥ 1", min=1)),
@@ -120,7 +102,7 @@ class NeedleInAHaystack(Task):
         return sentence_files(self.cfg.haystack, list(self.cfg.get("haystack_files") or []))
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode(self.tokenizer, text)
 
     def _example(self, length: int, depth: float, encoded: list[list[int]]) -> Example:
         cfg = self.cfg

@@ -9,15 +9,15 @@ when a context needs more) and `needle` (lines of distractor needles with other 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from itertools import cycle, islice
-from typing import Callable
 
 from kvbench.tasks.haystack import NOISE, python_docs_prose, split_sentences
 from kvbench.tasks.niah import random_value
-from kvbench.tasks.ruler_draft import CONTEXT, Draft, Layout
-from kvbench.tasks.ruler_words import key_words
+from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout
+from kvbench.tasks.ruler.words import key_words
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 TEMPLATE = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz "

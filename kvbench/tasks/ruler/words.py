@@ -6,7 +6,7 @@ in code so that examples need no extra package and stay identical across install
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 NOUNS = """
 acorn actor admiral airplane album alley almond altar anchor ankle antelope anthem apartment apple apricot apron
@@ -105,13 +105,13 @@ warn wash waste watch weigh welcome whine whirl whisper wink wipe wobble wrap wr
 """
 
 
-@lru_cache(maxsize=None)
+@cache
 def key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(adjectives, nouns) for keys such as "misty-lantern" (RULER's `words` needle keys)."""
     return tuple(sorted(set(ADJECTIVES.split()))), tuple(sorted(set(NOUNS.split())))
 
 
-@lru_cache(maxsize=None)
+@cache
 def list_words() -> tuple[str, ...]:
     """Nouns, adjectives and verbs for the cwe word lists, minus words inside another word ("rain" in "train"):
     answers are scored by substring match, so a shorter word must not be found inside a longer one."""

@@ -7,10 +7,13 @@ are taken from the start of one more haystack unit, so noise, prose and needle h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
 
 from kvbench import KvbenchError
+from kvbench.tasks.prompts import chat_text
+from kvbench.tasks.prompts import encode as encode_text
 
 CONTEXT = "{context}"  # where the haystack goes in a template
 _MARK = "\x00CONTEXT\x00"
@@ -49,15 +52,13 @@ def largest_fitting(smallest: int, fits: Callable[[int], bool]) -> int:
 def render(tokenizer, draft: Draft) -> tuple[str, str]:
     """The prompt's text before and after the haystack: chat template, answer prefix appended."""
     user = draft.template.replace(CONTEXT, _MARK)
-    if tokenizer.chat_template:
-        turns = []
-        if draft.example:
-            turns = [{"role": "user", "content": draft.example[0]},
-                     {"role": "assistant", "content": draft.example[1].strip()}]
-        text = tokenizer.apply_chat_template(turns + [{"role": "user", "content": user}], tokenize=False,
-                                             add_generation_prompt=True)
-    else:  # RULER's "base" template: the bare task text, after a solved example on the line before
-        text = (f"{draft.example[0]}{draft.example[1]}\n" if draft.example else "") + user
+    turns = []
+    if draft.example:
+        turns = [{"role": "user", "content": draft.example[0]},
+                 {"role": "assistant", "content": draft.example[1].strip()}]
+    # without a chat template, RULER's "base" template: the bare task text, after a solved example on the line before
+    plain = (f"{draft.example[0]}{draft.example[1]}\n" if draft.example else "") + user
+    text = chat_text(tokenizer, turns + [{"role": "user", "content": user}], plain)
     head, tail = (text + draft.answer_prefix).split(_MARK)
     return head, tail
 
@@ -66,8 +67,7 @@ def fit(draft: Draft, tokenizer, length: int, name: str) -> tuple[list[int], lis
     """(context ids, question ids, layout) of a prompt of at most `length` tokens, as close to it as the units
     allow (exactly `length` when the layout has a filler)."""
 
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    encode = partial(encode_text, tokenizer)
 
     head_text, tail_text = render(tokenizer, draft)
     head, tail = encode(head_text), encode(tail_text)

@@ -34,12 +34,12 @@ PROMPTS = {  # verbatim, including "asconcisely" and qasper's "\n\n Answer"
     "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following "
     "question based on the above text, only give me the answer and do not output any other words.\n\n"
     "Question: {input}\nAnswer:",
-    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，"
+    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，"  # noqa: E501
     "不要输出任何其他字词。\n\n问题：{input}\n回答：",
     "hotpotqa": _MULTI_DOC_QA,
     "2wikimqa": _MULTI_DOC_QA,
     "musique": _MULTI_DOC_QA,
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",  # noqa: E501
     "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\n"
     "Report:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
     "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query "

@@ -9,18 +9,19 @@ The QA subtasks (qa_1 SQuAD, qa_2 HotpotQA) need downloaded data sets and are no
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 from kvbench import KvbenchError
 from kvbench.metrics import string_match_all
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.ruler_aggregation import cwe_draft, fwe_draft
-from kvbench.tasks.ruler_draft import Draft, fit
-from kvbench.tasks.ruler_niah import VARIANTS, niah_draft
-from kvbench.tasks.ruler_vt import vt_draft
+from kvbench.tasks.prompts import encode
+from kvbench.tasks.ruler.aggregation import cwe_draft, fwe_draft
+from kvbench.tasks.ruler.draft import Draft, fit
+from kvbench.tasks.ruler.niah import VARIANTS, niah_draft
+from kvbench.tasks.ruler.vt import vt_draft
 from kvbench.validate import Rule
 
 
@@ -44,6 +45,7 @@ SUBTASKS = {
 class Ruler(Task):
     metric = "string_match_all"
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
+    selection_keys = frozenset({"tasks", "context_lengths", "num_samples"})
     knobs = {
         "tasks": Rule("list", "task.tasks=[niah_single_1,vt] or task.tasks=null (all)", nullable=True, non_empty=True,
                       item=Rule("str", choices=tuple(SUBTASKS))),
@@ -133,7 +135,7 @@ class Ruler(Task):
         return sentence_files("prose")  # the essay haystack of the niah variants (Python's bundled docs)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return encode(self.tokenizer, text)
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         return {"score": string_match_all(prediction, example.answers)}

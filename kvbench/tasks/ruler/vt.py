@@ -13,7 +13,7 @@ from functools import partial
 
 from kvbench import KvbenchError
 from kvbench.tasks.haystack import NOISE
-from kvbench.tasks.ruler_draft import CONTEXT, Draft, Layout, largest_fitting
+from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout, largest_fitting
 
 TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
             "Question: Find all variables that are assigned the value {query} in the text above.")
@@ -69,7 +69,7 @@ def fresh_variable(rng: random.Random, letters: int, taken: set[str]) -> str:
 
 
 def fresh_values(rng: random.Random, count: int, taken: set[str]) -> list[int]:
-    values = []
+    values: list[int] = []
     while len(values) < count:
         value = rng.randint(10000, 99998)  # RULER: np.random.randint(10000, 99999), high end exclusive
         if str(value) not in taken:

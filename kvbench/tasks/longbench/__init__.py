@@ -29,13 +29,21 @@ from pathlib import Path
 from kvbench import KvbenchError
 from kvbench.metrics import LONGBENCH_METRICS
 from kvbench.tasks.base import TASKS, Example, Task
-from kvbench.tasks.longbench_config import E_SUBSETS, ENGLISH_SUBSETS, SCENARIOS, SubsetSpec, all_subset_names
-from kvbench.tasks.longbench_config import length_bucket, subset_spec
+from kvbench.tasks.longbench.config import (
+    E_SUBSETS,
+    ENGLISH_SUBSETS,
+    SCENARIOS,
+    SubsetSpec,
+    all_subset_names,
+    length_bucket,
+    subset_spec,
+)
 from kvbench.validate import Rule
 
 # the official data (what pred.py's `load_dataset('THUDM/LongBench', ...)` reads): JSONL files in LongBench's schema
 DATA_REPO, DATA_ARCHIVE = "THUDM/LongBench", "data.zip"
-FIELDS = {"input": str, "context": str, "answers": list, "length": int, "dataset": str, "language": str,
+FIELDS: dict[str, type | tuple[type, ...]] = {
+    "input": str, "context": str, "answers": list, "length": int, "dataset": str, "language": str,
           "all_classes": (list, type(None)), "_id": str}
 SUBSET_GROUPS = {"english": ENGLISH_SUBSETS, "all": tuple(n for n in all_subset_names() if not n.endswith("_e")),
                  "longbench_e": tuple(f"{s}_e" for s in E_SUBSETS)}
@@ -53,7 +61,7 @@ def validate_record(record, where: str, spec: SubsetSpec) -> dict:
             raise KvbenchError(f"{where}: record has no field {field!r} (LongBench's schema: {', '.join(FIELDS)})")
         if not isinstance(record[field], kind) or isinstance(record[field], bool):
             raise KvbenchError(f"{where}: field {field!r} is a {type(record[field]).__name__}, expected "
-                               f"{'a list or null' if field == 'all_classes' else kind.__name__}")
+                               f"{'a list or null' if isinstance(kind, tuple) else kind.__name__}")
     if spec.metric == "classification_score" and not record["all_classes"]:
         raise KvbenchError(f"{where}: {spec.name} is scored by classification and needs a list in 'all_classes'")
     return record
@@ -197,6 +205,7 @@ def scorer(subset: str, predictions: list[str], answers: list[list], all_classes
 
 @TASKS.register("longbench")
 class LongBench(Task):
+    selection_keys = frozenset({"subsets", "categories", "limit_per_subset"})
     knobs = {
         "subsets": Rule("any"),  # a list of names, or one group name (task.subsets=all): checked by `select`
         "categories": Rule("list", f"task.categories=[single_doc_qa] (null: all; valid: {', '.join(SCENARIOS)})",
