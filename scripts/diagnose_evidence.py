@@ -1,0 +1,57 @@
+"""Which evidence tokens (NIAH: the value's digits) each layer × KV head kept, from a `diagnose=true` run.
+
+    python scripts/diagnose_evidence.py RESULTS_DIR [--method snapkv] [--budget 0.1]
+
+Per diagnosed row with evidence: the verdict, the answer and prediction, then one line per layer with one 0/1 mask
+per KV head (1 = that evidence token was still in the cache at the first decode step; kvbench.diagnose_run's
+`evidence_kept`). Layers that kept all evidence in every head are summarised on one line. Reads rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvbench.aggregate import load_rows
+from kvbench.diagnose_run import read_side_tables
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--method")
+    parser.add_argument("--budget", type=float)
+    args = parser.parse_args(argv)
+    rows = load_rows([args.results])
+    side = read_side_tables(args.results)
+    if "verdict" not in rows or side.empty:
+        print(f"{args.results}: no diagnosed rows (run with diagnose=true)", file=sys.stderr)
+        return 2
+    rows = rows[rows["verdict"].notna() & (rows["method"] != "full")]
+    if args.method:
+        rows = rows[rows["method"] == args.method]
+    if args.budget is not None:
+        rows = rows[(rows["budget"] - args.budget).abs() < 1e-9]
+    for row in rows.sort_values(["method", "budget", "example_id"]).itertuples():
+        heads = side[(side.config_hash == row.config_hash) & (side.example_id == row.example_id)]
+        if heads.empty or not heads["evidence_kept"].astype(bool).any():
+            continue
+        print(f"\n{row.method} @{row.budget:g}  {row.example_id}  verdict: {row.verdict}  score {row.score:g}  "
+              f"answer {json.loads(row.answers)[0]!r}  prediction {row.prediction.strip()[:30]!r}")
+        print(f"  mass_recall {row.mass_recall:.3f}  evidence_retention {row.evidence_retention:.3f}  "
+              f"kl_mean {row.kl_mean:.3f}  first divergence at step {row.first_divergence_step}")
+        whole = []
+        for layer, g in heads.groupby("layer", sort=True):
+            masks = list(g.sort_values("kv_head")["evidence_kept"])
+            if all(set(m) == {"1"} for m in masks):
+                whole.append(str(layer))
+            else:
+                print(f"  layer {layer:2d}: " + "  ".join(masks))
+        print(f"  all evidence kept in every head: layers {', '.join(whole) or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
