@@ -11,6 +11,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from transformers import AttentionInterface
@@ -171,6 +172,9 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
         recorder.record(module.layer_idx, query, key, scale)
         if recorder.request.query_moments:
             recorder.record_query_moments(module, query, kwargs.get("position_ids"))
+    if key.shape[1] == query.shape[1] != getattr(module.config, "num_key_value_heads", key.shape[1]):
+        # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
+        module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

@@ -4,7 +4,10 @@ The last `window_size` prompt tokens (the observation window; it holds the quest
 the earlier positions they attend to: attention of the window's queries (fp32 softmax, causal inside the
 window) summed over the window, smoothed by 1-D pooling. Each KV head keeps its top `budget − window` earlier
 positions plus the whole window, once, after prefill; decode tokens are appended uncompressed. The original
-repeats K/V to query heads before selecting; here the group's query-head scores are aggregated per KV head.
+repeats K/V to query heads before selecting; here the group's query-head scores are aggregated per KV head
+(`aggregate=mean|max`), or, with `aggregate=none`, every query head keeps its own positions in the original's
+layout: the cache holds H_q heads (G× the memory of the KV-head layout), to reproduce published numbers.
+The pooling kernel must be odd (padding k//2 centres it; an even kernel would shift the votes by half a token).
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import repeat_kv
 
+from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
+from kvbench.cache import cache_from_kv
 from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import check_choice, per_kv_head, pool, top_k_sorted
 
@@ -24,11 +31,14 @@ class SnapKV(Method):
     window_size: int = 32
     kernel_size: int = 5
     pooling: str = "avg"  # avg | max
-    aggregate: str = "mean"  # how a KV head combines its query heads' scores: mean | max
+    aggregate: str = "mean"  # how a KV head combines its query heads' scores: mean | max | none (per query head)
 
     def __post_init__(self):
         check_choice("pooling", self.pooling, ("avg", "max"))
-        check_choice("aggregate", self.aggregate, ("mean", "max"))
+        check_choice("aggregate", self.aggregate, ("mean", "max", "none"))
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise KvbenchError(f"kernel_size={self.kernel_size}: use an odd pooling kernel (1, 3, 5, 7: the paper's "
+                               f"5 or 7), so that padding kernel_size // 2 keeps it centred")
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({self.window_size}))
@@ -39,7 +49,9 @@ class SnapKV(Method):
     def prefix_scores(self, layer_idx: int, keys: torch.Tensor, stats) -> torch.Tensor:
         """Pooled window votes for the positions before the window: (B, H_kv, T − W)."""
         votes = stats.window[self.window_size][layer_idx]  # (B, H_q, T)
-        votes = per_kv_head(votes, keys.shape[1], self.aggregate)[..., : keys.shape[2] - self.window_size]
+        if votes.shape[1] != keys.shape[1]:  # GQA, KV-head layout (aggregate=none: keys are per query head)
+            votes = per_kv_head(votes, keys.shape[1], self.aggregate)
+        votes = votes[..., : keys.shape[2] - self.window_size]
         return pool(votes, self.kernel_size, self.pooling)  # (B, H_kv, T − W)
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
@@ -48,3 +60,29 @@ class SnapKV(Method):
         window = torch.arange(n_tokens - self.window_size, n_tokens, device=keys.device)
         window = window.expand(keys.shape[0], keys.shape[1], -1)  # (B, H_kv, W)
         return torch.cat([chosen, window], dim=-1)  # (B, H_kv, n_keep), ascending
+
+    def compress(self, prefill_kv, stats, budget):
+        if self.aggregate != "none":
+            return super().compress(prefill_kv, stats, budget)
+        n_groups = stats.window[self.window_size][0].shape[1] // prefill_kv[0][0].shape[1]  # G = H_q / H_kv
+        expanded = [(repeat_kv(keys, n_groups), repeat_kv(values, n_groups)) for keys, values in prefill_kv]
+        cache = super().compress(expanded, stats, budget)  # (B, H_q, n_keep, D): one selection per query head
+        if cache.layers[0].keys.shape[2] == prefill_kv[0][0].shape[2]:  # nothing evicted: the plain cache
+            return cache_from_kv(prefill_kv)
+        cache.layers = [QueryHeadLayer.holding(layer.keys, layer.values, n_groups) for layer in cache.layers]
+        return cache
+
+
+class QueryHeadLayer(DynamicLayer):
+    """A cache layer in the original SnapKV's layout: one K/V head per query head (new tokens repeated G times)."""
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, n_groups: int) -> "QueryHeadLayer":
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values, layer.n_groups = keys, values, n_groups  # (B, H_q, T, D) each
+        return layer
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key/value states (B, H_kv, Q, D) from the model → appended as (B, H_q, Q, D)."""
+        return super().update(repeat_kv(key_states, self.n_groups), repeat_kv(value_states, self.n_groups))
