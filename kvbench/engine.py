@@ -11,6 +11,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -29,6 +30,8 @@ class Prefill:
     last_logits: torch.Tensor  # (V,) at the last prompt token
     seconds: float
     peak_mem_bytes: int
+    # prefix caching (kvbench.workload): called with each configuration's compressed cache before decoding
+    adopt: Callable | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -90,8 +93,9 @@ class Engine:
         return out.logits[0].float()
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], request: StatsRequest, cache=None) -> Prefill:
-        """Forward the whole prompt once, recording the statistics `request` asks for."""
+    def prefill(self, ids: list[int], request: StatsRequest, cache=None, position: int = 0) -> Prefill:
+        """Forward the whole prompt once, recording the statistics `request` asks for. With a `cache` already
+        holding `position` tokens (a reused prefix), `ids` are the rest of the prompt, at positions from there."""
         from transformers import DynamicCache
 
         device = self.lm.device
@@ -100,7 +104,7 @@ class Engine:
         synchronize(device)
         start = time.perf_counter()
         with recording(request) as stats:
-            logits = self.forward(ids, list(range(len(ids))), cache)
+            logits = self.forward(ids, list(range(position, position + len(ids))), cache)
         synchronize(device)
         seconds = time.perf_counter() - start
         self._check_recorded(request, stats, len(cache.layers))
@@ -126,6 +130,8 @@ class Engine:
         start = time.perf_counter()
         method.bind(self.lm)
         cache = method.compress(prefill.kv, prefill.stats, budget)
+        if prefill.adopt is not None:
+            cache = prefill.adopt(cache)
         logits, position = prefill.last_logits, prefill.n_tokens
         if suffix_ids:
             logits = self._extend(cache, method, suffix_ids, position)

@@ -19,7 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from kvbench import KvbenchError
+from kvbench import KvbenchError, workload
 from kvbench.aggregate import summarize, with_variants
 from kvbench.attention import StatsRequest
 from kvbench.claims import Claims
@@ -110,6 +110,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
         "model": plain(cfg.model), "dtype": str(lm.dtype), "device": lm.device.type,
         "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
         "budget": c.budget_value, "query_aware": c.query_aware, **({"data": data} if data else {}),
+        **workload.hash_keys(cfg),
     })
 
 
@@ -134,17 +135,18 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
 
 
 def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm,
-                    diagnose=None, side: list | None = None) -> list[dict]:
+                    diagnose=None, side: list | None = None, prefill=None) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
     diagnose: verdict Thresholds when `diagnose=true` (kvbench.diagnose_run): rows gain the diagnostic columns and
-    the per-(layer, KV head) records are appended to `side`."""
+    the per-(layer, KV head) records are appended to `side`. `prefill(ids, request)` replaces engine.prefill for
+    the shared one (the prefix cache: kvbench.workload)."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     shared = [c for c in todo if c.method.shares_prefill]
     request = StatsRequest()
     for c in shared:
         request = request | c.method.stats_request()
-    prefill = engine.prefill(prompt_ids, request) if shared else None
+    prefill = (prefill or engine.prefill)(prompt_ids, request) if shared else None
     rows = []
     for c in todo:
         own = engine if c.method.shares_prefill else engine.prepared(c.method)
@@ -183,6 +185,7 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job; returns this run's rows (computed and reused). Writes store + run directory."""
     check_config(cfg)  # every key, knob and grid entry, before the model loads
+    workload.check(cfg)
     confs = configurations(cfg)
     if (cfg.get("launcher") or {}).get("name", "local") == "ray" and shard_of(cfg) is None:
         from kvbench.launch_ray import run_ray  # the driver: shards go to Ray workers, each loads the model once
@@ -242,7 +245,9 @@ class ExampleWork:
     def __init__(self, cfg, confs, task, engine, store, run_id, common, lm):
         self.cfg, self.confs, self.task, self.engine, self.store = cfg, confs, task, engine, store
         self.run_id, self.common, self.lm = run_id, common, lm
-        self.existing = {} if cfg.get("rerun") else store.existing()
+        # workload tasks and prefix caching run requests in order: a sequence is measured whole, never partly reused
+        self.requests = workload.WorkloadRunner(engine, cfg, lm) if cfg.get("prefix_cache") or task.workload else None
+        self.existing = {} if cfg.get("rerun") or self.requests else store.existing()
         self.claims = Claims(store.root)
         self.rows: list[dict] = []
         self.computed: list[dict] = []
@@ -275,6 +280,8 @@ class ExampleWork:
             return
         if self.task.streaming:
             new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
+        elif self.requests:
+            new = self.requests.rows(todo, ex, self.task, self.common, self.lm)
         else:
             new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         self.computed.extend(new)

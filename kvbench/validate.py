@@ -61,6 +61,10 @@ TOP_LEVEL: dict[str, Rule] = {
     **{f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/verdict.py)", min=0)
        for name in ("full_fails_below", "score_tolerance", "kl_tolerance", "evicted_tolerance", "recall_high",
                     "recall_low", "evidence_retention_min", "evidence_mass_min")},
+    "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
+    "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
+    "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
+    "reuse": Rule("str", "reuse=per_question or reuse=compress_once", choices=("per_question", "compress_once")),
 }
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {

@@ -56,6 +56,7 @@ class Task:
     knobs: ClassVar[dict] = {}  # task.<key> → kvbench.validate.Rule, where the yaml default's type is not enough
     streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
     facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)
+    workload = False  # True: examples are requests sharing prefixes, run in order (kvbench.workload)
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it

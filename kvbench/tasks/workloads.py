@@ -1,0 +1,147 @@
+"""Workloads whose requests share prefixes (offline, seeded): each example is one request, run in order.
+
+A document is a haystack of `context_length` tokens holding `questions` (or `turns`) needles, RULER style
+(key → value, at evenly spread depths); each request asks for one key's value:
+- `shared_doc`: many questions on one document, each a fresh single-turn chat (multi-needle NIAH, one question
+  per key); the shared prefix is the chat header, the instruction and the document.
+- `system_prompt`: a long shared system prompt (the records) and independent user questions.
+- `multiturn`: one chat whose history grows each turn: turn t repeats the previous turns, with the reference
+  answers as the assistant's replies (the history does not depend on the model), and asks for key t.
+
+`Example.context_ids` is the part every request of a workload shares (what `reuse=compress_once` compresses
+once); `question_ids` is the rest (the question; in a chat, the history after the document too).
+Rows carry `workload`, `turn` and `request_index` (the request's position in its workload).
+"""
+
+from __future__ import annotations
+
+import random
+
+from kvbench import KvbenchError
+from kvbench.metrics import partial_match, string_match
+from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.haystack import load_sentences
+from kvbench.tasks.niah import ADJECTIVES, NOUNS, VALUE_NAMES, fill_haystack, random_value
+
+MARK = "\x00DOCUMENT\x00"
+
+
+def chat_split(tokenizer, messages: list[dict], answer_prefix: str) -> tuple[list[int], list[int]]:
+    """Token ids before and after the MARK inside one message of the templated chat (+ generation prompt and
+    `answer_prefix`)."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n".join(m["content"] for m in messages) + "\n"
+    head, tail = (text + answer_prefix).split(MARK)
+
+    def encode(s):
+        return tokenizer(s, add_special_tokens=False)["input_ids"]
+
+    return encode(head), encode(tail)
+
+
+def with_needles(sentences: list[list[int]], needles: list[list[int]], depths: list[float]) -> list[int]:
+    """The haystack's tokens with each needle inserted at the sentence boundary nearest its depth (ascending)."""
+    total = sum(map(len, sentences))
+    out, seen, pending = [], 0, list(zip(depths, needles))
+    for sentence in sentences:
+        while pending and seen >= pending[0][0] * total:
+            out += pending.pop(0)[1]
+        out += sentence
+        seen += len(sentence)
+    for _, needle in pending:
+        out += needle
+    return out
+
+
+class SharedPrefixTask(Task):
+    metric = "string_match"
+    workload = True
+    n_requests_key = "questions"
+
+    def examples(self) -> list[Example]:
+        cfg = self.cfg
+        n, documents = int(cfg[self.n_requests_key]), int(cfg.documents)
+        if n < 1 or documents < 1:
+            raise KvbenchError(f"task.{self.n_requests_key} and task.documents must be >= 1")
+        if n > len(ADJECTIVES) * len(NOUNS):
+            raise KvbenchError(f"task.{self.n_requests_key}={n}: at most {len(ADJECTIVES) * len(NOUNS)} keys")
+        encoded = [self.encode(" " + s) for s in load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))]
+        return [ex for d in range(documents) for ex in self._workload(d, n, encoded)]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _workload(self, doc: int, n: int, encoded: list[list[int]]) -> list[Example]:
+        cfg = self.cfg
+        rng = random.Random(f"{self.seed}:{self.name}:{cfg.haystack}:{cfg.value_type}:{cfg.context_length}:{doc}")
+        singular, plural = VALUE_NAMES.get(cfg.value_type, ("", ""))
+        keys: list[str] = []
+        while len(keys) < n:
+            key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+            keys += [key] if key not in keys else []
+        values = [random_value(rng, cfg.value_type, int(cfg.value_length)) for _ in keys]
+        needles = [self.encode(f" One of the special magic {plural} for {k} is: {v}.") for k, v in zip(keys, values)]
+        instruction = (f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
+                       f"them. I will quiz you about the {plural} afterwards.")
+        questions = [f"What is the special magic {singular} for {k} mentioned in the provided text?" for k in keys]
+        prefixes = [f"The special magic {singular} for {k} mentioned in the provided text is" for k in keys]
+        prompts = [self.prompt(instruction, questions, prefixes, values, i) for i in range(n)]
+        head = prompts[0][0]
+        room = int(cfg.context_length) - len(head) - sum(map(len, needles))
+        if room < 1:
+            raise KvbenchError(f"task.context_length={cfg.context_length} is too short for {n} needles and the "
+                               f"template (at least {int(cfg.context_length) - room + 1} tokens)")
+        start = rng.randrange(len(encoded)) if cfg.haystack != "noise" else 0
+        depths = [(i + 0.5) / n for i in range(n)]
+        document = with_needles(fill_haystack(encoded, start, room), needles, depths)
+        return [
+            Example(
+                example_id=f"{self.name}-{cfg.haystack}-L{cfg.context_length}-d{doc}-r{i}-s{self.seed}",
+                context_ids=head + document, question_ids=tail, answers=[values[i]],
+                max_new_tokens=int(cfg.max_new_tokens), subset=f"{cfg.haystack}-{cfg.value_type}",
+                meta={"workload": f"{self.name}-d{doc}", "request_index": i, "turn": i if self.name == "multiturn" else 0,
+                      "depth": depths[i], "length_target": int(cfg.context_length), "scenario": "shared prefix"},
+            )
+            for i, (_, tail) in enumerate(prompts)
+        ]
+
+    def prompt(self, instruction, questions, prefixes, values, i) -> tuple[list[int], list[int]]:
+        raise NotImplementedError  # abstract: each workload lays out its chat
+
+    def score(self, prediction: str, example: Example) -> dict[str, float]:
+        value = example.answers[0]
+        return {"score": string_match(prediction, value), "score_partial": partial_match(prediction, value)}
+
+
+@TASKS.register("shared_doc")
+class SharedDocument(SharedPrefixTask):
+    name = "shared_doc"
+
+    def prompt(self, instruction, questions, prefixes, values, i):
+        user = f"{instruction}\n{MARK}\n{questions[i]}"
+        return chat_split(self.tokenizer, [{"role": "user", "content": user}], prefixes[i])
+
+
+@TASKS.register("system_prompt")
+class SystemPrompt(SharedPrefixTask):
+    name = "system_prompt"
+
+    def prompt(self, instruction, questions, prefixes, values, i):
+        system = f"You are a helpful assistant. {instruction}\n{MARK}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[i]}]
+        return chat_split(self.tokenizer, messages, prefixes[i])
+
+
+@TASKS.register("multiturn")
+class MultiTurn(SharedPrefixTask):
+    name = "multiturn"
+    n_requests_key = "turns"
+
+    def prompt(self, instruction, questions, prefixes, values, i):
+        messages = [{"role": "user", "content": f"{instruction}\n{MARK}\n{questions[0]}"}]
+        for t in range(1, i + 1):
+            messages += [{"role": "assistant", "content": f"{prefixes[t - 1]} {values[t - 1]}."},
+                         {"role": "user", "content": questions[t]}]
+        return chat_split(self.tokenizer, messages, prefixes[i])
