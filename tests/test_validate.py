@@ -272,3 +272,15 @@ def test_knob_ranges_and_choices_are_checked_from_the_dataclass():
                         ({"note": 5}, "is not a non-empty string")]:
         with pytest.raises(KvbenchError, match=fix):
             check_method_params("method", Example, params)
+
+
+def _yaml_names(group):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("override", [f"method={n}" for n in _yaml_names("method")]
+                         + [f"task={n}" for n in _yaml_names("task")]
+                         + [f"+experiment={n}" for n in _yaml_names("experiment")])
+def test_every_shipped_config_passes_validation(override):
+    """The rules never reject what the repo ships (a method's own defaults, a task's yaml, a preset)."""
+    check_config(compose_config(override))
