@@ -4,7 +4,7 @@ Head-wise budgets (AdaKV) give the KV heads of a layer different lengths. Paddin
 or masking would hold the full-size tensors; here a layer stores `flat_keys`/`flat_values` (Σ T_bh, D) with the
 segments in (batch, head) order, positions ascending inside each, and the lengths T_bh as plain integers (shape
 metadata, like a dense tensor's shape). `update` appends each segment's new tokens at its end; attention runs per
-segment (`ragged_attention`, a pure-torch reference) and is dispatched by kvbench's attention function when the
+segment (`ragged_attention`: a pure-torch reference; a Triton decode kernel on CUDA, kernels/triton_ragged.py) and is dispatched by kvbench's attention function when the
 cache hands it a `RaggedKV` instead of a dense tensor.
 """
 
@@ -90,6 +90,23 @@ class RaggedLayer(CacheLayerMixin):
 
 
 def ragged_attention(query: torch.Tensor, key: RaggedKV, value: RaggedKV, scaling: float) -> torch.Tensor:
+    """Attention over ragged heads, (B, Q, H_q, D): the Triton decode kernel on CUDA for one query per sequence
+    (unless KVBENCH_NO_TRITON=1), the torch reference otherwise."""
+    import importlib.util
+    import os
+
+    if (query.is_cuda and query.shape[2] == 1 and importlib.util.find_spec("triton")
+            and os.environ.get("KVBENCH_NO_TRITON") != "1"):
+        from kvbench.kernels import triton_ragged
+
+        if triton_ragged.TRITON_AVAILABLE:
+            out = triton_ragged.triton_ragged_decode(query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads,
+                                                     scaling)  # (B, H_q, D)
+            return out[:, None]  # (B, 1, H_q, D)
+    return ragged_attention_reference(query, key, value, scaling)
+
+
+def ragged_attention_reference(query: torch.Tensor, key: RaggedKV, value: RaggedKV, scaling: float) -> torch.Tensor:
     """Causal softmax attention of query (B, H_q, Q, D) — the last Q positions of every segment — over each KV
     head's own keys; GQA: query head h reads KV head h // G. Returns (B, Q, H_q, D) as transformers' sdpa does.
     The pure-torch reference: one (G, Q, T_bh) score block per segment, fp32 softmax."""
