@@ -132,7 +132,7 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
               f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
               f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples.")
     for section in extra["summary"]:
-        _extra(page, section)
+        _extra(page, section, level=3)
     for scope in scopes:
         lines = takeaways(summary, knee, tolerance, "task" if scope[1] != ALL else "overall", *scope)
         if lines:
@@ -205,10 +205,11 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
     return page.html(nav), page.markdown()
 
 
-def _extra(page: Page, section) -> None:
-    """A section registered by another module (kvbench.report_sections)."""
-    page.heading(2 if section.title else 3, section.title)
-    page.raw(section.html, section.markdown)
+def _extra(page: Page, section, level: int = 2) -> None:
+    """A section registered by another module (kvbench.report_sections): inside the page's width, its tables in
+    the page's style (cells wrap instead of running off the right edge)."""
+    page.heading(level, section.title)
+    page.raw(f'<div class="section">{section.html}</div>', section.markdown)
     page.images(section.files)
 
 

@@ -27,7 +27,8 @@ details{margin:.3em 0 .8em}details details{margin-left:1.4em}table.left td,th.l,
 font-variant-numeric:tabular-nums}th,td{border-bottom:1px solid #e3e3e3;padding:3px 9px;text-align:right;
 white-space:nowrap}th{background:#f5f5f7;position:relative;cursor:pointer;user-select:none}
 th:first-child,td:first-child{text-align:left}tr.few td{color:#999}
-.more{display:none}body.allcols .more{display:table-cell}.toggle{font-size:.9em;margin:.3em 0}
+.section{overflow-x:auto;max-width:100%}.section table{border:0}.section td{white-space:normal}
+.section th,.section td{border:0;border-bottom:1px solid #e3e3e3}.more{display:none}body.allcols .more{display:table-cell}.toggle{font-size:.9em;margin:.3em 0}
 th.asc:after{content:" ▲";font-size:.7em}th.desc:after{content:" ▼";font-size:.7em}
 @media print{nav,.toggle{display:none}body{max-width:none;font-size:11px}.card{grid-template-columns:1fr 1fr}
 img,table,.card{break-inside:avoid}h2{break-after:avoid}}
