@@ -72,6 +72,8 @@ SELECTIONS = [  # (task overrides, the same with a selection key narrowed)
      ["task=niah", "task.context_lengths=[800]", "task.depths=[0.7]"]),
     (["task=ruler", "task.tasks=[niah_single_1,niah_multivalue]", "task.context_lengths=[1500]", "task.num_samples=2"],
      ["task=ruler", "task.tasks=[niah_multivalue]", "task.context_lengths=[1500]", "task.num_samples=1"]),
+    (["task=kv_retrieval", "task.num_pairs=[4,6]", "task.positions=[0,1]", "task.num_samples=2"],
+     ["task=kv_retrieval", "task.num_pairs=[6]", "task.positions=[1]", "task.num_samples=1"]),
     (["task=longgen", "task.trace_tokens=[16,32]", "task.n_facts=2"],
      ["task=longgen", "task.trace_tokens=[32]", "task.n_facts=1"]),
     (["task=longbench", f"task.data_dir={FIXTURES}", "task.subsets=[hotpotqa,qasper]", "task.max_length=600"],
