@@ -271,7 +271,8 @@ def test_registered_report_sections_appear_when_their_columns_do(tmp_path):
                                            row("full", 1.0, "e1", 1.0, reused_tokens=2)])
         assert report_main([str(extra), "--out", str(tmp_path / "b")]) == 0
         page = (tmp_path / "b" / "report.html").read_text()
-        assert "<h2>Reuse check</h2>" in page and "mean reused 4" in page
+        assert "<h3>Reuse check</h3>" in page and "mean reused 4" in page  # inside Takeaways
+        assert page.index("Reuse check") < page.index('id="plots"')
         assert "mean reused 4" in (tmp_path / "b" / "report.md").read_text()
     finally:
         SECTIONS[:] = [s for s in SECTIONS if s.build is not reuse]
