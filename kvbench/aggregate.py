@@ -59,8 +59,9 @@ def load_rows(paths: Iterable[str | Path]) -> pd.DataFrame:
         raise KvbenchError(f"no result rows under {', '.join(map(str, paths))} (run `python -m kvbench` first)")
     rows = pd.concat(frames, ignore_index=True)
     validate(rows)
-    newest_first = pd.to_datetime(rows["timestamp"], utc=True, errors="coerce").sort_values(
-        ascending=False, kind="stable").index
+    newest_first = (
+        pd.to_datetime(rows["timestamp"], utc=True, errors="coerce").sort_values(ascending=False, kind="stable").index
+    )
     rows = rows.loc[newest_first].drop_duplicates(["config_hash", "example_id"])
     return rows.reset_index(drop=True)
 
@@ -70,13 +71,15 @@ def validate(rows: pd.DataFrame) -> None:
     if missing:
         raise KvbenchError(f"incompatible result rows: missing columns {', '.join(missing)}")
     if "schema_version" not in rows.columns:
-        raise KvbenchError(f"incompatible result rows: no schema_version column (this kvbench reads "
-                           f"schema_version {SCHEMA_VERSION})")
+        raise KvbenchError(
+            f"incompatible result rows: no schema_version column (this kvbench reads schema_version {SCHEMA_VERSION})"
+        )
     versions = set(rows["schema_version"].astype(object).where(rows["schema_version"].notna(), None))
     if versions != {SCHEMA_VERSION}:
         found = ", ".join(sorted(map(str, versions)))
-        raise KvbenchError(f"incompatible result rows: schema_version {found}, this kvbench reads "
-                           f"schema_version {SCHEMA_VERSION}")
+        raise KvbenchError(
+            f"incompatible result rows: schema_version {found}, this kvbench reads schema_version {SCHEMA_VERSION}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- labels
@@ -92,7 +95,8 @@ def method_yaml(name: str) -> dict:
     path = conf_dir() / "method" / f"{name}.yaml"
     if not path.exists():
         return {}
-    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path), resolve=True).items() if k != "name"}
+    knobs = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return {str(k): v for k, v in knobs.items() if k != "name"} if isinstance(knobs, dict) else {}
 
 
 def variant_label(name: str, params: dict) -> str:
@@ -128,8 +132,11 @@ def with_full_scores(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _text_keys(rows: pd.DataFrame, columns: list[str]) -> pd.Series:
-    return pd.Series(["\x1f".join("" if pd.isna(v) else str(v) for v in key)
-                      for key in rows[columns].itertuples(index=False)], index=rows.index, dtype=object)
+    return pd.Series(
+        ["\x1f".join("" if pd.isna(v) else str(v) for v in key) for key in rows[columns].itertuples(index=False)],
+        index=rows.index,
+        dtype=object,
+    )
 
 
 def drop_vs_full(rows: pd.DataFrame) -> tuple[float, int]:
@@ -187,15 +194,29 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
         facts = task_facts(tasks[0]) if len(tasks) == 1 else task_facts("")
         mean, low, high, how = mean_interval(group["score"], facts.score_range, confidence)
         drop, n_matched = drop_vs_full(group)
-        record = dict(level=level, **dict(zip(GROUP_KEYS, key)), compared=bool(group["compared"].iloc[0]),
-                      tasks=", ".join(tasks), n=int(group["score"].notna().sum()), score=mean, ci_low=low,
-                      ci_high=high, ci_method=how, lower_is_better=all(map(lower_is_better, tasks)))
+        record = dict(
+            level=level,
+            **dict(zip(GROUP_KEYS, key)),
+            compared=bool(group["compared"].iloc[0]),
+            tasks=", ".join(tasks),
+            n=int(group["score"].notna().sum()),
+            score=mean,
+            ci_low=low,
+            ci_high=high,
+            ci_method=how,
+            lower_is_better=all(map(lower_is_better, tasks)),
+        )
         if "score_partial" in group:
             record["score_partial"] = group["score_partial"].mean()
         record.update(
-            drop_vs_full=drop, n_matched=n_matched, kv_ratio=group["kv_ratio"].mean(),
-            kv_bytes=group["kv_bytes"].mean(), peak_mem_bytes=group["peak_mem_bytes"].max(),
-            prefill_s=group["prefill_s"].mean(), decode_ms_per_token=group["decode_ms_per_token"].mean())
+            drop_vs_full=drop,
+            n_matched=n_matched,
+            kv_ratio=group["kv_ratio"].mean(),
+            kv_bytes=group["kv_bytes"].mean(),
+            peak_mem_bytes=group["peak_mem_bytes"].max(),
+            prefill_s=group["prefill_s"].mean(),
+            decode_ms_per_token=group["decode_ms_per_token"].mean(),
+        )
         out.append(record)
     return out
 
@@ -225,14 +246,19 @@ def knees(summary: pd.DataFrame, tolerance: float = 0.02) -> pd.DataFrame:
         sign = -1.0 if curve["lower_is_better"].all() else 1.0  # perplexity: a loss is a *rise* over full
         good = curve[sign * curve["drop_vs_full"] <= tolerance + 1e-12]
         knee = good.iloc[0] if len(good) else None
-        records.append(dict(
-            zip(SCOPE_KEYS + ["method"], key), budgets=", ".join(f"{b:g}" for b in curve["budget"]),
-            knee_budget=knee["budget"] if knee is not None else math.nan,
-            kv_ratio=knee["kv_ratio"] if knee is not None else math.nan,
-            score=knee["score"] if knee is not None else math.nan,
-            drop_vs_full=knee["drop_vs_full"] if knee is not None else math.nan))
-    return pd.DataFrame.from_records(records, columns=SCOPE_KEYS + [
-        "method", "budgets", "knee_budget", "kv_ratio", "score", "drop_vs_full"])
+        records.append(
+            dict(
+                zip(SCOPE_KEYS + ["method"], key),
+                budgets=", ".join(f"{b:g}" for b in curve["budget"]),
+                knee_budget=knee["budget"] if knee is not None else math.nan,
+                kv_ratio=knee["kv_ratio"] if knee is not None else math.nan,
+                score=knee["score"] if knee is not None else math.nan,
+                drop_vs_full=knee["drop_vs_full"] if knee is not None else math.nan,
+            )
+        )
+    return pd.DataFrame.from_records(
+        records, columns=SCOPE_KEYS + ["method", "budgets", "knee_budget", "kv_ratio", "score", "drop_vs_full"]
+    )
 
 
 def pareto(summary: pd.DataFrame) -> pd.DataFrame:

@@ -35,6 +35,7 @@ class Threshold:
     @property
     def label(self) -> str:
         """The selector as YAML flow text, so a FAIL line can be found in the thresholds file."""
+
         def text(v):
             if isinstance(v, list):
                 return "[" + ", ".join(map(text, v)) + "]"
@@ -122,8 +123,10 @@ def select_rows(rows: pd.DataFrame, threshold: Threshold) -> pd.DataFrame:
     for column, wanted in threshold.select.items():
         mask &= _matches(rows[column], wanted)
     if not mask.any():
-        present = "; ".join(f"{c} ∈ {{{', '.join(map(str, sorted(rows[c].dropna().unique(), key=str)[:12]))}}}"
-                            for c in threshold.select)
+        present = "; ".join(
+            f"{c} ∈ {{{', '.join(map(str, sorted(rows[c].dropna().unique(), key=str)[:12]))}}}"
+            for c in threshold.select
+        )
         raise KvbenchError(f"selector {threshold.label} matches no rows (present: {present})")
     return rows[mask]
 
@@ -145,8 +148,9 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
         if holds:
             measured.append(f"{what} {value:.4g} {op} {bound:g}")
         else:
-            failures.append(f"FAIL {threshold.label}: {what} expected {op} {bound:g}, measured {value:.4g} "
-                            f"(n={count}{note})")
+            failures.append(
+                f"FAIL {threshold.label}: {what} expected {op} {bound:g}, measured {value:.4g} (n={count}{note})"
+            )
 
     if threshold.min_examples is not None:
         record("examples", ">=", threshold.min_examples, n, n)
@@ -155,16 +159,23 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
     if threshold.max_drop_vs_full is not None:
         drop, matched = drop_vs_full(selected)
         if matched == 0:
-            raise KvbenchError(f"selector {threshold.label}: no full-cache rows on the same examples, so "
-                               "max_drop_vs_full cannot be measured (run the full method too)")
+            raise KvbenchError(
+                f"selector {threshold.label}: no full-cache rows on the same examples, so "
+                "max_drop_vs_full cannot be measured (run the full method too)"
+            )
         record("drop_vs_full", "<=", threshold.max_drop_vs_full, drop, matched)
     return f"ok {threshold.label}: {', '.join(measured)} (n={n}{note})", failures
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.check", description=__doc__.split("\n\n")[1])
-    parser.add_argument("results", nargs="+", type=Path, metavar="RESULTS_DIR",
-                        help="result store, run directory or Parquet file (several are merged)")
+    parser.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_DIR",
+        help="result store, run directory or Parquet file (several are merged)",
+    )
     parser.add_argument("--thresholds", type=Path, required=True, metavar="FILE", help="thresholds YAML")
     try:
         args = parser.parse_args(argv)

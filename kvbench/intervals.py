@@ -40,8 +40,9 @@ def bootstrap(scores: np.ndarray, confidence: float = 0.95, seed: int = 0) -> tu
     return float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
 
 
-def mean_interval(scores, score_range: tuple[float, float] = (0.0, 1.0), confidence: float = 0.95,
-                  min_n: int = MIN_N) -> tuple[float, float, float, str]:
+def mean_interval(
+    scores, score_range: tuple[float, float] = (0.0, 1.0), confidence: float = 0.95, min_n: int = MIN_N
+) -> tuple[float, float, float, str]:
     """(mean, low, high, method): method is "wilson", "bootstrap", or "" with NaN bounds (n < min_n or no
     scores). The bounds are clipped to `score_range`, the metric's possible values."""
     x = np.asarray(scores, dtype=float)

@@ -27,7 +27,7 @@ from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize, with_var
 from kvbench.intervals import MIN_N
 from kvbench.report_page import Page
 from kvbench.report_sections import PLACES, build_sections
-from kvbench.report_tables import Column, fixed, summary_columns
+from kvbench.report_tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report_takeaways import takeaways
 from kvbench.results import check_writable, write_atomic, write_csv
 
@@ -37,8 +37,10 @@ OPEN_ROWS = 14  # a per-task table longer than this starts collapsed
 
 def _scopes(summary: pd.DataFrame, level: str) -> list[tuple]:
     part = summary[summary["level"] == level]
-    return sorted(part[["model", "task", "query_aware"]].drop_duplicates().itertuples(index=False, name=None),
-                  key=lambda k: tuple(map(str, k)))
+    return sorted(
+        part[["model", "task", "query_aware"]].drop_duplicates().itertuples(index=False, name=None),
+        key=lambda k: tuple(map(str, k)),
+    )
 
 
 def _name(model, task, query_aware, several_models: bool, several_settings: bool) -> str:
@@ -51,8 +53,12 @@ def _name(model, task, query_aware, several_models: bool, several_settings: bool
 
 
 def _part(table: pd.DataFrame, level: str, model, task, query_aware) -> pd.DataFrame:
-    return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)
-                 & (table["query_aware"] == query_aware)]
+    return table[
+        (table["level"] == level)
+        & (table["model"] == model)
+        & (table["task"] == task)
+        & (table["query_aware"] == query_aware)
+    ]
 
 
 def _summary_tables(page: Page, part: pd.DataFrame, **columns) -> None:
@@ -62,29 +68,44 @@ def _summary_tables(page: Page, part: pd.DataFrame, **columns) -> None:
     page.table(compared, cols, compared["n"] < MIN_N)
     if len(apart):
         page.note("Ran on only part of the examples: not comparable with the table above (own n, tasks covered).")
-        page.table(apart, summary_columns(part, tasks=True, **{k: v for k, v in columns.items() if k != "tasks"}),
-                   apart["n"] < MIN_N)
+        page.table(
+            apart,
+            summary_columns(part, tasks=True, **{k: v for k, v in columns.items() if k != "tasks"}),
+            apart["n"] < MIN_N,
+        )
 
 
 def knee_columns() -> list[Column]:
-    return [Column("method", lambda r: r["method"]), Column("budgets tested", lambda r: r["budgets"]),
-            Column("knee budget", lambda r: r["knee_budget"], lambda v: "none" if math.isnan(v) else f"{v:g}"),
-            Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)), Column("score", lambda r: r["score"], fixed(3)),
-            Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True))]
+    return [
+        Column("method", lambda r: r["method"]),
+        Column("budgets tested", lambda r: r["budgets"]),
+        Column("knee budget", lambda r: r["knee_budget"], lambda v: "none" if math.isnan(float(v)) else f"{v:g}"),
+        Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)),
+        Column("score", lambda r: r["score"], fixed(3)),
+        Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True)),
+    ]
 
 
 def pareto_columns() -> list[Column]:
-    return [Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)), Column("score", lambda r: r["score"], fixed(3)),
-            Column("method", lambda r: r["method"]), Column("budget", lambda r: r["budget"], lambda v: f"{v:g}"),
-            Column("n", lambda r: r["n"]), Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True))]
+    return [
+        Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3)),
+        Column("score", lambda r: r["score"], fixed(3)),
+        Column("method", lambda r: r["method"]),
+        Column("budget", lambda r: r["budget"], lambda v: f"{v:g}"),
+        Column("n", lambda r: r["n"]),
+        Column("drop vs full", lambda r: r["drop_vs_full"], fixed(3, signed=True)),
+    ]
 
 
 def provenance_table(rows: pd.DataFrame, paths: list[Path]) -> pd.DataFrame:
     items = [(c, ", ".join(sorted(map(str, rows[c].dropna().unique())))) for c in PROVENANCE if c in rows]
-    items += [("runs", str(rows["run_id"].nunique())), ("rows", str(len(rows))),
-              ("timestamps", f"{rows['timestamp'].min()} … {rows['timestamp'].max()}"),
-              ("inputs", ", ".join(map(str, paths))),
-              ("report written", datetime.now(timezone.utc).isoformat(timespec="seconds"))]
+    items += [
+        ("runs", str(rows["run_id"].nunique())),
+        ("rows", str(len(rows))),
+        ("timestamps", f"{rows['timestamp'].min()} … {rows['timestamp'].max()}"),
+        ("inputs", ", ".join(map(str, paths))),
+        ("report written", datetime.now(timezone.utc).isoformat(timespec="seconds")),
+    ]
     return pd.DataFrame(items, columns=["field", "value"])
 
 
@@ -124,13 +145,18 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         return [p.path for kind in kinds for p in plots if (p.model, p.task, p.kind) == (model, task, kind)]
 
     page = Page("kvbench report")
-    page.note(f"{rows['model'].nunique()} model(s): {', '.join(sorted(map(str, rows['model'].unique())))} · "
-              f"{len(rows)} result rows · tasks {', '.join(sorted(map(str, rows['task'].unique())))} · written "
-              f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC", cls="meta")
+    page.note(
+        f"{rows['model'].nunique()} model(s): {', '.join(sorted(map(str, rows['model'].unique())))} · "
+        f"{len(rows)} result rows · tasks {', '.join(sorted(map(str, rows['task'].unique())))} · written "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        cls="meta",
+    )
     page.heading(2, "Takeaways", "takeaways")
-    page.note(f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
-              f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
-              f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples.")
+    page.note(
+        f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
+        f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
+        f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples."
+    )
     for section in extra["summary"]:
         _extra(page, section, level=3)
     for scope in scopes:
@@ -156,10 +182,12 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         _extra(page, section)
 
     page.heading(2, "Tables", "tables")
-    page.raw('<label class="toggle"><input type="checkbox" id="allcols"> show all columns (partial score, cache '
-             'MiB, matched examples, interval method)</label><p class="note">Click a column heading to sort. Grey '
-             f'rows: fewer than {MIN_N} examples. drop vs full = full-cache mean minus the mean, on the same '
-             "examples.</p>")
+    page.raw(
+        '<label class="toggle"><input type="checkbox" id="allcols"> show all columns (partial score, cache '
+        'MiB, matched examples, interval method)</label><p class="note">Click a column heading to sort. Grey '
+        f"rows: fewer than {MIN_N} examples. drop vs full = full-cache mean minus the mean, on the same "
+        "examples.</p>"
+    )
     for scope in scopes:
         level = "task" if scope[1] != ALL else "overall"
         part = _part(summary, level, *scope)
@@ -168,12 +196,17 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
             page.raw('<div id="overall"></div>')
         n_compared = int(part["compared"].sum())
         apart = f", {len(part) - n_compared} on only part of the examples" if len(part) > n_compared else ""
-        page.open(f"{name(scope).capitalize()}: {n_compared} configurations compared{apart}",
-                  is_open=n_compared <= OPEN_ROWS)
+        page.open(
+            f"{name(scope).capitalize()}: {n_compared} configurations compared{apart}", is_open=n_compared <= OPEN_ROWS
+        )
         _summary_tables(page, part, model=False, tasks=scope[1] == ALL, setting=False)
         for sub in ("scenario", "subset"):
-            subpart = summary[(summary["level"] == sub) & (summary["model"] == scope[0])
-                              & (summary["task"] == scope[1]) & (summary["query_aware"] == scope[2])]
+            subpart = summary[
+                (summary["level"] == sub)
+                & (summary["model"] == scope[0])
+                & (summary["task"] == scope[1])
+                & (summary["query_aware"] == scope[2])
+            ]
             if subpart["subset"].nunique() > 1:
                 page.open(f"per {sub} ({subpart['subset'].nunique()})")
                 _summary_tables(page, subpart.sort_values(["subset", "method", "budget"]), subset=True)
@@ -198,10 +231,12 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
 
     page.heading(2, "Provenance", "provenance")
     prov = provenance_table(rows, paths)
-    page.table(prov, [Column(c, lambda r, c=c: r[c]) for c in prov.columns], cls="left")
-    nav = [("takeaways", "Takeaways"), ("plots", "Plots"), ("tables", "Tables")] + (
-        [("overall", "All tasks pooled")] if any(s[1] == ALL for s in scopes) else []) + [
-        ("provenance", "Provenance")]
+    page.table(prov, plain_columns(prov), cls="left")
+    nav = (
+        [("takeaways", "Takeaways"), ("plots", "Plots"), ("tables", "Tables")]
+        + ([("overall", "All tasks pooled")] if any(s[1] == ALL for s in scopes) else [])
+        + [("provenance", "Provenance")]
+    )
     return page.html(nav), page.markdown()
 
 
@@ -224,11 +259,20 @@ def _readable(paths: list[Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.split("\n\n")[1])
-    parser.add_argument("results", nargs="+", type=Path, metavar="RESULTS_DIR",
-                        help="result store, run directory or Parquet file (several are merged)")
+    parser.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_DIR",
+        help="result store, run directory or Parquet file (several are merged)",
+    )
     parser.add_argument("--out", type=Path, help="output directory (default: RESULTS_DIR/report)")
-    parser.add_argument("--tolerance", type=float, default=0.02,
-                        help="knee: largest absolute score drop vs the full cache that counts as lossless")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.02,
+        help="knee: largest absolute score drop vs the full cache that counts as lossless",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits 2 on bad usage: return it instead, as main() promises an int

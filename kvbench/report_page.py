@@ -22,13 +22,15 @@ border-bottom:1px solid #eee;z-index:2;font-size:.92em}nav a{margin-right:1.2em;
 margin:.4em 0 1.2em}.card ul{margin:0;padding-left:1.1em}.card li{margin:.25em 0}
 img{max-width:100%;height:auto;display:block}.plots{display:grid;grid-template-columns:repeat(auto-fill,
 minmax(520px,1fr));gap:14px;margin:.5em 0 1em}
-details{margin:.3em 0 .8em}details details{margin-left:1.4em}table.left td,th.l,td.l{text-align:left}summary{cursor:pointer;font-weight:600;padding:.2em 0}
+details{margin:.3em 0 .8em}details details{margin-left:1.4em}table.left td,th.l,td.l{text-align:left}
+summary{cursor:pointer;font-weight:600;padding:.2em 0}
 .wrap{overflow-x:auto;max-width:100%}table{border-collapse:collapse;font-size:.84em;margin:.3em 0 .9em;
 font-variant-numeric:tabular-nums}th,td{border-bottom:1px solid #e3e3e3;padding:3px 9px;text-align:right;
 white-space:nowrap}th{background:#f5f5f7;position:relative;cursor:pointer;user-select:none}
 th:first-child,td:first-child{text-align:left}tr.few td{color:#999}
 .section{overflow-x:auto;max-width:100%}.section table{border:0}.section td{white-space:normal}
-.section th,.section td{border:0;border-bottom:1px solid #e3e3e3}.more{display:none}body.allcols .more{display:table-cell}.toggle{font-size:.9em;margin:.3em 0}
+.section th,.section td{border:0;border-bottom:1px solid #e3e3e3}.more{display:none}
+body.allcols .more{display:table-cell}.toggle{font-size:.9em;margin:.3em 0}
 th.asc:after{content:" ▲";font-size:.7em}th.desc:after{content:" ▼";font-size:.7em}
 @media print{nav,.toggle{display:none}body{max-width:none;font-size:11px}.card{grid-template-columns:1fr 1fr}
 img,table,.card{break-inside:avoid}h2{break-after:avoid}}
@@ -98,12 +100,13 @@ class Page:
 
     def html(self, nav: list[tuple[str, str]]) -> str:
         links = "".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t in nav)
-        body = [self.body[0], *(self.body[1:2] if len(self.body) > 1 else []), f"<nav>{links}</nav>",
-                *self.body[2:]]
-        return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
-                f'content="width=device-width, initial-scale=1"><title>{html.escape(self.title)}</title>'
-                f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + f"\n<script>{JS}</script>\n"
-                "</body></html>\n")
+        body = [self.body[0], *(self.body[1:2] if len(self.body) > 1 else []), f"<nav>{links}</nav>", *self.body[2:]]
+        return (
+            f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><meta name="viewport" '
+            f'content="width=device-width, initial-scale=1"><title>{html.escape(self.title)}</title>'
+            f"<style>{CSS}</style></head><body>\n" + "\n".join(body) + f"\n<script>{JS}</script>\n"
+            "</body></html>\n"
+        )
 
     def markdown(self) -> str:
         return "\n".join(self.md)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import html
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 
@@ -22,6 +24,7 @@ def _nan(v) -> bool:
 def fixed(digits: int, signed: bool = False) -> Callable:
     def text(v):
         return "—" if _nan(v) else f"{v:+.{digits}f}" if signed else f"{v:.{digits}f}"
+
     return text
 
 
@@ -42,8 +45,8 @@ def interval(row) -> str:
 @dataclass
 class Column:
     heading: str
-    value: Callable[[pd.Series], object]  # the sort key (numbers sort numerically)
-    text: Callable[[object], str] = str
+    value: Callable[[pd.Series], Any]  # the sort key (numbers sort numerically)
+    text: Callable[[Any], str] = str
     default: bool = True  # False: behind the "all columns" toggle
     title: str = ""  # the header's tooltip
     left: bool = False  # text, aligned left (numbers align right)
@@ -53,21 +56,33 @@ class Column:
         return f' class="{" ".join(names)}"' if names else ""
 
 
-def summary_columns(part: pd.DataFrame, *, subset: bool = False, model: bool = False, tasks: bool = False,
-                    setting: bool = False) -> list[Column]:
+def summary_columns(
+    part: pd.DataFrame, *, subset: bool = False, model: bool = False, tasks: bool = False, setting: bool = False
+) -> list[Column]:
     cols = [Column("model", lambda r: r["model"])] if model else []
     cols += [Column("subset", lambda r: r["subset"])] if subset else []
     cols += [
         Column("method", lambda r: r["method"]),
-        Column("budget", lambda r: r["budget"], lambda v: f"{v:g}", title="fraction of the prompt's tokens kept "
-               "(an integer: tokens); 1 for methods without eviction"),
+        Column(
+            "budget",
+            lambda r: r["budget"],
+            lambda v: f"{v:g}",
+            title="fraction of the prompt's tokens kept (an integer: tokens); 1 for methods without eviction",
+        ),
         Column("n", lambda r: r["n"], title="examples pooled"),
         Column("score", lambda r: r["score"], fixed(3), title="mean score over the n examples"),
-        Column("95 % interval", lambda r: r["ci_low"], lambda v: v, title="Wilson for 0/1 scores, bootstrap "
-               "otherwise; none below 5 examples"),
-        Column("drop vs full", lambda r: math.nan if r["method"] == "full" else r["drop_vs_full"],
-               fixed(3, signed=True),
-               title="full-cache mean minus this mean on the same examples (perplexity: negative = worse)"),
+        Column(
+            "95 % interval",
+            lambda r: r["ci_low"],
+            str,
+            title="Wilson for 0/1 scores, bootstrap otherwise; none below 5 examples",
+        ),
+        Column(
+            "drop vs full",
+            lambda r: math.nan if r["method"] == "full" else r["drop_vs_full"],
+            fixed(3, signed=True),
+            title="full-cache mean minus this mean on the same examples (perplexity: negative = worse)",
+        ),
         Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
         Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
         Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
@@ -79,9 +94,11 @@ def summary_columns(part: pd.DataFrame, *, subset: bool = False, model: bool = F
         cols.append(Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True))
     if "score_partial" in part and part["score_partial"].notna().any():
         cols.append(Column("partial score", lambda r: r["score_partial"], fixed(3), default=False))
-    cols += [Column("kv MiB", lambda r: r["kv_bytes"], mib, default=False),
-             Column("n matched", lambda r: r["n_matched"], default=False, title="examples the full cache also ran"),
-             Column("interval method", lambda r: r["ci_method"] or "—", default=False)]
+    cols += [
+        Column("kv MiB", lambda r: r["kv_bytes"], mib, default=False),
+        Column("n matched", lambda r: r["n_matched"], default=False, title="examples the full cache also ran"),
+        Column("interval method", lambda r: r["ci_method"] or "—", default=False),
+    ]
     return cols
 
 
@@ -107,9 +124,11 @@ def html_table(part: pd.DataFrame, columns: list[Column], few: pd.Series | None 
     grey = list(few) if few is not None else [False] * len(part)
     for line, is_few in zip(cells(part, columns), grey):
         tds = "".join(f"<td{c.cls()}{_sort_key(key)}>{html.escape(text)}</td>" for c, (key, text) in zip(columns, line))
-        rows.append(f'<tr{" class=few" if is_few else ""}>{tds}</tr>')
-    return f'<div class=wrap><table class="sortable {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}' \
-           f"</tbody></table></div>"
+        rows.append(f"<tr{' class=few' if is_few else ''}>{tds}</tr>")
+    return (
+        f'<div class=wrap><table class="sortable {cls}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}'
+        f"</tbody></table></div>"
+    )
 
 
 def _title(c: Column) -> str:
@@ -132,5 +151,5 @@ def markdown_table(part: pd.DataFrame, columns: list[Column]) -> str:
 
 
 def plain_columns(frame: pd.DataFrame) -> list[Column]:
-    """Columns for an already formatted frame (knees, Pareto, provenance)."""
-    return [Column(str(c), lambda r, c=c: r[c]) for c in frame.columns]
+    """Columns for an already formatted frame (provenance): each cell as it is."""
+    return [Column(str(c), operator.itemgetter(c), left=True) for c in frame.columns]

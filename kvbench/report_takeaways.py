@@ -48,8 +48,11 @@ def knee_line(knee: pd.DataFrame, points: pd.DataFrame, tolerance: float) -> str
     text += "; ".join(t for _, t in sorted(found)) + "." if found else "none at any budget tested."
     lower = bool(points["lower_is_better"].all())
     if missing:
-        text += f" Never within {tolerance:g}: " + "; ".join(
-            t for _, t in sorted(missing, key=lambda m: m[0], reverse=not lower)) + "."
+        text += (
+            f" Never within {tolerance:g}: "
+            + "; ".join(t for _, t in sorted(missing, key=lambda m: m[0], reverse=not lower))
+            + "."
+        )
     return text
 
 
@@ -63,7 +66,7 @@ def budget_lines(points: pd.DataFrame) -> list[str]:
         names = ", ".join(f"{r['method']} (kv_ratio {r['kv_ratio']:.2f})" for _, r in ties.iterrows())
         label = "Without eviction (budget 1)" if budget == 1 and not only_one else f"Budget {budget:g}"
         text = f"{label}: best {_score(best)} — {names}"
-        rest = ranked.iloc[len(ties):]
+        rest = ranked.iloc[len(ties) :]
         if len(rest):
             runner_up = rest.iloc[0]
             text += f"; next {runner_up['method']} {_score(runner_up)}"
@@ -73,12 +76,18 @@ def budget_lines(points: pd.DataFrame) -> list[str]:
     return lines
 
 
-def takeaways(summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level: str, model, task,
-              query_aware) -> list[str]:
+def takeaways(
+    summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level: str, model, task, query_aware
+) -> list[str]:
     """Plain-text lines for one scope of the summary (level task or overall)."""
+
     def scope(table):
-        return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)
-                     & (table["query_aware"] == query_aware)]
+        return table[
+            (table["level"] == level)
+            & (table["model"] == model)
+            & (table["task"] == task)
+            & (table["query_aware"] == query_aware)
+        ]
 
     part = scope(summary)
     points, apart = part[part["compared"]], part[~part["compared"]]
@@ -97,12 +106,19 @@ def takeaways(summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level
     lines += budget_lines(points)
     if len(apart) > 4:
         covered = " / ".join(sorted(apart["tasks"].unique()))
-        lines.append(f"Not ranked: {len(apart)} configurations ran on only part of the examples ({covered}; "
-                     f"{apart['n'].min()}–{apart['n'].max()} examples each); they are listed apart in the tables.")
+        lines.append(
+            f"Not ranked: {len(apart)} configurations ran on only part of the examples ({covered}; "
+            f"{apart['n'].min()}–{apart['n'].max()} examples each); they are listed apart in the tables."
+        )
     elif len(apart):
-        lines.append("Not ranked (ran on only part of the examples): " + "; ".join(
-            f"{r['method']} budget {r['budget']:g}: {r['score']:.3f} on {r['n']} examples of {r['tasks']}"
-            for _, r in apart.iterrows()) + ".")
+        lines.append(
+            "Not ranked (ran on only part of the examples): "
+            + "; ".join(
+                f"{r['method']} budget {r['budget']:g}: {r['score']:.3f} on {r['n']} examples of {r['tasks']}"
+                for _, r in apart.iterrows()
+            )
+            + "."
+        )
     if (points["n"] < MIN_N).any():
         lines.append(f"Fewer than {MIN_N} examples: no interval, greyed in plots and tables.")
     return lines

@@ -37,10 +37,24 @@ def chromium() -> str:
 
 def browse(page: Path, width: int, height: int, *action: str) -> str:
     with tempfile.TemporaryDirectory() as profile:
-        done = subprocess.run([chromium(), "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                               f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                               "--virtual-time-budget=5000", *action, page.resolve().as_uri()],
-                              check=True, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                chromium(),
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                "--virtual-time-budget=5000",
+                *action,
+                page.resolve().as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     return done.stdout
 
 
@@ -48,8 +62,9 @@ def positions(page: Path, width: int) -> dict:
     """Page height and each anchor's y (CSS px), measured by the browser on a copy of the page."""
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.html"
-        probe.write_text(page.read_text(encoding="utf-8").replace("</body>", MEASURE % json.dumps(ANCHORS), 1),
-                         encoding="utf-8")
+        probe.write_text(
+            page.read_text(encoding="utf-8").replace("</body>", MEASURE % json.dumps(ANCHORS), 1), encoding="utf-8"
+        )
         dom = browse(probe, width, 1000, "--dump-dom")
     found = re.search(r"data-pos=\"([^\"]+)\"", dom)
     return json.loads(found.group(1).replace("&quot;", '"')) if found else {"height": 8000}
@@ -89,8 +104,11 @@ def main() -> int:
     for anchor in ANCHORS:
         if anchor in where:
             top = max(0, int(where[anchor]) - 10)
-            save(whole.crop((0, top, whole.width, min(top + args.screen, whole.height))), args.out / f"{anchor}.png",
-                 exact=anchor == "plots")
+            save(
+                whole.crop((0, top, whole.width, min(top + args.screen, whole.height))),
+                args.out / f"{anchor}.png",
+                exact=anchor == "plots",
+            )
     save(whole, args.out / "full.png", scale=0.25)
     print(f"page height: {where['height']} px at {args.width} px wide")
     return 0
