@@ -37,6 +37,12 @@ class Prefill:
     def n_tokens(self) -> int:
         return self.kv[0][0].shape[2]
 
+    def seconds_for(self, method: Method) -> float:
+        """Prefill time charged to `method`: a shared prefill recorded every method's statistics, this one pays
+        only for its own."""
+        others = sum(self.stats.seconds.values()) - self.stats.seconds_for(method.stats_request())
+        return self.seconds - others
+
 
 @dataclass
 class Generation:
@@ -137,9 +143,7 @@ class Engine:
             logits = self._extend(cache, method, suffix_ids, position)
             position += len(suffix_ids)
         synchronize(device)
-        # a shared prefill recorded every method's statistics: charge this one only for its own
-        others = sum(prefill.stats.seconds.values()) - prefill.stats.seconds_for(method.stats_request())
-        prefill_s = prefill.seconds - others + time.perf_counter() - start
+        prefill_s = prefill.seconds_for(method) + time.perf_counter() - start
 
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
@@ -177,8 +181,9 @@ class Engine:
             logits=kept_logits,
         )
 
-    def _extend(self, cache, method: Method, ids: list[int], position: int) -> torch.Tensor:
-        """Append `ids` after compression (the question when query_aware=false); returns the last logits.
+    def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:
+        """Append `ids` after compression (the question when query_aware=false; a scored continuation);
+        returns the last logits (V,), or with all_logits every position's (len(ids), V).
 
         One forward when every layer holds the same number of tokens; token by token otherwise, because
         transformers builds a single causal mask from the first layer's length.
@@ -186,14 +191,15 @@ class Engine:
         method.on_extend(len(ids))  # the appended question is not part of the compressed budget
         one_forward = len(set(layer_lengths(cache))) == 1 and not getattr(method, "extends_token_by_token", False)
         chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
+        outputs = []
         for chunk in chunks:
             base = method.position(position, cache)  # rolling positions count inside the cache
             positions = [base + i for i in range(len(chunk))]
             with recording(method.decode_request()) as stats:
-                logits = self.forward(chunk, positions, cache)[-1]
+                outputs.append(self.forward(chunk, positions, cache, all_logits=all_logits))  # (len(chunk) or 1, V)
             method.on_decode_step(cache, stats)
             position += len(chunk)
-        return logits
+        return torch.cat(outputs) if all_logits else outputs[-1][-1]
 
     def prepared(self, method: Method) -> "Engine":
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""

@@ -163,10 +163,10 @@ def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task
 
 def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dict, lm) -> list[dict]:
     """Perplexity tasks: one row per window of the streamed text (see kvbench.streaming)."""
-    from kvbench.streaming import stream_perplexity
+    from kvbench.streaming import stream_budget, stream_perplexity
 
     ids = ex.context_ids
-    budget = Budget.parse(max(2, c.budget.tokens(len(ids)))) if c.budget else None  # fraction of the text → tokens
+    budget = stream_budget(c.budget, len(ids))  # fraction of the text → tokens
     windows = stream_perplexity(engine.prepared(c.method), c.method, budget, ids, task.chunk)  # headmerge: its model
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
@@ -278,7 +278,9 @@ class ExampleWork:
             self.elsewhere.append((ex, busy))
         if not todo:
             return
-        if self.task.streaming:
+        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
+            new = self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
+        elif self.task.streaming:
             new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
         elif self.requests:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm)

@@ -39,6 +39,11 @@ class Window:
         return math.exp(self.nll_sum / self.n_predicted) if self.n_predicted else float("nan")
 
 
+def stream_budget(budget: Budget | None, n_tokens: int) -> Budget | None:
+    """A streamed text's cache bound in tokens: a fraction is of the whole text (0.25 of 4096 → 1024 tokens)."""
+    return Budget.parse(max(2, budget.tokens(n_tokens))) if budget else None
+
+
 @torch.inference_mode()
 def stream_perplexity(engine: Engine, method: Method, budget: Budget | None, ids: list[int],
                       chunk: int) -> list[Window]:
