@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the fixture tasks read local files; never reach a hub
@@ -30,7 +28,7 @@ from tests.conftest import compose_config  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = "tests/fixtures/lm_eval"  # the tasks' data_files are relative to the repository root
 TASKS = ["kvbench_qa", "kvbench_mc"]
-LIMIT = 3
+LIMIT = 2
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +132,7 @@ def test_task_rows_match_hf_per_document(tmp_path, hf_results):
     rows = run(compose_config(*overrides), output_dir=tmp_path / "run")
     assert set(rows.metric) == {"exact_match,strip", "acc,none", "acc_norm,none"}
     assert set(rows.subset) == {"kvbench_qa/exact_match,strip", "kvbench_mc/acc,none", "kvbench_mc/acc_norm,none"}
-    assert len(rows) == 2 * LIMIT * 3  # full + snapkv × 3 documents × (1 + 2 metric rows)
+    assert len(rows) == 2 * LIMIT * 3  # full + snapkv × LIMIT documents × (1 + 2 metric rows)
     full = rows[rows.method == "full"].set_index("example_id")
     for task in TASKS:  # the same weights as hf's directory (tiny-random is built from the same seed)
         for sample in hf_results["samples"][task]:
@@ -157,16 +155,23 @@ def test_task_unknown_name_is_one_clear_error(tmp_path):
         run(cfg, output_dir=tmp_path / "run")
 
 
-def test_console_script_runs_lm_eval_with_the_kvbench_model(tiny_dir, tmp_path):
-    script = Path(sys.executable).parent / "kvbench-lm-eval"
-    base = [str(script), "--model", "kvbench", "--tasks", "kvbench_mc", "--include_path", FIXTURES,
-            "--limit", "1", "--device", "cpu", "--output_path", str(tmp_path / "out")]
-    ok = subprocess.run(base + ["--model_args", f"pretrained={tiny_dir},method=snapkv,budget=0.5,dtype=float32"],
-                        capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert ok.returncode == 0, ok.stderr[-3000:]
+def test_console_script_runs_lm_eval_with_the_kvbench_model(tiny_dir, tmp_path, monkeypatch, capsys):
+    from importlib.metadata import entry_points
+
+    from kvbench.lm_eval_cli import main
+
+    [script] = [e for e in entry_points(group="console_scripts") if e.name == "kvbench-lm-eval"]
+    assert script.value == "kvbench.lm_eval_cli:main"
+    base = ["kvbench-lm-eval", "--model", "kvbench", "--tasks", "kvbench_mc", "--include_path", FIXTURES,
+            "--limit", "1", "--device", "cpu", "--output_path", str(tmp_path / "out")]  # lm-eval's own arguments
+    monkeypatch.setattr(sys, "argv", base + ["--model_args", f"pretrained={tiny_dir},method=snapkv,budget=0.5,"
+                                                             "dtype=float32"])
+    main()  # in-process: the console script's function, without a second interpreter's imports
     [results] = list((tmp_path / "out").rglob("results_*.json"))
     assert json.loads(results.read_text())["results"]["kvbench_mc"]["acc,none"] in (0.0, 1.0)
-    bad = subprocess.run(base + ["--model_args", f"pretrained={tiny_dir},method=snapkv,budget=1.5"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("kvbench-lm-eval: error: budget")
-
+    monkeypatch.setattr(sys, "argv", base + ["--model_args", f"pretrained={tiny_dir},method=snapkv,budget=1.5"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kvbench-lm-eval: error: budget=1.5")

@@ -22,6 +22,7 @@ from numbers import Number
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
+from kvbench.validate import Rule
 
 
 @TASKS.register("lm_eval")
@@ -30,6 +31,18 @@ class LmEvalTask(Task):
     # metrics differ per row (accuracy in [0, 1], BLEU in [0, 100], perplexities): each row carries lm-eval's
     # `higher_is_better` for its metric; the task as a whole declares no range
     facts = TaskFacts(score_range=(-math.inf, math.inf))
+    knobs = {
+        "tasks": Rule("list", "task.tasks=[kvbench_qa,kvbench_mc] (lm-eval task, group or tag names)",
+                      non_empty=True, item=Rule("str", "lm-eval task names")),
+        "include_path": Rule("str", "task.include_path=DIR (lm-eval task yamls) or null", nullable=True),
+        "limit_per_task": Rule("int", "task.limit_per_task=10 or null (every document)", nullable=True, min=1),
+        "num_fewshot": Rule("int", "task.num_fewshot=0 or null (each task's own)", nullable=True, min=0),
+        "max_length": Rule("int", "task.max_length=4096 or null (the model's context)", nullable=True, min=2),
+        "max_gen_toks": Rule("int", "task.max_gen_toks=256", min=1),
+        "chunk": Rule("int", "task.chunk=256 (tokens per streaming step)", min=1),
+        "question_tokens": Rule("int", "task.question_tokens=64 (with query_aware=false)", min=0),
+        "metadata": Rule("dict", "task.metadata={max_seq_lengths: [4096]} (lm-eval's --metadata)"),
+    }
 
     def examples(self) -> list[Example]:
         from lm_eval.tasks import TaskManager
@@ -39,8 +52,10 @@ class LmEvalTask(Task):
         if not names:
             raise KvbenchError("task=lm_eval needs task.tasks=[NAME,...] (lm-eval task or group names; custom "
                                "tasks: task.include_path=DIR)")
+        metadata = {"pretrained": self.tokenizer.name_or_path} if self.tokenizer.name_or_path else {}
+        metadata.update(cfg.get("metadata") or {})  # e.g. RULER's max_seq_lengths; its tokenizer: the model's
         manager = TaskManager(include_path=cfg.get("include_path") or None,
-                              include_defaults=bool(cfg.get("include_defaults", True)))
+                              include_defaults=bool(cfg.get("include_defaults", True)), metadata=metadata)
         unknown = [n for n in names if n not in manager.all_subtasks and n not in manager.all_groups
                    and n not in manager.all_tags]
         if unknown:
@@ -77,7 +92,8 @@ class LmEvalTask(Task):
             # rolling texts stream through the bounded cache and may run past the context window (as ppl)
         target = task.doc_to_target(instances[0].doc)
         return Example(example_id=example_id, context_ids=max(prompts, key=len), question_ids=[],
-                       answers=[json.dumps(target, default=str)], max_new_tokens=new_tokens, subset=name,
+                       answers=[target if isinstance(target, str) else json.dumps(target, default=str)],
+                       max_new_tokens=new_tokens, subset=name,
                        meta={"lm_eval_task": name, "request_type": instances[0].request_type})
 
     def metric_keys(self, task, instances) -> list[str]:
@@ -122,10 +138,12 @@ class LmEvalTask(Task):
             for filter_key in instances[0].filtered_resps:
                 responses = [inst.filtered_resps[filter_key] for inst in instances]
                 for metric, value in task.process_results(doc, responses).items():
-                    key = f"{metric},{filter_key}"
+                    key, score = f"{metric},{filter_key}", doc_score(task, metric, value)
+                    if score == NOT_APPLICABLE and value == NOT_APPLICABLE:
+                        continue  # RULER's "this document is of another length": no row (reruns recompute these)
                     rows.append(row_for(
                         c, ex, self, common, lm, example_id=f"{ex.example_id}/{key}", subset=f"{ex.subset}/{key}",
-                        metric=key, score=doc_score(task, metric, value), higher_is_better=bool(higher.get(metric, True)),
+                        metric=key, score=score, higher_is_better=bool(higher.get(metric, True)),
                         prediction=json.dumps(responses if len(responses) > 1 else responses[0], default=str),
                         answers=json.dumps(ex.answers), **measured,
                     ))
@@ -141,13 +159,16 @@ def _apply_filters(task, instances) -> None:
             inst.filtered_resps["none"] = inst.resps[0]
 
 
+NOT_APPLICABLE = -1  # lm-eval's RULER tasks score every length and mark the others -1, which aggregation skips
+
+
 def doc_score(task, metric: str, value) -> float:
-    """The metric for one document: its value, or the metric's aggregation over this one document when the
-    per-document value is not a number (perplexities, BLEU)."""
-    if isinstance(value, Number):
-        return float(value)
+    """The metric's aggregation over this one document: its value for means, the document's own perplexity or
+    BLEU for corpus-level metrics."""
     aggregate = task.aggregation().get(metric)
     if aggregate is None:
+        if isinstance(value, Number):
+            return float(value)
         raise KvbenchError(f"lm-eval metric {metric} has a non-numeric per-document value and no aggregation")
     return float(aggregate([value]))
 
