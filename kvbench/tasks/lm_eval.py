@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from numbers import Number
+from pathlib import Path
 
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
@@ -31,9 +32,11 @@ class LmEvalTask(Task):
     # metrics differ per row (accuracy in [0, 1], BLEU in [0, 100], perplexities): each row carries lm-eval's
     # `higher_is_better` for its metric; the task as a whole declares no range
     facts = TaskFacts(score_range=(-math.inf, math.inf))
+    # the documents' ids name their lm-eval task, so selecting other tasks or fewer documents reuses stored rows
+    selection_keys = frozenset({"tasks", "limit_per_task", "include_defaults"})
     knobs = {
         "tasks": Rule("list", "task.tasks=[kvbench_qa,kvbench_mc] (lm-eval task, group or tag names)",
-                      non_empty=True, item=Rule("str", "lm-eval task names")),
+                      item=Rule("str", "lm-eval task names")),  # [] (the shipped default) fails in examples()
         "include_path": Rule("str", "task.include_path=DIR (lm-eval task yamls) or null", nullable=True),
         "limit_per_task": Rule("int", "task.limit_per_task=10 or null (every document)", nullable=True, min=1),
         "num_fewshot": Rule("int", "task.num_fewshot=0 or null (each task's own)", nullable=True, min=0),
@@ -62,8 +65,9 @@ class LmEvalTask(Task):
             raise KvbenchError(f"unknown lm-eval task(s) {', '.join(unknown)}; list them with `lm-eval ls tasks`, "
                                "or point task.include_path at a directory of task yamls")
         self.docs: dict[str, tuple] = {}  # example_id → (lm-eval task, doc, its instances sorted by idx)
+        self.loaded = manager.load(names)["tasks"]
         out = []
-        for name, task in manager.load(names)["tasks"].items():
+        for name, task in self.loaded.items():
             if cfg.get("num_fewshot") is not None:
                 task.set_config(key="num_fewshot", value=int(cfg.num_fewshot))
             task.set_fewshot_seed(seed=int(cfg.fewshot_seed))
@@ -95,6 +99,17 @@ class LmEvalTask(Task):
                        answers=[target if isinstance(target, str) else json.dumps(target, default=str)],
                        max_new_tokens=new_tokens, subset=name,
                        meta={"lm_eval_task": name, "request_type": instances[0].request_type})
+
+    def data_files(self) -> list[Path]:
+        """Local files that shape the documents: the task yamls under include_path and the loaded tasks'
+        `data_files` (a hub dataset is identified by its name and revision in the task config instead)."""
+        files = list(Path(self.cfg.include_path).rglob("*.yaml")) if self.cfg.get("include_path") else []
+        for task in self.loaded.values():
+            data_files = (task.config.dataset_kwargs or {}).get("data_files") or []
+            values = data_files.values() if isinstance(data_files, dict) else [data_files]
+            for value in values:
+                files += [Path(v) for v in ([value] if isinstance(value, str) else value) if Path(v).is_file()]
+        return sorted(set(files))
 
     def metric_keys(self, task, instances) -> list[str]:
         filters = [f.name for f in getattr(task, "_filters", [])] or ["none"]
