@@ -108,3 +108,15 @@ def test_adakv_pyramid_layer_budgets_and_refusals(tiny_engine, prompt_ids):
         build_method("adakv", {"scorer": "h2o"})
     with pytest.raises(KvbenchError, match="alpha_safeguard"):
         build_method("adakv", {"alpha_safeguard": 1.5})
+
+
+def test_full_safeguard_is_the_scorers_own_selection_through_the_ragged_path(tiny_engine, prompt_ids):
+    """alpha_safeguard=1 guarantees every head its own top n_keep: AdaKV then keeps exactly what SnapKV keeps, so
+    decoding through the ragged layers must give SnapKV's logits (up to fp32 summation order)."""
+    ada = build_method("adakv", {"scorer": "snapkv", "alpha_safeguard": 1.0})
+    prefill = tiny_engine.prefill(prompt_ids, ada.stats_request())
+    ours = tiny_engine.generate(prefill, ada, Budget.parse(0.25), [], 6, keep_logits=True)
+    snap = tiny_engine.generate(prefill, build_method("snapkv"), Budget.parse(0.25), [], 6, keep_logits=True)
+    assert ours.token_ids == snap.token_ids and ours.kv_bytes == snap.kv_bytes
+    for a, b in zip(ours.logits, snap.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
