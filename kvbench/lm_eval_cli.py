@@ -14,8 +14,9 @@ from kvbench import KvbenchError
 
 
 def main() -> None:
-    import kvbench.lm_eval_model  # noqa: F401  (registers "kvbench" with lm-eval)
     from lm_eval.__main__ import cli_evaluate
+
+    import kvbench.lm_eval_model  # noqa: F401  (registers "kvbench" with lm-eval)
 
     try:
         cli_evaluate()

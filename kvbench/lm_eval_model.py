@@ -51,8 +51,20 @@ from kvbench.memory import read_peak, reset_peak, synchronize
 log = logging.getLogger(__name__)
 
 # model_args that are not method knobs (anything else is a knob of `method`, e.g. window_size=16)
-MODEL_ARGS = {"model", "pretrained", "method", "budget", "query_aware", "dtype", "device", "max_length",
-              "max_gen_toks", "chunk", "question_tokens", "add_bos_token"}
+MODEL_ARGS = {
+    "model",
+    "pretrained",
+    "method",
+    "budget",
+    "query_aware",
+    "dtype",
+    "device",
+    "max_length",
+    "max_gen_toks",
+    "chunk",
+    "question_tokens",
+    "add_bos_token",
+}
 
 
 @dataclass
@@ -72,15 +84,24 @@ class Answer:
 
 @register_model("kvbench")
 class KvbenchLM(TemplateLM):
-    def __init__(self, engine: Engine, configurations: list, max_length: int | None = None,
-                 max_gen_toks: int = 256, chunk: int = 256, question_tokens: int = 0,
-                 add_bos_token: bool | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        configurations: list,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        chunk: int = 256,
+        question_tokens: int = 0,
+        add_bos_token: bool | None = None,
+    ):
         super().__init__()
         if not configurations:
             raise KvbenchError("KvbenchLM needs at least one configuration")
         if any(not c.query_aware for c in configurations) and question_tokens < 1:
-            raise KvbenchError("query_aware=false needs question_tokens=N: lm-eval prompts have no context/question "
-                               "split, so the prompt's last N tokens are appended uncompressed")
+            raise KvbenchError(
+                "query_aware=false needs question_tokens=N: lm-eval prompts have no context/question "
+                "split, so the prompt's last N tokens are appended uncompressed"
+            )
         self.engine, self.configurations = engine, configurations
         self.lm = engine.lm
         self.tokenizer = self.lm.tokenizer
@@ -95,13 +116,13 @@ class KvbenchLM(TemplateLM):
 
     # ---- construction from lm-eval's --model_args --------------------------------------------------------
     @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "KvbenchLM":
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> KvbenchLM:
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "KvbenchLM":
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> KvbenchLM:
         args = {k: v for k, v in (additional_config or {}).items() if v is not None and k == "device"}
         args.update(arg_dict)  # --model_args win over the CLI's --device (whose default is cuda:0)
         return from_model_args(args)
@@ -129,11 +150,15 @@ class KvbenchLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return str(
+            self.tokenizer.apply_chat_template(
+                chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        )
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs
+    ) -> list[int]:
         """As `hf`: the tokenizer's own special tokens unless told, none when the text already starts with BOS."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token
@@ -144,7 +169,7 @@ class KvbenchLM(TemplateLM):
         return ids[-left_truncate_len:] if left_truncate_len else ids
 
     def tok_decode(self, tokens, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens))
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         return [answers[0].value for answers in self.loglikelihood_answers(requests, disable_tqdm)]
@@ -165,9 +190,11 @@ class KvbenchLM(TemplateLM):
         inputs = []
         for i, (_, context, continuation) in enumerate(requests):
             if not continuation or len(continuation) > self.max_length:
-                raise KvbenchError(f"a loglikelihood continuation of {len(continuation)} tokens: it must have 1 to "
-                                   f"max_length={self.max_length} tokens")
-            context = context[-(self.max_length + 1 - len(continuation)):]  # `hf`'s left truncation
+                raise KvbenchError(
+                    f"a loglikelihood continuation of {len(continuation)} tokens: it must have 1 to "
+                    f"max_length={self.max_length} tokens"
+                )
+            context = context[-(self.max_length + 1 - len(continuation)) :]  # `hf`'s left truncation
             inputs.append((context, continuation))
             by_context.setdefault(tuple(context), []).append(i)
         out: list[list[Answer]] = [[] for _ in requests]
@@ -187,10 +214,17 @@ class KvbenchLM(TemplateLM):
             context, gen_kwargs = request.args
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0:
-                raise KvbenchError(f"kvbench decodes greedily; this task samples ({gen_kwargs}): pass "
-                                   "--gen_kwargs do_sample=false,temperature=0")
-            until = [s for s in handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode(
-                self.eot_token_id, skip_special_tokens=False)) if s]
+                raise KvbenchError(
+                    f"kvbench decodes greedily; this task samples ({gen_kwargs}): pass "
+                    "--gen_kwargs do_sample=false,temperature=0"
+                )
+            until = [
+                s
+                for s in handle_stop_sequences(
+                    kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+                )
+                if s
+            ]
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             if max_gen_toks >= self.max_length:
                 raise KvbenchError(f"max_gen_toks={max_gen_toks} must be below max_length={self.max_length}")
@@ -199,8 +233,19 @@ class KvbenchLM(TemplateLM):
             for c, engine, prefill in self._prefills(prompt):
                 gen = engine.generate(prefill, c.method, c.budget, suffix, max_gen_toks, tuple(until))
                 text = postprocess_generated_text(gen.text, until, None)
-                answers.append(Answer(text, gen.context_tokens, len(gen.token_ids), gen.kv_bytes, gen.kv_bytes_full,
-                                      gen.kv_bytes_mha, gen.peak_mem_bytes, gen.prefill_s, gen.decode_s))
+                answers.append(
+                    Answer(
+                        text,
+                        gen.context_tokens,
+                        len(gen.token_ids),
+                        gen.kv_bytes,
+                        gen.kv_bytes_full,
+                        gen.kv_bytes_mha,
+                        gen.peak_mem_bytes,
+                        gen.prefill_s,
+                        gen.decode_s,
+                    )
+                )
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answers[0].value)
             out.append(answers)
         return out
@@ -214,12 +259,23 @@ class KvbenchLM(TemplateLM):
             ids = [self.prefix_token_id] + self.tok_encode(text)
             answers = []
             for c in self.configurations:
-                windows = stream_perplexity(self.engine.prepared(c.method), c.method, stream_budget(c.budget, len(ids)),
-                                            ids, self.chunk)
+                windows = stream_perplexity(
+                    self.engine.prepared(c.method), c.method, stream_budget(c.budget, len(ids)), ids, self.chunk
+                )
                 last, n = windows[-1], sum(w.n_predicted for w in windows)
-                answers.append(Answer(-sum(w.nll_sum for w in windows), len(ids), n, last.kv_bytes,
-                                      last.kv_bytes_full, self._mha_bytes(len(ids)),
-                                      max(w.peak_mem_bytes for w in windows), sum(w.seconds for w in windows), 0.0))
+                answers.append(
+                    Answer(
+                        -sum(w.nll_sum for w in windows),
+                        len(ids),
+                        n,
+                        last.kv_bytes,
+                        last.kv_bytes_full,
+                        self._mha_bytes(len(ids)),
+                        max(w.peak_mem_bytes for w in windows),
+                        sum(w.seconds for w in windows),
+                        0.0,
+                    )
+                )
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), answers[0].value)
             out.append(answers)
         return out
@@ -258,8 +314,9 @@ class KvbenchLM(TemplateLM):
                 yield c, own, own.prefill(prompt, c.method.stats_request())
 
     @torch.inference_mode()
-    def _score(self, engine: Engine, prefill, c, suffix: list[int], continuation: list[int],
-               charge_prefill: bool) -> Answer:
+    def _score(
+        self, engine: Engine, prefill, c, suffix: list[int], continuation: list[int], charge_prefill: bool
+    ) -> Answer:
         """log P(continuation | compressed context) and whether greedy decoding would produce it."""
         device = self.lm.device
         reset_peak(device)
@@ -272,16 +329,20 @@ class KvbenchLM(TemplateLM):
         rows = [prefill.last_logits[None]]  # (1, V): predicts the token after the prompt
         if fed:
             rows.append(engine._extend(cache, c.method, fed, prefill.n_tokens, all_logits=True))  # (len(fed), V)
-        logits = torch.cat(rows)[len(suffix):]  # (len(continuation), V): row i predicts continuation[i]
+        logits = torch.cat(rows)[len(suffix) :]  # (len(continuation), V): row i predicts continuation[i]
         target = torch.tensor(continuation, device=logits.device)  # (len(continuation),)
         logprob = torch.log_softmax(logits, dim=-1).gather(1, target[:, None]).sum()
         greedy = bool((logits.argmax(dim=-1) == target).all())
         synchronize(device)
         tokens = prefill.n_tokens + len(fed)
         return Answer(
-            (float(logprob), greedy), prefill.n_tokens + len(suffix), len(continuation), cache_nbytes(cache),
+            (float(logprob), greedy),
+            prefill.n_tokens + len(suffix),
+            len(continuation),
+            cache_nbytes(cache),
             full_cache_nbytes(self.lm.n_layers, engine.full_kv_heads, self.lm.head_dim, tokens, self.lm.dtype),
-            self._mha_bytes(tokens), max(prefill.peak_mem_bytes, read_peak(device)),
+            self._mha_bytes(tokens),
+            max(prefill.peak_mem_bytes, read_peak(device)),
             (prefill.seconds_for(c.method) if charge_prefill else 0.0) + compress_s,
             time.perf_counter() - start - compress_s,
         )
@@ -320,8 +381,9 @@ def from_model_args(args: dict) -> KvbenchLM:
     knobs = {k: args.pop(k) for k in list(args) if k not in MODEL_ARGS}
     method_cfg = {**method_config(method_name), **knobs, "name": method_name}
     budget = args.pop("budget", None)
-    configuration = make_configuration(method_cfg, DEFAULT_BUDGET if budget is None else budget,
-                                       bool(args.pop("query_aware", True)))
+    configuration = make_configuration(
+        method_cfg, DEFAULT_BUDGET if budget is None else budget, bool(args.pop("query_aware", True))
+    )
     if budget is not None and configuration.budget is None and configuration.method.family != "none":
         raise KvbenchError(f"method {method_name} takes no budget (it keeps every token); drop budget=")
     device = str(args.pop("device", "auto"))

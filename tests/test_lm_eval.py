@@ -14,16 +14,16 @@ import pytest
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the fixture tasks read local files; never reach a hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from lm_eval import evaluator  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval import evaluator
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
 
-from kvbench import KvbenchError  # noqa: E402
-from kvbench.engine import Engine  # noqa: E402
-from kvbench.lm_eval_model import KvbenchLM, from_model_args  # noqa: E402
-from kvbench.results import COLUMNS  # noqa: E402
-from kvbench.runner import make_configuration, run  # noqa: E402
-from tests.conftest import compose_config  # noqa: E402
+from kvbench import KvbenchError
+from kvbench.engine import Engine
+from kvbench.lm_eval_model import KvbenchLM, from_model_args
+from kvbench.results import COLUMNS
+from kvbench.runner import make_configuration, run
+from tests.conftest import compose_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = "tests/fixtures/lm_eval"  # the tasks' data_files are relative to the repository root

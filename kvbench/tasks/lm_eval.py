@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-from numbers import Number
 from pathlib import Path
 
 from kvbench import KvbenchError
@@ -35,8 +34,11 @@ class LmEvalTask(Task):
     # the documents' ids name their lm-eval task, so selecting other tasks or fewer documents reuses stored rows
     selection_keys = frozenset({"tasks", "limit_per_task", "include_defaults"})
     knobs = {
-        "tasks": Rule("list", "task.tasks=[kvbench_qa,kvbench_mc] (lm-eval task, group or tag names)",
-                      item=Rule("str", "lm-eval task names")),  # [] (the shipped default) fails in examples()
+        "tasks": Rule(
+            "list",
+            "task.tasks=[kvbench_qa,kvbench_mc] (lm-eval task, group or tag names)",
+            item=Rule("str", "lm-eval task names"),
+        ),  # [] (the shipped default) fails in examples()
         "include_path": Rule("str", "task.include_path=DIR (lm-eval task yamls) or null", nullable=True),
         "limit_per_task": Rule("int", "task.limit_per_task=10 or null (every document)", nullable=True, min=1),
         "num_fewshot": Rule("int", "task.num_fewshot=0 or null (each task's own)", nullable=True, min=0),
@@ -53,17 +55,27 @@ class LmEvalTask(Task):
         cfg = self.cfg
         names = list(cfg.get("tasks") or [])
         if not names:
-            raise KvbenchError("task=lm_eval needs task.tasks=[NAME,...] (lm-eval task or group names; custom "
-                               "tasks: task.include_path=DIR)")
+            raise KvbenchError(
+                "task=lm_eval needs task.tasks=[NAME,...] (lm-eval task or group names; custom "
+                "tasks: task.include_path=DIR)"
+            )
         metadata = {"pretrained": self.tokenizer.name_or_path} if self.tokenizer.name_or_path else {}
         metadata.update(cfg.get("metadata") or {})  # e.g. RULER's max_seq_lengths; its tokenizer: the model's
-        manager = TaskManager(include_path=cfg.get("include_path") or None,
-                              include_defaults=bool(cfg.get("include_defaults", True)), metadata=metadata)
-        unknown = [n for n in names if n not in manager.all_subtasks and n not in manager.all_groups
-                   and n not in manager.all_tags]
+        manager = TaskManager(
+            include_path=cfg.get("include_path") or None,
+            include_defaults=bool(cfg.get("include_defaults", True)),
+            metadata=metadata,
+        )
+        unknown = [
+            n
+            for n in names
+            if n not in manager.all_subtasks and n not in manager.all_groups and n not in manager.all_tags
+        ]
         if unknown:
-            raise KvbenchError(f"unknown lm-eval task(s) {', '.join(unknown)}; list them with `lm-eval ls tasks`, "
-                               "or point task.include_path at a directory of task yamls")
+            raise KvbenchError(
+                f"unknown lm-eval task(s) {', '.join(unknown)}; list them with `lm-eval ls tasks`, "
+                "or point task.include_path at a directory of task yamls"
+            )
         self.docs: dict[str, tuple] = {}  # example_id → (lm-eval task, doc, its instances sorted by idx)
         self.loaded = manager.load(names)["tasks"]
         out = []
@@ -85,20 +97,26 @@ class LmEvalTask(Task):
     def _example(self, example_id: str, name: str, task, instances) -> Example:
         """The document's longest prompt as truncated for the model (check_fits), its largest generation length."""
         max_length = int(self.cfg.get("max_length") or self.max_context or 2048)
-        prompts, new_tokens = [[]], 0
+        prompts: list[list[int]] = [[]]
+        new_tokens = 0
         for inst in instances:
             if inst.request_type == "generate_until":
                 n = int(inst.args[1].get("max_gen_toks", self.cfg.max_gen_toks))
                 new_tokens = max(new_tokens, n)
-                prompts.append(self.tokenizer(inst.args[0])["input_ids"][-(max_length - n):])
+                prompts.append(self.tokenizer(inst.args[0])["input_ids"][-(max_length - n) :])
             elif inst.request_type == "loglikelihood":
                 prompts.append(self.tokenizer(inst.args[0] + inst.args[1])["input_ids"][-max_length:])
             # rolling texts stream through the bounded cache and may run past the context window (as ppl)
         target = task.doc_to_target(instances[0].doc)
-        return Example(example_id=example_id, context_ids=max(prompts, key=len), question_ids=[],
-                       answers=[target if isinstance(target, str) else json.dumps(target, default=str)],
-                       max_new_tokens=new_tokens, subset=name,
-                       meta={"lm_eval_task": name, "request_type": instances[0].request_type})
+        return Example(
+            example_id=example_id,
+            context_ids=max(prompts, key=len),
+            question_ids=[],
+            answers=[target if isinstance(target, str) else json.dumps(target, default=str)],
+            max_new_tokens=new_tokens,
+            subset=name,
+            meta={"lm_eval_task": name, "request_type": instances[0].request_type},
+        )
 
     def data_files(self) -> list[Path]:
         """Local files that shape the documents: the task yamls under include_path and the loaded tasks'
@@ -131,18 +149,29 @@ class LmEvalTask(Task):
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(lm)  # its own: KvbenchLM stops at `hf`'s EOS ids
         cfg = self.cfg
-        model = KvbenchLM(self._engine, todo, max_length=cfg.get("max_length"), max_gen_toks=int(cfg.max_gen_toks),
-                          chunk=int(cfg.chunk), question_tokens=int(cfg.question_tokens))
+        model = KvbenchLM(
+            self._engine,
+            todo,
+            max_length=cfg.get("max_length"),
+            max_gen_toks=int(cfg.max_gen_toks),
+            chunk=int(cfg.chunk),
+            question_tokens=int(cfg.question_tokens),
+        )
         task, doc, instances = self.docs[ex.example_id]
-        answers = {}  # id(instance) → one Answer per configuration
-        for kind, run in (("loglikelihood", model.loglikelihood_answers), ("generate_until", model.generate_answers),
-                          ("loglikelihood_rolling", model.rolling_answers)):
+        answers: dict[int, list] = {}  # id(instance) → one Answer per configuration
+        for kind, run in (
+            ("loglikelihood", model.loglikelihood_answers),
+            ("generate_until", model.generate_answers),
+            ("loglikelihood_rolling", model.rolling_answers),
+        ):
             batch = [inst for inst in instances if inst.request_type == kind]
             if batch:
                 answers.update(zip(map(id, batch), run(batch)))
         if len(answers) != len(instances):
-            raise KvbenchError(f"{ex.example_id}: request types {sorted({i.request_type for i in instances})} are "
-                               "not all supported by kvbench (loglikelihood, generate_until, loglikelihood_rolling)")
+            raise KvbenchError(
+                f"{ex.example_id}: request types {sorted({i.request_type for i in instances})} are "
+                "not all supported by kvbench (loglikelihood, generate_until, loglikelihood_rolling)"
+            )
         rows = []
         higher = task.higher_is_better()
         for k, c in enumerate(todo):
@@ -156,12 +185,23 @@ class LmEvalTask(Task):
                     key, score = f"{metric},{filter_key}", doc_score(task, metric, value)
                     if score == NOT_APPLICABLE and value == NOT_APPLICABLE:
                         continue  # RULER's "this document is of another length": no row (reruns recompute these)
-                    rows.append(row_for(
-                        c, ex, self, common, lm, example_id=f"{ex.example_id}/{key}", subset=f"{ex.subset}/{key}",
-                        metric=key, score=score, higher_is_better=bool(higher.get(metric, True)),
-                        prediction=json.dumps(responses if len(responses) > 1 else responses[0], default=str),
-                        answers=json.dumps(ex.answers), **measured,
-                    ))
+                    rows.append(
+                        row_for(
+                            c,
+                            ex,
+                            self,
+                            common,
+                            lm,
+                            example_id=f"{ex.example_id}/{key}",
+                            subset=f"{ex.subset}/{key}",
+                            metric=key,
+                            score=score,
+                            higher_is_better=bool(higher.get(metric, True)),
+                            prediction=json.dumps(responses if len(responses) > 1 else responses[0], default=str),
+                            answers=json.dumps(ex.answers),
+                            **measured,
+                        )
+                    )
         return rows
 
 
@@ -182,7 +222,7 @@ def doc_score(task, metric: str, value) -> float:
     BLEU for corpus-level metrics."""
     aggregate = task.aggregation().get(metric)
     if aggregate is None:
-        if isinstance(value, Number):
+        if isinstance(value, (int, float)):
             return float(value)
         raise KvbenchError(f"lm-eval metric {metric} has a non-numeric per-document value and no aggregation")
     return float(aggregate([value]))
@@ -195,9 +235,14 @@ def measurements(answers: list) -> dict:
     new_tokens = sum(a.new_tokens for a in answers)
     decode_s = sum(a.decode_s for a in answers)
     return dict(
-        context_tokens=max(a.context_tokens for a in answers), new_tokens=new_tokens, kv_bytes=largest.kv_bytes,
-        kv_bytes_full=largest.kv_bytes_full, kv_ratio=largest.kv_bytes / largest.kv_bytes_full,
-        kv_bytes_mha=largest.kv_bytes_mha, peak_mem_bytes=max(a.peak_mem_bytes for a in answers),
-        prefill_s=sum(a.prefill_s for a in answers), decode_s=decode_s,
+        context_tokens=max(a.context_tokens for a in answers),
+        new_tokens=new_tokens,
+        kv_bytes=largest.kv_bytes,
+        kv_bytes_full=largest.kv_bytes_full,
+        kv_ratio=largest.kv_bytes / largest.kv_bytes_full,
+        kv_bytes_mha=largest.kv_bytes_mha,
+        peak_mem_bytes=max(a.peak_mem_bytes for a in answers),
+        prefill_s=sum(a.prefill_s for a in answers),
+        decode_s=decode_s,
         decode_ms_per_token=1000 * decode_s / new_tokens if new_tokens else math.nan,
     )
