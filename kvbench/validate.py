@@ -267,6 +267,24 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
+def check_known_keys(config: dict) -> None:
+    """A key added with `+key=...` that kvbench does not know (a typo: `+limt=5`) is an error, not ignored."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+
+    root = conf_dir()
+    known = set(NOT_JOB_KEYS) | {key.split(".")[0] for key in TOP_LEVEL}
+    known |= {p.name for p in root.iterdir() if p.is_dir()} | set(OmegaConf.load(root / "config.yaml"))
+    for key in config:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {close[0]}=...? " if close else ""
+            raise KvbenchError(f"{key} is not a kvbench setting; {hint}the settings are listed in conf/config.yaml")
+
+
 def check_config(cfg) -> None:
     """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
     try:
@@ -274,6 +292,7 @@ def check_config(cfg) -> None:
     except Exception as error:  # an interpolation that does not resolve
         raise KvbenchError(f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} "
                            "reference it names") from None
+    check_known_keys(config)
     for key, rule in {**TOP_LEVEL, **LAUNCHER}.items():
         present, value = _lookup(config, key)
         if present:

@@ -35,6 +35,8 @@ CASES = [
     ("top-level type", ["dtype=1"], "dtype=auto"),
     ("top-level type", ["results_dir=[a,b]"], "results_dir=PATH"),
     ("top-level type", ["grid=5"], "grid.method="),
+    ("top-level type", ["+limt=5"], "did you mean limit=...?"),
+    ("top-level type", ["+frobnicate=1"], "the settings are listed in conf/config.yaml"),
     # top-level ranges and choices
     ("top-level range", ["limit=0"], "limit=10"),
     ("top-level range", ["limit=-1"], "limit=10"),
