@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvbench import KvbenchError, workload
 from kvbench.aggregate import summarize, with_variants
 from kvbench.attention import StatsRequest
+from kvbench.batched import batch_columns
 from kvbench.claims import Claims
 from kvbench.engine import Engine, Generation
 from kvbench.methods import Budget, Method, build_method, method_defaults
@@ -111,6 +112,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
         "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
         "budget": c.budget_value, "query_aware": c.query_aware, **({"data": data} if data else {}),
         **workload.hash_keys(cfg),
+        **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
     })
 
 
@@ -130,7 +132,7 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
         new_tokens=len(gen.token_ids), metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
         kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio, kv_bytes_mha=gen.kv_bytes_mha,
         peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
-        decode_ms_per_token=gen.decode_ms_per_token, **scores,
+        decode_ms_per_token=gen.decode_ms_per_token, **batch_columns(gen), **scores,
     )
 
 
@@ -216,7 +218,11 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         if not examples:
             return pd.DataFrame()
     common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device)}
-    work = ExampleWork(cfg, confs, task, Engine(lm), store, run_id, common, lm)
+    batched = (int(cfg.get("batch_size") or 1) > 1 and not task.streaming and not cfg.get("diagnose")
+               and not cfg.get("prefix_cache") and not task.workload and not hasattr(task, "compute_rows"))
+    if batched:
+        from kvbench.batched_work import BatchedWork  # examples of equal length decoded together
+    work = (BatchedWork if batched else ExampleWork)(cfg, confs, task, Engine(lm), store, run_id, common, lm)
     started = time.perf_counter()
     try:
         for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
@@ -265,6 +271,21 @@ class ExampleWork:
         return [{**r, "reused": True} for r in old] if done else None
 
     def do(self, ex: Example) -> None:
+        todo = self.todo(ex)
+        if not todo:
+            return
+        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
+            new = self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
+        elif self.task.streaming:
+            new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
+        elif self.requests:
+            new = self.requests.rows(todo, ex, self.task, self.common, self.lm)
+        else:
+            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+        self.save(new, [(c.hash, ex.example_id) for c in todo])
+
+    def todo(self, ex: Example) -> list[Configuration]:
+        """The configurations this process computes for `ex` (others are reused, or claimed elsewhere)."""
         todo, busy = [], []
         for c in self.confs:
             old = self._reuse(c, ex)
@@ -276,16 +297,9 @@ class ExampleWork:
                 busy.append(c)
         if busy:
             self.elsewhere.append((ex, busy))
-        if not todo:
-            return
-        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
-            new = self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
-        elif self.task.streaming:
-            new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
-        elif self.requests:
-            new = self.requests.rows(todo, ex, self.task, self.common, self.lm)
-        else:
-            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+        return todo
+
+    def save(self, new: list[dict], claimed: list[tuple[str, str]]) -> None:
         self.computed.extend(new)
         self.rows.extend(new)
         path = self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes
@@ -293,7 +307,7 @@ class ExampleWork:
             from kvbench.diagnose_run import write_side_table
 
             write_side_table(self.side, path)
-        self.claims.release((c.hash, ex.example_id) for c in todo)
+        self.claims.release(claimed)
 
     def finish_claimed_elsewhere(self, poll_s: float = 2.0) -> None:
         """Wait for rows other processes were computing, then take them from the store (or compute what a

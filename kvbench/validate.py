@@ -51,6 +51,7 @@ TOP_LEVEL: dict[str, Rule] = {
     "results_dir": Rule("str", "results_dir=PATH (a directory for the results store)"),
     "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
     "report": Rule("bool", "report=true or report=false"),
+    "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
     "grid.method": Rule("list", "grid.method=[snapkv,h2o] (a list; null: the selected method)", nullable=True,
                         non_empty=True, item=Rule("any")),
