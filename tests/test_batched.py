@@ -93,3 +93,16 @@ def test_runner_batch_size_rows_equal_batch_one(tmp_path):
     assert len(a) == len(b) == 9
     for column in ["prediction", "score", "kv_bytes", "new_tokens", "context_tokens"]:
         assert a[column].tolist() == b[column].tolist(), column
+
+
+def test_report_section_shows_batched_throughput(tmp_path):
+    import pandas as pd
+
+    from kvbench.batched_section import throughput
+
+    rows = pd.DataFrame({"method": ["full", "full", "snapkv"], "budget": [1.0, 1.0, 0.25], "batch_size": [1, 4, 4],
+                         "decode_tokens_per_s": [10.0, 30.0, 40.0], "kv_ratio": [1.0, 1.0, 0.25],
+                         "peak_mem_bytes": [1e9, 2e9, 1.5e9], "score": [1.0, 1.0, 0.0], "latency_s": [1.0, 2.0, 2.0]})
+    section = throughput(rows, pd.DataFrame(), tmp_path)
+    assert "| full | 1.000 | 4 | 30.000 |" in section.markdown
+    assert throughput(rows[rows.batch_size == 1], pd.DataFrame(), tmp_path) is None  # nothing batched: no section
