@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             reset_peak(lm.device)
             before = read_peak(lm.device)
             gens = run_batch(engine, method, budget, prompts, max_new_tokens=args.new_tokens)
-            added = max(g.peak_mem_bytes for g in gens) - before
+            added = max(0, max(g.peak_mem_bytes for g in gens) - before)  # RSS freed since `before`: 0
             point = plan_point(arch, hw, method, budget, lm.dtype, args.context + args.new_tokens - 1, batch, 0.0,
                                limits=False)
             measured_ms = 1000 * gens[0].decode_s / max(1, gens[0].decode_steps)
