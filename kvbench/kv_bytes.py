@@ -92,6 +92,22 @@ def _parts(method) -> tuple:
             method if family == "precision" else None)
 
 
+def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: int, decoded: int) -> list[int]:
+    """Tokens per layer after appending and decoding, by the eviction part's decode-time rule."""
+    if eviction is not None and eviction.name == "decoding":
+        # every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it
+        out = []
+        for size in counts:
+            for step in range(1, appended + decoded + 1):
+                size += 1
+                if step % eviction.compress_every == 0 and size > eviction.decode_budget:
+                    size = eviction.decode_budget
+            out.append(size)
+        return out
+    stays = evicted and eviction.evicts_while_decoding()  # H2O / StreamingLLM / TOVA evict back to their size
+    return [n + appended + (0 if stays else decoded) for n in counts]
+
+
 def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appended_tokens: int = 0,
                      decoded_tokens: int = 0, batch: int = 1) -> Prediction:
     """Bytes the cache of `batch` requests holds after compressing a `prompt_tokens` prompt with `method` at
@@ -102,8 +118,7 @@ def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appende
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
-    stays = evicted and eviction.evicts_while_decoding()  # H2O / StreamingLLM evict back to their size each step
-    tokens = [n + appended_tokens + (0 if stays else decoded_tokens) for n in counts]
+    tokens = decoded_layer_tokens(eviction, counts, evicted, appended_tokens, decoded_tokens)
     exact = True
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)

@@ -11,12 +11,14 @@ TINY_SETTINGS = {  # tiny-random: head_dim 16, so groups of 16
     "kivi": [{"bits": 2, "group_size": 16, "residual_length": 32}, {"bits": 4, "group_size": 8, "residual_length": 16}],
     "headmerge": [{"kv_heads": 1}, {"kv_heads": 2}],
     "hf-quant": [{"nbits": 2, "q_group_size": 16, "residual_length": 4}, {"nbits": 4, "q_group_size": 16}],
+    "decoding": [{"compress_every": 3, "decode_budget": 100}, {"compress_every": 4, "decode_budget": 500}],
     "compose": [{"stack": ["snapkv", "kivi"], "overrides": {"kivi": {"group_size": 16, "residual_length": 32}}},
                 {"stack": ["headmerge", "h2o", "kivi"], "overrides": {"kivi": {"group_size": 16, "residual_length": 16}}}],
 }
 REAL_SETTINGS = {
     "kivi": [{"bits": 2}, {"bits": 4}],
     "headmerge": [{"kv_heads": 1}, {"kv_heads": 3}],
+    "decoding": [{"compress_every": 2, "decode_budget": 40}, {}],
     "hf-quant": [{"nbits": 2}, {"nbits": 4}],
     "compose": [{"stack": ["snapkv", "kivi"]}, {"stack": ["headmerge", "h2o", "kivi"]}],
 }
