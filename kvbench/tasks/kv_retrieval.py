@@ -42,7 +42,7 @@ class KeyValueRetrieval(Task):
         "positions": Rule("list", "task.positions=[0,0.5,1] (where the gold pair sits: 0 = first, 1 = last)",
                           non_empty=True, item=Rule("float", "positions in [0, 1]", min=0, max=1)),
         "num_samples": Rule("int", "task.num_samples=2 (objects per pair count)", min=1),
-        "max_new_tokens": Rule("int", "task.max_new_tokens=64", min=1),
+        "max_new_tokens": Rule("int", "task.max_new_tokens=100", min=1),
     }
 
     def examples(self) -> list[Example]:
