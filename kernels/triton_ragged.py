@@ -36,7 +36,7 @@ if TRITON_AVAILABLE:
         q = tl.load(q_ptr + b.to(tl.int64) * sq_b + q_head.to(tl.int64) * sq_h + offs_d * sq_d, mask=d_mask,
                     other=0.0).to(tl.float32)  # (BD,)
         m = tl.max(tl.full((BLOCK_K,), float("-inf"), tl.float32), axis=0)  # running max (log2 units)
-        l = tl.sum(tl.zeros((BLOCK_K,), tl.float32), axis=0)  # running Σ exp2(s − m)
+        denom = tl.sum(tl.zeros((BLOCK_K,), tl.float32), axis=0)  # running Σ exp2(s − m)
         acc = tl.zeros((BLOCK_D,), tl.float32)  # running Σ p·v
         for k0 in range(0, n_keys, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)  # (BK,)
@@ -51,9 +51,9 @@ if TRITON_AVAILABLE:
             alpha = tl.exp2(m - m_new)
             v = tl.load(v_ptr + rows[:, None] * sv_t + offs_d[None, :] * sv_d, mask=tile_mask, other=0.0)
             acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)  # (BD,)
-            l = l * alpha + tl.sum(p, axis=0)
+            denom = denom * alpha + tl.sum(p, axis=0)
             m = m_new
-        out = acc / l
+        out = acc / denom
         tl.store(o_ptr + b.to(tl.int64) * so_b + q_head.to(tl.int64) * so_h + offs_d * so_d,
                  out.to(o_ptr.dtype.element_ty), mask=d_mask)
 
@@ -61,7 +61,7 @@ if TRITON_AVAILABLE:
 def triton_ragged_decode(query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,
                          lengths: list[int], n_kv_heads: int, scaling: float) -> torch.Tensor:
     """query (B, H_q, D); flat keys/values (Σ T_s, D); lengths: B·H_kv ints → (B, H_q, D)."""
-    bsz, n_q_heads, head_dim = query.shape
+    _, n_q_heads, head_dim = query.shape  # (B, H_q, D)
     group = n_q_heads // n_kv_heads
     lengths_t = torch.tensor(lengths, dtype=torch.int64, device=query.device)  # (S,)
     starts = torch.cumsum(lengths_t, 0) - lengths_t  # (S,)

@@ -42,7 +42,7 @@ if TRITON_AVAILABLE:
         q = tl.load(q_base + offs_q[:, None] * sq_t + offs_d[None, :] * sq_d, mask=q_mask, other=0.0)  # (BQ, BD)
         q = q.to(DOT_DTYPE)
         m = tl.full((BLOCK_Q,), float("-inf"), tl.float32)  # running row max, log2 units
-        l = tl.zeros((BLOCK_Q,), tl.float32)  # running Σ exp2(s - m)
+        denom = tl.zeros((BLOCK_Q,), tl.float32)  # running Σ exp2(s - m)
         # Keys past the block's last query are invisible to all of it; key 0 is visible to every row, so m is finite
         # after the first tile (padding rows have q_pos ≥ T and see every key, also finite).
         k_end = tl.minimum(n_keys, n_keys - n_queries + (pid_q + 1) * BLOCK_Q)
@@ -54,9 +54,9 @@ if TRITON_AVAILABLE:
             visible = (offs_k[None, :] <= q_pos[:, None]) & (offs_k[None, :] < n_keys)  # (BQ, BK) causal
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))  # (BQ,)
-            l = l * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            denom = denom * tl.exp2(m - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
             m = m_new
-        tl.store(lse_ptr + pid_bh.to(tl.int64) * n_queries + offs_q, m + tl.log2(l), mask=offs_q < n_queries)
+        tl.store(lse_ptr + pid_bh.to(tl.int64) * n_queries + offs_q, m + tl.log2(denom), mask=offs_q < n_queries)
 
     @triton.jit
     def _column_sum_kernel(

@@ -33,7 +33,7 @@ class StatsRequest:
     # pre-RoPE query moments (Expected Attention), one per number of leading (sink) positions left out
     query_moments: frozenset[int] = frozenset()
 
-    def __or__(self, other: "StatsRequest") -> "StatsRequest":
+    def __or__(self, other: StatsRequest) -> StatsRequest:
         return StatsRequest(self.windows | other.windows, self.all_queries or other.all_queries,
                             self.query_moments | other.query_moments)
 
@@ -52,7 +52,7 @@ class StatsRecorder:
     request: StatsRequest
     window: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     all_queries: dict[int, torch.Tensor] = field(default_factory=dict)
-    moments: dict[int, dict[int, "QueryMoments"]] = field(default_factory=dict)
+    moments: dict[int, dict[int, QueryMoments]] = field(default_factory=dict)
     # seconds spent computing each statistic ("all" or the window size W): a shared prefill charges each
     # configuration only the statistics its own method asked for
     seconds: dict = field(default_factory=dict)
@@ -136,7 +136,9 @@ def rope_of(module) -> tuple[torch.Tensor, float]:
         import sys
 
         family = sys.modules[type(module).__module__]
-        rotary = [cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)]
+        rotary = [
+            cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)
+        ]
         if not rotary:
             raise KvbenchError(f"{type(module).__name__} has no rotary embedding class beside it; query moments "
                                f"(expected_attention) need a RoPE model")

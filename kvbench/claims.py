@@ -12,6 +12,7 @@ a job on another host that died). Taking over renames the stale file first, whic
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -76,10 +77,9 @@ class Claims:
     def _take_over_if_stale(self, path: Path) -> bool:
         if not is_stale(path):
             return False
-        try:  # only one contender's rename succeeds; the others see the file gone and retry the O_EXCL create
+        # only one contender's rename succeeds; the others see the file gone and retry the O_EXCL create
+        with contextlib.suppress(FileNotFoundError):
             os.rename(path, path.with_name(f"{path.name}.stale-{uuid.uuid4().hex[:8]}"))
-        except FileNotFoundError:
-            pass
         for old in path.parent.glob(f"{path.name}.stale-*"):
             old.unlink(missing_ok=True)
         return True

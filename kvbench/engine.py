@@ -10,8 +10,8 @@ import inspect
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
 
@@ -79,8 +79,9 @@ class Engine:
         params = inspect.signature(lm.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         eos = lm.tokenizer.eos_token_id
-        self.eos_ids = {eos} | {lm.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
-                                if t in lm.tokenizer.get_vocab()}
+        chat_ends = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+        vocab = lm.tokenizer.get_vocab()
+        self.eos_ids = {eos} | {lm.tokenizer.convert_tokens_to_ids(t) for t in chat_ends if t in vocab}
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -201,7 +202,7 @@ class Engine:
             position += len(chunk)
         return torch.cat(outputs) if all_logits else outputs[-1][-1]
 
-    def prepared(self, method: Method) -> "Engine":
+    def prepared(self, method: Method) -> Engine:
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""
         key = (method.name, json.dumps(method.params(), sort_keys=True, default=str))
         cache = self.__dict__.setdefault("_prepared", {})

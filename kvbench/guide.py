@@ -200,12 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        if not args.max_drop >= 0 or not 0 < args.max_kv_ratio or args.min_n < 1:
+        if not args.max_drop >= 0 or not args.max_kv_ratio > 0 or args.min_n < 1:
             raise KvbenchError("--max-drop must be ≥ 0, --max-kv-ratio > 0 and --min-n ≥ 1")
         table = guide_table(load_rows(args.results), args.max_drop, args.max_kv_ratio, args.min_n, args.scenario)
         combos = compositions(table, args.max_drop, args.max_kv_ratio)
         if args.out:
-            from kvbench.results import check_writable, write_csv, write_atomic
+            from kvbench.results import check_writable, write_atomic, write_csv
 
             check_writable(args.out)
             text = render(table, combos, as_markdown=True)

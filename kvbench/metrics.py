@@ -147,7 +147,7 @@ def fuzz_ratio(s1: str, s2: str) -> int:
         return 100
     if not s1 or not s2:
         return 0
-    return int(round(100 * SequenceMatcher(None, s1, s2).ratio()))
+    return round(100 * SequenceMatcher(None, s1, s2).ratio())
 
 
 def code_sim_score(prediction: str, ground_truth: str, **kwargs) -> float:

@@ -108,7 +108,9 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
     wide.columns = [f"max_ctx@B={int(b)}" for b in wide.columns]
     print("\nlargest context that fits, per batch size:")
     print(wide.astype(int).to_string())
-    print(f"\nplan:    {out_dir / 'plan.csv'}\nlimits:  {out_dir / 'plan_limits.csv'}\njson:    {out_dir / 'plan.json'}")
+    print(
+        f"\nplan:    {out_dir / 'plan.csv'}\nlimits:  {out_dir / 'plan_limits.csv'}\njson:    {out_dir / 'plan.json'}"
+    )
 
 
 def run_plan(cfg: DictConfig, out_dir: Path) -> pd.DataFrame:

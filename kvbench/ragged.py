@@ -4,8 +4,8 @@ Head-wise budgets (AdaKV) give the KV heads of a layer different lengths. Paddin
 or masking would hold the full-size tensors; here a layer stores `flat_keys`/`flat_values` (Σ T_bh, D) with the
 segments in (batch, head) order, positions ascending inside each, and the lengths T_bh as plain integers (shape
 metadata, like a dense tensor's shape). `update` appends each segment's new tokens at its end; attention runs per
-segment (`ragged_attention`: a pure-torch reference; a Triton decode kernel on CUDA, kernels/triton_ragged.py) and is dispatched by kvbench's attention function when the
-cache hands it a `RaggedKV` instead of a dense tensor.
+segment (`ragged_attention`: a pure-torch reference; a Triton decode kernel on CUDA, kernels/triton_ragged.py) and
+is dispatched by kvbench's attention function when the cache hands it a `RaggedKV` instead of a dense tensor.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class RaggedLayer(CacheLayerMixin):
         self.device = flat_keys.device
 
     @classmethod
-    def gather(cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> "RaggedLayer":
+    def gather(cls, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> RaggedLayer:
         """Keep `keep` (B, H_kv, T) bool of keys/values (B, H_kv, T, D): new flat tensors of the kept rows only."""
-        bsz, n_heads, n_tokens, head_dim = keys.shape
+        bsz, n_heads, _, head_dim = keys.shape  # (B, H_kv, T, D)
         rows = keep.reshape(-1).nonzero().squeeze(1)  # (N,): (b, h, t) row-major = segment order, t ascending
         lengths = keep.sum(-1).reshape(-1).tolist()  # B·H_kv segment lengths
         flat_keys = keys.reshape(-1, head_dim).index_select(0, rows)  # (N, D)
@@ -110,7 +110,7 @@ def ragged_attention_reference(query: torch.Tensor, key: RaggedKV, value: Ragged
     """Causal softmax attention of query (B, H_q, Q, D) — the last Q positions of every segment — over each KV
     head's own keys; GQA: query head h reads KV head h // G. Returns (B, Q, H_q, D) as transformers' sdpa does.
     The pure-torch reference: one (G, Q, T_bh) score block per segment, fp32 softmax."""
-    bsz, n_q_heads, n_queries, head_dim = query.shape
+    _, n_q_heads, n_queries, _ = query.shape  # (B, H_q, Q, D)
     group = n_q_heads // key.n_heads
     out = torch.empty_like(query)  # (B, H_q, Q, D)
     for segment, (k, v) in enumerate(zip(key.segments(), value.segments())):

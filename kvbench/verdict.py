@@ -35,7 +35,7 @@ class Thresholds:
     evidence_mass_min: float = 0.5  # compressed / full attention mass on the evidence
 
     @classmethod
-    def from_config(cls, block) -> "Thresholds":
+    def from_config(cls, block) -> Thresholds:
         given = dict(block or {})
         names = [f.name for f in fields(cls)]
         unknown = sorted(set(given) - set(names))

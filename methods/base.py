@@ -39,16 +39,21 @@ class Budget:
     value: float
 
     @classmethod
-    def parse(cls, value) -> "Budget":
+    def parse(cls, value) -> Budget:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise KvbenchError(f"budget={value!r} is not a number; give a fraction in (0, 1] or a token count") from None
+            raise KvbenchError(
+                f"budget={value!r} is not a number; give a fraction in (0, 1] or a token count"
+            ) from None
         if not number > 0 or math.isinf(number):
-            raise KvbenchError(f"budget={value} must be > 0: a fraction in (0, 1] (1.0 = no eviction) or a token count")
+            raise KvbenchError(
+                f"budget={value} must be > 0: a fraction in (0, 1] (1.0 = no eviction) or a token count"
+            )
         if number > 1 and not number.is_integer():
             raise KvbenchError(
-                f"budget={value}: a fraction must be in (0, 1]; a budget above 1 is a token count and must be an integer"
+                f"budget={value}: a fraction must be in (0, 1]; "
+                "a budget above 1 is a token count and must be an integer"
             )
         return cls(number)
 
@@ -185,7 +190,7 @@ def method_defaults(name: str) -> dict:
     return copy.deepcopy(_method_defaults(name))
 
 
-@functools.lru_cache(maxsize=None)  # summaries label every row with its variant: read each yaml once
+@functools.cache  # summaries label every row with its variant: read each yaml once
 def _method_defaults(name: str) -> dict:
     from omegaconf import OmegaConf
 

@@ -71,7 +71,7 @@ class KiviLayer(DynamicLayer):
 
     @classmethod
     def from_kv(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int,
-                residual_length: int) -> "KiviLayer":
+                residual_length: int) -> KiviLayer:
         """A layer holding keys/values (B, H_kv, N, D), split as KIVI splits a prefill (also: already-evicted K/V)."""
         layer = cls(bits, group_size, residual_length)
         layer.lazy_initialization(keys, values)

@@ -77,7 +77,7 @@ class QueryHeadLayer(DynamicLayer):
     """A cache layer in the original SnapKV's layout: one K/V head per query head (new tokens repeated G times)."""
 
     @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, n_groups: int) -> "QueryHeadLayer":
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, n_groups: int) -> QueryHeadLayer:
         layer = cls()
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values, layer.n_groups = keys, values, n_groups  # (B, H_q, T, D) each
