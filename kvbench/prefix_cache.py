@@ -39,8 +39,8 @@ class Node:
 
     tokens: tuple[int, ...] = ()
     pages: list[Page] = field(default_factory=list)
-    parent: "Node | None" = None
-    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)  # keyed by the child's first page
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # keyed by the child's first page
     last_use: int = 0
 
     def evictable(self) -> bool:
@@ -99,8 +99,11 @@ class PrefixCache:
                 break
             n_child = len(child.pages)
             same = 0
-            while same < n_child and i + same < len(chunks) and \
-                    child.tokens[same * self.page_size : (same + 1) * self.page_size] == chunks[i + same]:
+            while (
+                same < n_child
+                and i + same < len(chunks)
+                and child.tokens[same * self.page_size : (same + 1) * self.page_size] == chunks[i + same]
+            ):
                 same += 1
             child.last_use = now
             if same < n_child:
@@ -212,8 +215,12 @@ class PrefixCache:
 
     def storages(self) -> set[int]:
         """data_ptr of every storage the store holds (to tell a request's shared bytes from its own)."""
-        ptrs = {p.data.untyped_storage().data_ptr() for n in self._nodes() for p in n.pages
-                if isinstance(p.data, torch.Tensor)}
+        ptrs = {
+            p.data.untyped_storage().data_ptr()
+            for n in self._nodes()
+            for p in n.pages
+            if isinstance(p.data, torch.Tensor)
+        }
         for entry in self.entries.values():
             ptrs |= set(getattr(entry.value, "storages", ()))
         return ptrs

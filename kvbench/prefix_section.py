@@ -10,10 +10,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
+import matplotlib.pyplot as plt
+import pandas as pd
 
-from kvbench.report_sections import Section, report_section  # noqa: E402
+from kvbench.report_sections import Section, report_section
 
 MiB = 2**20
 
@@ -38,16 +38,27 @@ def _table(frame: pd.DataFrame) -> tuple[str, str]:
 @report_section("Prefix caching: time to first token and memory vs requests", needs=["reused_tokens", "held_bytes"])
 def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
     rows = rows.assign(mode=_mode(rows)).sort_values(["run_id", "request_index"])
-    table = rows.groupby(["task", "method", "budget", "mode"], sort=False).apply(
-        lambda g: pd.Series({
-            "requests": len(g), "hit_rate": g.reused_tokens.sum() / (g.reused_tokens + g.prefill_tokens).sum(),
-            "prefill_tokens": g.prefill_tokens.sum(), "ttft_s_total": g.prefill_s.sum(),
-            "held_MiB_last": g.groupby("run_id").held_bytes.last().mean() / MiB, "score": g.score.mean(),
-        }), include_groups=False).reset_index()
+    table = (
+        rows.groupby(["task", "method", "budget", "mode"], sort=False)
+        .apply(
+            lambda g: pd.Series(
+                {
+                    "requests": len(g),
+                    "hit_rate": g.reused_tokens.sum() / (g.reused_tokens + g.prefill_tokens).sum(),
+                    "prefill_tokens": g.prefill_tokens.sum(),
+                    "ttft_s_total": g.prefill_s.sum(),
+                    "held_MiB_last": g.groupby("run_id").held_bytes.last().mean() / MiB,
+                    "score": g.score.mean(),
+                }
+            ),
+            include_groups=False,
+        )
+        .reset_index()
+    )
     files = []
     for task, part in rows.groupby("task", sort=False):
         fig, (ttft, held) = plt.subplots(1, 2, figsize=(10, 3.6))
-        for (method, budget, mode, run_id), g in part.groupby(["method", "budget", "mode", "run_id"], sort=False):
+        for (method, budget, mode, _run), g in part.groupby(["method", "budget", "mode", "run_id"], sort=False):
             label = f"{method} b={budget:g}, {mode}"
             style = "-" if mode == "no prefix cache" else "--"
             ttft.plot(g.request_index, g.prefill_s.cumsum(), style, marker=".", label=label)
@@ -60,12 +71,17 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Se
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
-    note = ("<p>held = the prefix cache's pages (each once) + every request's own cache so far, as if all stayed "
-            "resident; TTFT = prefill_s (lookup, prefill of the uncached rest, compression). Timings compare "
-            "runs of one machine; ratios within one run are the reliable figures.</p>")
+    note = (
+        "<p>held = the prefix cache's pages (each once) + every request's own cache so far, as if all stayed "
+        "resident; TTFT = prefill_s (lookup, prefill of the uncached rest, compression). Timings compare "
+        "runs of one machine; ratios within one run are the reliable figures.</p>"
+    )
     table_html, table_md = _table(table)
-    return Section(html=note + table_html, markdown=html.unescape(note.replace("<p>", "").replace("</p>", "\n\n")) +
-                   table_md, files=files)
+    return Section(
+        html=note + table_html,
+        markdown=html.unescape(note.replace("<p>", "").replace("</p>", "\n\n")) + table_md,
+        files=files,
+    )
 
 
 @report_section("Compress once vs per question", needs=["reuse"])
@@ -77,7 +93,9 @@ def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> S
         return None
     scores = scores.dropna(subset=["compress_once", "per_question"]).reset_index()
     scores["difference"] = scores["compress_once"] - scores["per_question"]
-    note = ("<p>per_question: each prompt compressed with its question (query-aware); compress_once: the shared "
-            "context compressed once without the question, every question answered from it.</p>")
+    note = (
+        "<p>per_question: each prompt compressed with its question (query-aware); compress_once: the shared "
+        "context compressed once without the question, every question answered from it.</p>"
+    )
     table_html, table_md = _table(scores)
     return Section(html=note + table_html, markdown=html.unescape(note[3:-4]) + "\n\n" + table_md)

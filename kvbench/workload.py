@@ -30,18 +30,25 @@ from kvbench.cache import _tensors, cache_from_kv, cache_nbytes
 from kvbench.engine import Prefill
 from kvbench.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 
+
 def check(cfg) -> None:
     """The prefix-cache keys together (each alone: kvbench.validate), before the model loads."""
     if cfg.get("reuse", "per_question") == "compress_once" and not cfg.get("prefix_cache"):
-        raise KvbenchError("reuse=compress_once keeps the compressed context in the prefix cache: add prefix_cache=true")
+        raise KvbenchError(
+            "reuse=compress_once keeps the compressed context in the prefix cache: add prefix_cache=true"
+        )
 
 
 def hash_keys(cfg) -> dict:
     """What the prefix cache changes in a configuration's rows (for config_hash); nothing when it is off."""
     if not cfg.get("prefix_cache"):
         return {}
-    return {"prefix_cache": True, "reuse": cfg.get("reuse", "per_question"), "page_size": cfg.get("page_size", 16),
-            "prefix_cache_bytes": cfg.get("prefix_cache_bytes")}
+    return {
+        "prefix_cache": True,
+        "reuse": cfg.get("reuse", "per_question"),
+        "page_size": cfg.get("page_size", 16),
+        "prefix_cache_bytes": cfg.get("prefix_cache_bytes"),
+    }
 
 
 def reuse_limit(request: StatsRequest, n_prompt: int) -> int:
@@ -83,8 +90,10 @@ class Reused:
 
     def compress(self, prefill_kv, stats, budget):
         cache = DynamicCache()
-        cache.layers.extend(shared_layer(layer.keys, layer.values) if type(layer) is DynamicLayer else copy.copy(layer)
-                            for layer in self._layers)
+        cache.layers.extend(
+            shared_layer(layer.keys, layer.values) if type(layer) is DynamicLayer else copy.copy(layer)
+            for layer in self._layers
+        )
         return cache
 
     def __getattr__(self, name):
@@ -105,8 +114,11 @@ class WorkloadRunner:
     def __init__(self, engine, cfg, lm):
         self.engine, self.lm = engine, lm
         self.reuse = cfg.get("reuse", "per_question")
-        self.store = (PrefixCache(int(cfg.get("page_size", 16)), cfg.get("prefix_cache_bytes"))
-                      if cfg.get("prefix_cache") else None)
+        self.store = (
+            PrefixCache(int(cfg.get("page_size", 16)), cfg.get("prefix_cache_bytes"))
+            if cfg.get("prefix_cache")
+            else None
+        )
         self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
         self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
 
@@ -166,18 +178,31 @@ class WorkloadRunner:
             out = engine.prefill(ex.context_ids, c.method.stats_request())
             c.method.bind(engine.lm)
             cache = c.method.compress(out.kv, out.stats, c.budget)
-            value = Compressed(list(cache.layers), copy.deepcopy(c.method), out.last_logits, len(ex.context_ids),
-                               set(storages_of(cache)))
-            entry, peak = self.store.put((c.hash, tuple(ex.context_ids)), value, cache_nbytes(cache)), out.peak_mem_bytes
+            value = Compressed(
+                list(cache.layers),
+                copy.deepcopy(c.method),
+                out.last_logits,
+                len(ex.context_ids),
+                set(storages_of(cache)),
+            )
+            entry, peak = (
+                self.store.put((c.hash, tuple(ex.context_ids)), value, cache_nbytes(cache)),
+                out.peak_mem_bytes,
+            )
             del cache, out
         reused = len(ex.context_ids) if hit else 0
         entry.refs += 1
         caches = []
-        prefill = CachedPrefill(kv=[], stats=StatsRecorder(StatsRequest()), last_logits=entry.value.last_logits,
-                                seconds=time.perf_counter() - start, peak_mem_bytes=peak,
-                                adopt=lambda cache: caches.append(cache) or cache, context_tokens=entry.value.n_tokens)
-        gen = engine.generate(prefill, Reused(entry.value), c.budget, list(ex.question_ids), ex.max_new_tokens,
-                              ex.stop)
+        prefill = CachedPrefill(
+            kv=[],
+            stats=StatsRecorder(StatsRequest()),
+            last_logits=entry.value.last_logits,
+            seconds=time.perf_counter() - start,
+            peak_mem_bytes=peak,
+            adopt=lambda cache: caches.append(cache) or cache,
+            context_tokens=entry.value.n_tokens,
+        )
+        gen = engine.generate(prefill, Reused(entry.value), c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
         entry.refs -= 1
         row = make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm)
         row["query_aware"] = False  # the context was compressed without the question
@@ -195,7 +220,12 @@ class WorkloadRunner:
         if store_bytes is None:
             store_bytes = self.store.nbytes if self.store else 0
         row.update(
-            request_index=ex.meta.get("request_index", self.requests[c.hash]), prefill_tokens=n_prompt - reused,
-            reused_tokens=reused, hit_rate=reused / n_prompt, store_bytes=store_bytes,
-            held_bytes=store_bytes + self.own_bytes[c.hash], prefix_cache=self.store is not None, reuse=self.reuse,
+            request_index=ex.meta.get("request_index", self.requests[c.hash]),
+            prefill_tokens=n_prompt - reused,
+            reused_tokens=reused,
+            hit_rate=reused / n_prompt,
+            store_bytes=store_bytes,
+            held_bytes=store_bytes + self.own_bytes[c.hash],
+            prefix_cache=self.store is not None,
+            reuse=self.reuse,
         )

@@ -32,10 +32,13 @@ def compare(tmp: Path, label: str, overrides: list[str]) -> dict:
     without = rows(tmp, f"{label}-without", overrides)
     with_cache = rows(tmp, f"{label}-with", [*overrides, "prefix_cache=true"])
     return {
-        "workload": label, "requests": len(without),
-        "ttft_without_s": without.prefill_s.sum(), "ttft_with_s": with_cache.prefill_s.sum(),
+        "workload": label,
+        "requests": len(without),
+        "ttft_without_s": without.prefill_s.sum(),
+        "ttft_with_s": with_cache.prefill_s.sum(),
         "ttft_ratio": with_cache.prefill_s.sum() / without.prefill_s.sum(),
-        "held_without_MB": without.held_bytes.iloc[-1] / 1e6, "held_with_MB": with_cache.held_bytes.iloc[-1] / 1e6,
+        "held_without_MB": without.held_bytes.iloc[-1] / 1e6,
+        "held_with_MB": with_cache.held_bytes.iloc[-1] / 1e6,
         "held_ratio": with_cache.held_bytes.iloc[-1] / without.held_bytes.iloc[-1],
         "hit_rate": with_cache.reused_tokens.sum() / (with_cache.reused_tokens + with_cache.prefill_tokens).sum(),
         "identical": list(without.prediction) == list(with_cache.prediction),
@@ -50,17 +53,31 @@ def main(argv=None) -> int:
     parser.add_argument("--chat-context", type=int, default=1024, help="multiturn's document tokens")
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="a 7-digit answer is ~9 tokens")
     args = parser.parse_args(argv)
     import pandas as pd
 
     with tempfile.TemporaryDirectory() as tmp:
-        common = [f"model={args.model}"]
-        table = pd.DataFrame([
-            compare(Path(tmp), "shared_doc", [*common, "task=shared_doc", f"task.questions={args.questions}",
-                                              f"task.context_length={args.context}"]),
-            compare(Path(tmp), "multiturn", [*common, "task=multiturn", f"task.turns={args.turns}",
-                                             f"task.context_length={args.chat_context}"]),
-        ])
+        common = [f"model={args.model}", f"task.max_new_tokens={args.max_new_tokens}"]
+        table = pd.DataFrame(
+            [
+                compare(
+                    Path(tmp),
+                    "shared_doc",
+                    [
+                        *common,
+                        "task=shared_doc",
+                        f"task.questions={args.questions}",
+                        f"task.context_length={args.context}",
+                    ],
+                ),
+                compare(
+                    Path(tmp),
+                    "multiturn",
+                    [*common, "task=multiturn", f"task.turns={args.turns}", f"task.context_length={args.chat_context}"],
+                ),
+            ]
+        )
     print()
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return 0 if table.identical.all() else 1

@@ -5,16 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
 from kvbench.cache import cache_from_kv, cache_nbytes
+from kvbench.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
 
 
 def make(tree: PrefixCache, ids, made: list | None = None):
     """Insert `ids` with pages whose data records the tokens they cover (10 bytes each)."""
+
     def page(i):
         if made is not None:
             made.append(i)
         return tuple(ids[i * tree.page_size : (i + 1) * tree.page_size]), 10
+
     return tree.insert(ids, page)
 
 

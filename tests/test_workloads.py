@@ -15,16 +15,28 @@ GRID = "grid.method=[streamingllm,snapkv,{name:kivi,group_size:16,residual_lengt
 
 
 def workload(tmp_path, name, *extra):
-    overrides = ["model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path / 'store'}",
-                 "report=false", "task=shared_doc", "task.questions=3", "task.context_length=400",
-                 "task.max_new_tokens=4", GRID, "grid.budget=[0.5]", *extra]
+    overrides = [
+        "model=tiny-random",
+        "device=cpu",
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+        "task=shared_doc",
+        "task.questions=3",
+        "task.context_length=400",
+        "task.max_new_tokens=4",
+        GRID,
+        "grid.budget=[0.5]",
+        *extra,
+    ]
     return run(compose_config(*overrides), output_dir=tmp_path / name).sort_values(["request_index", "method"])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workloads")
-    return {"dir": tmp,
+    return {
+        "dir": tmp,
         "plain": workload(tmp, "plain"),
         "cached": workload(tmp, "cached", "prefix_cache=true"),
         "once": workload(tmp, "once", "prefix_cache=true", "reuse=compress_once"),
@@ -94,10 +106,23 @@ def test_prefix_cache_budget_evicts_and_keeps_outputs(tmp_path, runs):
 
 
 def test_multiturn_reuses_the_growing_history(tmp_path):
-    rows = run(compose_config("model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path}",
-                              "report=false", "task=multiturn", "task.turns=3", "task.context_length=400",
-                              "task.max_new_tokens=3", "method=full", "prefix_cache=true", "page_size=1"),
-               output_dir=tmp_path / "o")
+    rows = run(
+        compose_config(
+            "model=tiny-random",
+            "device=cpu",
+            "dtype=float32",
+            f"results_dir={tmp_path}",
+            "report=false",
+            "task=multiturn",
+            "task.turns=3",
+            "task.context_length=400",
+            "task.max_new_tokens=3",
+            "method=full",
+            "prefix_cache=true",
+            "page_size=1",
+        ),
+        output_dir=tmp_path / "o",
+    )
     prompts = list(rows.prefill_tokens + rows.reused_tokens)
     assert prompts == sorted(prompts) and list(rows.turn) == [0, 1, 2]
     # token-level pages: each turn reuses the whole previous prompt (up to its last token's first logits)
@@ -116,13 +141,16 @@ def test_report_shows_prefix_sections(runs, tmp_path):
     assert "snapkv" in section and "compress_once" in section
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["reuse=sometimes"], "reuse=sometimes is not one of per_question, compress_once"),
-    (["reuse=compress_once"], "add prefix_cache=true"),
-    (["prefix_cache=true", "page_size=0"], "page_size=0 must be ≥ 1"),
-    (["prefix_cache=true", "prefix_cache_bytes=-1"], "prefix_cache_bytes=-1 must be ≥ 0"),
-    (["prefix_cache=yes"], "prefix_cache=yes is not a boolean"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["reuse=sometimes"], "reuse=sometimes is not one of per_question, compress_once"),
+        (["reuse=compress_once"], "add prefix_cache=true"),
+        (["prefix_cache=true", "page_size=0"], "page_size=0 must be ≥ 1"),
+        (["prefix_cache=true", "prefix_cache_bytes=-1"], "prefix_cache_bytes=-1 must be ≥ 0"),
+        (["prefix_cache=yes"], "prefix_cache=yes is not a boolean"),
+    ],
+)
 def test_bad_prefix_settings_name_the_fix(tmp_path, extra, message):
     with pytest.raises(KvbenchError, match=message):
         run(compose_config("model=tiny-random", f"results_dir={tmp_path}", "task=shared_doc", *extra))

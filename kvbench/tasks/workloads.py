@@ -83,26 +83,39 @@ class SharedPrefixTask(Task):
             keys += [key] if key not in keys else []
         values = [random_value(rng, cfg.value_type, int(cfg.value_length)) for _ in keys]
         needles = [self.encode(f" One of the special magic {plural} for {k} is: {v}.") for k, v in zip(keys, values)]
-        instruction = (f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
-                       f"them. I will quiz you about the {plural} afterwards.")
+        instruction = (
+            f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
+            f"them. I will quiz you about the {plural} afterwards."
+        )
         questions = [f"What is the special magic {singular} for {k} mentioned in the provided text?" for k in keys]
         prefixes = [f"The special magic {singular} for {k} mentioned in the provided text is" for k in keys]
         prompts = [self.prompt(instruction, questions, prefixes, values, i) for i in range(n)]
         head = prompts[0][0]
         room = int(cfg.context_length) - len(head) - sum(map(len, needles))
         if room < 1:
-            raise KvbenchError(f"task.context_length={cfg.context_length} is too short for {n} needles and the "
-                               f"template (at least {int(cfg.context_length) - room + 1} tokens)")
+            raise KvbenchError(
+                f"task.context_length={cfg.context_length} is too short for {n} needles and the "
+                f"template (at least {int(cfg.context_length) - room + 1} tokens)"
+            )
         start = rng.randrange(len(encoded)) if cfg.haystack != "noise" else 0
         depths = [(i + 0.5) / n for i in range(n)]
         document = with_needles(fill_haystack(encoded, start, room), needles, depths)
         return [
             Example(
                 example_id=f"{self.name}-{cfg.haystack}-L{cfg.context_length}-d{doc}-r{i}-s{self.seed}",
-                context_ids=head + document, question_ids=tail, answers=[values[i]],
-                max_new_tokens=int(cfg.max_new_tokens), subset=f"{cfg.haystack}-{cfg.value_type}",
-                meta={"workload": f"{self.name}-d{doc}", "request_index": i, "turn": i if self.name == "multiturn" else 0,
-                      "depth": depths[i], "length_target": int(cfg.context_length), "scenario": "shared prefix"},
+                context_ids=head + document,
+                question_ids=tail,
+                answers=[values[i]],
+                max_new_tokens=int(cfg.max_new_tokens),
+                subset=f"{cfg.haystack}-{cfg.value_type}",
+                meta={
+                    "workload": f"{self.name}-d{doc}",
+                    "request_index": i,
+                    "turn": i if self.name == "multiturn" else 0,
+                    "depth": depths[i],
+                    "length_target": int(cfg.context_length),
+                    "scenario": "shared prefix",
+                },
             )
             for i, (_, tail) in enumerate(prompts)
         ]
@@ -142,6 +155,8 @@ class MultiTurn(SharedPrefixTask):
     def prompt(self, instruction, questions, prefixes, values, i):
         messages = [{"role": "user", "content": f"{instruction}\n{MARK}\n{questions[0]}"}]
         for t in range(1, i + 1):
-            messages += [{"role": "assistant", "content": f"{prefixes[t - 1]} {values[t - 1]}."},
-                         {"role": "user", "content": questions[t]}]
+            messages += [
+                {"role": "assistant", "content": f"{prefixes[t - 1]} {values[t - 1]}."},
+                {"role": "user", "content": questions[t]},
+            ]
         return chat_split(self.tokenizer, messages, prefixes[i])
