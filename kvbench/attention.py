@@ -83,8 +83,9 @@ class StatsRecorder:
             pre_rope = rerotate(query.float(), -positions, inv_freq) / scaling  # (B, H_q, Q, D)
             for skip in self.request.query_moments:
                 kept = pre_rope[:, :, positions >= skip]  # (B, H_q, N, D)
+                bsz, n_heads, _, head_dim = query.shape  # (B, H_q, Q, D)
                 moments = self.moments.setdefault(skip, {}).setdefault(
-                    module.layer_idx, QueryMoments.empty(*query.shape[:2], query.shape[-1], inv_freq, scaling))
+                    module.layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, inv_freq, scaling))
                 moments.add(kept)
 
     @contextlib.contextmanager

@@ -33,11 +33,11 @@ def cache_from_kv(layers: list[KV]) -> DynamicCache:
 
 def cache_kv(cache: DynamicCache) -> list[KV]:
     """The (keys, values) of every layer."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[misc,union-attr]  # attention layers
 
 
 def layer_lengths(cache: DynamicCache) -> list[int]:
-    return [layer.get_seq_length() for layer in cache.layers]
+    return [layer.get_seq_length() for layer in cache.layers]  # type: ignore[union-attr]  # attention layers
 
 
 def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
@@ -56,7 +56,7 @@ def layer_select(layer, index: torch.Tensor) -> None:
     if hasattr(layer, "select"):
         layer.select(index)
     elif type(layer) is DynamicLayer:
-        layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)
+        layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)  # type: ignore[arg-type]  # filled
     else:
         from kvbench import KvbenchError
 

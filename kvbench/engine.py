@@ -10,8 +10,9 @@ import inspect
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 
@@ -163,7 +164,8 @@ class Engine:
         synchronize(device)
         decode_s = time.perf_counter() - start
 
-        text = tokenizer.decode([t for t in generated if t not in self.eos_ids], skip_special_tokens=True)
+        kept = [t for t in generated if t not in self.eos_ids]
+        text = cast(str, tokenizer.decode(kept, skip_special_tokens=True))  # one sequence → one string
         for s in stop:
             text = text.split(s)[0] if s in text else text
         lm = self.lm
@@ -211,7 +213,7 @@ class Engine:
             cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_kv_heads)
         return cache[key]
 
-    def run(self, method: Method, budget: Budget | None, prompt_ids: list[int], suffix_ids: list[int] = (),
+    def run(self, method: Method, budget: Budget | None, prompt_ids: list[int], suffix_ids: Sequence[int] = (),
             max_new_tokens: int = 32, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
         """Prefill + generate for a single configuration."""
         engine = self.prepared(method)

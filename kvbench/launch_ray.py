@@ -15,6 +15,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import cast
 
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
@@ -57,7 +58,7 @@ def _maybe_die_after_first_save() -> None:
         original(self, run_id, rows)
         os._exit(1)
 
-    Store.save_run = save_then_die
+    Store.save_run = save_then_die  # type: ignore[method-assign]  # deliberate: fault injection
 
 
 def _example_order(frame: pd.DataFrame, shard: int, n_shards: int) -> pd.Series:
@@ -86,7 +87,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     check_writable(store.rows_dir)
     out_dir = Path(output_dir) if output_dir else store.root / "last"
     check_writable(out_dir)
-    cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    cfg_dict = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # cfg is a DictConfig
     cfg_dict["results_dir"] = str(store.root)
 
     address = launcher.get("address")
@@ -99,7 +100,8 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
                                           max_retries=int(launcher.max_retries))
     threads = max(1, int(num_cpus))
     started = time.perf_counter()
-    queue, running, frames = list(range(n_shards)), {}, []
+    queue, frames = list(range(n_shards)), []
+    running: dict = {}  # ray object ref → shard
     print(f"[ray] {n_shards} shards on {workers} workers ({'cluster ' + address if address else 'local cluster'})")
     while queue or running:
         while queue and len(running) < workers:

@@ -159,7 +159,7 @@ def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task
     if diagnose is not None:
         from kvbench.diagnose_run import diagnose_example
 
-        side.extend(diagnose_example(engine, todo, ex, task, prefill, rows, diagnose))
+        side.extend(diagnose_example(engine, todo, ex, task, prefill, rows, diagnose))  # type: ignore[union-attr]  # given with diagnose
     return rows
 
 

@@ -65,12 +65,12 @@ def verdict(row: dict, full_score: float, t: Thresholds = Thresholds()) -> str:
         return "no loss"
     if not _nan(row.get("evicted_share")) and row["evicted_share"] <= t.evicted_tolerance:
         return "precision loss"
-    recall = row.get("mass_recall")
+    recall = row.get("mass_recall", math.nan)  # a missing column reads as NaN, like a None
     if _nan(recall):
         return "budget too small"  # eviction without recorded positions: only the loss is known
     if recall >= t.recall_high:
         return "wrong positions"
-    retention, mass_full = row.get("evidence_retention"), row.get("evidence_mass_full")
+    retention, mass_full = row.get("evidence_retention", math.nan), row.get("evidence_mass_full", math.nan)
     evidence_lost = not _nan(retention) and retention < t.evidence_retention_min
     if not _nan(mass_full) and mass_full > 0:
         evidence_lost |= row["evidence_mass_compressed"] / mass_full < t.evidence_mass_min

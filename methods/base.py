@@ -20,7 +20,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -200,7 +200,8 @@ def _method_defaults(name: str) -> dict:
     if not path.exists():
         METHODS.get(name)  # unknown: the registry's message lists the valid names
         return {}
-    return {k: v for k, v in OmegaConf.to_container(OmegaConf.load(path), resolve=True).items() if k != "name"}
+    defaults = cast(dict, OmegaConf.to_container(OmegaConf.load(path), resolve=True))  # a yaml mapping
+    return {k: v for k, v in defaults.items() if k != "name"}
 
 
 def build_method(name: str, params: dict | None = None) -> Method:

@@ -97,10 +97,11 @@ class Decoding(Method):
                 rows = self._rows.setdefault(w, {}).setdefault(layer_idx, [])
                 rows.append(row)
                 del rows[:-w]  # only the last W queries vote
-        for skip, layers in stats.moments.items():
-            for layer_idx, step in layers.items():
+        for skip, layer_moments in stats.moments.items():
+            for layer_idx, step in layer_moments.items():
+                bsz, n_heads, head_dim = step.total.shape  # (B, H_q, D)
                 total = self._moments.setdefault(skip, {}).setdefault(layer_idx, QueryMoments.empty(
-                    *step.total.shape[:2], step.total.shape[-1], step.inv_freq, step.rope_scaling))
+                    bsz, n_heads, head_dim, step.inv_freq, step.rope_scaling))
                 total.count, total.total, total.outer = (total.count + step.count, total.total + step.total,
                                                          total.outer + step.outer)
 

@@ -76,6 +76,8 @@ class SnapKV(Method):
 class QueryHeadLayer(DynamicLayer):
     """A cache layer in the original SnapKV's layout: one K/V head per query head (new tokens repeated G times)."""
 
+    n_groups: int  # query heads per KV head (G), set by `holding`
+
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, n_groups: int) -> QueryHeadLayer:
         layer = cls()

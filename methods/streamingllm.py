@@ -71,7 +71,7 @@ class StreamingLLM(Method):
 
     def _rerotate(self, cache, shift: torch.Tensor) -> None:
         for layer in cache.layers:
-            layer.keys = rerotate(layer.keys, shift.to(layer.keys.device), self._inv_freq.to(layer.keys.device))
+            layer.keys = rerotate(layer.keys, shift.to(layer.keys.device), self._inv_freq.to(layer.keys.device))  # type: ignore[union-attr]  # bind() set it: rolling
 
     def position(self, absolute_position: int, cache) -> int:
         if self.positions == "rolling" and self._size is not None:
@@ -97,4 +97,4 @@ class StreamingLLM(Method):
                     shift = torch.zeros(size, dtype=torch.long)
                     shift[self.start_size :] = -(n_tokens - size)
                     layer.keys = rerotate(layer.keys, shift.to(layer.keys.device),
-                                          self._inv_freq.to(layer.keys.device))
+                                          self._inv_freq.to(layer.keys.device))  # type: ignore[union-attr]  # rolling
