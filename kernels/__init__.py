@@ -13,17 +13,20 @@ import os
 __version__ = "N/A"  # not the Hugging Face `kernels` package: transformers' version check then ignores it
 
 
-def attention_column_sums_reference(query, key, scaling: float):
+def attention_column_sums_reference(query, key, scaling: float, mask=None, softcap: float | None = None):
     from kvbench.kernels.attention_stats import attention_column_sums
 
-    return attention_column_sums(query, key, scaling)
+    return attention_column_sums(query, key, scaling, mask, softcap)
 
 
-def attention_column_sums(query, key, scaling: float):
-    """Σ over queries of causal softmax(q·kᵀ·scaling): query (B, H_q, Q, D), key (B, H_kv, T, D) -> (B, H_q, T).
+def attention_column_sums(query, key, scaling: float, mask=None, softcap: float | None = None):
+    """Σ over queries of softmax(q·kᵀ·scaling): query (B, H_q, Q, D), key (B, H_kv, T, D) -> (B, H_q, T); causal
+    unless the model's `mask` is given, logits soft-capped when `softcap` is. Contract: attention_stats.
 
-    Triton on CUDA unless KVBENCH_NO_TRITON=1; the torch reference otherwise. Contract: attention_stats.
+    Triton on CUDA (causal, no cap) unless KVBENCH_NO_TRITON=1; the torch reference otherwise.
     """
+    if mask is not None or softcap is not None:  # the Triton kernel is causal-only and uncapped
+        return attention_column_sums_reference(query, key, scaling, mask, softcap)
     if query.is_cuda and importlib.util.find_spec("triton") and os.environ.get("KVBENCH_NO_TRITON") != "1":
         from kvbench.kernels import triton_stats
 

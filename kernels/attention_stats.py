@@ -4,6 +4,10 @@ One function serves every eviction method:
 - SnapKV / PyramidKV: the observation window's attention onto each position = column sums over the last W queries;
 - H2O: attention each key has received from every query so far = column sums over all queries (prefill), then the
   single new query's row at every decode step.
+
+The softmax is the one the model computes: with the model's attention mask when it passes one (sliding windows —
+Mistral v0.1, Gemma-2/3, Qwen2 — and padding live there), causal by position otherwise (what sdpa does without a
+mask), and with the logits soft-capped, cap·tanh(s / cap), when the model caps them (Gemma-2).
 """
 
 from __future__ import annotations
@@ -15,10 +19,14 @@ import torch
 _MAX_CHUNK_ELEMENTS = 1 << 19
 
 
-def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Σ over queries of causal softmax(q·kᵀ·scaling), per query head, in fp32.
+def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor | None = None,
+                          softcap: float | None = None) -> torch.Tensor:
+    """Σ over queries of softmax(q·kᵀ·scaling), per query head, in fp32.
 
     query: (B, H_q, Q, D), the last Q positions of a sequence whose keys are key: (B, H_kv, T, D), T ≥ Q.
+    mask: the attention mask the model passed, (B or 1, 1 or H_q, Q, T) — bool (True = attend) or additive float;
+    None = causal (query i sees keys up to T − Q + i). softcap: logits → softcap·tanh(logits / softcap) before the
+    mask, as Gemma-2's attention does.
     GQA: query head h reads KV head h // (H_q / H_kv) (transformers' repeat_kv order); K is never expanded.
     Returns (B, H_q, T): how much attention each key position received from these queries.
     """
@@ -26,19 +34,37 @@ def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
     group = n_q_heads // n_kv_heads
     q = query.reshape(bsz, n_kv_heads, group, n_queries, head_dim)  # (B, H_kv, G, Q, D)
-    k = key.float()  # (B, H_kv, T, D)
+    k_t = key.float().transpose(-1, -2).unsqueeze(2)  # (B, H_kv, 1, D, T)
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
     chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, n_q_heads * n_keys))
     first_query_pos = n_keys - n_queries
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
         n_chunk = q_chunk.shape[3]
-        visible = first_query_pos + start + n_chunk  # keys after the chunk's last query are all masked: skip them
-        scores = torch.einsum("bhgcd,bhtd->bhgct", q_chunk, k[:, :, :visible]).mul_(scaling)  # (B, H_kv, G, C, t)
-        query_pos = first_query_pos + start + torch.arange(n_chunk, device=query.device)  # (C,)
-        future = torch.arange(visible, device=query.device)[None, :] > query_pos[:, None]  # (C, t) causal mask
-        scores.masked_fill_(future, float("-inf"))
+        # without a mask, keys after the chunk's last query are all masked: skip them
+        visible = n_keys if mask is not None else first_query_pos + start + n_chunk
+        scores = torch.matmul(q_chunk, k_t[..., :visible]).mul_(scaling)  # (B, H_kv, G, C, t)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        if mask is None:
+            query_pos = first_query_pos + start + torch.arange(n_chunk, device=query.device)  # (C,)
+            future = torch.arange(visible, device=query.device)[None, :] > query_pos[:, None]  # (C, t) causal mask
+            scores.masked_fill_(future, float("-inf"))
+        else:
+            _apply_mask(scores, mask[:, :, start : start + n_chunk], n_kv_heads, group)
         scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: no extra chunk-sized buffers
-        scores.div_(scores.sum(dim=-1, keepdim=True))
+        scores.div_(scores.sum(dim=-1, keepdim=True)).nan_to_num_(0.0)  # a fully masked row (padding) adds nothing
         out[..., :visible] += scores.sum(dim=3)  # (B, H_kv, G, t)
     return out.reshape(bsz, n_q_heads, n_keys)
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group: int) -> None:
+    """Mask scores (B, H_kv, G, C, T) in place with the model's mask rows (B|1, 1|H_q, C, T)."""
+    if mask.shape[1] == 1:
+        mask = mask.unsqueeze(1)  # (B|1, 1, 1, C, T)
+    else:
+        mask = mask.reshape(mask.shape[0], n_kv_heads, group, *mask.shape[2:])  # (B|1, H_kv, G, C, T)
+    if mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, float("-inf"))
+    else:
+        scores.add_(mask.float())

@@ -1,13 +1,15 @@
 """sdpa attention that can also record the statistics eviction methods need, without eager attention.
 
-Registered with transformers' `AttentionInterface` as "kvbench_sdpa". The attention output always comes from
-transformers' own sdpa function; only while a `StatsRecorder` is active (see `recording`) does this function also
-compute column sums of softmax(QKᵀ) from the post-RoPE Q and the layer's cached K, in chunks.
+Registered with transformers' `AttentionInterface` as "kvbench_stats". The attention output comes from transformers'
+own sdpa function (from the model's own eager function when the model soft-caps its logits, which sdpa cannot); only
+while a `StatsRecorder` is active (see `recording`) does this function also compute column sums of softmax(QKᵀ) from
+the post-RoPE Q and the layer's cached K, in chunks, under the same mask (sliding windows) and soft cap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +23,9 @@ from kvbench import KvbenchError
 from kvbench.kernels import attention_column_sums
 from kvbench.ragged import RaggedKV, ragged_attention
 
-ATTN_IMPLEMENTATION = "kvbench_sdpa"
+# not "…sdpa…": transformers refuses any implementation named so for models without sdpa support (Gemma-2, whose
+# soft-capped logits this function sends to the model's own eager attention)
+ATTN_IMPLEMENTATION = "kvbench_stats"
 
 
 @dataclass(frozen=True)
@@ -57,18 +61,22 @@ class StatsRecorder:
     # configuration only the statistics its own method asked for
     seconds: dict = field(default_factory=dict)
 
-    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
+               mask: torch.Tensor | None = None, softcap: float | None = None) -> None:
+        """query (B, H_q, Q, D), key (B, H_kv, T, D); mask: the model's (B|1, 1|H_q, Q, T) mask, None = causal."""
         n_queries = query.shape[2]
         for w in self.request.windows:
             with self._timed(w):
                 window_q = query[:, :, -min(w, n_queries) :]  # (B, H_q, W, D)
-                self.window.setdefault(w, {})[layer_idx] = attention_column_sums(window_q, key, scaling)
+                window_mask = None if mask is None else mask[:, :, -window_q.shape[2] :]  # (B|1, 1|H_q, W, T)
+                self.window.setdefault(w, {})[layer_idx] = attention_column_sums(window_q, key, scaling, window_mask,
+                                                                                 softcap)
         if self.request.all_queries:
             with self._timed("all"):
                 if self.request.windows and n_queries == 1:  # a single query: every window sees the same row
                     self.all_queries[layer_idx] = next(iter(self.window.values()))[layer_idx]
                 else:
-                    self.all_queries[layer_idx] = attention_column_sums(query, key, scaling)
+                    self.all_queries[layer_idx] = attention_column_sums(query, key, scaling, mask, softcap)
 
     def record_query_moments(self, module, query: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Accumulate Σq and Σqqᵀ of the pre-RoPE queries (the post-RoPE ones rotated back by their positions)."""
@@ -172,17 +180,29 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
         return ragged_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
     if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        recorder.record(module.layer_idx, query, key, scale)
+        mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]  # (B|1, 1|H_q, Q, T)
+        recorder.record(module.layer_idx, query, key, scale, mask, kwargs.get("softcap"))
         if recorder.request.query_moments:
             recorder.record_query_moments(module, query, kwargs.get("position_ids"))
+    model_code = sys.modules[type(module).__module__]  # the model's own modeling file
     if key.shape[1] == query.shape[1] != getattr(module.config, "num_key_value_heads", key.shape[1]):
         # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
         module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
+    if kwargs.get("softcap") is not None:  # sdpa cannot cap logits: the model's own eager attention (Gemma-2)
+        n_queries, n_keys = query.shape[2], key.shape[2]
+        if attention_mask is None:  # sdpa's mask functions leave plain causal masks to is_causal; eager needs one
+            positions = torch.arange(n_keys, device=query.device)
+            attention_mask = positions[None, :] <= positions[n_keys - n_queries :, None]  # (Q, T)
+        if attention_mask.dtype == torch.bool:  # eager adds its mask
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return model_code.eager_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
 def register() -> str:
-    """Make "kvbench_sdpa" usable as `attn_implementation` (attention and mask functions); idempotent."""
+    """Make "kvbench_stats" usable as `attn_implementation` (attention and mask functions); idempotent."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvbench_sdpa)

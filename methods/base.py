@@ -1,26 +1,40 @@
 """The method interface.
 
-A method is a small dataclass whose fields are its knobs (the keys of conf/method/<name>.yaml besides `name`).
-The engine drives it through a few hooks, each with a do-nothing default, so one file per method overrides only
-what the method changes:
+A method is a small dataclass whose fields are its knobs, with their defaults (conf/method/<name>.yaml repeats them
+for Hydra; tests/test_methods.py checks that the two agree for every registered method). Every module in methods/
+is imported by methods/__init__.py, so a new file with `@METHODS.register("name")` is all it takes. The engine
+drives a method through these hooks, each with a working default, so a method overrides only what it changes:
 
-- `bind(lm)`             see the loaded model (RoPE frequencies for position re-indexing)
-- `stats_request()`      attention statistics the prefill must record (observation window, all-query sums)
-- `prepare_model(model)` methods that change the model itself (head merging); they opt out of shared prefill
-- `new_cache(...)`       the cache object to prefill into (quantized caches); default DynamicCache
-- `keep_indices(...)`    per layer and KV head, which prompt positions to keep → physical eviction by `compress`
-- `decode_request()` / `on_decode_step(...)`   decode-time eviction (H2O, StreamingLLM)
-- `position(...)`        the RoPE position of the next token (absolute by default; StreamingLLM can roll)
-- `stream_bound(...)`    keep a streamed text's cache bounded (perplexity task)
+prefill and selection
+- `bind(lm)`                          see the loaded model (RoPE frequencies for position re-indexing)
+- `prepare_model(model)`              change the model itself (head merging); such methods opt out of shared prefill
+- `stats_request()`                   attention statistics the prefill must record (observation window, all queries)
+- `min_tokens()`                      the fewest kept tokens the method works with (its sinks/windows)
+- `layer_tokens(n_keep, L, T)`        tokens kept per layer (uniform; PyramidKV redistributes them)
+- `layer_keep_counts(T, L, budget)`   prompt tokens each layer keeps (the rule `compress` and the planner share)
+- `keep_indices(layer, K, stats, n)`  per layer and KV head, which prompt positions to keep
+- `compress(prefill_kv, stats, budget)`  the cache to decode from: `keep_indices` gathered per layer by default;
+                                      quantized caches build their own layers here
+decoding (methods/decode_eviction.py's DecodeEviction implements these once for H2O and StreamingLLM)
+- `reset()`                           forget per-example state
+- `decode_request()`                  statistics each decode forward must record
+- `on_extend(n)`                      n uncompressed tokens are appended (the question when query_aware=false)
+- `on_decode_step(cache, stats)`      after each decode forward: evict to stay at the budget
+- `evicts_while_decoding()`           whether on_decode_step evicts (compose checks its precision part can drop tokens)
+- `position(absolute, cache)`         the RoPE position of the next token (absolute by default; StreamingLLM can roll)
+- `stream_bound(cache, stats, budget, first)`  keep a streamed text's cache bounded (perplexity task)
+recording
+- `params()`                          the knobs as recorded in the `method_params` column
+- `lossless_params(lm)`               knobs under which the method must reproduce the full cache exactly (tested)
 """
 
 from __future__ import annotations
 
 import copy
-import functools
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import torch
 
@@ -186,22 +200,15 @@ class Method:
 
 
 def method_defaults(name: str) -> dict:
-    """The knobs of conf/method/<name>.yaml (without `name`), for methods built by name (grids, compose)."""
-    return copy.deepcopy(_method_defaults(name))
-
-
-@functools.cache  # summaries label every row with its variant: read each yaml once
-def _method_defaults(name: str) -> dict:
-    from omegaconf import OmegaConf
-
-    from kvbench import conf_dir
-
-    path = conf_dir() / "method" / f"{name}.yaml"
-    if not path.exists():
-        METHODS.get(name)  # unknown: the registry's message lists the valid names
-        return {}
-    defaults = cast(dict, OmegaConf.to_container(OmegaConf.load(path), resolve=True))  # a yaml mapping
-    return {k: v for k, v in defaults.items() if k != "name"}
+    """A registered method's knobs and their defaults (its dataclass fields), for methods built by name (grids,
+    compose); conf/method/<name>.yaml repeats them for Hydra (a test checks they agree)."""
+    defaults = {}
+    for knob in dataclasses.fields(METHODS.get(name)):
+        if knob.init and knob.default is not dataclasses.MISSING:
+            defaults[knob.name] = copy.deepcopy(knob.default)
+        elif knob.init and knob.default_factory is not dataclasses.MISSING:
+            defaults[knob.name] = knob.default_factory()
+    return defaults
 
 
 def build_method(name: str, params: dict | None = None) -> Method:

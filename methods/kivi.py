@@ -14,8 +14,14 @@ Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.cac
     value_packed (B, H_kv, T_v, D/G·W) int32,  value_scale, value_zero (B, H_kv, T_v, D/G);
   the newest min(T, R) values stay in  value_residual (B, H_kv, min(T, R), D).
 W = ceil(G·bits/32) int32 words per group (G·bits/32 when G·bits is a multiple of 32, as with the defaults).
-Cache position p (what `update` returns and `select` indexes) is the p-th token in time order for K and V alike,
-although their quantized/residual split points differ.
+Storage slot s is the s-th stored token in time order for K and V alike, although their quantized/residual split
+points differ. Cache position p (what `update` returns and `select` indexes) is the p-th *live* slot.
+
+Decode-time eviction on top of KIVI (compose with h2o / streamingllm) never re-quantizes: `select` marks slots dead
+(`live`, (B, H_kv, N) int32: each head's live slots, None when every stored slot is live) and frees storage that is
+dead in every head — whole key groups, full-precision residual tokens, quantized value tokens (one group each) —
+so every kept token has been quantized exactly once. A key group with a live member stays held in full, and its
+bytes are counted: kv_bytes reports what the cache physically holds.
 
 Decoding (`update`): new tokens join the residuals; attention gets dequantized ++ residual K/V, formed *before* the
 flush (KIVI attends to the block it is about to quantize in full precision); then keys flush their residual to
@@ -33,7 +39,6 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
-from kvbench.cache import gather_kv
 from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.methods.base import METHODS, Method
 
@@ -60,7 +65,7 @@ def check_config(bits: int, group_size: int, residual_length: int) -> None:
 class KiviLayer(DynamicLayer):
     """One decoder layer's KIVI cache (layout in the module docstring); `keys`/`values` stay None."""
 
-    is_croppable = False  # crop goes through select, which requantizes (lossy)
+    is_croppable = False  # crop goes through select
 
     def __init__(self, bits: int = 4, group_size: int = 64, residual_length: int = 64):
         super().__init__()
@@ -68,6 +73,7 @@ class KiviLayer(DynamicLayer):
         self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
         for name in _TENSORS:
             setattr(self, name, None)
+        self.live: torch.Tensor | None = None  # (B, H_kv, N) int32 live slots; None: every stored slot
 
     @classmethod
     def from_kv(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int,
@@ -137,44 +143,89 @@ class KiviLayer(DynamicLayer):
         return residual if quantized is None else torch.cat([quantized, residual], dim=2)  # (B, H_kv, T, D)
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every cached token as full-precision keys, values (B, H_kv, T, D): dequantized ++ residual (a copy)."""
+        """Every live token as full-precision keys, values (B, H_kv, N, D): dequantized ++ residual (a copy)."""
         keys, values = self._quantized_kv()
-        return self._join(keys, self.key_residual), self._join(values, self.value_residual)
+        return self._live(self._join(keys, self.key_residual)), self._live(self._join(values, self.value_residual))
+
+    def _live(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, H_kv, T_stored, D) at the live slots (B, H_kv, N, D)."""
+        if self.live is None:
+            return x
+        return x.gather(2, self.live.long().unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
 
     # ---- the transformers cache-layer protocol ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append key/value_states (B, H_kv, n, D); return all K/V (B, H_kv, T + n, D) for attention (not kept)."""
+        """Append key/value_states (B, H_kv, n, D); return all live K/V (B, H_kv, N + n, D) for attention (not kept)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.live is not None:  # the new tokens take the next storage slots
+            n_stored, n_new = self.n_stored(), key_states.shape[2]
+            new = torch.arange(n_stored, n_stored + n_new, device=self.live.device, dtype=self.live.dtype)
+            self.live = torch.cat([self.live, new.expand(*self.live.shape[:2], -1)], dim=-1)  # (B, H_kv, N + n)
         key_tail = torch.cat([self.key_residual, key_states], dim=2)  # (B, H_kv, r_k + n, D)
         value_tail = torch.cat([self.value_residual, value_states], dim=2)  # (B, H_kv, r_v + n, D)
         keys, values = self._quantized_kv()
         keys, values = self._join(keys, key_tail), self._join(values, value_tail)  # before the flush, as KIVI
         self._store(key_tail, value_tail)
-        return keys, values
+        return self._live(keys), self._live(values)
 
-    def get_seq_length(self) -> int:
+    def n_stored(self) -> int:
+        """Stored slots, live or dead."""
         if not self.is_initialized:
             return 0
         return self.key_scale.shape[-1] * self.group_size + self.key_residual.shape[2]
 
+    def get_seq_length(self) -> int:
+        return self.n_stored() if self.live is None else self.live.shape[-1]
+
     def reset(self) -> None:
         for name in _TENSORS:
             setattr(self, name, None)
+        self.live = None
         super().reset()
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only cache positions `index` (B, H_kv, N), sorted ascending (decode-time eviction on top of KIVI).
 
-        Dequantizes, gathers and requantizes by KIVI's prefill rules (the newest N mod R keys and min(N, R) values
-        stay full precision). Requantizing adds error where a key group's members change (eviction inside or before
-        it shifts later tokens across group boundaries) and where a residual token moves to quantized storage; value
-        groups are single tokens and unchanged key groups requantize to themselves up to dtype rounding. Repeated
-        per-step evictions early in the cache therefore re-round most key groups at every step.
+        Nothing is re-quantized: the dropped slots are marked dead, and storage dead in every head is freed.
         """
-        keys, values = gather_kv(*self.kv(), index)  # (B, H_kv, N, D) each
-        self.lazy_initialization(keys, values)
-        self._store(keys, values)
+        n_stored = self.n_stored()
+        live = self.live if self.live is not None else torch.arange(
+            n_stored, device=index.device, dtype=torch.int32).expand(*index.shape[:2], -1)  # (B, H_kv, N_before)
+        live = live.gather(-1, index)  # (B, H_kv, N)
+        used = torch.zeros(n_stored, dtype=torch.bool, device=index.device)
+        used[live.flatten().long()] = True  # (T_stored,): live in some head
+        free = self._freeable(~used)  # (T_stored,)
+        if free.any():
+            self._drop(free)
+            renumber = torch.cumsum(~free, 0, dtype=torch.int32) - 1  # old slot → new slot
+            live = renumber[live.long()]
+        n_stored = self.n_stored()
+        everything = live.shape[-1] == n_stored  # every stored slot live in every head (sorted, distinct)
+        self.live = None if everything else live
+
+    def _freeable(self, dead: torch.Tensor) -> torch.Tensor:
+        """Dead slots (T_stored,) whose key storage can go: in the residual, or in a key group dead as a whole."""
+        n_quantized = self.key_scale.shape[-1] * self.group_size
+        groups_dead = dead[:n_quantized].view(-1, self.group_size).all(-1)  # (T_q / G,)
+        return dead & torch.cat([groups_dead.repeat_interleave(self.group_size),
+                                 torch.ones(dead.numel() - n_quantized, dtype=torch.bool, device=dead.device)])
+
+    def _drop(self, free: torch.Tensor) -> None:
+        """Remove slots `free` (T_stored,) from every storage tensor (their key groups are free as a whole)."""
+        n_quantized, group = self.key_scale.shape[-1] * self.group_size, self.group_size
+        if n_quantized:
+            keep_groups = ~free[:n_quantized].view(-1, group)[:, 0]  # (T_q / G,)
+            bsz, heads, dim = self.key_scale.shape[:3]
+            packed = self.key_packed.view(bsz, heads, dim, keep_groups.numel(), -1)  # (B, H_kv, D, T_q/G, W)
+            self.key_packed = packed[:, :, :, keep_groups].reshape(bsz, heads, dim, -1)  # (B, H_kv, D, T_q'/G·W)
+            self.key_scale, self.key_zero = self.key_scale[..., keep_groups], self.key_zero[..., keep_groups]
+        self.key_residual = self.key_residual[:, :, ~free[n_quantized:]]  # (B, H_kv, r', D)
+        n_values = self.value_scale.shape[2]
+        keep_values = ~free[:n_values]  # (T_v,): one quantization group per token
+        self.value_packed = self.value_packed[:, :, keep_values]
+        self.value_scale, self.value_zero = self.value_scale[:, :, keep_values], self.value_zero[:, :, keep_values]
+        self.value_residual = self.value_residual[:, :, ~free[n_values:]]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest -tokens_to_remove tokens (transformers' convention: a negative count), via select."""
@@ -190,6 +241,8 @@ class KiviLayer(DynamicLayer):
         if self.is_initialized:
             for name in _TENSORS:
                 setattr(self, name, fn(getattr(self, name)))
+            if self.live is not None:
+                self.live = fn(self.live)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

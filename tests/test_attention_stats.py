@@ -42,3 +42,74 @@ def test_recorded_stats_match_the_models_eager_attention(tiny, prompt_ids):
     for layer, weights in enumerate(eager.attentions):  # (B, H_q, T, T)
         torch.testing.assert_close(stats.all_queries[layer], weights.sum(2), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(stats.window[8][layer], weights[:, :, -8:].sum(2), atol=1e-5, rtol=1e-5)
+
+
+def _direct_column_sums(query, key, scaling, allowed, softcap=None):
+    """softmax over the allowed (Q, T) keys, computed directly: the definition the chunked statistics must meet."""
+    group = query.shape[1] // key.shape[1]
+    scores = query.double() @ key.repeat_interleave(group, dim=1).double().transpose(-1, -2) * scaling  # (B, H, Q, T)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1).sum(2).float()  # (B, H_q, T)
+
+
+def test_column_sums_follow_a_sliding_window_mask_and_softcap(monkeypatch):
+    torch.manual_seed(0)
+    query, key = torch.randn(1, 6, 40, 8) * 3, torch.randn(1, 2, 40, 8) * 3
+    monkeypatch.setattr(attention_stats, "_MAX_CHUNK_ELEMENTS", 6 * 40 * 7)  # several chunks
+    q_pos, k_pos = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    window = (k_pos <= q_pos) & (q_pos - k_pos < 5)  # (Q, T): the last 5 positions, as transformers' sliding window
+    for softcap in (None, 2.0):
+        got = attention_column_sums(query, key, 0.5, window[None, None], softcap)
+        torch.testing.assert_close(got, _direct_column_sums(query, key, 0.5, window, softcap), atol=1e-5, rtol=1e-4)
+        assert float(got.max()) <= 5 + 1e-4  # each key is seen by at most 5 queries
+    additive = torch.zeros(40, 40).masked_fill(~window, float("-inf"))  # float masks add
+    torch.testing.assert_close(attention_column_sums(query, key, 0.5, additive[None, None]),
+                               _direct_column_sums(query, key, 0.5, window), atol=1e-5, rtol=1e-4)
+    capped = attention_column_sums(query, key, 0.5, None, 2.0)  # no mask: causal, capped
+    torch.testing.assert_close(capped, _direct_column_sums(query, key, 0.5, k_pos <= q_pos, 2.0), atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(capped, attention_column_sums(query, key, 0.5))
+
+
+def _tiny(config_cls, **extra):
+    from transformers import AutoModelForCausalLM
+
+    from kvbench.attention import register
+
+    torch.manual_seed(0)
+    config = config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=512, **extra)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation(register())
+    return model
+
+
+def _stats_and_eager(model, ids):
+    from kvbench.attention import register
+
+    with torch.no_grad(), recording(StatsRequest(windows=frozenset({8}), all_queries=True)) as stats:
+        ours = model(input_ids=ids, use_cache=True)
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            eager = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation(register())
+    return ours, stats, eager
+
+
+def test_sliding_window_and_softcapped_models_record_the_attention_they_compute():
+    from transformers import Gemma2Config, MistralConfig
+
+    ids = torch.randint(0, 320, (1, 48), generator=torch.Generator().manual_seed(0))
+    mistral = _tiny(MistralConfig, sliding_window=12)  # Mistral v0.1: a window on every layer
+    gemma2 = _tiny(Gemma2Config, sliding_window=12, attn_logit_softcapping=5.0, query_pre_attn_scalar=16)
+    for model in (mistral, gemma2):
+        ours, stats, eager = _stats_and_eager(model, ids)
+        torch.testing.assert_close(ours.logits, eager.logits, atol=1e-4, rtol=1e-4)
+        for layer, weights in enumerate(eager.attentions):  # (B, H_q, T, T), with the window and the cap
+            torch.testing.assert_close(stats.all_queries[layer], weights.sum(2), atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(stats.window[8][layer], weights[:, :, -8:].sum(2), atol=1e-5, rtol=1e-4)
+    # the window is real: the first key of a windowed layer is seen by its window of queries only
+    _, stats, _ = _stats_and_eager(mistral, ids)
+    assert float(stats.all_queries[0][..., 0].max()) <= 12

@@ -79,19 +79,38 @@ def test_h2o_online_scores_accumulate_decode_attention(tiny_engine, prompt_ids):
     method = build_method("h2o")
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
     tiny_engine.generate(prefill, method, Budget.parse(0.2), [], 5)
-    total = sum(s.sum() for s in method._scores) / len(method._scores)
+    total = sum(s.sum() for s in method._received.values()) / len(method._received)
     # each layer's scores sum to the attention mass of the surviving tokens: ≤ queries seen, > 0
     assert 0 < float(total) <= (len(prompt_ids) + 4) * 4
 
 
-def test_pyramidkv_layer_budgets_follow_the_paper():
-    method = PyramidKV(window_size=32, beta=20)
+def test_pyramidkv_kvcache_factory_schedule_follows_its_integer_arithmetic():
+    method = PyramidKV(window_size=32, beta=20, schedule="kvcache_factory")
     # C = 160 (128 selected + 32 window), 30 layers, 4K prompt: min 6, max 250, step 8
     budgets = method.layer_tokens(160, 30, 4096)
     assert budgets[0] == 250 + 32 and budgets[1] == 242 + 32 and budgets[-1] == 250 - 29 * 8 + 32
     assert all(a >= b for a, b in zip(budgets, budgets[1:]))
-    assert abs(sum(budgets) - 30 * 160) <= 30 * 8  # the same total up to the integer step
+    assert sum(method.layer_tokens(96, 32, 4096)) == 3536  # its floors overshoot a 3,072 budget by 15 %
     assert method.layer_tokens(160, 30, 200) == [160] * 30  # short prompt: uniform SnapKV
+
+
+@pytest.mark.parametrize("n_keep,n_layers,n_prompt", [(96, 32, 4096), (160, 30, 4096), (232, 30, 400),
+                                                      (41, 7, 1000), (300, 2, 5000)])
+def test_pyramidkv_default_schedule_keeps_exactly_the_budget(n_keep, n_layers, n_prompt):
+    budgets = PyramidKV(window_size=32, beta=20).layer_tokens(n_keep, n_layers, n_prompt)
+    assert sum(budgets) == n_keep * n_layers
+    assert all(a >= b for a, b in zip(budgets, budgets[1:])) and budgets[0] > budgets[-1]
+    assert 32 <= min(budgets) and max(budgets) <= n_prompt  # every layer keeps its window, none beyond the prompt
+
+
+def test_pyramidkv_measured_kept_tokens_equal_the_budget(tiny, tiny_engine, prompt_ids):
+    method = build_method("pyramidkv", {"window_size": 16})
+    prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
+    for budget in (100, 0.25):
+        cache = method.compress(prefill.kv, prefill.stats, Budget.parse(budget))
+        kept = [layer.keys.shape[2] for layer in cache.layers]
+        assert len(set(kept)) > 1  # a pyramid, not uniform
+        assert sum(kept) == Budget.parse(budget).tokens(len(prompt_ids)) * tiny.n_layers
 
 
 def test_random_is_seeded(tiny_engine, prompt_ids):
@@ -111,7 +130,7 @@ def test_rolling_positions_equal_keys_computed_at_the_new_positions(tiny, tiny_e
     # layer 0's keys depend only on the token and its position: recompute them at positions 0..99
     with torch.no_grad():
         fresh = tiny_engine.prefill(kept, StatsRequest())
-    torch.testing.assert_close(cache.layers[0].keys, fresh.kv[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.layers[0].rolled_keys(), fresh.kv[0][0], atol=1e-5, rtol=1e-5)
     assert method.position(len(prompt_ids), cache) == 100
     absolute = build_method("streamingllm")
     absolute.compress(prefill.kv, prefill.stats, Budget.parse(100))

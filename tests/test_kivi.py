@@ -101,7 +101,7 @@ def test_decode_flushes_keys_by_block_and_values_by_token():
             assert tensor.shape[2] <= 54 or name.endswith(("scale", "zero")), name
 
 
-def test_select_keeps_the_indexed_tokens_and_requantizes_by_the_rules():
+def test_select_marks_tokens_dead_and_frees_what_every_head_dropped():
     keys, values = _kv(45)
     index = torch.stack([torch.tensor([i for i in range(45) if i % 5]),  # head 0 drops every 5th token
                          torch.arange(9, 45)]).unsqueeze(0)  # head 1 drops the oldest 9; (B, H, 36)
@@ -113,15 +113,63 @@ def test_select_keeps_the_indexed_tokens_and_requantizes_by_the_rules():
     before = layer.kv()
     layer.select(index)
     assert layer.get_seq_length() == 36
-    assert (layer.key_scale.shape[-1] * 8, layer.key_residual.shape[2]) == (32, 4)  # 36 = 2 blocks of 16 + 4
-    assert (layer.value_scale.shape[2], layer.value_residual.shape[2]) == (20, 16)
+    # slots 0 and 5 are dead in both heads but their key group (0–7) is not: nothing freed, nothing re-quantized
+    assert layer.n_stored() == 45 and layer.live.shape == (1, 2, 36)
     got = layer.kv()
-    for g, b, w in zip(got, before, want):
-        kept = b.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16))
-        assert (g - w).abs().max() < 0.1 and (g - kept).abs().max() < 0.1  # 8-bit steps, requantized
-    assert torch.equal(got[0][:, :, -4:], keys[:, :, -4:])  # newest keys were and stay full precision
-    assert torch.allclose(got[1][:, :, :20], before[1].gather(2, index[..., :20, None].expand(-1, -1, -1, 16)),
-                          atol=1e-5)  # values: one group per token, requantizing a kept one changes nothing
+    for g, b in zip(got, before):
+        assert torch.equal(g, b.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16)))  # bit for bit the same
+    layer.select(torch.arange(8, 36).expand(1, 2, -1))  # both heads drop their 8 oldest: slots 0–7 empty everywhere
+    assert layer.n_stored() == 45 - 8 and layer.get_seq_length() == 28  # key group 0–7 freed
+    survivors = index[..., 8:].unsqueeze(-1).expand(-1, -1, -1, 16)  # (B, H, 28, D)
+    for g, b in zip(layer.kv(), before):
+        assert torch.equal(g, b.gather(2, survivors))  # the survivors' stored values are untouched
+
+
+def _h2o_or_streaming_on_kivi(eviction, n_prompt, steps, budget, monkeypatch):
+    """Drive compose(eviction + kivi) like the engine on random K/V; return the layer and the exact kept K/V."""
+    from kvbench.attention import recording
+    from kvbench.methods import Budget
+
+    torch.manual_seed(0)
+    keys, values = _kv(n_prompt + steps)  # (1, 2, T, 16): every token's exact key/value
+    method = build_method("compose", {"stack": [eviction, "kivi"],
+                                      "overrides": {"kivi": {"bits": 4, "group_size": 8, "residual_length": 16}}})
+    with recording(method.stats_request()) as stats:
+        stats.record(0, torch.randn(1, 4, n_prompt, 16), keys[:, :, :n_prompt], 0.25)
+    evicted = method._eviction.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, Budget.parse(budget))
+    truth = [evicted.layers[0].keys, evicted.layers[0].values]  # (1, 2, budget, 16) exact
+    cache = method._precision.compress([tuple(truth)], None, None)  # what compose.compress does
+    layer = cache.layers[0]
+    selected = []
+    real_select = KiviLayer.select
+    monkeypatch.setattr(KiviLayer, "select", lambda self, index: selected.append(index) or real_select(self, index))
+    for t in range(n_prompt, n_prompt + steps):
+        with recording(method.decode_request()) as stats:
+            k, _ = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            truth = [torch.cat([x, src[:, :, t : t + 1]], 2) for x, src in zip(truth, (keys, values))]
+            if stats.request:
+                stats.record(0, torch.randn(1, 4, 1, 16), k, 0.25)
+        method.on_decode_step(cache, stats)
+        if selected:
+            index = selected.pop().unsqueeze(-1).expand(-1, -1, -1, 16)
+            truth = [x.gather(2, index) for x in truth]
+    return layer, truth
+
+
+def _relative_error(got, want):
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("eviction", ["h2o", "streamingllm"])
+def test_decode_eviction_on_kivi_never_requantizes(eviction, monkeypatch):
+    layer, truth = _h2o_or_streaming_on_kivi(eviction, 96, 200, 48, monkeypatch)
+    assert layer.get_seq_length() == 48
+    once = KiviLayer.from_kv(*truth, bits=4, group_size=8, residual_length=16)  # these tokens quantized once
+    for got, single, want in zip(layer.kv(), once.kv(), truth):
+        # every kept token was quantized exactly once: the error is a single quantization's, not 2–6× it
+        assert _relative_error(got, want) <= 1.3 * _relative_error(single, want) + 1e-6
+    if eviction == "streamingllm":  # every head drops the same tokens: their groups are freed as they empty
+        assert layer.n_stored() <= 48 + 2 * 8
 
 
 def test_bits16_is_the_full_cache(tiny_engine, prompt_ids):

@@ -92,3 +92,33 @@ def test_unknown_method_and_parameter_list_valid_ones():
         build_method("nope")
     with pytest.raises(KvbenchError, match="valid parameters: evict_during_decode, positions, start_size"):
         build_method("streamingllm", {"window": 3})
+
+
+def test_every_registered_method_has_a_yaml_that_repeats_its_defaults():
+    """One source of defaults: the dataclass; conf/method/<name>.yaml (what Hydra reads) must agree with it."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+    from kvbench.methods import METHODS, method_defaults
+
+    for name in METHODS.names():
+        path = conf_dir() / "method" / f"{name}.yaml"
+        assert path.exists(), f"{name} has no conf/method/{name}.yaml"
+        yaml = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        assert yaml.pop("name") == name
+        assert yaml == method_defaults(name), f"conf/method/{name}.yaml disagrees with its dataclass"
+
+
+def test_method_modules_are_discovered():
+    """methods/__init__.py names no method module: every module in the package is imported and registers itself."""
+    import pkgutil
+    import re
+    from pathlib import Path
+
+    import kvbench.methods as package
+
+    modules = {m.name for m in pkgutil.iter_modules(package.__path__)} - {"base"}
+    source = Path(package.__file__).read_text()
+    assert not [m for m in modules if re.search(rf"\b{m}\b", source)]
+    registered = {package.METHODS.get(n).__module__.rsplit(".", 1)[1] for n in package.METHODS.names()}
+    assert registered <= modules and {"h2o", "streamingllm", "compose", "kivi"} <= registered

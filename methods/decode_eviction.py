@@ -1,0 +1,82 @@
+"""Decode-time eviction, shared by H2O and StreamingLLM: hold every layer at its size while generating.
+
+Prefill selection (`keep_indices`, `layer_tokens`) decides what the compressed prompt keeps; this part decides
+what the cache holds afterwards, so a method that evicts while decoding writes only its policy, `decode_keep`
+(which of a layer's tokens to keep once it is over its size), and, when it tracks state, `start_decoding`.
+
+Each layer's size after `compress` is what it kept — or the budget itself when an absolute budget is at least the
+prompt: nothing is evicted at prefill and decoding evicts once the cache reaches the budget, as the originals hold
+their cache at the budget. Budget 1.0 (and no budget) never evicts: the full cache, exactly. Tokens appended
+uncompressed after compression (`on_extend`, the question when query_aware=false) grow the sizes. Streaming
+(`stream_bound`) compresses the first chunk, then evicts like a decode step after each chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.attention import StatsRecorder
+from kvbench.cache import KV, cache_kv, layer_lengths, layer_select
+from kvbench.methods.base import Budget, Method
+
+
+class DecodeEviction(Method):
+    """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`)."""
+
+    def reset(self) -> None:
+        self._sizes: list[int] | None = None  # per layer; None: the cache is not held (budget 1.0)
+
+    def held_sizes(self) -> list[int] | None:
+        """Each layer's size while decoding, None when nothing is evicted (budget 1.0)."""
+        return self._sizes
+
+    def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
+        cache = super().compress(prefill_kv, stats, budget)  # resets, then keep_indices per layer
+        kept, prompt = layer_lengths(cache), [keys.shape[2] for keys, _ in prefill_kv]
+        if kept != prompt:
+            self._sizes = kept
+        elif budget is None or not self.has_budget or budget.value == 1.0:
+            self._sizes = None
+        elif budget.is_tokens:  # an absolute budget ≥ the prompt: hold the cache at the budget itself
+            self._sizes = [int(budget.value)] * len(kept)
+        else:  # a fraction that rounds to the whole (short) prompt: hold it there
+            self._sizes = kept
+        if self._sizes is not None:
+            cache = self.start_decoding(cache, prefill_kv, stats)
+        return cache
+
+    def start_decoding(self, cache, prefill_kv: list[KV], stats: StatsRecorder):
+        """Called once after compression when the cache will be held; returns the cache to decode from."""
+        return cache
+
+    def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor | None:
+        """Positions (B, H_kv, size) of `layer` to keep, sorted ascending; None to keep every token."""
+        raise NotImplementedError
+
+    def evicts_while_decoding(self) -> bool:
+        return True
+
+    def decode_request(self):
+        return self.stats_request() if self._sizes is not None else super().decode_request()
+
+    def on_extend(self, n_tokens: int) -> None:
+        if self._sizes is not None:
+            self._sizes = [size + n_tokens for size in self._sizes]
+
+    def on_decode_step(self, cache, stats: StatsRecorder) -> None:
+        if self._sizes is not None and self.evicts_while_decoding():
+            self._evict(cache, stats)
+
+    def _evict(self, cache, stats: StatsRecorder) -> None:
+        for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
+            index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
+            if index is not None:
+                layer_select(layer, index)
+
+    def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
+        """Streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step."""
+        if first:
+            return self.compress(cache_kv(cache), stats, budget)
+        if self._sizes is not None:
+            self._evict(cache, stats)
+        return cache
