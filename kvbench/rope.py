@@ -12,6 +12,8 @@ every key the attention sees is one fp32 rotation away from the model's own key,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -37,6 +39,13 @@ def inv_freq_of(model) -> torch.Tensor:
     raise ValueError(f"{type(model).__name__} has no rotary embedding with inv_freq")
 
 
+@dataclass(frozen=True)
+class Rope:
+    """The model's RoPE inverse frequencies, held outside the layer's tensors: not KV memory (cache_nbytes)."""
+
+    inv_freq: torch.Tensor
+
+
 class RollingLayer(DynamicLayer):
     """A cache layer whose attention sees slot t's key rotated to position t (rolling positions).
 
@@ -50,13 +59,13 @@ class RollingLayer(DynamicLayer):
         super().__init__()
         self.lazy_initialization(keys, values)
         self.keys, self.values = keys, values
-        self.rotated_at = rotated_at.to(device=keys.device, dtype=torch.int32)  # (T,)
-        self.inv_freq = inv_freq.to(keys.device)
+        self.rotated_at = rotated_at.to(device=keys.device, dtype=torch.int32)  # (T,): held, so counted in kv_bytes
+        self.rope = Rope(inv_freq.to(keys.device))
 
     def rolled_keys(self) -> torch.Tensor:
         """The keys as attention sees them: slot t rotated to position t, (B, H_kv, T, D)."""
         slots = torch.arange(self.keys.shape[2], device=self.keys.device)  # (T,)
-        return rerotate(self.keys, slots - self.rotated_at, self.inv_freq)
+        return rerotate(self.keys, slots - self.rotated_at, self.rope.inv_freq)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append key/value_states (B, H_kv, n, D), rotated by the model at the next n slots; return rolled K/V."""

@@ -23,7 +23,7 @@ FAMILY_ORDER = ("structure", "eviction", "precision")
 @dataclass
 class Compose(Method):
     stack: list[str] = field(default_factory=lambda: ["snapkv", "kivi"])
-    overrides: dict | None = field(default_factory=dict)  # per-part parameters: {kivi: {bits: 2}}
+    overrides: dict | None = None  # per-part parameters: {kivi: {bits: 2}}; None: each part's defaults
 
     family = "composite"
 

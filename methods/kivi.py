@@ -18,8 +18,8 @@ Storage slot s is the s-th stored token in time order for K and V alike, althoug
 points differ. Cache position p (what `update` returns and `select` indexes) is the p-th *live* slot.
 
 Decode-time eviction on top of KIVI (compose with h2o / streamingllm) never re-quantizes: `select` marks slots dead
-(`live`, (B, H_kv, N) int32: each head's live slots, None when every stored slot is live) and frees storage that is
-dead in every head — whole key groups, full-precision residual tokens, quantized value tokens (one group each) —
+(`dead`, (B, H_kv, n_dead) int32: each head's dead slots — every head holds as many — None when none) and frees
+storage that is dead in every head — whole key groups, full-precision residual tokens, quantized value tokens (one group each) —
 so every kept token has been quantized exactly once. A key group with a live member stays held in full, and its
 bytes are counted: kv_bytes reports what the cache physically holds.
 
@@ -73,7 +73,7 @@ class KiviLayer(DynamicLayer):
         self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
         for name in _TENSORS:
             setattr(self, name, None)
-        self.live: torch.Tensor | None = None  # (B, H_kv, N) int32 live slots; None: every stored slot
+        self.dead: torch.Tensor | None = None  # (B, H_kv, n_dead) int32 slots evicted but still stored; None: none
 
     @classmethod
     def from_kv(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int,
@@ -149,19 +149,33 @@ class KiviLayer(DynamicLayer):
 
     def _live(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, H_kv, T_stored, D) at the live slots (B, H_kv, N, D)."""
-        if self.live is None:
+        if self.dead is None:
             return x
-        return x.gather(2, self.live.long().unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+        return x.gather(2, self.live_slots().unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))
+
+    def live_slots(self) -> torch.Tensor:
+        """Each head's live storage slots, ascending: (B, H_kv, N) int64."""
+        bsz, heads, n_stored = *self.key_residual.shape[:2], self.n_stored()
+        if self.dead is None:
+            return torch.arange(n_stored, device=self.device).expand(bsz, heads, n_stored)
+        alive = torch.ones(bsz, heads, n_stored, dtype=torch.bool, device=self.device)
+        alive.scatter_(-1, self.dead.long(), False)  # (B, H_kv, T_stored)
+        return alive.nonzero()[:, 2].view(bsz, heads, -1)  # row-major: ascending within each head
+
+    @staticmethod
+    def _dead_of(live: torch.Tensor, n_stored: int) -> torch.Tensor | None:
+        """The complement of live slots (B, H_kv, N) among n_stored: (B, H_kv, n_stored − N) int32, None if empty."""
+        if live.shape[-1] == n_stored:
+            return None
+        alive = torch.zeros(*live.shape[:2], n_stored, dtype=torch.bool, device=live.device)
+        alive.scatter_(-1, live.long(), True)
+        return (~alive).nonzero()[:, 2].view(*live.shape[:2], -1).to(torch.int32)
 
     # ---- the transformers cache-layer protocol ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append key/value_states (B, H_kv, n, D); return all live K/V (B, H_kv, N + n, D) for attention (not kept)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.live is not None:  # the new tokens take the next storage slots
-            n_stored, n_new = self.n_stored(), key_states.shape[2]
-            new = torch.arange(n_stored, n_stored + n_new, device=self.live.device, dtype=self.live.dtype)
-            self.live = torch.cat([self.live, new.expand(*self.live.shape[:2], -1)], dim=-1)  # (B, H_kv, N + n)
         key_tail = torch.cat([self.key_residual, key_states], dim=2)  # (B, H_kv, r_k + n, D)
         value_tail = torch.cat([self.value_residual, value_states], dim=2)  # (B, H_kv, r_v + n, D)
         keys, values = self._quantized_kv()
@@ -176,12 +190,12 @@ class KiviLayer(DynamicLayer):
         return self.key_scale.shape[-1] * self.group_size + self.key_residual.shape[2]
 
     def get_seq_length(self) -> int:
-        return self.n_stored() if self.live is None else self.live.shape[-1]
+        return self.n_stored() - (0 if self.dead is None else self.dead.shape[-1])
 
     def reset(self) -> None:
         for name in _TENSORS:
             setattr(self, name, None)
-        self.live = None
+        self.dead = None
         super().reset()
 
     def select(self, index: torch.Tensor) -> None:
@@ -190,19 +204,15 @@ class KiviLayer(DynamicLayer):
         Nothing is re-quantized: the dropped slots are marked dead, and storage dead in every head is freed.
         """
         n_stored = self.n_stored()
-        live = self.live if self.live is not None else torch.arange(
-            n_stored, device=index.device, dtype=torch.int32).expand(*index.shape[:2], -1)  # (B, H_kv, N_before)
-        live = live.gather(-1, index)  # (B, H_kv, N)
-        used = torch.zeros(n_stored, dtype=torch.bool, device=index.device)
-        used[live.flatten().long()] = True  # (T_stored,): live in some head
+        live = self.live_slots().gather(-1, index.to(self.device))  # (B, H_kv, N) storage slots
+        used = torch.zeros(n_stored, dtype=torch.bool, device=self.device)
+        used[live.flatten()] = True  # (T_stored,): live in some head
         free = self._freeable(~used)  # (T_stored,)
         if free.any():
             self._drop(free)
-            renumber = torch.cumsum(~free, 0, dtype=torch.int32) - 1  # old slot → new slot
-            live = renumber[live.long()]
-        n_stored = self.n_stored()
-        everything = live.shape[-1] == n_stored  # every stored slot live in every head (sorted, distinct)
-        self.live = None if everything else live
+            renumber = torch.cumsum(~free, 0) - 1  # old slot → new slot
+            live = renumber[live]
+        self.dead = self._dead_of(live, self.n_stored())
 
     def _freeable(self, dead: torch.Tensor) -> torch.Tensor:
         """Dead slots (T_stored,) whose key storage can go: in the residual, or in a key group dead as a whole."""
@@ -241,8 +251,8 @@ class KiviLayer(DynamicLayer):
         if self.is_initialized:
             for name in _TENSORS:
                 setattr(self, name, fn(getattr(self, name)))
-            if self.live is not None:
-                self.live = fn(self.live)
+            if self.dead is not None:
+                self.dead = fn(self.dead)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))

@@ -23,8 +23,9 @@ def test_composed_ratio_is_about_the_product(tiny_engine, prompt_ids, stack, par
     for name, params, budget in parts:
         product *= _run(tiny_engine, prompt_ids, name, params, budget).kv_ratio
     # not exactly the product: KIVI's full-precision residual is a fixed number of tokens, a larger share of
-    # an evicted cache (here 16 of ~135 tokens) than of the full one
-    assert composed.kv_ratio == pytest.approx(product, rel=0.25)
+    # an evicted cache (here 16 of ~135 tokens) than of the full one; and H2O's decode-time evictions inside a
+    # quantized key group stay stored (dead) until the whole group is evicted, since KIVI never re-quantizes
+    assert composed.kv_ratio == pytest.approx(product, rel=0.3)
     assert composed.kv_ratio < min(_run(tiny_engine, prompt_ids, n, p, b).kv_ratio for n, p, b in parts)
 
 

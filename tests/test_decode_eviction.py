@@ -1,4 +1,4 @@
-"""Decode-time eviction (methods/decoding.py) shared by H2O and StreamingLLM: sizes held, positions drift-free."""
+"""Decode-time eviction (methods/decode_eviction.py) shared by H2O and StreamingLLM: sizes held, positions drift-free."""
 
 import pytest
 import torch

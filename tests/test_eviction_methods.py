@@ -140,7 +140,8 @@ def test_rolling_positions_equal_keys_computed_at_the_new_positions(tiny, tiny_e
 def test_rolling_decode_keeps_generating(tiny_engine, prompt_ids):
     gen = tiny_engine.run(build_method("streamingllm", {"positions": "rolling"}), Budget.parse(64), prompt_ids,
                           max_new_tokens=6)
-    assert gen.decode_steps == 5 and gen.kv_bytes == 2 * 4 * 2 * 16 * 64 * 4
+    # K/V at 64 tokens + each slot's int32 rotation position (shared by the heads), per layer
+    assert gen.decode_steps == 5 and gen.kv_bytes == 4 * (2 * 2 * 16 * 64 * 4 + 64 * 4)
 
 
 @pytest.mark.parametrize("name,params,budget,match", [

@@ -114,7 +114,7 @@ def test_select_marks_tokens_dead_and_frees_what_every_head_dropped():
     layer.select(index)
     assert layer.get_seq_length() == 36
     # slots 0 and 5 are dead in both heads but their key group (0–7) is not: nothing freed, nothing re-quantized
-    assert layer.n_stored() == 45 and layer.live.shape == (1, 2, 36)
+    assert layer.n_stored() == 45 and layer.dead.shape == (1, 2, 9)  # each head's 9 dead slots, still stored
     got = layer.kv()
     for g, b in zip(got, before):
         assert torch.equal(g, b.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16)))  # bit for bit the same
