@@ -49,6 +49,7 @@ class Prediction:
     kv_bytes: int  # the whole batch
     exact: bool  # False: an estimate within OPAQUE_TOLERANCE (a backend whose internals are opaque)
     layer_tokens: tuple[int, ...]  # tokens each layer holds at the end
+    bound: bool = False  # True: an upper bound (decode-time eviction on KIVI keeps dead tokens of live key groups)
 
 
 def kivi_layer_bytes(shape: KVShape, tokens: int, bits: int, group_size: int, residual_length: int,
@@ -119,12 +120,20 @@ def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appende
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
     tokens = decoded_layer_tokens(eviction, counts, evicted, appended_tokens, decoded_tokens)
-    exact = True
+    stays = evicted and eviction.evicts_while_decoding()  # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
+    exact, bound = True, False
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
     elif precision.name == "kivi":
         total = sum(kivi_layer_bytes(shape, t, precision.bits, precision.group_size, precision.residual_length, batch)
                     for t in tokens)
+        if stays and decoded_tokens:
+            # each decode step evicts ≤ 1 token per head; KIVI never re-quantizes, so an evicted token stays stored
+            # until its key group empties (methods/kivi.py): ≤ t + decoded stored, residuals ≤ one block each
+            fp_block = 2 * batch * shape.n_kv_heads * precision.residual_length * shape.head_dim * shape.element_bytes
+            total = sum(kivi_layer_bytes(shape, t + decoded_tokens, precision.bits, precision.group_size,
+                                         precision.residual_length, batch) + fp_block for t in tokens)
+            exact, bound = False, True
     elif precision.name == "hf-quant" and precision.backend == "quanto":
         updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
         total = sum(quanto_layer_bytes(shape, t, updates, precision.nbits, precision.q_group_size,
@@ -133,4 +142,4 @@ def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appende
     else:
         raise KvbenchError(f"no byte accounting for {precision.name} "
                            f"{getattr(precision, 'backend', '')}; the planner supports kivi and hf-quant backend=quanto")
-    return Prediction(total, exact, tuple(tokens))
+    return Prediction(total, exact, tuple(tokens), bound)
