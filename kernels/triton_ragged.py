@@ -21,10 +21,28 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _ragged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr,
-        sq_b, sq_h, sq_d, so_b, so_h, so_d, sk_t, sk_d, sv_t, sv_d,
-        n_kv_heads, group, head_dim, qk_scale,
-        BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        starts_ptr,
+        lengths_ptr,
+        sq_b,
+        sq_h,
+        sq_d,
+        so_b,
+        so_h,
+        so_d,
+        sk_t,
+        sk_d,
+        sv_t,
+        sv_d,
+        n_kv_heads,
+        group,
+        head_dim,
+        qk_scale,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         segment, g = tl.program_id(0), tl.program_id(1)
         b, h = segment // n_kv_heads, segment % n_kv_heads
@@ -33,8 +51,9 @@ if TRITON_AVAILABLE:
         n_keys = tl.load(lengths_ptr + segment)
         offs_d = tl.arange(0, BLOCK_D)  # (BD,) padded to a power of two, masked beyond head_dim
         d_mask = offs_d < head_dim
-        q = tl.load(q_ptr + b.to(tl.int64) * sq_b + q_head.to(tl.int64) * sq_h + offs_d * sq_d, mask=d_mask,
-                    other=0.0).to(tl.float32)  # (BD,)
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * sq_b + q_head.to(tl.int64) * sq_h + offs_d * sq_d, mask=d_mask, other=0.0
+        ).to(tl.float32)  # (BD,)
         m = tl.max(tl.full((BLOCK_K,), float("-inf"), tl.float32), axis=0)  # running max (log2 units)
         denom = tl.sum(tl.zeros((BLOCK_K,), tl.float32), axis=0)  # running Σ exp2(s − m)
         acc = tl.zeros((BLOCK_D,), tl.float32)  # running Σ p·v
@@ -54,12 +73,21 @@ if TRITON_AVAILABLE:
             denom = denom * alpha + tl.sum(p, axis=0)
             m = m_new
         out = acc / denom
-        tl.store(o_ptr + b.to(tl.int64) * so_b + q_head.to(tl.int64) * so_h + offs_d * so_d,
-                 out.to(o_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(
+            o_ptr + b.to(tl.int64) * so_b + q_head.to(tl.int64) * so_h + offs_d * so_d,
+            out.to(o_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
-def triton_ragged_decode(query: torch.Tensor, flat_keys: torch.Tensor, flat_values: torch.Tensor,
-                         lengths: list[int], n_kv_heads: int, scaling: float) -> torch.Tensor:
+def triton_ragged_decode(
+    query: torch.Tensor,
+    flat_keys: torch.Tensor,
+    flat_values: torch.Tensor,
+    lengths: list[int],
+    n_kv_heads: int,
+    scaling: float,
+) -> torch.Tensor:
     """query (B, H_q, D); flat keys/values (Σ T_s, D); lengths: B·H_kv ints → (B, H_q, D)."""
     _, n_q_heads, head_dim = query.shape  # (B, H_q, D)
     group = n_q_heads // n_kv_heads
@@ -68,9 +96,21 @@ def triton_ragged_decode(query: torch.Tensor, flat_keys: torch.Tensor, flat_valu
     out = torch.empty_like(query)  # (B, H_q, D)
     grid = (len(lengths), group)
     _ragged_decode_kernel[grid](
-        query, flat_keys, flat_values, out, starts, lengths_t,
-        *query.stride(), *out.stride(), *flat_keys.stride(), *flat_values.stride(),
-        n_kv_heads, group, head_dim, scaling * math.log2(math.e),
-        BLOCK_K=_BLOCK_K, BLOCK_D=triton.next_power_of_2(head_dim),
+        query,
+        flat_keys,
+        flat_values,
+        out,
+        starts,
+        lengths_t,
+        *query.stride(),
+        *out.stride(),
+        *flat_keys.stride(),
+        *flat_values.stride(),
+        n_kv_heads,
+        group,
+        head_dim,
+        scaling * math.log2(math.e),
+        BLOCK_K=_BLOCK_K,
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out

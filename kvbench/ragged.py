@@ -35,8 +35,7 @@ class RaggedLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, flat_keys: torch.Tensor, flat_values: torch.Tensor, lengths: list[int], bsz: int,
-                 n_heads: int):
+    def __init__(self, flat_keys: torch.Tensor, flat_values: torch.Tensor, lengths: list[int], bsz: int, n_heads: int):
         self.flat_keys, self.flat_values = flat_keys, flat_values  # (Σ T_bh, D) each
         self.lengths, self.bsz, self.n_heads = list(lengths), bsz, n_heads
         self.is_initialized = True
@@ -54,8 +53,10 @@ class RaggedLayer(CacheLayerMixin):
 
     @property
     def keys(self):
-        raise KvbenchError("this cache layer holds KV heads of different lengths (adakv) and no dense keys; "
-                           "use it with the engine's own decoding, not with dense-cache consumers (compose, ppl)")
+        raise KvbenchError(
+            "this cache layer holds KV heads of different lengths (adakv) and no dense keys; "
+            "use it with the engine's own decoding, not with dense-cache consumers (compose, ppl)"
+        )
 
     values = keys
 
@@ -72,8 +73,10 @@ class RaggedLayer(CacheLayerMixin):
         self.flat_keys = torch.cat([t for pair in zip(old_keys, new_keys) for t in pair])  # (Σ T_bh + B·H·Q, D)
         self.flat_values = torch.cat([t for pair in zip(old_values, new_values) for t in pair])
         self.lengths = [n + n_new for n in self.lengths]
-        return (RaggedKV(self.flat_keys, self.lengths, self.bsz, self.n_heads),
-                RaggedKV(self.flat_values, self.lengths, self.bsz, self.n_heads))
+        return (
+            RaggedKV(self.flat_keys, self.lengths, self.bsz, self.n_heads),
+            RaggedKV(self.flat_values, self.lengths, self.bsz, self.n_heads),
+        )
 
     def get_seq_length(self) -> int:
         return max(self.lengths)  # the longest head (masks are built for it; ragged attention needs none)
@@ -95,13 +98,18 @@ def ragged_attention(query: torch.Tensor, key: RaggedKV, value: RaggedKV, scalin
     import importlib.util
     import os
 
-    if (query.is_cuda and query.shape[2] == 1 and importlib.util.find_spec("triton")
-            and os.environ.get("KVBENCH_NO_TRITON") != "1"):
+    if (
+        query.is_cuda
+        and query.shape[2] == 1
+        and importlib.util.find_spec("triton")
+        and os.environ.get("KVBENCH_NO_TRITON") != "1"
+    ):
         from kvbench.kernels import triton_ragged
 
         if triton_ragged.TRITON_AVAILABLE:
-            out = triton_ragged.triton_ragged_decode(query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads,
-                                                     scaling)  # (B, H_q, D)
+            out = triton_ragged.triton_ragged_decode(
+                query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads, scaling
+            )  # (B, H_q, D)
             return out[:, None]  # (B, 1, H_q, D)
     return ragged_attention_reference(query, key, value, scaling)
 
@@ -118,8 +126,10 @@ def ragged_attention_reference(query: torch.Tensor, key: RaggedKV, value: Ragged
         q = query[b, h * group : (h + 1) * group]  # (G, Q, D)
         scores = torch.matmul(q.float(), k.float().T) * scaling  # (G, Q, T_bh)
         n_keys = k.shape[0]
-        future = torch.arange(n_keys, device=q.device)[None, :] > (n_keys - n_queries
-                                                                   + torch.arange(n_queries, device=q.device))[:, None]
+        future = (
+            torch.arange(n_keys, device=q.device)[None, :]
+            > (n_keys - n_queries + torch.arange(n_queries, device=q.device))[:, None]
+        )
         scores.masked_fill_(future, float("-inf"))  # (Q, T_bh) causal among the appended queries
         out[b, h * group : (h + 1) * group] = torch.matmul(scores.softmax(-1), v.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous()  # (B, Q, H_q, D)

@@ -39,8 +39,9 @@ class Decoding(Method):
     def __post_init__(self):
         check_choice("scorer", self.scorer, SCORERS)
         if self.compress_every < 1 or self.decode_budget < 1:
-            raise KvbenchError(f"decoding: compress_every={self.compress_every} and decode_budget="
-                               f"{self.decode_budget} must be ≥ 1")
+            raise KvbenchError(
+                f"decoding: compress_every={self.compress_every} and decode_budget={self.decode_budget} must be ≥ 1"
+            )
         self._scorer = build_method(self.scorer, method_defaults(self.scorer))
         self.reset()
 
@@ -100,10 +101,14 @@ class Decoding(Method):
         for skip, layer_moments in stats.moments.items():
             for layer_idx, step in layer_moments.items():
                 bsz, n_heads, head_dim = step.total.shape  # (B, H_q, D)
-                total = self._moments.setdefault(skip, {}).setdefault(layer_idx, QueryMoments.empty(
-                    bsz, n_heads, head_dim, step.inv_freq, step.rope_scaling))
-                total.count, total.total, total.outer = (total.count + step.count, total.total + step.total,
-                                                         total.outer + step.outer)
+                total = self._moments.setdefault(skip, {}).setdefault(
+                    layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, step.inv_freq, step.rope_scaling)
+                )
+                total.count, total.total, total.outer = (
+                    total.count + step.count,
+                    total.total + step.total,
+                    total.outer + step.outer,
+                )
 
     def _window_stats(self, cache) -> StatsRecorder:
         """The recent steps' statistics in the shape the scorer reads after prefill."""

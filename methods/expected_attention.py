@@ -34,8 +34,10 @@ class ExpectedAttention(ScoreEviction):
 
     def __post_init__(self):
         if self.n_future_positions < 1 or self.n_sink < 0:
-            raise KvbenchError(f"expected_attention: n_future_positions={self.n_future_positions} must be ≥ 1 and "
-                               f"n_sink={self.n_sink} ≥ 0")
+            raise KvbenchError(
+                f"expected_attention: n_future_positions={self.n_future_positions} must be ≥ 1 and "
+                f"n_sink={self.n_sink} ≥ 0"
+            )
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(query_moments=frozenset({self.n_sink}))
@@ -58,8 +60,10 @@ class ExpectedAttention(ScoreEviction):
     def scores(self, layer_idx, keys, values, stats):
         moments = stats.moments.get(self.n_sink, {}).get(layer_idx)
         if moments is None or moments.count == 0:
-            raise KvbenchError("expected_attention: the prefill recorded no query statistics (a prompt of at most "
-                               f"n_sink={self.n_sink} tokens, or a model whose attention does not report them)")
+            raise KvbenchError(
+                "expected_attention: the prefill recorded no query statistics (a prompt of at most "
+                f"n_sink={self.n_sink} tokens, or a model whose attention does not report them)"
+            )
         bsz, n_kv_heads, n_tokens, head_dim = keys.shape
         mean, cov = moments.mean_cov()  # (B, H_q, D), (B, H_q, D, D)
         rotation = self.average_rotation(n_tokens, moments.inv_freq, moments.rope_scaling)  # (D, D)

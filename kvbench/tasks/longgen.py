@@ -66,8 +66,11 @@ class LongGeneration(Task):
         key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
         value = str(rng.randint(10 ** (int(self.cfg.value_length) - 1), 10 ** int(self.cfg.value_length) - 1))
         messages = [
-            {"role": "user", "content": f"Remember this: the access code for the {key} vault is {value}. Now add "
-                                        f"and subtract step by step, and afterwards I will ask you for the code."},
+            {
+                "role": "user",
+                "content": f"Remember this: the access code for the {key} vault is {value}. Now add "
+                f"and subtract step by step, and afterwards I will ask you for the code.",
+            },
             {"role": "assistant", "content": self.MARK},
             {"role": "user", "content": f"What is the access code for the {key} vault?"},
         ]
