@@ -190,6 +190,12 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     workload.check(cfg)
     confs = configurations(cfg)
     if (cfg.get("launcher") or {}).get("name", "local") == "ray" and shard_of(cfg) is None:
+        from kvbench.tasks import TASKS
+
+        if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
+            raise KvbenchError("launcher=ray splits a run's examples across workers, which would split a workload's "
+                               "requests from their shared prefix; run prefix_cache / workload tasks with "
+                               "launcher=local (or one Hydra multirun job per workload)")
         from kvbench.launch_ray import run_ray  # the driver: shards go to Ray workers, each loads the model once
 
         return run_ray(cfg, output_dir)

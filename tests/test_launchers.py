@@ -151,3 +151,13 @@ def test_bad_launcher_settings_name_the_fix(override, fix):
 
     with pytest.raises(KvbenchError, match=fix.replace(".", r"\.")):
         check_config(compose_config("model=tiny-random", "launcher=ray", override))
+
+
+@pytest.mark.parametrize("extra", [["task=shared_doc"], ["prefix_cache=true"]])
+def test_ray_refuses_to_split_a_workload(tmp_path, extra):
+    from kvbench import KvbenchError
+    from kvbench.runner import run
+    from tests.conftest import compose_config
+
+    with pytest.raises(KvbenchError, match="launcher=local"):
+        run(compose_config("model=tiny-random", "device=cpu", "launcher=ray", f"results_dir={tmp_path}", *extra))
