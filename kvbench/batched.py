@@ -120,9 +120,7 @@ def generate_batch(engine: Engine, prefill: Prefill, method: Method, budget: Bud
 
     rows = []
     for row in range(n_rows):
-        text = tokenizer.decode([t for t in generated[row] if t not in engine.eos_ids], skip_special_tokens=True)
-        for s in stop:
-            text = text.split(s)[0] if s in text else text
+        text = engine.answer_text(generated[row], stop)
         context = prefill.n_tokens + len(suffixes[row] if suffixes else [])
         tokens_if_full = context + finish_steps[row]
         rows.append(BatchedGeneration(

@@ -51,7 +51,10 @@ class BatchedWork(ExampleWork):
             examples = [ex for ex, todo in group if c in todo]
             split = [ex.split(c.query_aware) for ex in examples]
             own = self.engine if c.method.shares_prefill else self.engine.prepared(c.method)
-            prefill = shared if c in everyone else prefill_batch(own, [p for p, _ in split], c.method.stats_request())
+            if shared is not None and c in everyone:  # (shared is set whenever `everyone` is non-empty)
+                prefill = shared
+            else:
+                prefill = prefill_batch(own, [p for p, _ in split], c.method.stats_request())
             first = examples[0]
             gens = generate_batch(own, prefill, c.method, c.budget, [s for _, s in split], first.max_new_tokens,
                                   first.stop)

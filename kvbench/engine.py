@@ -164,10 +164,7 @@ class Engine:
         synchronize(device)
         decode_s = time.perf_counter() - start
 
-        kept = [t for t in generated if t not in self.eos_ids]
-        text = cast(str, tokenizer.decode(kept, skip_special_tokens=True))  # one sequence → one string
-        for s in stop:
-            text = text.split(s)[0] if s in text else text
+        text = self.answer_text(generated, stop)
         lm = self.lm
         tokens_if_full = prefill.n_tokens + len(suffix_ids) + steps
         return Generation(
@@ -203,6 +200,14 @@ class Engine:
             method.on_decode_step(cache, stats)
             position += len(chunk)
         return torch.cat(outputs) if all_logits else outputs[-1][-1]
+
+    def answer_text(self, token_ids: list[int], stop: tuple[str, ...]) -> str:
+        """The generated ids as text: end-of-turn ids dropped, cut before the first stop string (each in turn)."""
+        kept = [t for t in token_ids if t not in self.eos_ids]
+        text = cast(str, self.lm.tokenizer.decode(kept, skip_special_tokens=True))  # one sequence → one string
+        for s in stop:
+            text = text.split(s)[0] if s in text else text
+        return text
 
     def prepared(self, method: Method) -> Engine:
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""

@@ -140,6 +140,8 @@ def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appende
                                        precision.residual_length, batch) for t in tokens)
         exact = False
     else:
-        raise KvbenchError(f"no byte accounting for {precision.name} "
-                           f"{getattr(precision, 'backend', '')}; the planner supports kivi and hf-quant backend=quanto")
+        raise KvbenchError(
+            f"no byte accounting for {precision.name} {getattr(precision, 'backend', '')}; "
+            "the planner supports kivi and hf-quant backend=quanto"
+        )
     return Prediction(total, exact, tuple(tokens), bound)
