@@ -140,20 +140,23 @@ class QueryMoments:
 
 def rope_of(module) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) of an attention module's model, from its family's rotary embedding class
-    built on the module's config (the attention call does not receive cos/sin); kept on the module."""
-    if not hasattr(module, "_kvbench_rope"):
+    built on the module's config (the attention call does not receive cos/sin); kept on the module per dtype."""
+    dtype = next(module.parameters()).dtype
+    cached = getattr(module, "_kvbench_rope", None)
+    if cached is None or cached[0] != dtype:
         import sys
 
         family = sys.modules[type(module).__module__]
-        rotary = [
-            cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)
-        ]
+        rotary = [cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)]
         if not rotary:
             raise KvbenchError(f"{type(module).__name__} has no rotary embedding class beside it; query moments "
                                f"(expected_attention) need a RoPE model")
         embedding = rotary[0](module.config)
-        module._kvbench_rope = (embedding.inv_freq.float(), float(getattr(embedding, "attention_scaling", 1.0)))
-    return module._kvbench_rope
+        # the model's own buffer was cast with its weights (model.to(bfloat16) rounds inv_freq, and RoPE then uses
+        # the rounded values): round the same way, or positions far from 0 rotate back by the wrong angle
+        inv_freq = embedding.inv_freq.to(dtype).float()
+        module._kvbench_rope = cached = (dtype, inv_freq, float(getattr(embedding, "attention_scaling", 1.0)))
+    return cached[1], cached[2]
 
 
 _active = threading.local()

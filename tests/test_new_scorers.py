@@ -156,3 +156,16 @@ def test_new_scorers_keep_exactly_the_budget_and_reproduce_the_full_cache_at_one
     assert [layer.keys.shape[2] for layer in cache.layers] == [135] * 4
     full = method.compress(prefill.kv, prefill.stats, Budget.parse(1.0))
     assert all(a.keys is k for a, (k, _) in zip(full.layers, prefill.kv))
+
+
+def test_query_moments_use_the_models_rounded_rope(tiny):
+    """A bf16 model's RoPE buffer is rounded with its weights; un-rotating with exact fp32 frequencies would be off
+    by position × rounding error (1.4 rad at position 1000 on the bundled model)."""
+    import copy
+
+    from kvbench.attention import rope_of
+    from kvbench.rope import inv_freq_of
+
+    model = copy.deepcopy(tiny.model).to(torch.bfloat16)
+    inv_freq, _ = rope_of(model.model.layers[0].self_attn)
+    assert torch.equal(inv_freq, inv_freq_of(model).float())
