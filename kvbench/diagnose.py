@@ -18,6 +18,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,13 +56,13 @@ class PositionTracker:
 
     def sync(self, layer_idx: int, layer) -> None:
         """Append the positions of tokens the layer gained since the last look (always at its end)."""
-        new = layer.get_seq_length() - (self.positions[layer_idx].shape[1] if self.positions[layer_idx] is not None
-                                         else 0)
-        if self.positions[layer_idx] is not None and new > 0:
+        positions = self.positions[layer_idx]  # (H_kv, N) or None: unknown
+        new = layer.get_seq_length() - (positions.shape[1] if positions is not None else 0)
+        if positions is not None and new > 0:
             start = self.appended[layer_idx]
-            added = torch.arange(start, start + new).expand(self.positions[layer_idx].shape[0], -1)  # (H_kv, new)
-            self.positions[layer_idx] = torch.cat([self.positions[layer_idx], added], dim=1)
-        self.appended[layer_idx] += max(new, 0) if self.positions[layer_idx] is not None else 0
+            added = torch.arange(start, start + new).expand(positions.shape[0], -1)  # (H_kv, new)
+            self.positions[layer_idx] = torch.cat([positions, added], dim=1)
+        self.appended[layer_idx] += max(new, 0) if positions is not None else 0
 
     def current(self, cache) -> list[torch.Tensor | None]:
         for i, layer in enumerate(cache.layers):
@@ -73,7 +74,7 @@ class PositionTracker:
         if i is None or self.positions[i] is None:
             return
         self.sync(i, layer)
-        self.positions[i] = self.positions[i].gather(1, index[0].cpu())  # (H_kv, N)
+        self.positions[i] = self.positions[i].gather(1, index[0].cpu())  # type: ignore[union-attr]  # (H_kv, N): checked
 
     @contextlib.contextmanager
     def observing(self):
@@ -206,10 +207,10 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
                         first_kept[layer][head] = "".join("1" if k else "0" for k in kept.tolist())
     n_steps = len(full.attention)
     nan = float("nan")
-    records = []
+    records: list[dict[str, Any]] = []
     for layer in range(n_layers):
         for head in range(n_kv_heads):
-            record = {"layer": layer, "kv_head": head}
+            record: dict[str, Any] = {"layer": layer, "kv_head": head}
             for k in names:
                 value = float(sums[k][layer, head * group : (head + 1) * group].mean()) / n_steps
                 record[k] = nan if layer in unknown or (k.startswith("evidence") and not has_evidence) else value
@@ -220,7 +221,7 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
         values = [r[key] for r in records if not math.isnan(r[key])]
         return sum(values) / len(values) if values else nan
 
-    columns = {
+    columns: dict[str, Any] = {
         "kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1_agreement": sum(top1) / len(top1),
         "first_divergence_step": float(diverged[0]) if diverged else nan, "diagnose_steps": len(kl),
         "kl_per_step": json.dumps([round(x, 6) for x in kl]), "top1_per_step": json.dumps(top1),
