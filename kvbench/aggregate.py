@@ -16,6 +16,7 @@ n and the tasks it covers (`tasks`), and must never be ranked against the compar
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
@@ -41,6 +42,17 @@ FULL = "full"
 
 
 # ----------------------------------------------------------------------------------------------- loading
+
+
+def add_results_argument(parser: argparse.ArgumentParser) -> None:
+    """The RESULTS_DIR... positional of every command that reads rows with `load_rows`."""
+    parser.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_DIR",
+        help="result store, run directory or Parquet file (several are merged)",
+    )
 
 
 def load_rows(paths: Iterable[str | Path]) -> pd.DataFrame:

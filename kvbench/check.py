@@ -17,7 +17,7 @@ import pandas as pd
 import yaml
 
 from kvbench import KvbenchError
-from kvbench.aggregate import common_examples, drop_vs_full, load_rows, with_full_scores
+from kvbench.aggregate import add_results_argument, common_examples, drop_vs_full, load_rows, with_full_scores
 
 TOP_KEYS = ["description", "thresholds"]
 ENTRY_KEYS = ["select", "min_score", "max_drop_vs_full", "min_examples"]
@@ -169,13 +169,7 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.check", description=__doc__.split("\n\n")[1])
-    parser.add_argument(
-        "results",
-        nargs="+",
-        type=Path,
-        metavar="RESULTS_DIR",
-        help="result store, run directory or Parquet file (several are merged)",
-    )
+    add_results_argument(parser)
     parser.add_argument("--thresholds", type=Path, required=True, metavar="FILE", help="thresholds YAML")
     try:
         args = parser.parse_args(argv)

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import KvbenchError
-from kvbench.aggregate import MATCH_KEYS, load_rows, lower_is_better, variant_label
+from kvbench.aggregate import MATCH_KEYS, add_results_argument, load_rows, lower_is_better, variant_label
 from kvbench.intervals import mean_interval
 from kvbench.tasks.facts import task_facts
 
@@ -189,7 +189,7 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.guide", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", type=Path, metavar="RESULTS_DIR")
+    add_results_argument(parser)
     parser.add_argument("--scenario", help="only this scenario tag (rows' `scenario` column)")
     parser.add_argument("--max-drop", type=float, default=0.05, help="largest acceptable loss vs full (metric units)")
     parser.add_argument("--max-kv-ratio", type=float, default=1.0, help="largest acceptable measured kv_ratio")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import KvbenchError
-from kvbench.aggregate import ALL, knees, load_rows, pareto, summarize, with_variants
+from kvbench.aggregate import ALL, add_results_argument, knees, load_rows, pareto, summarize, with_variants
 from kvbench.intervals import MIN_N
 from kvbench.report_page import Page
 from kvbench.report_sections import PLACES, build_sections
@@ -259,13 +259,7 @@ def _readable(paths: list[Path]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.split("\n\n")[1])
-    parser.add_argument(
-        "results",
-        nargs="+",
-        type=Path,
-        metavar="RESULTS_DIR",
-        help="result store, run directory or Parquet file (several are merged)",
-    )
+    add_results_argument(parser)
     parser.add_argument("--out", type=Path, help="output directory (default: RESULTS_DIR/report)")
     parser.add_argument(
         "--tolerance",
