@@ -212,20 +212,18 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
                 _summary_tables(page, subpart.sort_values(["subset", "method", "budget"]), subset=True)
                 page.close()
         page.close()
-    page.open("Knees per task")
-    for scope in scopes:
-        part = _part(knee, "task" if scope[1] != ALL else "overall", *scope)
-        if len(part):
-            page.heading(3, name(scope).capitalize())
-            page.table(part, knee_columns())
-    page.close()
-    page.open("Pareto frontiers per task (the points no other beats on both smaller kv_ratio and better score)")
-    for scope in scopes:
-        part = _part(frontier, "task" if scope[1] != ALL else "overall", *scope)
-        if len(part):
-            page.heading(3, name(scope).capitalize())
-            page.table(part, pareto_columns())
-    page.close()
+    for title, table, columns in (
+        ("Knees per task", knee, knee_columns()),
+        ("Pareto frontiers per task (the points no other beats on both smaller kv_ratio and better score)", frontier,
+         pareto_columns()),
+    ):
+        page.open(title)
+        for scope in scopes:
+            part = _part(table, "task" if scope[1] != ALL else "overall", *scope)
+            if len(part):
+                page.heading(3, name(scope).capitalize())
+                page.table(part, columns)
+        page.close()
     for section in extra["tables"]:
         _extra(page, section)
 

@@ -96,6 +96,17 @@ def _title(model: str, task: str, several_models: bool) -> str:
     return f"{scope} — {model}" if several_models else scope
 
 
+def _kv_ratio_axes(ax, points: pd.DataFrame, ylabel: str, title: str) -> None:
+    """Score against measured kv_ratio (quality and Pareto plots): labels, axes, grid, legend outside the plot."""
+    ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
+    ax.set_ylabel(ylabel)
+    _score_axis(ax, points)
+    ax.set_xlim(0, 1.05)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+
+
 def _score_axis(ax, points: pd.DataFrame) -> None:
     """Scores in [0, 1] on the whole [0, 1] axis: a zoomed axis makes a 0.67 look like a collapse."""
     if not points["lower_is_better"].any() and points["score"].between(0, 1).all():
@@ -136,13 +147,7 @@ def plot_quality(points: pd.DataFrame, path: Path, title: str, metric: str, colo
         few_any = few_any or len(few) > 0
     if few_any:
         ax.scatter([], [], facecolor="none", edgecolor="0.6", label=f"n < {MIN_N}: no interval")
-    ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
-    ax.set_ylabel(f"mean score ({metric}), 95 % interval")
-    _score_axis(ax, points)
-    ax.set_xlim(0, 1.05)
-    ax.set_title(f"Quality vs KV cache size: {title}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _kv_ratio_axes(ax, points, f"mean score ({metric}), 95 % interval", f"Quality vs KV cache size: {title}")
     return _save(fig, path)
 
 
@@ -223,13 +228,7 @@ def plot_pareto(
             zorder=4,
             label=f"knee (within {tolerance:g} of full)",
         )
-    ax.set_xlabel("KV cache held, fraction of the full cache (measured kv_ratio)")
-    ax.set_ylabel(f"mean score ({metric})")
-    _score_axis(ax, points)
-    ax.set_xlim(0, 1.05)
-    ax.set_title(f"Pareto frontier: {title}  (labels: budget)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    _kv_ratio_axes(ax, points, f"mean score ({metric})", f"Pareto frontier: {title}  (labels: budget)")
     return _save(fig, path)
 
 
