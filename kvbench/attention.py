@@ -147,7 +147,9 @@ def rope_of(module) -> tuple[torch.Tensor, float]:
         import sys
 
         family = sys.modules[type(module).__module__]
-        rotary = [cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)]
+        rotary = [
+            cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)
+        ]
         if not rotary:
             raise KvbenchError(f"{type(module).__name__} has no rotary embedding class beside it; query moments "
                                f"(expected_attention) need a RoPE model")

@@ -119,7 +119,7 @@ class PrefixCache:
         """Split `node` after its first `n_pages` pages; returns the new upper node."""
         p = self.page_size
         upper = Node(node.tokens[: n_pages * p], node.pages[:n_pages], node.parent, {}, node.last_use)
-        node.parent.children[upper.tokens[:p]] = upper
+        node.parent.children[upper.tokens[:p]] = upper  # type: ignore[union-attr]  # the root is never split
         node.tokens, node.pages, node.parent = node.tokens[n_pages * p :], node.pages[n_pages:], upper
         upper.children[node.tokens[:p]] = node
         return upper
@@ -199,8 +199,9 @@ class PrefixCache:
             if oldest_leaf is None and oldest_entry is None:
                 return  # everything left is in use
             if oldest_entry is None or (oldest_leaf is not None and oldest_leaf.last_use < oldest_entry[0]):
-                freed = sum(p.nbytes for p in oldest_leaf.pages)
-                del oldest_leaf.parent.children[oldest_leaf.tokens[: self.page_size]]
+                # (oldest_leaf is not None here: both None returned above)
+                freed = sum(p.nbytes for p in oldest_leaf.pages)  # type: ignore[union-attr]
+                del oldest_leaf.parent.children[oldest_leaf.tokens[: self.page_size]]  # type: ignore[union-attr]  # a leaf
             else:
                 freed = self.entries.pop(oldest_entry[1]).nbytes
             self.nbytes -= freed
@@ -244,6 +245,9 @@ class PagedLayer(DynamicLayer):
     """A cache layer over shared blocks plus a private tail: `shared_keys`/`shared_values` are tensors the prefix
     cache owns (views of pages, or a stored compressed cache), (B, H_kv, T_i, D) each; `keys`/`values` hold only
     this request's tokens after them."""
+
+    keys: torch.Tensor  # set at construction (DynamicLayer declares them Optional until lazy initialization)
+    values: torch.Tensor
 
     def __init__(self, shared: list[KV], tail_keys: torch.Tensor, tail_values: torch.Tensor):
         super().__init__()

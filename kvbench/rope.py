@@ -55,6 +55,9 @@ class RollingLayer(DynamicLayer):
     keys, values and positions — never re-rotating what is stored. Every KV head keeps the same positions.
     """
 
+    keys: torch.Tensor  # set at construction (DynamicLayer declares them Optional until lazy initialization)
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, rotated_at: torch.Tensor, inv_freq: torch.Tensor):
         super().__init__()
         self.lazy_initialization(keys, values)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -102,7 +103,8 @@ class Reused:
 
 def storages_of(cache) -> dict[int, int]:
     """data_ptr → nbytes of every storage a cache holds."""
-    out, seen = {}, set()
+    out: dict[int, int] = {}
+    seen: set[int] = set()
     for layer in cache.layers:
         for tensor in _tensors(vars(layer), seen):
             if tensor.numel():
@@ -132,7 +134,8 @@ class WorkloadRunner:
         from kvbench.runner import generation_rows
 
         prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
-        caches, used = [], {"reused": 0, "pages": []}
+        caches: list = []
+        used: dict[str, Any] = {"reused": 0, "pages": []}
 
         def prefill(ids, request):
             if self.store is None:
@@ -199,7 +202,7 @@ class WorkloadRunner:
             last_logits=entry.value.last_logits,
             seconds=time.perf_counter() - start,
             peak_mem_bytes=peak,
-            adopt=lambda cache: caches.append(cache) or cache,
+            adopt=lambda cache: caches.append(cache) or cache,  # type: ignore[func-returns-value]  # keep, pass on
             context_tokens=entry.value.n_tokens,
         )
         gen = engine.generate(prefill, Reused(entry.value), c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)

@@ -65,10 +65,10 @@ class DecodeEviction(Method):
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         if self._sizes is not None and self.evicts_while_decoding():
-            self._evict(cache, stats)
+            self._evict(cache, self._sizes, stats)
 
-    def _evict(self, cache, stats: StatsRecorder) -> None:
-        for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
+    def _evict(self, cache, sizes: list[int], stats: StatsRecorder) -> None:
+        for layer_idx, (layer, size) in enumerate(zip(cache.layers, sizes)):
             index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
             if index is not None:
                 layer_select(layer, index)
@@ -78,5 +78,5 @@ class DecodeEviction(Method):
         if first:
             return self.compress(cache_kv(cache), stats, budget)
         if self._sizes is not None:
-            self._evict(cache, stats)
+            self._evict(cache, self._sizes, stats)
         return cache

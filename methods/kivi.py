@@ -19,9 +19,9 @@ points differ. Cache position p (what `update` returns and `select` indexes) is 
 
 Decode-time eviction on top of KIVI (compose with h2o / streamingllm) never re-quantizes: `select` marks slots dead
 (`dead`, (B, H_kv, n_dead) int32: each head's dead slots — every head holds as many — None when none) and frees
-storage that is dead in every head — whole key groups, full-precision residual tokens, quantized value tokens (one group each) —
-so every kept token has been quantized exactly once. A key group with a live member stays held in full, and its
-bytes are counted: kv_bytes reports what the cache physically holds.
+storage that is dead in every head — whole key groups, full-precision residual tokens, quantized value tokens (one
+group each) — so every kept token has been quantized exactly once. A key group with a live member stays held in
+full, and its bytes are counted: kv_bytes reports what the cache physically holds.
 
 Decoding (`update`): new tokens join the residuals; attention gets dequantized ++ residual K/V, formed *before* the
 flush (KIVI attends to the block it is about to quantize in full precision); then keys flush their residual to
@@ -155,7 +155,8 @@ class KiviLayer(DynamicLayer):
 
     def live_slots(self) -> torch.Tensor:
         """Each head's live storage slots, ascending: (B, H_kv, N) int64."""
-        bsz, heads, n_stored = *self.key_residual.shape[:2], self.n_stored()
+        bsz, heads = self.key_residual.shape[:2]  # (B, H_kv, ...)
+        n_stored = self.n_stored()
         if self.dead is None:
             return torch.arange(n_stored, device=self.device).expand(bsz, heads, n_stored)
         alive = torch.ones(bsz, heads, n_stored, dtype=torch.bool, device=self.device)

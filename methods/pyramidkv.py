@@ -7,8 +7,8 @@ SnapKV, as KVCache-Factory's PyramidKVCluster does).
 
 `schedule=exact` (default) takes that float step, as kvpress does, and rounds the running total, so the layers keep
 exactly L·C tokens: the budget asked for. `schedule=kvcache_factory` is KVCache-Factory's integer arithmetic
-(min = (C − W) // β, step = (max − min) // (L − 1)), whose floors overshoot: for C = 96, W = 32, L = 32 at a 4K prompt it
-keeps 3,536 tokens against a 3,072 budget (+15 %).
+(min = (C − W) // β, step = (max − min) // (L − 1)), whose floors overshoot: for C = 96, W = 32, L = 32 at a 4K
+prompt it keeps 3,536 tokens against a 3,072 budget (+15 %).
 """
 
 from __future__ import annotations
