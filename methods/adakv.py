@@ -19,9 +19,8 @@ import torch
 from transformers import DynamicCache
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
-from kvbench.methods.base import METHODS, Method, build_method, method_defaults
-from kvbench.methods.scorer import SCORERS, head_scores
+from kvbench.methods.base import METHODS, build_method, method_defaults
+from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
 from kvbench.methods.scoring import check_choice
 from kvbench.ragged import RaggedLayer
 
@@ -43,7 +42,7 @@ def adaptive_keep(scores: torch.Tensor, n_keep: int, alpha_safeguard: float) -> 
 
 @METHODS.register("adakv")
 @dataclass
-class AdaKV(Method):
+class AdaKV(WrapsScorer):
     scorer: str = "snapkv"  # the per-head scores redistributed: snapkv | pyramidkv | tova | knorm | keydiff | ...
     alpha_safeguard: float = 0.2  # share of each head's uniform budget it keeps whatever the other heads score
 
@@ -56,18 +55,6 @@ class AdaKV(Method):
 
     def reset(self) -> None:
         self._keep: dict[int, torch.Tensor] = {}
-
-    def bind(self, lm) -> None:
-        self._scorer.bind(lm)
-
-    def stats_request(self) -> StatsRequest:
-        return self._scorer.stats_request()
-
-    def min_tokens(self) -> int:
-        return self._scorer.min_tokens()
-
-    def layer_tokens(self, n_keep, n_layers, n_prompt):
-        return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         """Records the layer's ragged choice; the dense gather the base class does with the returned (empty)

@@ -22,14 +22,14 @@ import torch
 from kvbench import KvbenchError
 from kvbench.attention import QueryMoments, StatsRecorder, StatsRequest
 from kvbench.cache import layer_select
-from kvbench.methods.base import METHODS, Method, build_method, method_defaults
-from kvbench.methods.scorer import SCORERS, head_scores
+from kvbench.methods.base import METHODS, build_method, method_defaults
+from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
 from kvbench.methods.scoring import check_choice, top_k_sorted
 
 
 @METHODS.register("decoding")
 @dataclass
-class Decoding(Method):
+class Decoding(WrapsScorer):
     scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
     compress_every: int = 64  # generated tokens between two compressions
     decode_budget: int = 256  # tokens per layer kept by each decode-time compression
@@ -51,19 +51,7 @@ class Decoding(Method):
         self._rows: dict[int, dict[int, list[torch.Tensor]]] = {}  # W → layer → recent (B, H_q, T_step) rows
         self._moments: dict[int, dict[int, QueryMoments]] = {}  # n_sink → layer → moments since last compression
 
-    # ---- prefill: the scorer's own compression ---------------------------------------------------------------
-    def bind(self, lm) -> None:
-        self._scorer.bind(lm)
-
-    def stats_request(self) -> StatsRequest:
-        return self._scorer.stats_request()
-
-    def min_tokens(self) -> int:
-        return self._scorer.min_tokens()
-
-    def layer_tokens(self, n_keep, n_layers, n_prompt):
-        return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
-
+    # ---- prefill: the scorer's own compression (bind, stats, token counts: WrapsScorer) -----------------------
     def compress(self, prefill_kv, stats, budget):
         self.reset()
         cache = self._scorer.compress(prefill_kv, stats, budget)

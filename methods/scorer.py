@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
+from kvbench.attention import StatsRequest
 from kvbench.methods.base import Method
 from kvbench.methods.scoring import top_k_sorted
 
@@ -48,6 +49,25 @@ def head_scores(method: Method, layer_idx: int, keys: torch.Tensor, values: torc
         window = prefix.new_full((*prefix.shape[:2], keys.shape[2] - prefix.shape[2]), float("inf"))  # (B, H_kv, W)
         return torch.cat([prefix, window], dim=-1)  # (B, H_kv, T)
     raise KvbenchError(f"{method.name} has no per-head scores; use a scorer: {', '.join(SCORERS)}")
+
+
+class WrapsScorer(Method):
+    """A method built around another scoring method, `_scorer` (AdaKV, decoding): binding, the statistics it
+    records and its token counts (minimum, per layer) are the scorer's."""
+
+    _scorer: Method  # built by the subclass's __post_init__ from its `scorer` field
+
+    def bind(self, lm) -> None:
+        self._scorer.bind(lm)
+
+    def stats_request(self) -> StatsRequest:
+        return self._scorer.stats_request()
+
+    def min_tokens(self) -> int:
+        return self._scorer.min_tokens()
+
+    def layer_tokens(self, n_keep, n_layers, n_prompt):
+        return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
 
 
 SCORERS = ("snapkv", "pyramidkv", "tova", "knorm", "keydiff", "expected_attention")
