@@ -39,6 +39,20 @@ def prompt_ids(tiny):
     return tiny.tokenizer("The quick brown fox jumps over the lazy dog. " * 12)["input_ids"]  # 540 tokens
 
 
+def eager_attentions(lm, ids: list[int]) -> tuple:
+    """Every layer's attention weights (B, H_q, T, T) from transformers' eager attention: the reference."""
+    import torch
+
+    from kvbench.attention import register
+
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return lm.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+    finally:
+        lm.model.set_attn_implementation(register())
+
+
 def run_interpreted(child_code: str, inputs, tmp: Path):
     """Run `child_code` (reads argv[1], writes argv[2] with torch.save) under TRITON_INTERPRET=1 in a child
     process: Triton picks interpreter or compiler when its functions are defined, so it cannot be switched

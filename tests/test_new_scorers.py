@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.attention import StatsRequest, recording, register
+from kvbench.attention import StatsRequest, recording
 from kvbench.methods import Budget, build_method
 from kvbench.methods.scorer import head_scores
+from tests.conftest import eager_attentions
 
 
 def _kept_rows(cache_keys, prefill_keys):
@@ -44,13 +45,7 @@ def test_keydiff_keeps_keys_least_similar_to_the_mean_direction(tiny_engine, pro
 
 
 def _eager_last_row(lm, ids):
-    lm.model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attentions = lm.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        lm.model.set_attn_implementation(register())
-    return [a[:, :, -1, :] for a in attentions]  # per layer (B, H_q, T)
+    return [a[:, :, -1, :] for a in eager_attentions(lm, ids)]  # per layer (B, H_q, T)
 
 
 def test_tova_keeps_the_last_querys_head_averaged_top_tokens(tiny, tiny_engine, prompt_ids):

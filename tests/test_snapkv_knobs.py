@@ -5,20 +5,16 @@ import torch
 import torch.nn.functional as F
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest, register
+from kvbench.attention import StatsRequest
 from kvbench.cache import cache_from_kv
 from kvbench.methods import Budget, build_method
 from kvbench.methods.snapkv import QueryHeadLayer
+from tests.conftest import eager_attentions
 
 
 def test_per_query_head_selection_matches_the_original(tiny, tiny_engine, prompt_ids):
     ids, window, kernel, n_keep = prompt_ids[:200], 16, 5, 60
-    tiny.model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attentions = tiny.model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
-    finally:
-        tiny.model.set_attn_implementation(register())
+    attentions = eager_attentions(tiny, ids)  # per layer (B, H_q, T, T)
     method = build_method("snapkv", {"window_size": window, "kernel_size": kernel, "aggregate": "none"})
     prefill = tiny_engine.prefill(ids, method.stats_request())
     cache = method.compress(prefill.kv, prefill.stats, Budget.parse(n_keep))
