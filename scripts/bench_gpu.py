@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from kvbench.attention import StatsRequest
 from kvbench import conf_dir
+from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
 from kvbench.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, build_method

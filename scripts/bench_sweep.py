@@ -15,8 +15,8 @@ import time
 
 from omegaconf import OmegaConf
 
-from kvbench.attention import StatsRequest
 from kvbench import conf_dir
+from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.models import load_model

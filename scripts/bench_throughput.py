@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from kvbench.batched import run_batch
 from kvbench.engine import Engine

@@ -3,8 +3,7 @@
 import torch
 
 from kvbench.attention import StatsRequest, recording
-from kvbench.kernels import attention_column_sums
-from kvbench.kernels import attention_stats
+from kvbench.kernels import attention_column_sums, attention_stats
 
 
 def _eager_column_sums(query, key, scaling):

@@ -79,8 +79,8 @@ def test_batches_group_equal_lengths():
 
 
 def test_runner_batch_size_rows_equal_batch_one(tmp_path):
-    from tests.conftest import compose_config, tiny_overrides
     from kvbench.runner import run
+    from tests.conftest import compose_config, tiny_overrides
 
     grid = ["grid.method=[snapkv,h2o]", "grid.budget=[0.25]", "task.context_lengths=[500]", "task.depths=[0.2,0.5,0.8]"]
     one = run(compose_config(*tiny_overrides(tmp_path, *grid)), tmp_path / "one")

@@ -12,14 +12,32 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.metrics import (LONGBENCH_METRICS, classification_score, code_sim_score, count_score, fuzz_ratio,
-                             normalize_answer, normalize_zh_answer, qa_f1_score, qa_f1_zh_score, retrieval_score,
-                             retrieval_zh_score, rouge_score, rouge_zh_score)
+from kvbench.metrics import (
+    LONGBENCH_METRICS,
+    classification_score,
+    code_sim_score,
+    count_score,
+    fuzz_ratio,
+    normalize_answer,
+    normalize_zh_answer,
+    qa_f1_score,
+    qa_f1_zh_score,
+    retrieval_score,
+    retrieval_zh_score,
+    rouge_score,
+    rouge_zh_score,
+)
 from kvbench.runner import run
 from kvbench.tasks import build_task
 from kvbench.tasks.longbench import build_prompt, scorer
-from kvbench.tasks.longbench.config import (E_SUBSETS, ENGLISH_SUBSETS, PROMPTS, all_subset_names, length_bucket,
-                                            subset_spec)
+from kvbench.tasks.longbench.config import (
+    E_SUBSETS,
+    ENGLISH_SUBSETS,
+    PROMPTS,
+    all_subset_names,
+    length_bucket,
+    subset_spec,
+)
 from tests.conftest import CONF_DIR, compose_config
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "longbench"

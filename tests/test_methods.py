@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods import METHODS, Budget, build_method
 from kvbench.attention import StatsRequest
+from kvbench.methods import METHODS, Budget, build_method
 
 ALL_METHODS = METHODS.names()
 EVICTING = [n for n in ALL_METHODS if METHODS.get(n).family == "eviction"]

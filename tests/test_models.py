@@ -1,11 +1,10 @@
 """Model loading errors and the real bundled model (marked real_model)."""
 
 import pytest
-
-from kvbench import KvbenchError
-from kvbench import models
-from kvbench.models import bundled_gguf_path, resolve_device, resolve_dtype
 import torch
+
+from kvbench import KvbenchError, models
+from kvbench.models import bundled_gguf_path, resolve_device, resolve_dtype
 
 
 def test_missing_bundled_package_names_the_install_command():

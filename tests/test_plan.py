@@ -8,10 +8,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from kvbench.methods import build_method
 from kvbench.plan import PLAN_COLUMNS, run_plan
 from kvbench.plan_hardware import GIB, Hardware, build_hardware, calibrated_cpu
 from kvbench.plan_model import arch_of, plan_point
-from kvbench.methods import build_method
 from tests.conftest import CONF_DIR
 
 # the seed's "32B model" (#307): 40 layers, 8 KV heads, head_dim 128 (Qwen2.5-32B's shape otherwise)
