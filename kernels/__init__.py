@@ -71,5 +71,11 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
 
 
-__all__ = ["attention_column_sums", "attention_column_sums_reference", "quantize_pack", "quantize_pack_reference",
-           "unpack_dequantize", "unpack_dequantize_reference"]
+__all__ = [
+    "attention_column_sums",
+    "attention_column_sums_reference",
+    "quantize_pack",
+    "quantize_pack_reference",
+    "unpack_dequantize",
+    "unpack_dequantize_reference",
+]

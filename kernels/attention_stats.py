@@ -19,8 +19,13 @@ import torch
 _MAX_CHUNK_ELEMENTS = 1 << 19
 
 
-def attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor | None = None,
-                          softcap: float | None = None) -> torch.Tensor:
+def attention_column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Σ over queries of softmax(q·kᵀ·scaling), per query head, in fp32.
 
     query: (B, H_q, Q, D), the last Q positions of a sequence whose keys are key: (B, H_kv, T, D), T ≥ Q.

@@ -68,8 +68,9 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Te
     return packed.flatten(-2), scale, zero  # (..., n_groups·W), (..., n_groups) ×2
 
 
-def unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int,
-                      dtype: torch.dtype) -> torch.Tensor:
+def unpack_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Invert quantize_pack: packed (..., n_groups·W) int32, scale/zero (..., n_groups) -> (..., L) in dtype."""
     _check(bits, group_size, group_size * scale.shape[-1])
     words = words_per_group(bits, group_size)

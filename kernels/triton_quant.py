@@ -27,9 +27,22 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _unpack_dequantize_kernel(
-        p_ptr, s_ptr, z_ptr, out_ptr, n_rows, length, sp_row, ss_row, sz_row, so_row,
-        BITS: tl.constexpr, GROUP: tl.constexpr, WORDS: tl.constexpr, PER_WORD: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        p_ptr,
+        s_ptr,
+        z_ptr,
+        out_ptr,
+        n_rows,
+        length,
+        sp_row,
+        ss_row,
+        sz_row,
+        so_row,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        WORDS: tl.constexpr,
+        PER_WORD: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         pid_r, pid_c = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # (BR,)
@@ -52,9 +65,21 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _quantize_pack_kernel(
-        x_ptr, s_ptr, z_ptr, p_ptr, n_rows, sx_row, sx_col, ss_row, sp_row,
-        BITS: tl.constexpr, GROUP: tl.constexpr, WORDS: tl.constexpr, PER_WORD: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+        x_ptr,
+        s_ptr,
+        z_ptr,
+        p_ptr,
+        n_rows,
+        sx_row,
+        sx_col,
+        ss_row,
+        sp_row,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        WORDS: tl.constexpr,
+        PER_WORD: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):
         pid_r, g = tl.program_id(0), tl.program_id(1)
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # (BR,)
@@ -62,8 +87,9 @@ if TRITON_AVAILABLE:
         row_mask = rows < n_rows  # (BR,)
         mask = row_mask[:, None] & (offs[None, :] < GROUP)  # (BR, BW·P)
         r = rows.to(tl.int64)
-        x = tl.load(x_ptr + r[:, None] * sx_row + (g * GROUP + offs)[None, :].to(tl.int64) * sx_col,
-                    mask=mask, other=0.0).to(tl.float32)  # (BR, BW·P)
+        x = tl.load(
+            x_ptr + r[:, None] * sx_row + (g * GROUP + offs)[None, :].to(tl.int64) * sx_col, mask=mask, other=0.0
+        ).to(tl.float32)  # (BR, BW·P)
         s = tl.load(s_ptr + r * ss_row + g, mask=row_mask, other=1.0).to(tl.float32)  # (BR,)
         z = tl.load(z_ptr + r * ss_row + g, mask=row_mask, other=0.0).to(tl.float32)  # (BR,)
         s = tl.where(s == 0.0, 1.0, s)  # constant group: x − z is 0, q = 0
@@ -73,8 +99,9 @@ if TRITON_AVAILABLE:
         fields = tl.reshape(q, (BLOCK_R, BLOCK_W, PER_WORD)) << (tl.arange(0, PER_WORD) * BITS)[None, None, :]
         packed = tl.reduce(fields, 2, _bit_or)  # (BR, BW) int32
         w = tl.arange(0, BLOCK_W)  # (BW,)
-        tl.store(p_ptr + r[:, None] * sp_row + g * WORDS + w[None, :], packed,
-                 mask=row_mask[:, None] & (w[None, :] < WORDS))
+        tl.store(
+            p_ptr + r[:, None] * sp_row + g * WORDS + w[None, :], packed, mask=row_mask[:, None] & (w[None, :] < WORDS)
+        )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +110,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def triton_unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-                             group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def triton_unpack_dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """quantize.unpack_dequantize on the GPU: packed (..., n_groups·W) -> (..., n_groups·G) in dtype."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("triton is not installed")
@@ -97,9 +125,23 @@ def triton_unpack_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: to
     p2, s2, z2, o2 = _rows(packed), _rows(scale), _rows(zero), out.view(-1, length)  # (R, ·) each
     grid = (triton.cdiv(o2.shape[0], _BLOCK_R), triton.cdiv(length, _BLOCK_C))
     _unpack_dequantize_kernel[grid](
-        p2, s2, z2, o2, o2.shape[0], length, p2.stride(0), s2.stride(0), z2.stride(0), o2.stride(0),
-        BITS=bits, GROUP=group_size, WORDS=words_per_group(bits, group_size), PER_WORD=32 // bits,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, enable_fp_fusion=False,
+        p2,
+        s2,
+        z2,
+        o2,
+        o2.shape[0],
+        length,
+        p2.stride(0),
+        s2.stride(0),
+        z2.stride(0),
+        o2.stride(0),
+        BITS=bits,
+        GROUP=group_size,
+        WORDS=words_per_group(bits, group_size),
+        PER_WORD=32 // bits,
+        BLOCK_R=_BLOCK_R,
+        BLOCK_C=_BLOCK_C,
+        enable_fp_fusion=False,
     )
     return out
 
@@ -118,8 +160,21 @@ def triton_quantize_pack(x: torch.Tensor, bits: int, group_size: int):
     s2, z2, p2 = scale.view(-1, n_groups), zero.view(-1, n_groups), packed.view(-1, n_groups * words)
     grid = (triton.cdiv(x2.shape[0], _BLOCK_R), n_groups)
     _quantize_pack_kernel[grid](
-        x2, s2, z2, p2, x2.shape[0], x2.stride(0), x2.stride(1), s2.stride(0), p2.stride(0),
-        BITS=bits, GROUP=group_size, WORDS=words, PER_WORD=32 // bits,
-        BLOCK_R=_BLOCK_R, BLOCK_W=triton.next_power_of_2(words), enable_fp_fusion=False,
+        x2,
+        s2,
+        z2,
+        p2,
+        x2.shape[0],
+        x2.stride(0),
+        x2.stride(1),
+        s2.stride(0),
+        p2.stride(0),
+        BITS=bits,
+        GROUP=group_size,
+        WORDS=words,
+        PER_WORD=32 // bits,
+        BLOCK_R=_BLOCK_R,
+        BLOCK_W=triton.next_power_of_2(words),
+        enable_fp_fusion=False,
     )
     return packed, scale, zero

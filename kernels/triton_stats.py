@@ -25,11 +25,28 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _row_lse_kernel(
-        q_ptr, k_ptr, lse_ptr,
-        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
-        n_q_heads, group, n_queries, n_keys, head_dim, qk_scale,
-        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        lse_ptr,
+        sq_b,
+        sq_h,
+        sq_t,
+        sq_d,
+        sk_b,
+        sk_h,
+        sk_t,
+        sk_d,
+        n_q_heads,
+        group,
+        n_queries,
+        n_keys,
+        head_dim,
+        qk_scale,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         pid_q, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = pid_bh // n_q_heads, pid_bh % n_q_heads
@@ -60,11 +77,29 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _column_sum_kernel(
-        q_ptr, k_ptr, lse_ptr, out_ptr,
-        sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_t, sk_d,
-        n_q_heads, group, n_queries, n_keys, head_dim, qk_scale,
-        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        lse_ptr,
+        out_ptr,
+        sq_b,
+        sq_h,
+        sq_t,
+        sq_d,
+        sk_b,
+        sk_h,
+        sk_t,
+        sk_d,
+        n_q_heads,
+        group,
+        n_queries,
+        n_keys,
+        head_dim,
+        qk_scale,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         pid_k, pid_bh = tl.program_id(0), tl.program_id(1)
         b, h = pid_bh // n_q_heads, pid_bh % n_q_heads
@@ -109,10 +144,19 @@ def triton_attention_column_sums(query: torch.Tensor, key: torch.Tensor, scaling
     # dot multiplies bf16 tiles' raw uint16 bits, so there bf16 takes the fp32 path too (still exact).
     native = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if query.is_cuda else {torch.float16: tl.float16}
     dot_dtype = native.get(query.dtype, tl.float32)
-    common = dict(n_q_heads=n_q_heads, group=n_q_heads // n_kv_heads, n_queries=n_queries, n_keys=n_keys,
-                  head_dim=head_dim, qk_scale=scaling * math.log2(math.e),
-                  DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-                  BLOCK_Q=_BLOCK_Q, BLOCK_K=_BLOCK_K, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    common = dict(
+        n_q_heads=n_q_heads,
+        group=n_q_heads // n_kv_heads,
+        n_queries=n_queries,
+        n_keys=n_keys,
+        head_dim=head_dim,
+        qk_scale=scaling * math.log2(math.e),
+        DOT_DTYPE=dot_dtype,
+        PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        BLOCK_Q=_BLOCK_Q,
+        BLOCK_K=_BLOCK_K,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
     strides = (*query.stride(), *key.stride())
     _row_lse_kernel[(triton.cdiv(n_queries, _BLOCK_Q), bsz * n_q_heads)](query, key, lse, *strides, **common)
     _column_sum_kernel[(triton.cdiv(n_keys, _BLOCK_K), bsz * n_q_heads)](query, key, lse, out, *strides, **common)

@@ -38,8 +38,10 @@ def main() -> None:
     try:
         _main()
     except KeyboardInterrupt:
-        print("\nkvbench: interrupted; the rows computed so far are in the store: rerun the same command to resume",
-              file=sys.stderr)
+        print(
+            "\nkvbench: interrupted; the rows computed so far are in the store: rerun the same command to resume",
+            file=sys.stderr,
+        )
         sys.exit(130)
     if FAILED_JOBS:
         print(f"kvbench: {len(FAILED_JOBS)} multirun job(s) failed on bad input (the others ran):", file=sys.stderr)

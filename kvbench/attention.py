@@ -38,8 +38,11 @@ class StatsRequest:
     query_moments: frozenset[int] = frozenset()
 
     def __or__(self, other: StatsRequest) -> StatsRequest:
-        return StatsRequest(self.windows | other.windows, self.all_queries or other.all_queries,
-                            self.query_moments | other.query_moments)
+        return StatsRequest(
+            self.windows | other.windows,
+            self.all_queries or other.all_queries,
+            self.query_moments | other.query_moments,
+        )
 
     def __bool__(self) -> bool:
         return bool(self.windows) or self.all_queries or bool(self.query_moments)
@@ -61,16 +64,24 @@ class StatsRecorder:
     # configuration only the statistics its own method asked for
     seconds: dict = field(default_factory=dict)
 
-    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float,
-               mask: torch.Tensor | None = None, softcap: float | None = None) -> None:
+    def record(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        scaling: float,
+        mask: torch.Tensor | None = None,
+        softcap: float | None = None,
+    ) -> None:
         """query (B, H_q, Q, D), key (B, H_kv, T, D); mask: the model's (B|1, 1|H_q, Q, T) mask, None = causal."""
         n_queries = query.shape[2]
         for w in self.request.windows:
             with self._timed(w):
                 window_q = query[:, :, -min(w, n_queries) :]  # (B, H_q, W, D)
                 window_mask = None if mask is None else mask[:, :, -window_q.shape[2] :]  # (B|1, 1|H_q, W, T)
-                self.window.setdefault(w, {})[layer_idx] = attention_column_sums(window_q, key, scaling, window_mask,
-                                                                                 softcap)
+                self.window.setdefault(w, {})[layer_idx] = attention_column_sums(
+                    window_q, key, scaling, window_mask, softcap
+                )
         if self.request.all_queries:
             with self._timed("all"):
                 if self.request.windows and n_queries == 1:  # a single query: every window sees the same row
@@ -93,7 +104,8 @@ class StatsRecorder:
                 kept = pre_rope[:, :, positions >= skip]  # (B, H_q, N, D)
                 bsz, n_heads, _, head_dim = query.shape  # (B, H_q, Q, D)
                 moments = self.moments.setdefault(skip, {}).setdefault(
-                    module.layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, inv_freq, scaling))
+                    module.layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, inv_freq, scaling)
+                )
                 moments.add(kept)
 
     @contextlib.contextmanager
@@ -104,9 +116,11 @@ class StatsRecorder:
 
     def seconds_for(self, request: StatsRequest) -> float:
         """Time spent on the statistics `request` needs (CPU wall time; GPU kernels are asynchronous)."""
-        return sum(self.seconds.get(w, 0.0) for w in request.windows) + (
-            self.seconds.get("all", 0.0) if request.all_queries else 0.0) + (
-            self.seconds.get("moments", 0.0) if request.query_moments else 0.0)
+        return (
+            sum(self.seconds.get(w, 0.0) for w in request.windows)
+            + (self.seconds.get("all", 0.0) if request.all_queries else 0.0)
+            + (self.seconds.get("moments", 0.0) if request.query_moments else 0.0)
+        )
 
 
 @dataclass
@@ -123,8 +137,13 @@ class QueryMoments:
     @classmethod
     def empty(cls, bsz: int, n_heads: int, head_dim: int, inv_freq: torch.Tensor, rope_scaling: float):
         device = inv_freq.device
-        return cls(0, torch.zeros(bsz, n_heads, head_dim, device=device),
-                   torch.zeros(bsz, n_heads, head_dim, head_dim, device=device), inv_freq, rope_scaling)
+        return cls(
+            0,
+            torch.zeros(bsz, n_heads, head_dim, device=device),
+            torch.zeros(bsz, n_heads, head_dim, head_dim, device=device),
+            inv_freq,
+            rope_scaling,
+        )
 
     def add(self, queries: torch.Tensor) -> None:
         """queries (B, H_q, N, D) fp32."""
@@ -151,8 +170,10 @@ def rope_of(module) -> tuple[torch.Tensor, float]:
             cls for name, cls in vars(family).items() if name.endswith("RotaryEmbedding") and isinstance(cls, type)
         ]
         if not rotary:
-            raise KvbenchError(f"{type(module).__name__} has no rotary embedding class beside it; query moments "
-                               f"(expected_attention) need a RoPE model")
+            raise KvbenchError(
+                f"{type(module).__name__} has no rotary embedding class beside it; query moments "
+                f"(expected_attention) need a RoPE model"
+            )
         embedding = rotary[0](module.config)
         # the model's own buffer was cast with its weights (model.to(bfloat16) rounds inv_freq, and RoPE then uses
         # the rounded values): round the same way, or positions far from 0 rotate back by the wrong angle
@@ -200,9 +221,9 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
             attention_mask = positions[None, :] <= positions[n_keys - n_queries :, None]  # (Q, T)
         if attention_mask.dtype == torch.bool:  # eager adds its mask
             attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-                ~attention_mask, torch.finfo(query.dtype).min)
-        return model_code.eager_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+                ~attention_mask, torch.finfo(query.dtype).min
+            )
+        return model_code.eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 

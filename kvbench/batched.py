@@ -36,8 +36,9 @@ class BatchedGeneration(Generation):
 @torch.inference_mode()
 def forward_batch(engine: Engine, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """ids, positions (B, n) → fp32 logits (B, V) at each row's last position, appending to `cache`."""
-    out = engine.lm.model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
-                          **{engine._cache_kwarg: cache})
+    out = engine.lm.model(
+        input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{engine._cache_kwarg: cache}
+    )
     return out.logits[:, -1].float()  # (B, V)
 
 
@@ -62,9 +63,16 @@ def prefill_batch(engine: Engine, prompts: list[list[int]], request: StatsReques
 
 
 @torch.inference_mode()
-def generate_batch(engine: Engine, prefill: Prefill, method: Method, budget: Budget | None,
-                   suffixes: list[list[int]], max_new_tokens: int, stop: tuple[str, ...] = (),
-                   keep_logits: bool = False) -> list[BatchedGeneration]:
+def generate_batch(
+    engine: Engine,
+    prefill: Prefill,
+    method: Method,
+    budget: Budget | None,
+    suffixes: list[list[int]],
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+    keep_logits: bool = False,
+) -> list[BatchedGeneration]:
     """Compress the batch's prefill with `method`, append each row's suffix, decode greedily until every row is
     done; one BatchedGeneration per row, equal to what `Engine.generate` gives that row alone."""
     device, tokenizer, lm = engine.lm.device, engine.lm.tokenizer, engine.lm
@@ -103,8 +111,9 @@ def generate_batch(engine: Engine, prefill: Prefill, method: Method, budget: Bud
         if all(done):
             break
         with recording(method.decode_request()) as stats:
-            logits = forward_batch(engine, tokens[:, None], torch.full((n_rows, 1), method.position(position, cache),
-                                                                        device=device), cache)  # (B, V)
+            logits = forward_batch(
+                engine, tokens[:, None], torch.full((n_rows, 1), method.position(position, cache), device=device), cache
+            )  # (B, V)
         method.on_decode_step(cache, stats)
         position, steps = position + 1, steps + 1
         tokens = logits.argmax(-1)  # (B,)
@@ -123,14 +132,26 @@ def generate_batch(engine: Engine, prefill: Prefill, method: Method, budget: Bud
         text = engine.answer_text(generated[row], stop)
         context = prefill.n_tokens + len(suffixes[row] if suffixes else [])
         tokens_if_full = context + finish_steps[row]
-        rows.append(BatchedGeneration(
-            token_ids=generated[row], text=text, context_tokens=context, prefill_s=prefill_s,
-            decode_s=finish_s[row], decode_steps=finish_steps[row], kv_bytes=finish_bytes[row],
-            kv_bytes_full=full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
-            kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
-            peak_mem_bytes=peak, logits=kept[row], batch_size=n_rows, decode_tokens_per_s=rate,
-            latency_s=prefill_s + finish_s[row],
-        ))
+        rows.append(
+            BatchedGeneration(
+                token_ids=generated[row],
+                text=text,
+                context_tokens=context,
+                prefill_s=prefill_s,
+                decode_s=finish_s[row],
+                decode_steps=finish_steps[row],
+                kv_bytes=finish_bytes[row],
+                kv_bytes_full=full_cache_nbytes(
+                    lm.n_layers, engine.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype
+                ),
+                kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
+                peak_mem_bytes=peak,
+                logits=kept[row],
+                batch_size=n_rows,
+                decode_tokens_per_s=rate,
+                latency_s=prefill_s + finish_s[row],
+            )
+        )
     return rows
 
 
@@ -149,9 +170,16 @@ def _extend_batch(engine: Engine, cache, method: Method, ids: torch.Tensor, posi
     return logits
 
 
-def run_batch(engine: Engine, method: Method, budget: Budget | None, prompts: list[list[int]],
-              suffixes: list[list[int]] | None = None, max_new_tokens: int = 32, stop: tuple[str, ...] = (),
-              keep_logits: bool = False) -> list[BatchedGeneration]:
+def run_batch(
+    engine: Engine,
+    method: Method,
+    budget: Budget | None,
+    prompts: list[list[int]],
+    suffixes: list[list[int]] | None = None,
+    max_new_tokens: int = 32,
+    stop: tuple[str, ...] = (),
+    keep_logits: bool = False,
+) -> list[BatchedGeneration]:
     """Prefill + generate B equal-length prompts with one configuration (the batched `Engine.run`)."""
     own = engine.prepared(method)
     prefill = prefill_batch(own, prompts, method.stats_request())
@@ -169,7 +197,13 @@ def batches(examples: list, batch_size: int, key) -> list[list]:
 def batch_columns(gen: Generation) -> dict:
     """The batching columns of a result row (batch 1: the generation alone)."""
     if isinstance(gen, BatchedGeneration):
-        return {"batch_size": gen.batch_size, "decode_tokens_per_s": gen.decode_tokens_per_s,
-                "latency_s": gen.latency_s}
-    return {"batch_size": 1, "decode_tokens_per_s": gen.decode_steps / gen.decode_s if gen.decode_s else float("nan"),
-            "latency_s": gen.prefill_s + gen.decode_s}
+        return {
+            "batch_size": gen.batch_size,
+            "decode_tokens_per_s": gen.decode_tokens_per_s,
+            "latency_s": gen.latency_s,
+        }
+    return {
+        "batch_size": 1,
+        "decode_tokens_per_s": gen.decode_steps / gen.decode_s if gen.decode_s else float("nan"),
+        "latency_s": gen.prefill_s + gen.decode_s,
+    }

@@ -56,8 +56,9 @@ class BatchedWork(ExampleWork):
             else:
                 prefill = prefill_batch(own, [p for p, _ in split], c.method.stats_request())
             first = examples[0]
-            gens = generate_batch(own, prefill, c.method, c.budget, [s for _, s in split], first.max_new_tokens,
-                                  first.stop)
+            gens = generate_batch(
+                own, prefill, c.method, c.budget, [s for _, s in split], first.max_new_tokens, first.stop
+            )
             for ex, gen in zip(examples, gens):
                 new.append(make_row(c, ex, gen, self.task.score(gen.text, ex), self.common, self.task, self.lm))
                 claimed.append((c.hash, ex.example_id))

@@ -86,8 +86,16 @@ class PositionTracker:
 
 
 @torch.inference_mode()
-def teacher_forced(engine, prefill, method, budget, suffix_ids: list[int], answer: list[int] | None,
-                   max_new_tokens: int, stop: tuple[str, ...] = ()) -> Pass:
+def teacher_forced(
+    engine,
+    prefill,
+    method,
+    budget,
+    suffix_ids: list[int],
+    answer: list[int] | None,
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+) -> Pass:
     """Compress `prefill` with `method` and feed `answer` token by token (None: decode greedily, as the engine
     does, which is how the full cache's answer is produced), recording every decode query's attention row."""
     start = time.perf_counter()
@@ -177,8 +185,15 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
     n_layers = len(full.attention[0])
     n_q = full.attention[0][0].shape[0]
     group = n_q // n_kv_heads
-    names = ["mass_recall", "entropy_full", "entropy_compressed", "evidence_retention", "evidence_mass_full",
-             "evidence_mass_compressed", "kept_share"]
+    names = [
+        "mass_recall",
+        "entropy_full",
+        "entropy_compressed",
+        "evidence_retention",
+        "evidence_mass_full",
+        "evidence_mass_compressed",
+        "kept_share",
+    ]
     sums = {k: torch.zeros(n_layers, n_q, dtype=torch.float64) for k in names}  # (L, H_q) accumulated over steps
     first_kept: list[list[str]] = [[""] * n_kv_heads for _ in range(n_layers)]
     has_evidence = evidence.numel() > 0
@@ -222,14 +237,23 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
         return sum(values) / len(values) if values else nan
 
     columns: dict[str, Any] = {
-        "kl_mean": sum(kl) / len(kl), "kl_max": max(kl), "top1_agreement": sum(top1) / len(top1),
-        "first_divergence_step": float(diverged[0]) if diverged else nan, "diagnose_steps": len(kl),
-        "kl_per_step": json.dumps([round(x, 6) for x in kl]), "top1_per_step": json.dumps(top1),
+        "kl_mean": sum(kl) / len(kl),
+        "kl_max": max(kl),
+        "top1_agreement": sum(top1) / len(top1),
+        "first_divergence_step": float(diverged[0]) if diverged else nan,
+        "diagnose_steps": len(kl),
+        "kl_per_step": json.dumps([round(x, 6) for x in kl]),
+        "top1_per_step": json.dumps(top1),
         **{k: mean(k) for k in names},
     }
     for key in ("mass_recall", "evidence_retention"):  # compact [layer][head] grids: the report's heatmaps
-        grid = [[None if math.isnan(v := records[layer * n_kv_heads + head][key]) else round(v, 4)
-                 for head in range(n_kv_heads)] for layer in range(n_layers)]
+        grid = [
+            [
+                None if math.isnan(v := records[layer * n_kv_heads + head][key]) else round(v, 4)
+                for head in range(n_kv_heads)
+            ]
+            for layer in range(n_layers)
+        ]
         columns[f"{key}_by_layer_head"] = json.dumps(grid)  # null: unknown (no evidence, unrecorded positions)
     columns["evicted_share"] = 1.0 - columns.pop("kept_share")
     for r in records:

@@ -20,8 +20,18 @@ from kvbench.results import write_rows
 from kvbench.verdict import Thresholds, verdict
 
 SIDE_SUFFIX = ".diagnose.parquet"  # kvbench.results.read_rows skips these: they are not result rows
-KEYS = ["config_hash", "example_id", "run_id", "model", "task", "subset", "method", "budget", "method_params",
-        "query_aware"]
+KEYS = [
+    "config_hash",
+    "example_id",
+    "run_id",
+    "model",
+    "task",
+    "subset",
+    "method",
+    "budget",
+    "method_params",
+    "query_aware",
+]
 
 
 def thresholds_for(cfg, task) -> Thresholds:
@@ -53,8 +63,12 @@ def diagnose_example(engine, todo, ex, task, prefill, rows: list[dict], threshol
             source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
             other = teacher_forced(own, source, c.method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
         columns, per_head = compare(full, other, evidence, engine.full_kv_heads)
-        row.update(columns, full_score=full_score, evidence_tokens=int(evidence.numel()),
-                   diagnose_s=other.seconds + full.seconds / len(todo))
+        row.update(
+            columns,
+            full_score=full_score,
+            evidence_tokens=int(evidence.numel()),
+            diagnose_s=other.seconds + full.seconds / len(todo),
+        )
         row["verdict"] = verdict(row, full_score, thresholds)
         records += [{**{k: row[k] for k in KEYS}, **r} for r in per_head]
     return records

@@ -101,14 +101,18 @@ def why(rows: pd.DataFrame) -> list[str]:
         if recall.size:
             order = np.argsort(np.nanmean(recall, axis=1))[:3]
             weakest = f" (weakest layers {', '.join(map(str, order))}: {np.nanmean(recall, axis=1)[order].round(2)})"
-        text = (f"{method} @{budget:g}: {len(lost)} of {len(g)} examples lost quality — {verdicts}. Attention-mass "
-                f"recall {lost['mass_recall'].mean():.2f}{weakest}; evicted share {lost['evicted_share'].mean():.2f}; "
-                f"mean KL {lost['kl_mean'].mean():.3f} nats, first top-1 divergence at step "
-                f"{lost['first_divergence_step'].median():.0f} (median)")
+        text = (
+            f"{method} @{budget:g}: {len(lost)} of {len(g)} examples lost quality — {verdicts}. Attention-mass "
+            f"recall {lost['mass_recall'].mean():.2f}{weakest}; evicted share {lost['evicted_share'].mean():.2f}; "
+            f"mean KL {lost['kl_mean'].mean():.3f} nats, first top-1 divergence at step "
+            f"{lost['first_divergence_step'].median():.0f} (median)"
+        )
         if lost["evidence_retention"].notna().any():
-            text += (f"; evidence kept {100 * lost['evidence_retention'].mean():.0f} % of its tokens (mean over layers "
-                     f"× heads), its attention mass {lost['evidence_mass_full'].mean():.3f} → "
-                     f"{lost['evidence_mass_compressed'].mean():.3f}")
+            text += (
+                f"; evidence kept {100 * lost['evidence_retention'].mean():.0f} % of its tokens (mean over layers "
+                f"× heads), its attention mass {lost['evidence_mass_full'].mean():.3f} → "
+                f"{lost['evidence_mass_compressed'].mean():.3f}"
+            )
         else:
             text += "; the task does not know its evidence"
         out.append(text + ".")
@@ -119,14 +123,26 @@ def why(rows: pd.DataFrame) -> list[str]:
 def diagnostics(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section:
     counts = verdict_counts(rows)
     paragraphs = why(rows)
-    files = [p for p in (_heatmaps(rows, "mass_recall_by_layer_head", "attention-mass recall (layer × KV head)",
-                                   out_dir),
-                         _heatmaps(rows, "evidence_retention_by_layer_head",
-                                   "evidence retention (layer × KV head; tasks that know their evidence)", out_dir),
-                         _kl_curves(rows, out_dir)) if p is not None]
-    note = ("Teacher-forced full-cache answer through each configuration (diagnose=true). Verdict rule and "
-            "thresholds: kvbench/verdict.py, `verdict:` in conf/config.yaml.")
-    page = (f"<p>{html.escape(note)}</p>{counts.to_html(index=False)}"
-            + "".join(f"<p>{html.escape(p)}</p>" for p in paragraphs))
+    files = [
+        p
+        for p in (
+            _heatmaps(rows, "mass_recall_by_layer_head", "attention-mass recall (layer × KV head)", out_dir),
+            _heatmaps(
+                rows,
+                "evidence_retention_by_layer_head",
+                "evidence retention (layer × KV head; tasks that know their evidence)",
+                out_dir,
+            ),
+            _kl_curves(rows, out_dir),
+        )
+        if p is not None
+    ]
+    note = (
+        "Teacher-forced full-cache answer through each configuration (diagnose=true). Verdict rule and "
+        "thresholds: kvbench/verdict.py, `verdict:` in conf/config.yaml."
+    )
+    page = f"<p>{html.escape(note)}</p>{counts.to_html(index=False)}" + "".join(
+        f"<p>{html.escape(p)}</p>" for p in paragraphs
+    )
     text = "\n\n".join([note, markdown(counts), *paragraphs])
     return Section(html=page, markdown=text, files=files)

@@ -130,8 +130,16 @@ class Engine:
 
     # ---- one configuration --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prefill: Prefill, method: Method, budget: Budget | None, suffix_ids: list[int],
-                 max_new_tokens: int, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
+    def generate(
+        self,
+        prefill: Prefill,
+        method: Method,
+        budget: Budget | None,
+        suffix_ids: list[int],
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
         """Compress `prefill` with `method`, feed `suffix_ids` uncompressed, then decode greedily."""
         device, tokenizer = self.lm.device, self.lm.tokenizer
         reset_peak(device)
@@ -218,8 +226,16 @@ class Engine:
             cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_kv_heads)
         return cache[key]
 
-    def run(self, method: Method, budget: Budget | None, prompt_ids: list[int], suffix_ids: Sequence[int] = (),
-            max_new_tokens: int = 32, stop: tuple[str, ...] = (), keep_logits: bool = False) -> Generation:
+    def run(
+        self,
+        method: Method,
+        budget: Budget | None,
+        prompt_ids: list[int],
+        suffix_ids: Sequence[int] = (),
+        max_new_tokens: int = 32,
+        stop: tuple[str, ...] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
         """Prefill + generate for a single configuration."""
         engine = self.prepared(method)
         prefill = engine.prefill(list(prompt_ids), method.stats_request())

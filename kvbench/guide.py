@@ -46,8 +46,9 @@ def _parts(method: str, params: str) -> list[str]:
     return [method]
 
 
-def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0, min_n: int = 5,
-                scenario: str | None = None) -> pd.DataFrame:
+def guide_table(
+    rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0, min_n: int = 5, scenario: str | None = None
+) -> pd.DataFrame:
     """One line per (scenario, budget, configuration), ranked by score within (scenario, task, budget)."""
     rows = rows.assign(scenario=rows["scenario"].fillna("(none)") if "scenario" in rows else "(none)")
     if scenario is not None:
@@ -59,7 +60,8 @@ def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float 
     full = rows[rows["method"] == "full"].assign(key=key).drop_duplicates("key").set_index("key")
     records = []
     for (scen, task, method, params, budget), group in rows[rows["method"] != "full"].groupby(
-            ["scenario", "task", "method", "method_params", "budget"], sort=True):
+        ["scenario", "task", "method", "method_params", "budget"], sort=True
+    ):
         group_keys = key[group.index]
         matched = group_keys.isin(full.index)
         base = full.loc[group_keys[matched]]
@@ -72,29 +74,47 @@ def guide_table(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float 
         parts = _parts(method, params)
         no_budget = all(p in PRECISION | CHANGES_MODEL for p in parts)
         kv_ratio = float(group["kv_ratio"].mean())
-        records.append({
-            "scenario": scen, "task": task, "budget": NO_BUDGET if no_budget else f"{budget:g}",
-            "config": _label(method, params), "method": method, "method_params": params, "n": len(group),
-            "metric": group["metric"].iloc[0], "score": score, "ci_low": low, "ci_high": high, "drop": drop,
-            "drop_low": drop_low, "drop_high": drop_high, "n_matched": int(matched.sum()), "kv_ratio": kv_ratio,
-            "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
-            "decode_vs_full": _ratio(group.loc[matched, "decode_ms_per_token"], base["decode_ms_per_token"]),
-            "changes_model": any(p in CHANGES_MODEL for p in parts),
-            "needs_statistics": any(p in NEEDS_STATISTICS for p in parts),
-            "fit": _fit(drop_low, drop_high, kv_ratio, int(matched.sum()), max_drop, max_kv_ratio, min_n),
-            "lower_is_better": lower,
-        })
+        records.append(
+            {
+                "scenario": scen,
+                "task": task,
+                "budget": NO_BUDGET if no_budget else f"{budget:g}",
+                "config": _label(method, params),
+                "method": method,
+                "method_params": params,
+                "n": len(group),
+                "metric": group["metric"].iloc[0],
+                "score": score,
+                "ci_low": low,
+                "ci_high": high,
+                "drop": drop,
+                "drop_low": drop_low,
+                "drop_high": drop_high,
+                "n_matched": int(matched.sum()),
+                "kv_ratio": kv_ratio,
+                "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
+                "decode_vs_full": _ratio(group.loc[matched, "decode_ms_per_token"], base["decode_ms_per_token"]),
+                "changes_model": any(p in CHANGES_MODEL for p in parts),
+                "needs_statistics": any(p in NEEDS_STATISTICS for p in parts),
+                "fit": _fit(drop_low, drop_high, kv_ratio, int(matched.sum()), max_drop, max_kv_ratio, min_n),
+                "lower_is_better": lower,
+            }
+        )
     table = pd.DataFrame.from_records(records)
     if table.empty:
-        raise KvbenchError("no compressed configuration with a full-cache baseline in these rows "
-                           "(run `python -m kvbench` with a method first)")
+        raise KvbenchError(
+            "no compressed configuration with a full-cache baseline in these rows "
+            "(run `python -m kvbench` with a method first)"
+        )
     ranked = []
     for _, group in table.groupby(["scenario", "task", "budget"], sort=True):
         higher_first = not group["lower_is_better"].all()  # equal scores: the smaller cache first
         group = group.sort_values(["score", "kv_ratio"], ascending=[not higher_first, True]).reset_index(drop=True)
         group["rank"] = range(1, len(group) + 1)
-        group["ties"] = [", ".join(o.config for o in group.itertuples() if o.Index != i and _overlap(r, o))
-                         for i, r in enumerate(group.itertuples())]
+        group["ties"] = [
+            ", ".join(o.config for o in group.itertuples() if o.Index != i and _overlap(r, o))
+            for i, r in enumerate(group.itertuples())
+        ]
         ranked.append(group)
     return pd.concat(ranked, ignore_index=True)
 
@@ -137,16 +157,24 @@ def compositions(table: pd.DataFrame, max_drop: float, max_kv_ratio: float) -> p
             for p in precision.itertuples():
                 product = e.kv_ratio * p.kv_ratio
                 if product <= max_kv_ratio < min(e.kv_ratio, p.kv_ratio):
-                    records.append({"scenario": scen, "task": task, "eviction": f"{e.config}@{e.budget}",
-                                    "precision": p.config, "kv_ratio_product": product,
-                                    "drops": f"{e.drop:.3f} + {p.drop:.3f}",
-                                    "try": f"python -m kvbench method=compose 'method.stack=[{e.method},{p.method}]' "
-                                           f"budget={e.budget}"})
+                    records.append(
+                        {
+                            "scenario": scen,
+                            "task": task,
+                            "eviction": f"{e.config}@{e.budget}",
+                            "precision": p.config,
+                            "kv_ratio_product": product,
+                            "drops": f"{e.drop:.3f} + {p.drop:.3f}",
+                            "try": f"python -m kvbench method=compose 'method.stack=[{e.method},{p.method}]' "
+                            f"budget={e.budget}",
+                        }
+                    )
     return pd.DataFrame.from_records(records)
 
 
 def markdown(table: pd.DataFrame) -> str:
     """A Markdown table (floats to 3 decimals) without the optional `tabulate` dependency."""
+
     def cell(v) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v).replace("|", "\\|").replace("\n", " ")
 
@@ -154,8 +182,24 @@ def markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in table.itertuples(index=False)])
 
 
-COLUMNS = ["rank", "config", "n", "score", "ci_low", "ci_high", "drop", "drop_low", "drop_high", "kv_ratio",
-           "prefill_vs_full", "decode_vs_full", "changes_model", "needs_statistics", "fit", "ties"]
+COLUMNS = [
+    "rank",
+    "config",
+    "n",
+    "score",
+    "ci_low",
+    "ci_high",
+    "drop",
+    "drop_low",
+    "drop_high",
+    "kv_ratio",
+    "prefill_vs_full",
+    "decode_vs_full",
+    "changes_model",
+    "needs_statistics",
+    "fit",
+    "ties",
+]
 
 
 def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False) -> str:
@@ -164,8 +208,11 @@ def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False)
     for (scen, task, budget), group in table.groupby(["scenario", "task", "budget"], sort=True):
         head = f"{scen} — {task} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
         body = group[COLUMNS]
-        out.append(f"### {head}\n\n{markdown(body)}" if as_markdown else
-                   f"== {head}\n{body.to_string(index=False, float_format=lambda v: f'{v:.3f}')}")
+        out.append(
+            f"### {head}\n\n{markdown(body)}"
+            if as_markdown
+            else f"== {head}\n{body.to_string(index=False, float_format=lambda v: f'{v:.3f}')}"
+        )
     out.append(("### " if as_markdown else "== ") + "composition candidates (untested)")
     if combos.empty:
         out.append("none: no eviction × precision pair that keeps quality fits --max-kv-ratio where neither part does")

@@ -17,9 +17,10 @@ def guide(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section |
     best = report_summary(raw)
     if best.empty:
         return None
-    note = ("Best-ranked configuration per scenario and budget (drop ≤ 0.05 vs the full cache, same examples). "
-            "'ties': configurations whose score intervals overlap it — the ranking between them is not "
-            "established. Full guide, constraints and composition candidates: python -m kvbench.guide RESULTS_DIR.")
+    note = (
+        "Best-ranked configuration per scenario and budget (drop ≤ 0.05 vs the full cache, same examples). "
+        "'ties': configurations whose score intervals overlap it — the ranking between them is not "
+        "established. Full guide, constraints and composition candidates: python -m kvbench.guide RESULTS_DIR."
+    )
     table = best.to_html(index=False, float_format=lambda v: f"{v:.3f}")
-    return Section(html=f"<p>{html.escape(note)}</p>{table}",
-                   markdown=f"{note}\n\n{markdown(best)}")
+    return Section(html=f"<p>{html.escape(note)}</p>{table}", markdown=f"{note}\n\n{markdown(best)}")

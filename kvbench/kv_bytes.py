@@ -52,8 +52,9 @@ class Prediction:
     bound: bool = False  # True: an upper bound (decode-time eviction on KIVI keeps dead tokens of live key groups)
 
 
-def kivi_layer_bytes(shape: KVShape, tokens: int, bits: int, group_size: int, residual_length: int,
-                     batch: int = 1) -> int:
+def kivi_layer_bytes(
+    shape: KVShape, tokens: int, bits: int, group_size: int, residual_length: int, batch: int = 1
+) -> int:
     """One KiviLayer holding `tokens` (a function of the count alone: prefill, flushes and `select` all store by
     KIVI's prefill rule). Keys: whole residual blocks quantized per channel, the rest full precision; values: all
     but the newest residual_length quantized per token. Packed words are int32, scales/zeros in the model dtype."""
@@ -71,8 +72,9 @@ def kivi_layer_bytes(shape: KVShape, tokens: int, bits: int, group_size: int, re
     return keys + values
 
 
-def quanto_layer_bytes(shape: KVShape, tokens: int, updates: list[int], nbits: int, group_size: int,
-                       residual_length: int, batch: int = 1) -> int:
+def quanto_layer_bytes(
+    shape: KVShape, tokens: int, updates: list[int], nbits: int, group_size: int, residual_length: int, batch: int = 1
+) -> int:
     """transformers' QuantizedLayer: the first update quantizes everything; later updates collect a full-precision
     residual until it reaches residual_length, then requantize the whole cache. quanto stores `nbits`-bit codes
     packed into bytes plus one scale and one shift per group in the model dtype (estimate: padding not modelled)."""
@@ -89,8 +91,11 @@ def _parts(method) -> tuple:
     if method.name == "compose":
         return method._structure, method._eviction, method._precision
     family = getattr(method, "family", "eviction")
-    return (method if family == "structure" else None, method if family == "eviction" else None,
-            method if family == "precision" else None)
+    return (
+        method if family == "structure" else None,
+        method if family == "eviction" else None,
+        method if family == "precision" else None,
+    )
 
 
 def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: int, decoded: int) -> list[int]:
@@ -109,8 +114,15 @@ def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: i
     return [n + appended + (0 if stays else decoded) for n in counts]
 
 
-def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appended_tokens: int = 0,
-                     decoded_tokens: int = 0, batch: int = 1) -> Prediction:
+def predict_kv_bytes(
+    method,
+    budget,
+    shape: KVShape,
+    prompt_tokens: int,
+    appended_tokens: int = 0,
+    decoded_tokens: int = 0,
+    batch: int = 1,
+) -> Prediction:
     """Bytes the cache of `batch` requests holds after compressing a `prompt_tokens` prompt with `method` at
     `budget`, appending `appended_tokens` uncompressed (query_aware=false) and feeding `decoded_tokens`."""
     structure, eviction, precision = _parts(method)
@@ -125,19 +137,30 @@ def predict_kv_bytes(method, budget, shape: KVShape, prompt_tokens: int, appende
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
     elif precision.name == "kivi":
-        total = sum(kivi_layer_bytes(shape, t, precision.bits, precision.group_size, precision.residual_length, batch)
-                    for t in tokens)
+        total = sum(
+            kivi_layer_bytes(shape, t, precision.bits, precision.group_size, precision.residual_length, batch)
+            for t in tokens
+        )
         if stays and decoded_tokens:
             # each decode step evicts ≤ 1 token per head; KIVI never re-quantizes, so an evicted token stays stored
             # until its key group empties (methods/kivi.py): ≤ t + decoded stored, residuals ≤ one block each
             fp_block = 2 * batch * shape.n_kv_heads * precision.residual_length * shape.head_dim * shape.element_bytes
-            total = sum(kivi_layer_bytes(shape, t + decoded_tokens, precision.bits, precision.group_size,
-                                         precision.residual_length, batch) + fp_block for t in tokens)
+            total = sum(
+                kivi_layer_bytes(
+                    shape, t + decoded_tokens, precision.bits, precision.group_size, precision.residual_length, batch
+                )
+                + fp_block
+                for t in tokens
+            )
             exact, bound = False, True
     elif precision.name == "hf-quant" and precision.backend == "quanto":
         updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
-        total = sum(quanto_layer_bytes(shape, t, updates, precision.nbits, precision.q_group_size,
-                                       precision.residual_length, batch) for t in tokens)
+        total = sum(
+            quanto_layer_bytes(
+                shape, t, updates, precision.nbits, precision.q_group_size, precision.residual_length, batch
+            )
+            for t in tokens
+        )
         exact = False
     else:
         raise KvbenchError(

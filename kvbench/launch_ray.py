@@ -94,10 +94,14 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     if address:
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(1, math.ceil(workers * num_cpus)), num_gpus=num_gpus * workers or None,
-                 include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    task = ray.remote(_run_shard).options(num_cpus=num_cpus, num_gpus=num_gpus,
-                                          max_retries=int(launcher.max_retries))
+        ray.init(
+            num_cpus=max(1, math.ceil(workers * num_cpus)),
+            num_gpus=math.ceil(num_gpus * workers) or None,
+            include_dashboard=False,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+        )
+    task = ray.remote(_run_shard).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=int(launcher.max_retries))
     threads = max(1, int(num_cpus))
     started = time.perf_counter()
     queue, frames = list(range(n_shards)), []
@@ -113,8 +117,11 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         frames.append(frame.assign(_order=_example_order(frame, shard, n_shards)) if len(frame) else frame)
         n_done, elapsed = len(frames), time.perf_counter() - started
         eta = elapsed / n_done * (n_shards - n_done)
-        print(f"[ray] shards {n_done}/{n_shards} done, {sum(len(f) for f in frames)} rows, "
-              f"{elapsed:.0f} s elapsed, ETA {eta:.0f} s", flush=True)
+        print(
+            f"[ray] shards {n_done}/{n_shards} done, {sum(len(f) for f in frames)} rows, "
+            f"{elapsed:.0f} s elapsed, ETA {eta:.0f} s",
+            flush=True,
+        )
     frames = [f for f in frames if len(f)]
     if not frames:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")

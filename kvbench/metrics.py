@@ -42,9 +42,7 @@ def string_match_part(prediction: str, ground_truths: list[str], **kwargs) -> fl
 # Each returns exactly what the official function returns on the same inputs (including its quirks, which the
 # published scores contain); tests/test_longbench.py pins them on hand-computed cases.
 
-_ZH_PUNCTUATION = (
-    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
-)
+_ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."  # noqa: E501 (one official string)
 _EN_PUNCTUATION = frozenset(string.punctuation)
 _ALL_PUNCTUATION = frozenset(string.punctuation + _ZH_PUNCTUATION)
 
@@ -152,11 +150,23 @@ def fuzz_ratio(s1: str, s2: str) -> int:
 
 def code_sim_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """Similarity of the first generated line that is not markdown or a comment (no `, # or //) to the answer."""
-    line = next((ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln
-                 and "//" not in ln), "")
+    line = next(
+        (ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln and "//" not in ln), ""
+    )
     return fuzz_ratio(line, ground_truth) / 100
 
 
-LONGBENCH_METRICS = {f.__name__: f for f in (
-    qa_f1_score, qa_f1_zh_score, rouge_score, rouge_zh_score, classification_score, retrieval_score,
-    retrieval_zh_score, count_score, code_sim_score)}
+LONGBENCH_METRICS = {
+    f.__name__: f
+    for f in (
+        qa_f1_score,
+        qa_f1_zh_score,
+        rouge_score,
+        rouge_zh_score,
+        classification_score,
+        retrieval_score,
+        retrieval_zh_score,
+        count_score,
+        code_sim_score,
+    )
+}

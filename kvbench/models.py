@@ -23,8 +23,14 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 @dataclass
@@ -127,8 +133,9 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     fast.chat_template = CHATML_TEMPLATE
     return fast
@@ -200,8 +207,10 @@ def cache_root() -> Path:
     """$KVBENCH_CACHE (default ~/.cache/kvbench), checked to be a writable directory before any slow work."""
     root = Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench")).expanduser()
     if root.exists() and not root.is_dir():
-        raise KvbenchError(f"KVBENCH_CACHE={root} is a file, not a directory; point KVBENCH_CACHE at a directory "
-                           "(or unset it for ~/.cache/kvbench)")
+        raise KvbenchError(
+            f"KVBENCH_CACHE={root} is a file, not a directory; point KVBENCH_CACHE at a directory "
+            "(or unset it for ~/.cache/kvbench)"
+        )
     return root
 
 
@@ -215,8 +224,9 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     except ImportError:
         pass
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                 attn_implementation="sdpa", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+    )
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
@@ -238,8 +248,10 @@ def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as error:
-            raise KvbenchError(f"cannot create the model cache {target.parent} ({error.strerror}); set "
-                               "KVBENCH_CACHE to a writable directory") from None
+            raise KvbenchError(
+                f"cannot create the model cache {target.parent} ({error.strerror}); set "
+                "KVBENCH_CACHE to a writable directory"
+            ) from None
         print(f"[kvbench] converting {gguf.name} once into {target} (about 20 s)")
         convert_gguf(gguf, target)
     try:
@@ -247,8 +259,10 @@ def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     except Exception as error:  # safetensors/json/OSError: a damaged conversion, whatever the library's type
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise KvbenchError(f"the converted model in {target} is unreadable ({reason}); delete it (rm -r {target}) "
-                           "and rerun: it is converted again") from None
+        raise KvbenchError(
+            f"the converted model in {target} is unreadable ({reason}); delete it (rm -r {target}) "
+            "and rerun: it is converted again"
+        ) from None
     return _finish(model, tokenizer, cfg.name, device, dtype)
 
 

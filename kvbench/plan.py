@@ -18,9 +18,25 @@ from omegaconf import DictConfig, ListConfig
 
 from kvbench import KvbenchError, conf_dir
 
-PLAN_COLUMNS = ["model", "hardware", "method", "variant", "budget", "dtype", "context", "batch", "kv_bytes",
-                "kv_bytes_full", "kv_ratio", "weights_bytes", "total_bytes", "device_bytes", "fits", "decode_bound",
-                "decode_s_bound"]
+PLAN_COLUMNS = [
+    "model",
+    "hardware",
+    "method",
+    "variant",
+    "budget",
+    "dtype",
+    "context",
+    "batch",
+    "kv_bytes",
+    "kv_bytes_full",
+    "kv_ratio",
+    "weights_bytes",
+    "total_bytes",
+    "device_bytes",
+    "fits",
+    "decode_bound",
+    "decode_s_bound",
+]
 LIMIT_BATCHES = (1, 8, 32, 128)
 
 
@@ -53,24 +69,37 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     rows, limits = [], []
     for c in configurations(cfg):
         label = variant_label(c.method.name, c.method.params())
-        common = {"model": arch.name, "hardware": hw.name, "method": c.method.name, "variant": label,
-                  "budget": c.budget_value, "dtype": str(dtype).removeprefix("torch.")}
+        common = {
+            "model": arch.name,
+            "hardware": hw.name,
+            "method": c.method.name,
+            "variant": label,
+            "budget": c.budget_value,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
         for context in contexts:
             for batch in batches:
                 rows.append({**common, **plan_point(arch, hw, c.method, c.budget, dtype, context, batch, headroom)})
         for batch in sorted(set(batches) | set(LIMIT_BATCHES)):
             point = plan_point(arch, hw, c.method, c.budget, dtype, contexts[0], batch, headroom)
-            limits.append({"variant": label, "budget": c.budget_value, "batch": batch,
-                           "max_context": point["max_context"]})
+            limits.append(
+                {"variant": label, "budget": c.budget_value, "batch": batch, "max_context": point["max_context"]}
+            )
         for context in contexts:
             point = plan_point(arch, hw, c.method, c.budget, dtype, context, 1, headroom)
-            limits.append({"variant": label, "budget": c.budget_value, "context": context,
-                           "max_batch": point["max_batch"]})
+            limits.append(
+                {"variant": label, "budget": c.budget_value, "context": context, "max_batch": point["max_batch"]}
+            )
     eb = element_bytes(dtype)
     header = {
-        "model": arch.__dict__, "hardware": hw.__dict__, "headroom": headroom, "dtype": str(dtype),
-        "kv_bytes_per_token": (f"2 × {arch.n_layers} layers × {arch.n_kv_heads} kv_heads × {arch.head_dim} head_dim "
-                               f"× {eb} B = {2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * eb:,} B"),
+        "model": arch.__dict__,
+        "hardware": hw.__dict__,
+        "headroom": headroom,
+        "dtype": str(dtype),
+        "kv_bytes_per_token": (
+            f"2 × {arch.n_layers} layers × {arch.n_kv_heads} kv_heads × {arch.head_dim} head_dim "
+            f"× {eb} B = {2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * eb:,} B"
+        ),
         "weights_bytes": arch.n_params * eb,
     }
     frame = pd.DataFrame(rows)
@@ -86,25 +115,39 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
     from kvbench.plan_hardware import GIB, Hardware, describe
 
     hw = Hardware(**header["hardware"])
-    print(f"model:    {header['model']['name']}: {header['model']['n_params'] / 1e9:.2f} B params, weights "
-          f"{_gb(header['weights_bytes'])} GB ({header['dtype'].removeprefix('torch.')})")
+    print(
+        f"model:    {header['model']['name']}: {header['model']['n_params'] / 1e9:.2f} B params, weights "
+        f"{_gb(header['weights_bytes'])} GB ({header['dtype'].removeprefix('torch.')})"
+    )
     print(f"KV/token: {header['kv_bytes_per_token']} (uncompressed)")
     print(f"hardware: {describe(hw)}")
-    print(f"fits:     weights + KV ≤ device × (1 − headroom {header['headroom']}) = "
-          f"{hw.memory_bytes * (1 - header['headroom']) / GIB:.1f} GiB (headroom: activations, runtime, fragmentation)")
-    table = pd.DataFrame({
-        "variant": frame.variant, "budget": frame.budget, "context": frame.context, "batch": frame.batch,
-        "kv_GB": frame.kv_bytes.map(_gb), "ratio": frame.kv_ratio.map(lambda v: f"{v:.3f}"),
-        "total_GB": frame.total_bytes.map(_gb), "fits": frame.fits, "max_batch": frame.max_batch,
-        "AI": frame.arithmetic_intensity.map(lambda v: f"{v:.1f}"), "bound": frame.decode_bound,
-        "decode_ms": (1000 * frame.decode_s_bound).map(lambda v: f"{v:.3f}"),
-        "tok/s": frame.decode_tokens_per_s_bound.map(lambda v: f"{v:,.0f}"),
-        "prefill_s": frame.prefill_s_bound.map(lambda v: f"{v:.3f}"),
-    })
+    print(
+        f"fits:     weights + KV ≤ device × (1 − headroom {header['headroom']}) = "
+        f"{hw.memory_bytes * (1 - header['headroom']) / GIB:.1f} GiB (headroom: activations, runtime, fragmentation)"
+    )
+    table = pd.DataFrame(
+        {
+            "variant": frame.variant,
+            "budget": frame.budget,
+            "context": frame.context,
+            "batch": frame.batch,
+            "kv_GB": frame.kv_bytes.map(_gb),
+            "ratio": frame.kv_ratio.map(lambda v: f"{v:.3f}"),
+            "total_GB": frame.total_bytes.map(_gb),
+            "fits": frame.fits,
+            "max_batch": frame.max_batch,
+            "AI": frame.arithmetic_intensity.map(lambda v: f"{v:.1f}"),
+            "bound": frame.decode_bound,
+            "decode_ms": (1000 * frame.decode_s_bound).map(lambda v: f"{v:.3f}"),
+            "tok/s": frame.decode_tokens_per_s_bound.map(lambda v: f"{v:,.0f}"),
+            "prefill_s": frame.prefill_s_bound.map(lambda v: f"{v:.3f}"),
+        }
+    )
     print()
     print(table.to_string(index=False))
-    wide = limits.dropna(subset=["batch"]).pivot_table(index=["variant", "budget"], columns="batch",
-                                                       values="max_context", sort=False)
+    wide = limits.dropna(subset=["batch"]).pivot_table(
+        index=["variant", "budget"], columns="batch", values="max_context", sort=False
+    )
     wide.columns = [f"max_ctx@B={int(b)}" for b in wide.columns]
     print("\nlargest context that fits, per batch size:")
     print(wide.astype(int).to_string())

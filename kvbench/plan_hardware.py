@@ -34,13 +34,19 @@ class Hardware:
 def build_hardware(cfg) -> Hardware:
     if cfg.get("calibrate"):
         measured = calibrated_cpu(bool(cfg.get("recalibrate", False)))
-        return Hardware(cfg.name, int((cfg.memory_gib or 0) * GIB) or measured["memory_bytes"],
-                        (cfg.bandwidth_gb_s or 0) * 1e9 or measured["bandwidth_bytes_s"],
-                        (cfg.peak_tflops or 0) * 1e12 or measured["peak_flops"], f"measured {measured['date']}")
+        return Hardware(
+            cfg.name,
+            int((cfg.memory_gib or 0) * GIB) or measured["memory_bytes"],
+            (cfg.bandwidth_gb_s or 0) * 1e9 or measured["bandwidth_bytes_s"],
+            (cfg.peak_tflops or 0) * 1e12 or measured["peak_flops"],
+            f"measured {measured['date']}",
+        )
     missing = [k for k in ("memory_gib", "bandwidth_gb_s", "peak_tflops") if not cfg.get(k)]
     if missing:
-        raise KvbenchError(f"hardware={cfg.get('name')} lacks {', '.join(missing)}; set them, e.g. "
-                           f"hardware.{missing[0]}=80, or use a preset in conf/hardware/")
+        raise KvbenchError(
+            f"hardware={cfg.get('name')} lacks {', '.join(missing)}; set them, e.g. "
+            f"hardware.{missing[0]}=80, or use a preset in conf/hardware/"
+        )
     return Hardware(cfg.name, int(cfg.memory_gib * GIB), cfg.bandwidth_gb_s * 1e9, cfg.peak_tflops * 1e12, "published")
 
 
@@ -91,8 +97,12 @@ def measure_cpu(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> 
     a = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16)  # (N, N)
     b = torch.randn(matmul_n, matmul_n, dtype=torch.bfloat16)
     matmul_s = _best_seconds(lambda: a @ b, repeats)
-    return {"memory_bytes": _mem_total(), "bandwidth_bytes_s": 2 * src.nbytes / copy_s,
-            "peak_flops": 2 * matmul_n**3 / matmul_s, "threads": torch.get_num_threads()}
+    return {
+        "memory_bytes": _mem_total(),
+        "bandwidth_bytes_s": 2 * src.nbytes / copy_s,
+        "peak_flops": 2 * matmul_n**3 / matmul_s,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _mem_total() -> int:
@@ -104,6 +114,7 @@ def _mem_total() -> int:
 
 
 def describe(hw: Hardware) -> str:
-    return (f"{hw.name}: {hw.memory_bytes / GIB:.0f} GiB, {hw.bandwidth_bytes_s / 1e9:.0f} GB/s, "
-            f"{hw.peak_flops / 1e12:.3g} TFLOP/s dense bf16 ({hw.source}); ridge {hw.ridge_intensity:.0f} FLOP/byte")
-
+    return (
+        f"{hw.name}: {hw.memory_bytes / GIB:.0f} GiB, {hw.bandwidth_bytes_s / 1e9:.0f} GB/s, "
+        f"{hw.peak_flops / 1e12:.3g} TFLOP/s dense bf16 ({hw.source}); ridge {hw.ridge_intensity:.0f} FLOP/byte"
+    )

@@ -70,8 +70,10 @@ def model_config(cfg):
         try:
             return AutoConfig.from_pretrained(path)
         except (OSError, ValueError) as error:
-            raise KvbenchError(f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
-                               "network access: give a local directory or config.json instead") from None
+            raise KvbenchError(
+                f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
+                "network access: give a local directory or config.json instead"
+            ) from None
     raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")
 
 
@@ -85,18 +87,35 @@ def arch_of(cfg) -> Arch:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n_q = text.num_attention_heads
     name = cfg.name if cfg.name != "hub" else str(cfg.name_or_path)
-    return Arch(name, text.num_hidden_layers, n_q, getattr(text, "num_key_value_heads", None) or n_q,
-                getattr(text, "head_dim", None) or text.hidden_size // n_q, text.hidden_size, text.vocab_size,
-                n_params, bool(getattr(text, "tie_word_embeddings", False)),
-                int(getattr(text, "max_position_embeddings", 0) or 0))
+    return Arch(
+        name,
+        text.num_hidden_layers,
+        n_q,
+        getattr(text, "num_key_value_heads", None) or n_q,
+        getattr(text, "head_dim", None) or text.hidden_size // n_q,
+        text.hidden_size,
+        text.vocab_size,
+        n_params,
+        bool(getattr(text, "tie_word_embeddings", False)),
+        int(getattr(text, "max_position_embeddings", 0) or 0),
+    )
 
 
 def element_bytes(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
 
 
-def plan_point(arch: Arch, hw: Hardware, method, budget, dtype: torch.dtype, context: int, batch: int,
-               headroom: float, limits: bool = True) -> dict:
+def plan_point(
+    arch: Arch,
+    hw: Hardware,
+    method,
+    budget,
+    dtype: torch.dtype,
+    context: int,
+    batch: int,
+    headroom: float,
+    limits: bool = True,
+) -> dict:
     """Memory and roofline for `batch` requests of `context` tokens each under one configuration; with `limits`,
     also the largest batch at this context and the largest context at this batch."""
     shape = arch.kv_shape(dtype)
@@ -111,21 +130,40 @@ def plan_point(arch: Arch, hw: Hardware, method, budget, dtype: torch.dtype, con
     decode_flops = batch * (2 * arch.matmul_params + 4 * kept_q_heads * arch.head_dim * sum(per_request.layer_tokens))
     memory_s, compute_s = decode_bytes / hw.bandwidth_bytes_s, decode_flops / hw.peak_flops
     decode_s = max(memory_s, compute_s)
-    prefill_flops = batch * (2 * arch.matmul_params * context + 2 * arch.n_q_heads * arch.head_dim * arch.n_layers
-                             * context**2)
+    prefill_flops = batch * (
+        2 * arch.matmul_params * context + 2 * arch.n_q_heads * arch.head_dim * arch.n_layers * context**2
+    )
     full_bytes = shape.bytes_per_token * context
     return {
-        "context": context, "batch": batch, "kv_bytes_per_token_full": shape.bytes_per_token,
-        "kv_bytes_per_request": per_request.kv_bytes, "kv_bytes": kv_batch, "kv_bytes_full": full_bytes * batch,
-        "kv_ratio": per_request.kv_bytes / full_bytes, "bytes_exact": per_request.exact, "weights_bytes": weights,
-        "total_bytes": total, "device_bytes": hw.memory_bytes, "usable_bytes": usable, "fits": fits,
-        **({"max_batch": max_batch(weights, per_request.kv_bytes, usable),
-            "max_context": max_context(shape, method, budget, weights, batch, usable)} if limits else {}),
-        "decode_bytes": decode_bytes, "decode_flops": decode_flops,
+        "context": context,
+        "batch": batch,
+        "kv_bytes_per_token_full": shape.bytes_per_token,
+        "kv_bytes_per_request": per_request.kv_bytes,
+        "kv_bytes": kv_batch,
+        "kv_bytes_full": full_bytes * batch,
+        "kv_ratio": per_request.kv_bytes / full_bytes,
+        "bytes_exact": per_request.exact,
+        "weights_bytes": weights,
+        "total_bytes": total,
+        "device_bytes": hw.memory_bytes,
+        "usable_bytes": usable,
+        "fits": fits,
+        **(
+            {
+                "max_batch": max_batch(weights, per_request.kv_bytes, usable),
+                "max_context": max_context(shape, method, budget, weights, batch, usable),
+            }
+            if limits
+            else {}
+        ),
+        "decode_bytes": decode_bytes,
+        "decode_flops": decode_flops,
         "arithmetic_intensity": decode_flops / decode_bytes,
         "decode_bound": ("bandwidth" if memory_s >= compute_s else "compute") if fits else "oom",
-        "decode_s_bound": decode_s, "decode_tokens_per_s_bound": batch / decode_s,
-        "prefill_flops": prefill_flops, "prefill_s_bound": prefill_flops / hw.peak_flops,
+        "decode_s_bound": decode_s,
+        "decode_tokens_per_s_bound": batch / decode_s,
+        "prefill_flops": prefill_flops,
+        "prefill_s_bound": prefill_flops / hw.peak_flops,
     }
 
 
@@ -135,6 +173,7 @@ def max_batch(weights: int, kv_per_request: int, usable: int) -> int:
 
 def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable: int) -> int:
     """The longest context at which `batch` requests fit (bytes grow with context: binary search)."""
+
     def fits(tokens: int) -> bool:
         return weights + batch * predict_kv_bytes(method, budget, shape, tokens).kv_bytes <= usable
 

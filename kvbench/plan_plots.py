@@ -35,8 +35,9 @@ def region_plot(cfg, path: Path) -> Path:
         grid = np.zeros((len(BATCHES), len(CONTEXTS)), dtype=int)  # (batches, contexts)
         for i, batch in enumerate(BATCHES):
             for j, context in enumerate(CONTEXTS):
-                point = plan_point(arch, hw, c.method, c.budget, dtype, context, batch, float(cfg.headroom),
-                                   limits=False)
+                point = plan_point(
+                    arch, hw, c.method, c.budget, dtype, context, batch, float(cfg.headroom), limits=False
+                )
                 grid[i, j] = REGIONS[point["decode_bound"]]
                 if point["fits"] and i % 3 == 0 and j % 2 == 0:
                     ax.text(j, i, f"{point['decode_tokens_per_s_bound']:.0f}", ha="center", va="center", fontsize=6)
@@ -47,10 +48,19 @@ def region_plot(cfg, path: Path) -> Path:
         ax.set_title(f"{label}" + (f" budget {c.budget_value:g}" if c.budget else ""), fontsize=9)
         ax.set_xlabel("context (tokens)")
     axes[0][0].set_ylabel("batch (requests)")
-    fig.legend(handles=[Patch(color=col, label=name) for name, col in zip(REGIONS, COLORS)], loc="upper right",
-               ncol=3, fontsize=8)
-    fig.suptitle(f"{arch.name} on {hw.name} ({str(dtype).removeprefix('torch.')}, headroom {cfg.headroom}): decode "
-                 f"bound per step; numbers = roofline tokens/s", fontsize=9, x=0.01, ha="left")
+    fig.legend(
+        handles=[Patch(color=col, label=name) for name, col in zip(REGIONS, COLORS)],
+        loc="upper right",
+        ncol=3,
+        fontsize=8,
+    )
+    fig.suptitle(
+        f"{arch.name} on {hw.name} ({str(dtype).removeprefix('torch.')}, headroom {cfg.headroom}): decode "
+        f"bound per step; numbers = roofline tokens/s",
+        fontsize=9,
+        x=0.01,
+        ha="left",
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)

@@ -48,8 +48,14 @@ def build_dataclass(cls: type, params: dict, what: str) -> Any:
         raise KvbenchError(f"{what}: {error}; check its parameters against its conf yaml") from None
 
 
-def knob(default: Any = dataclasses.MISSING, *, min: float | None = None, max: float | None = None,
-         choices: tuple = (), **field_kwargs: Any) -> Any:
+def knob(
+    default: Any = dataclasses.MISSING,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple = (),
+    **field_kwargs: Any,
+) -> Any:
     """A dataclass field with the range kvbench.validate checks before the model loads, e.g.
     `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
     a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf."""

@@ -214,8 +214,11 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         page.close()
     for title, table, columns in (
         ("Knees per task", knee, knee_columns()),
-        ("Pareto frontiers per task (the points no other beats on both smaller kv_ratio and better score)", frontier,
-         pareto_columns()),
+        (
+            "Pareto frontiers per task (the points no other beats on both smaller kv_ratio and better score)",
+            frontier,
+            pareto_columns(),
+        ),
     ):
         page.open(title)
         for scope in scopes:

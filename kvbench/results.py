@@ -29,10 +29,36 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 
 COLUMNS = [  # ★ contract: DESIGN.md "Result rows"
-    "run_id", "timestamp", "git_sha", "config_hash", "kvbench_version", "torch_version", "transformers_version",
-    "device_name", "model", "task", "subset", "example_id", "context_tokens", "new_tokens", "method", "budget",
-    "method_params", "query_aware", "score", "metric", "prediction", "answers", "kv_bytes", "kv_bytes_full",
-    "kv_ratio", "peak_mem_bytes", "prefill_s", "decode_s", "decode_ms_per_token", "seed",
+    "run_id",
+    "timestamp",
+    "git_sha",
+    "config_hash",
+    "kvbench_version",
+    "torch_version",
+    "transformers_version",
+    "device_name",
+    "model",
+    "task",
+    "subset",
+    "example_id",
+    "context_tokens",
+    "new_tokens",
+    "method",
+    "budget",
+    "method_params",
+    "query_aware",
+    "score",
+    "metric",
+    "prediction",
+    "answers",
+    "kv_bytes",
+    "kv_bytes_full",
+    "kv_ratio",
+    "peak_mem_bytes",
+    "prefill_s",
+    "decode_s",
+    "decode_ms_per_token",
+    "seed",
 ]
 
 
@@ -41,8 +67,9 @@ def git_sha() -> str:
     root = Path(kvbench.__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
         return sha.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -164,16 +191,21 @@ def _read_or_skip(path: Path) -> pd.DataFrame | None:
         return pd.read_parquet(path)
     except Exception as error:  # pyarrow raises several types for a damaged file
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"[kvbench] warning: skipping unreadable results file {path} ({reason}); delete it to silence this",
-              file=sys.stderr)
+        print(
+            f"[kvbench] warning: skipping unreadable results file {path} ({reason}); delete it to silence this",
+            file=sys.stderr,
+        )
         return None
 
 
 def read_rows(path: Path) -> pd.DataFrame:
     """All rows under `path` (a Parquet file, a run directory or a store), newest first per configuration."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(f for f in path.rglob("*.parquet")
-                                                 if not f.name.endswith(".diagnose.parquet"))  # side tables
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(f for f in path.rglob("*.parquet") if not f.name.endswith(".diagnose.parquet"))
+    )  # side tables
     frames = [f for f in map(_read_or_skip, files) if f is not None and len(f)]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)

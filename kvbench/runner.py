@@ -94,8 +94,10 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
         method = requested[0].method
         if cfg.budget is not None and not method.has_budget and method.family != "none":
             knobs = ", ".join(f"method.{k}" for k in method.params()) or "none"
-            raise KvbenchError(f"method {method.name} takes no budget (it keeps every token); drop budget= and "
-                               f"use its own knobs instead: {knobs}")
+            raise KvbenchError(
+                f"method {method.name} takes no budget (it keeps every token); drop budget= and "
+                f"use its own knobs instead: {knobs}"
+            )
     out = [make_configuration({"name": "full"}, 1.0, query_aware)]
     for c in requested:
         if all((c.method != o.method or c.budget != o.budget) for o in out):
@@ -107,37 +109,81 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
     """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
     selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
     task = {k: v for k, v in plain(cfg.task).items() if k not in selection}
-    return config_hash({
-        "model": plain(cfg.model), "dtype": str(lm.dtype), "device": lm.device.type,
-        "task": task, "seed": cfg.seed, "method": c.method.name, "params": c.method.params(),
-        "budget": c.budget_value, "query_aware": c.query_aware, **({"data": data} if data else {}),
-        **workload.hash_keys(cfg),
-        **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
-    })
+    return config_hash(
+        {
+            "model": plain(cfg.model),
+            "dtype": str(lm.dtype),
+            "device": lm.device.type,
+            "task": task,
+            "seed": cfg.seed,
+            "method": c.method.name,
+            "params": c.method.params(),
+            "budget": c.budget_value,
+            "query_aware": c.query_aware,
+            **({"data": data} if data else {}),
+            **workload.hash_keys(cfg),
+            **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
+        }
+    )
 
 
 def row_for(c: Configuration, ex: Example, task, common: dict, lm, **measured) -> dict:
     """One result row: provenance and what ran (shared by every task kind) + the measured columns."""
     return {
-        **common, "config_hash": c.hash, "timestamp": datetime.now(timezone.utc).isoformat(), "model": lm.name,
-        "task": task.name, "subset": ex.subset, "method": c.method.name, "budget": c.budget_value,
-        "method_params": json.dumps(c.method.params(), sort_keys=True), "query_aware": c.query_aware,
-        "dtype": str(lm.dtype).removeprefix("torch."), "reused": False, **measured, **ex.meta,
+        **common,
+        "config_hash": c.hash,
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "model": lm.name,
+        "task": task.name,
+        "subset": ex.subset,
+        "method": c.method.name,
+        "budget": c.budget_value,
+        "method_params": json.dumps(c.method.params(), sort_keys=True),
+        "query_aware": c.query_aware,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "reused": False,
+        **measured,
+        **ex.meta,
     }
 
 
 def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, common: dict, task, lm) -> dict:
     return row_for(
-        c, ex, task, common, lm, example_id=ex.example_id, context_tokens=gen.context_tokens,
-        new_tokens=len(gen.token_ids), metric=task.metric_of(ex), prediction=gen.text, answers=json.dumps(ex.answers),
-        kv_bytes=gen.kv_bytes, kv_bytes_full=gen.kv_bytes_full, kv_ratio=gen.kv_ratio, kv_bytes_mha=gen.kv_bytes_mha,
-        peak_mem_bytes=gen.peak_mem_bytes, prefill_s=gen.prefill_s, decode_s=gen.decode_s,
-        decode_ms_per_token=gen.decode_ms_per_token, **batch_columns(gen), **scores,
+        c,
+        ex,
+        task,
+        common,
+        lm,
+        example_id=ex.example_id,
+        context_tokens=gen.context_tokens,
+        new_tokens=len(gen.token_ids),
+        metric=task.metric_of(ex),
+        prediction=gen.text,
+        answers=json.dumps(ex.answers),
+        kv_bytes=gen.kv_bytes,
+        kv_bytes_full=gen.kv_bytes_full,
+        kv_ratio=gen.kv_ratio,
+        kv_bytes_mha=gen.kv_bytes_mha,
+        peak_mem_bytes=gen.peak_mem_bytes,
+        prefill_s=gen.prefill_s,
+        decode_s=gen.decode_s,
+        decode_ms_per_token=gen.decode_ms_per_token,
+        **batch_columns(gen),
+        **scores,
     )
 
 
-def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task, common: dict, lm,
-                    diagnose=None, side: list | None = None, prefill=None) -> list[dict]:
+def generation_rows(
+    engine: Engine,
+    todo: list[Configuration],
+    ex: Example,
+    task,
+    common: dict,
+    lm,
+    diagnose=None,
+    side: list | None = None,
+    prefill=None,
+) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
     diagnose: verdict Thresholds when `diagnose=true` (kvbench.diagnose_run): rows gain the diagnostic columns and
@@ -152,8 +198,11 @@ def generation_rows(engine: Engine, todo: list[Configuration], ex: Example, task
     rows = []
     for c in todo:
         own = engine if c.method.shares_prefill else engine.prepared(c.method)
-        source = prefill if prefill is not None and c.method.shares_prefill else own.prefill(
-            prompt_ids, c.method.stats_request())
+        source = (
+            prefill
+            if prefill is not None and c.method.shares_prefill
+            else own.prefill(prompt_ids, c.method.stats_request())
+        )
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
     if diagnose is not None:
@@ -174,11 +223,28 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
     for w, row_id in zip(windows, task.row_ids(ex)):
         nll, predicted = nll + w.nll_sum, predicted + w.n_predicted
         row = row_for(
-            c, ex, task, common, lm, example_id=row_id, context_tokens=w.tokens_seen, new_tokens=w.n_predicted,
-            metric=task.metric, prediction="", answers="[]", score=w.perplexity, kv_bytes=w.kv_bytes,
-            kv_bytes_full=w.kv_bytes_full, kv_ratio=w.kv_bytes / w.kv_bytes_full, peak_mem_bytes=w.peak_mem_bytes,
-            prefill_s=w.seconds, decode_s=0.0, decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted),
-            window=w.index, cache_tokens=w.cache_tokens, perplexity_so_far=math.exp(nll / predicted),
+            c,
+            ex,
+            task,
+            common,
+            lm,
+            example_id=row_id,
+            context_tokens=w.tokens_seen,
+            new_tokens=w.n_predicted,
+            metric=task.metric,
+            prediction="",
+            answers="[]",
+            score=w.perplexity,
+            kv_bytes=w.kv_bytes,
+            kv_bytes_full=w.kv_bytes_full,
+            kv_ratio=w.kv_bytes / w.kv_bytes_full,
+            peak_mem_bytes=w.peak_mem_bytes,
+            prefill_s=w.seconds,
+            decode_s=0.0,
+            decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted),
+            window=w.index,
+            cache_tokens=w.cache_tokens,
+            perplexity_so_far=math.exp(nll / predicted),
         )
         rows.append(row)
     return rows
@@ -193,9 +259,11 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         from kvbench.tasks import TASKS
 
         if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
-            raise KvbenchError("launcher=ray splits a run's examples across workers, which would split a workload's "
-                               "requests from their shared prefix; run prefix_cache / workload tasks with "
-                               "launcher=local (or one Hydra multirun job per workload)")
+            raise KvbenchError(
+                "launcher=ray splits a run's examples across workers, which would split a workload's "
+                "requests from their shared prefix; run prefix_cache / workload tasks with "
+                "launcher=local (or one Hydra multirun job per workload)"
+            )
         from kvbench.launch_ray import run_ray  # the driver: shards go to Ray workers, each loads the model once
 
         return run_ray(cfg, output_dir)
@@ -219,13 +287,19 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     shard = shard_of(cfg)
     if shard:
-        examples = examples[shard[0]::shard[1]]  # a launcher's shard: every n-th example, prefills stay whole
+        examples = examples[shard[0] :: shard[1]]  # a launcher's shard: every n-th example, prefills stay whole
         run_id += f"-shard{shard[0]}-{cfg.launcher.get('attempt') or uuid.uuid4().hex[:6]}"
         if not examples:
             return pd.DataFrame()
     common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device)}
-    batched = (int(cfg.get("batch_size") or 1) > 1 and not task.streaming and not cfg.get("diagnose")
-               and not cfg.get("prefix_cache") and not task.workload and not hasattr(task, "compute_rows"))
+    batched = (
+        int(cfg.get("batch_size") or 1) > 1
+        and not task.streaming
+        and not cfg.get("diagnose")
+        and not cfg.get("prefix_cache")
+        and not task.workload
+        and not hasattr(task, "compute_rows")
+    )
     if batched:
         from kvbench.batched_work import BatchedWork  # examples of equal length decoded together
     work = (BatchedWork if batched else ExampleWork)(cfg, confs, task, Engine(lm), store, run_id, common, lm)
@@ -334,8 +408,9 @@ class ExampleWork:
             self.finish_claimed_elsewhere(poll_s)
 
 
-def finish_run(cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int,
-               seconds: float) -> None:
+def finish_run(
+    cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
+) -> None:
     """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
     write_rows(frame, out_dir / "rows.parquet")
     if cfg.get("diagnose"):
@@ -362,14 +437,18 @@ def stale_rows(frame: pd.DataFrame) -> int:
     return int((frame["reused"].astype(bool) & (recorded != code_fingerprint())).sum())
 
 
-def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int,
-                  seconds: float, stale: int = 0) -> None:
+def print_summary(
+    summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int, seconds: float, stale: int = 0
+) -> None:
     """The per-task table (configurations compared on the same examples; others listed apart with their n)."""
     table = summary[summary["level"] == "task"].assign(
-        ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])])
-    cols = ["task", "method", "budget", "n", "score", "ci95"] + (
-        ["score_partial"] if "score_partial" in table else []) + [
-        "drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
+        ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])]
+    )
+    cols = (
+        ["task", "method", "budget", "n", "score", "ci95"]
+        + (["score_partial"] if "score_partial" in table else [])
+        + ["drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
+    )
     print()
     print(table[table["compared"]][cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     apart = table[~table["compared"]]
@@ -378,6 +457,8 @@ def print_summary(summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_ne
         print(apart[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
     if stale:
-        print(f"note: {stale} of the {n_reused} reused rows were computed by different kvbench code (another "
-              "code_fingerprint); rerun=true to recompute")
+        print(
+            f"note: {stale} of the {n_reused} reused rows were computed by different kvbench code (another "
+            "code_fingerprint); rerun=true to recompute"
+        )
     print(f"rows:    {out_dir / 'rows.parquet'}\nsummary: {out_dir / 'summary.csv'}\nstore:   {store.rows_dir}")

@@ -45,8 +45,9 @@ def stream_budget(budget: Budget | None, n_tokens: int) -> Budget | None:
 
 
 @torch.inference_mode()
-def stream_perplexity(engine: Engine, method: Method, budget: Budget | None, ids: list[int],
-                      chunk: int) -> list[Window]:
+def stream_perplexity(
+    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int
+) -> list[Window]:
     """Per-window next-token NLL of `ids`, feeding `chunk` tokens at a time through a bounded cache."""
     from transformers import DynamicCache
 
@@ -64,15 +65,27 @@ def stream_perplexity(engine: Engine, method: Method, budget: Budget | None, ids
             logits = engine.forward(piece, [base + i for i in range(len(piece))], cache, all_logits=True)
         cache = method.stream_bound(cache, stats, budget, first=index == 0)
         if len(set(layer_lengths(cache))) > 1:
-            raise KvbenchError(f"{method.name} keeps a different number of tokens per layer; streaming feeds "
-                               "chunks through one causal mask, so use a method with uniform layers (e.g. snapkv)")
+            raise KvbenchError(
+                f"{method.name} keeps a different number of tokens per layer; streaming feeds "
+                "chunks through one causal mask, so use a method with uniform layers (e.g. snapkv)"
+            )
         synchronize(device)
         seconds = time.perf_counter() - t0
         # position i predicts token i + 1; the text's last token has no target
         n = min(len(piece), len(ids) - 1 - start)
         nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="sum")
         end = start + len(piece)
-        windows.append(Window(index, end, n, float(nll), layer_lengths(cache)[0], cache_nbytes(cache),
-                              full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
-                              seconds, read_peak(device)))
+        windows.append(
+            Window(
+                index,
+                end,
+                n,
+                float(nll),
+                layer_lengths(cache)[0],
+                cache_nbytes(cache),
+                full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
+                seconds,
+                read_peak(device),
+            )
+        )
     return windows

@@ -41,8 +41,9 @@ DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32
 
 # ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
 TOP_LEVEL: dict[str, Rule] = {
-    "budget": Rule("budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null",
-                   nullable=True),
+    "budget": Rule(
+        "budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True
+    ),
     "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
     "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
     "seed": Rule("int", "seed=0 (any integer)"),
@@ -53,15 +54,35 @@ TOP_LEVEL: dict[str, Rule] = {
     "report": Rule("bool", "report=true or report=false"),
     "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
-    "grid.method": Rule("list", "grid.method=[snapkv,h2o] (a list; null: the selected method)", nullable=True,
-                        non_empty=True, item=Rule("any")),
-    "grid.budget": Rule("list", "grid.budget=[0.25,0.5] (a list; null: budget)", nullable=True, non_empty=True,
-                        item=Rule("budget", "budget fractions in (0, 1] or token counts")),
+    "grid.method": Rule(
+        "list",
+        "grid.method=[snapkv,h2o] (a list; null: the selected method)",
+        nullable=True,
+        non_empty=True,
+        item=Rule("any"),
+    ),
+    "grid.budget": Rule(
+        "list",
+        "grid.budget=[0.25,0.5] (a list; null: budget)",
+        nullable=True,
+        non_empty=True,
+        item=Rule("budget", "budget fractions in (0, 1] or token counts"),
+    ),
     "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
     "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/verdict.py)"),
-    **{f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/verdict.py)", min=0)
-       for name in ("full_fails_below", "score_tolerance", "kl_tolerance", "evicted_tolerance", "recall_high",
-                    "recall_low", "evidence_retention_min", "evidence_mass_min")},
+    **{
+        f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/verdict.py)", min=0)
+        for name in (
+            "full_fails_below",
+            "score_tolerance",
+            "kl_tolerance",
+            "evicted_tolerance",
+            "recall_high",
+            "recall_low",
+            "evidence_retention_min",
+            "evidence_mass_min",
+        )
+    },
     "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
     "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
     "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
@@ -71,8 +92,9 @@ TOP_LEVEL: dict[str, Rule] = {
 LAUNCHER: dict[str, Rule] = {
     "launcher.name": Rule("str", "launcher=local or launcher=ray", choices=("local", "ray")),
     "launcher.workers": Rule("int", "launcher.workers=2 (shards in flight at once)", min=1),
-    "launcher.address": Rule("str", "launcher.address=auto (or ray://head:10001); null starts a local cluster",
-                             nullable=True),
+    "launcher.address": Rule(
+        "str", "launcher.address=auto (or ray://head:10001); null starts a local cluster", nullable=True
+    ),
     "launcher.num_cpus": Rule("float", "launcher.num_cpus=1 (CPUs per worker, > 0)", min=0.01),
     "launcher.num_gpus": Rule("float", "launcher.num_gpus=0 (GPUs per worker, e.g. 1)", min=0),
     "launcher.shards": Rule("int", "launcher.shards=8, or null for 4 × workers", nullable=True, min=1),
@@ -163,7 +185,8 @@ def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping
         annotation = type(choices[0])
     base = origin or annotation
     kind = {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "list", dict: "dict"}.get(
-        base, "any")
+        base, "any"
+    )
     item = None
     if kind == "list" and typing.get_args(annotation):
         inner = typing.get_args(annotation)[0]
@@ -180,8 +203,11 @@ def check_method_params(where: str, cls: type, params: dict, example=None) -> No
     for f in fields(cls):
         if not f.init or f.name not in params:
             continue
-        default = f.default if f.default is not MISSING else (
-            f.default_factory() if f.default_factory is not MISSING else None)
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else None)
+        )
         rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
         check_value(f"{where}.{f.name}", params[f.name], rule)
 
@@ -190,8 +216,9 @@ def method_class(where: str, name: Any) -> type:
     from kvbench.methods import METHODS
 
     if not isinstance(name, str):
-        raise KvbenchError(f"{where}: method name {_show(name)} is not a string; valid methods: "
-                           f"{', '.join(METHODS.names())}")
+        raise KvbenchError(
+            f"{where}: method name {_show(name)} is not a string; valid methods: {', '.join(METHODS.names())}"
+        )
     return METHODS.get(name)
 
 
@@ -207,8 +234,12 @@ def check_grid_entry(index: int, entry: Any) -> None:
         raise KvbenchError(f"{where}={_show(entry)} has no `name`; use e.g. 'grid.method=[{{name: kivi, bits: 2}}]'")
     name = entry["name"]
     params = {k: v for k, v in entry.items() if k != "name"}
-    check_method_params(where, method_class(where, name), params,
-                        lambda knob, shown: f"'grid.method=[{{name: {name}, {knob}: {shown}}}]'")
+    check_method_params(
+        where,
+        method_class(where, name),
+        params,
+        lambda knob, shown: f"'grid.method=[{{name: {name}, {knob}: {shown}}}]'",
+    )
     build_method(name, {**method_defaults(name), **params})  # the method's own __post_init__ checks
 
 
@@ -291,8 +322,9 @@ def check_config(cfg) -> None:
     try:
         config: dict = dict(plain(cfg))
     except Exception as error:  # an interpolation that does not resolve
-        raise KvbenchError(f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} "
-                           "reference it names") from None
+        raise KvbenchError(
+            f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} reference it names"
+        ) from None
     check_known_keys(config)
     for key, rule in {**TOP_LEVEL, **LAUNCHER}.items():
         present, value = _lookup(config, key)

@@ -61,9 +61,7 @@ class Budget:
                 f"budget={value!r} is not a number; give a fraction in (0, 1] or a token count"
             ) from None
         if not number > 0 or math.isinf(number):
-            raise KvbenchError(
-                f"budget={value} must be > 0: a fraction in (0, 1] (1.0 = no eviction) or a token count"
-            )
+            raise KvbenchError(f"budget={value} must be > 0: a fraction in (0, 1] (1.0 = no eviction) or a token count")
         if number > 1 and not number.is_integer():
             raise KvbenchError(
                 f"budget={value}: a fraction must be in (0, 1]; "

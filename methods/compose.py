@@ -35,12 +35,15 @@ class Compose(Method):
         parts: dict[str, Method] = {}
         for name in self.stack:
             if name in ("full", "compose"):
-                raise KvbenchError(f"compose stack: {name!r} cannot be stacked; use methods of the families "
-                                   f"{', '.join(FAMILY_ORDER)}")
+                raise KvbenchError(
+                    f"compose stack: {name!r} cannot be stacked; use methods of the families {', '.join(FAMILY_ORDER)}"
+                )
             part = build_method(name, {**method_defaults(name), **dict(self.overrides.get(name) or {})})
             if part.family in parts:
-                raise KvbenchError(f"compose stack: {parts[part.family].name} and {name} are both {part.family} "
-                                   f"methods; stack at most one per family ({', '.join(FAMILY_ORDER)})")
+                raise KvbenchError(
+                    f"compose stack: {parts[part.family].name} and {name} are both {part.family} "
+                    f"methods; stack at most one per family ({', '.join(FAMILY_ORDER)})"
+                )
             parts[part.family] = part
         if not parts:
             raise KvbenchError("compose needs a non-empty stack, e.g. method.stack=[snapkv,kivi]")
@@ -49,13 +52,21 @@ class Compose(Method):
         self._precision = parts.get("precision")
         self._structure = parts.get("structure")
         if self._precision and getattr(self._eviction, "positions", "absolute") == "rolling":
-            raise KvbenchError("compose: streamingllm positions=rolling re-rotates cached keys in place, which a "
-                               "quantized cache cannot do; use positions=absolute")
-        if (self._precision and not self._precision.layers_can_select and self._eviction
-                and self._eviction.evicts_while_decoding()):
-            raise KvbenchError(f"compose: {self._eviction.name} evicts while decoding, which {self._precision.name}'s "
-                               "cache layers cannot do; use kivi, or an eviction method that compresses once "
-                               "(snapkv, pyramidkv, random, streamingllm evict_during_decode=false)")
+            raise KvbenchError(
+                "compose: streamingllm positions=rolling re-rotates cached keys in place, which a "
+                "quantized cache cannot do; use positions=absolute"
+            )
+        if (
+            self._precision
+            and not self._precision.layers_can_select
+            and self._eviction
+            and self._eviction.evicts_while_decoding()
+        ):
+            raise KvbenchError(
+                f"compose: {self._eviction.name} evicts while decoding, which {self._precision.name}'s "
+                "cache layers cannot do; use kivi, or an eviction method that compresses once "
+                "(snapkv, pyramidkv, random, streamingllm evict_during_decode=false)"
+            )
         # what the stack takes and does, from its parts (instance attributes shadow Method's class defaults)
         self.has_budget = self._eviction is not None
         self.shares_prefill = self._structure is None

@@ -24,8 +24,10 @@ def merge_kv_heads(model, kv_heads: int):
     n_kv, n_q = config.num_key_value_heads, config.num_attention_heads
     if kv_heads < 1 or n_kv % kv_heads:
         valid = [n for n in range(1, n_kv + 1) if n_kv % n == 0]
-        raise KvbenchError(f"headmerge kv_heads={kv_heads} must divide the model's {n_kv} KV heads; "
-                           f"valid values: {', '.join(map(str, valid))} (1 = MQA)")
+        raise KvbenchError(
+            f"headmerge kv_heads={kv_heads} must divide the model's {n_kv} KV heads; "
+            f"valid values: {', '.join(map(str, valid))} (1 = MQA)"
+        )
     merged = copy.deepcopy(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_q
     for layer in merged.model.layers:

@@ -35,8 +35,10 @@ class HFQuantizedCache(Method):
             raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
         module, extra = BACKENDS[self.backend]
         if module and importlib.util.find_spec(module.split(".")[0]) is None:
-            raise KvbenchError(f"hf-quant backend={self.backend} needs its optional package: "
-                               f"pip install 'kvbench[{extra}]'   (or use backend=fp8, which needs none)")
+            raise KvbenchError(
+                f"hf-quant backend={self.backend} needs its optional package: "
+                f"pip install 'kvbench[{extra}]'   (or use backend=fp8, which needs none)"
+            )
         self._config = None
 
     @classmethod
@@ -49,9 +51,17 @@ class HFQuantizedCache(Method):
     def compress(self, prefill_kv, stats, budget):
         from transformers import QuantizedCache
 
-        options = {} if self.backend == "fp8" else dict(
-            nbits=self.nbits, q_group_size=self.q_group_size, residual_length=self.residual_length,
-            axis_key=self.axis_key, axis_value=self.axis_value)
+        options = (
+            {}
+            if self.backend == "fp8"
+            else dict(
+                nbits=self.nbits,
+                q_group_size=self.q_group_size,
+                residual_length=self.residual_length,
+                axis_key=self.axis_key,
+                axis_value=self.axis_value,
+            )
+        )
         try:
             cache = QuantizedCache(self.backend, self._config, **options)
         except (ValueError, ImportError) as error:

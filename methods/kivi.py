@@ -43,8 +43,16 @@ from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.methods.base import METHODS, Method
 
 BITS = (2, 4, 8, 16)
-_TENSORS = ("key_packed", "key_scale", "key_zero", "key_residual",
-            "value_packed", "value_scale", "value_zero", "value_residual")
+_TENSORS = (
+    "key_packed",
+    "key_scale",
+    "key_zero",
+    "key_residual",
+    "value_packed",
+    "value_scale",
+    "value_zero",
+    "value_residual",
+)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -76,8 +84,9 @@ class KiviLayer(DynamicLayer):
         self.dead: torch.Tensor | None = None  # (B, H_kv, n_dead) int32 slots evicted but still stored; None: none
 
     @classmethod
-    def from_kv(cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int,
-                residual_length: int) -> KiviLayer:
+    def from_kv(
+        cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int, residual_length: int
+    ) -> KiviLayer:
         """A layer holding keys/values (B, H_kv, N, D), split as KIVI splits a prefill (also: already-evicted K/V)."""
         layer = cls(bits, group_size, residual_length)
         layer.lazy_initialization(keys, values)
@@ -131,11 +140,13 @@ class KiviLayer(DynamicLayer):
         """The quantized parts dequantized, (B, H_kv, T_q, D) and (B, H_kv, T_v, D); None where empty."""
         keys = values = None
         if self.key_scale.shape[-1]:
-            keys = unpack_dequantize(self.key_packed, self.key_scale, self.key_zero, self.bits, self.group_size,
-                                     self.dtype).transpose(2, 3)  # (B, H_kv, D, T_q) -> (B, H_kv, T_q, D)
+            keys = unpack_dequantize(
+                self.key_packed, self.key_scale, self.key_zero, self.bits, self.group_size, self.dtype
+            ).transpose(2, 3)  # (B, H_kv, D, T_q) -> (B, H_kv, T_q, D)
         if self.value_scale.shape[2]:
-            values = unpack_dequantize(self.value_packed, self.value_scale, self.value_zero, self.bits,
-                                       self.group_size, self.dtype)  # (B, H_kv, T_v, D)
+            values = unpack_dequantize(
+                self.value_packed, self.value_scale, self.value_zero, self.bits, self.group_size, self.dtype
+            )  # (B, H_kv, T_v, D)
         return keys, values
 
     @staticmethod
@@ -219,8 +230,12 @@ class KiviLayer(DynamicLayer):
         """Dead slots (T_stored,) whose key storage can go: in the residual, or in a key group dead as a whole."""
         n_quantized = self.key_scale.shape[-1] * self.group_size
         groups_dead = dead[:n_quantized].view(-1, self.group_size).all(-1)  # (T_q / G,)
-        return dead & torch.cat([groups_dead.repeat_interleave(self.group_size),
-                                 torch.ones(dead.numel() - n_quantized, dtype=torch.bool, device=dead.device)])
+        return dead & torch.cat(
+            [
+                groups_dead.repeat_interleave(self.group_size),
+                torch.ones(dead.numel() - n_quantized, dtype=torch.bool, device=dead.device),
+            ]
+        )
 
     def _drop(self, free: torch.Tensor) -> None:
         """Remove slots `free` (T_stored,) from every storage tensor (their key groups are free as a whole)."""

@@ -37,8 +37,10 @@ class SnapKV(Method):
         check_choice("pooling", self.pooling, ("avg", "max"))
         check_choice("aggregate", self.aggregate, ("mean", "max", "none"))
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            raise KvbenchError(f"kernel_size={self.kernel_size}: use an odd pooling kernel (1, 3, 5, 7: the paper's "
-                               f"5 or 7), so that padding kernel_size // 2 keeps it centred")
+            raise KvbenchError(
+                f"kernel_size={self.kernel_size}: use an odd pooling kernel (1, 3, 5, 7: the paper's "
+                f"5 or 7), so that padding kernel_size // 2 keeps it centred"
+            )
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({self.window_size}))

@@ -59,8 +59,11 @@ class StreamingLLM(DecodeEviction):
         if self.positions == "rolling":  # each kept key remembers the position it was rotated at
             for layer_idx, layer in enumerate(cache.layers):
                 n_prompt, n_kept = prefill_kv[layer_idx][0].shape[2], layer.keys.shape[2]
-                kept = sink_and_recent(n_prompt, self.start_size, n_kept, layer.keys)[0, 0] if n_kept < n_prompt \
+                kept = (
+                    sink_and_recent(n_prompt, self.start_size, n_kept, layer.keys)[0, 0]
+                    if n_kept < n_prompt
                     else torch.arange(n_prompt)
+                )
                 cache.layers[layer_idx] = RollingLayer(layer.keys, layer.values, kept, self._inv_freq)
         return cache
 

@@ -37,18 +37,29 @@ class KeyValueRetrieval(Task):
     facts = TaskFacts()  # higher is better, scores in [0, 1]
     selection_keys = frozenset({"num_pairs", "positions", "num_samples"})
     knobs = {
-        "num_pairs": Rule("list", "task.num_pairs=[25,50] (key-value pairs per object)", non_empty=True,
-                          item=Rule("int", "pair counts ≥ 2", min=2)),
-        "positions": Rule("list", "task.positions=[0,0.5,1] (where the gold pair sits: 0 = first, 1 = last)",
-                          non_empty=True, item=Rule("float", "positions in [0, 1]", min=0, max=1)),
+        "num_pairs": Rule(
+            "list",
+            "task.num_pairs=[25,50] (key-value pairs per object)",
+            non_empty=True,
+            item=Rule("int", "pair counts ≥ 2", min=2),
+        ),
+        "positions": Rule(
+            "list",
+            "task.positions=[0,0.5,1] (where the gold pair sits: 0 = first, 1 = last)",
+            non_empty=True,
+            item=Rule("float", "positions in [0, 1]", min=0, max=1),
+        ),
         "num_samples": Rule("int", "task.num_samples=2 (objects per pair count)", min=1),
         "max_new_tokens": Rule("int", "task.max_new_tokens=100", min=1),
     }
 
     def examples(self) -> list[Example]:
-        return [self._example(int(n), float(position), index)
-                for n in self.cfg.num_pairs for position in self.cfg.positions
-                for index in range(int(self.cfg.num_samples))]
+        return [
+            self._example(int(n), float(position), index)
+            for n in self.cfg.num_pairs
+            for position in self.cfg.positions
+            for index in range(int(self.cfg.num_samples))
+        ]
 
     def _example(self, n_pairs: int, position: float, index: int) -> Example:
         # the object depends on (seed, n_pairs, index) only: positions move the same gold pair through it
@@ -57,8 +68,12 @@ class KeyValueRetrieval(Task):
         gold = pairs.pop(0)
         gold_index = round(position * (n_pairs - 1))
         pairs.insert(gold_index, gold)
-        prompt = PromptBuilder(self.tokenizer, instruction=INSTRUCTION + "\n\nJSON data:",
-                               question=f'Key: "{gold[0]}"\nCorresponding value:', answer_prefix="")
+        prompt = PromptBuilder(
+            self.tokenizer,
+            instruction=INSTRUCTION + "\n\nJSON data:",
+            question=f'Key: "{gold[0]}"\nCorresponding value:',
+            answer_prefix="",
+        )
         return Example(
             example_id=f"kvr-N{n_pairs}-P{position:g}-i{index}-s{self.seed}",
             context_ids=prompt.head_ids + encode(self.tokenizer, json_records(pairs)),
@@ -66,8 +81,7 @@ class KeyValueRetrieval(Task):
             answers=[gold[1]],
             max_new_tokens=int(self.cfg.max_new_tokens),
             subset=f"N{n_pairs}",
-            meta={"num_pairs": n_pairs, "gold_index": gold_index, "depth": position,
-                  "scenario": "synthetic retrieval"},
+            meta={"num_pairs": n_pairs, "gold_index": gold_index, "depth": position, "scenario": "synthetic retrieval"},
         )
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:

@@ -18,15 +18,19 @@ from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences, sente
 from kvbench.tasks.prompts import PromptBuilder, encode
 from kvbench.validate import Rule
 
-ADJECTIVES = ("amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
-              "fierce gentle giant golden hollow humble icy jolly lively lonely loud lucky misty modern narrow "
-              "noble odd pale patient plain proud quiet rapid rough royal rusty sandy shiny silent silver sleepy "
-              "smooth solid spicy steady stormy sturdy sunny swift tidy tiny vivid warm wild windy wooden").split()
-NOUNS = ("anchor apple arrow badger banjo barrel beacon bison blanket bottle bridge bucket cactus camel candle "
-         "canyon castle cedar cherry clock comet copper coral cricket dolphin dragon drum eagle falcon feather "
-         "fiddle forest fossil garden glacier harbor hammer helmet island jacket kettle ladder lantern lemon "
-         "meadow mirror needle oyster panther pepper pigeon pillow planet pocket puzzle quartz rabbit river "
-         "saddle salmon tulip tunnel violin walnut whistle willow zebra").split()
+ADJECTIVES = (
+    "amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "
+    "fierce gentle giant golden hollow humble icy jolly lively lonely loud lucky misty modern narrow "
+    "noble odd pale patient plain proud quiet rapid rough royal rusty sandy shiny silent silver sleepy "
+    "smooth solid spicy steady stormy sturdy sunny swift tidy tiny vivid warm wild windy wooden"
+).split()
+NOUNS = (
+    "anchor apple arrow badger banjo barrel beacon bison blanket bottle bridge bucket cactus camel candle "
+    "canyon castle cedar cherry clock comet copper coral cricket dolphin dragon drum eagle falcon feather "
+    "fiddle forest fossil garden glacier harbor hammer helmet island jacket kettle ladder lantern lemon "
+    "meadow mirror needle oyster panther pepper pigeon pillow planet pocket puzzle quartz rabbit river "
+    "saddle salmon tulip tunnel violin walnut whistle willow zebra"
+).split()
 VALUE_NAMES = {"digits": ("number", "numbers"), "words": ("word", "words"), "uuid": ("uuid", "uuids")}
 
 
@@ -70,10 +74,18 @@ class NeedleInAHaystack(Task):
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
     selection_keys = frozenset({"context_lengths", "depths"})
     knobs = {
-        "context_lengths": Rule("list", "task.context_lengths=[1024,2048] (prompt tokens)", non_empty=True,
-                                item=Rule("int", "token counts ≥ 1", min=1)),
-        "depths": Rule("list", "task.depths=[0.1,0.5,0.9] (0 = start of the context, 1 = end)", non_empty=True,
-                       item=Rule("float", "depths in [0, 1]", min=0, max=1)),
+        "context_lengths": Rule(
+            "list",
+            "task.context_lengths=[1024,2048] (prompt tokens)",
+            non_empty=True,
+            item=Rule("int", "token counts ≥ 1", min=1),
+        ),
+        "depths": Rule(
+            "list",
+            "task.depths=[0.1,0.5,0.9] (0 = start of the context, 1 = end)",
+            non_empty=True,
+            item=Rule("float", "depths in [0, 1]", min=0, max=1),
+        ),
         "haystack": Rule("str", "task.haystack=noise, prose or file", choices=HAYSTACKS),
         "haystack_files": Rule("list", "task.haystack_files=[a.txt,b.txt]", item=Rule("str", "file paths")),
         "value_type": Rule("str", "task.value_type=digits, words or uuid", choices=tuple(VALUE_NAMES)),
@@ -95,8 +107,9 @@ class NeedleInAHaystack(Task):
                 raise KvbenchError(f"task.depths: {depth} is outside [0, 1] (0 = start of the context, 1 = end)")
         sentences = load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))
         encoded = [self._encode(" " + s) for s in sentences]
-        return [self._example(int(length), float(depth), encoded)
-                for length in cfg.context_lengths for depth in cfg.depths]
+        return [
+            self._example(int(length), float(depth), encoded) for length in cfg.context_lengths for depth in cfg.depths
+        ]
 
     def data_files(self):
         return sentence_files(self.cfg.haystack, list(self.cfg.get("haystack_files") or []))
@@ -120,8 +133,10 @@ class NeedleInAHaystack(Task):
         needle = self._encode(f" One of the special magic {plural} for {key} is: {value}.")
         room = length - len(prompt.head_ids) - len(prompt.tail_ids) - len(needle)
         if room < 1:
-            raise KvbenchError(f"task.context_lengths: {length} tokens is too short for the NIAH template "
-                               f"(at least {length - room + 1} with this tokenizer)")
+            raise KvbenchError(
+                f"task.context_lengths: {length} tokens is too short for the NIAH template "
+                f"(at least {length - room + 1} with this tokenizer)"
+            )
         start = rng.randrange(len(encoded)) if cfg.haystack != "noise" else 0
         haystack = insert_at_depth(fill_haystack(encoded, start, room), needle, depth)
         return Example(

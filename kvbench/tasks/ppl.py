@@ -33,8 +33,10 @@ class Perplexity(Task):
     @classmethod
     def check(cls, cfg: dict) -> None:
         if int(cfg.get("length", 0)) < 2 * int(cfg.get("chunk", 1)):
-            raise KvbenchError(f"task ppl: length={cfg.get('length')} must be at least two chunks of "
-                               f"chunk={cfg.get('chunk')}; raise task.length or lower task.chunk")
+            raise KvbenchError(
+                f"task ppl: length={cfg.get('length')} must be at least two chunks of "
+                f"chunk={cfg.get('chunk')}; raise task.length or lower task.chunk"
+            )
         if cfg.get("text") == "file":
             check_files("task.text_files", cfg.get("text_files"))
 
@@ -54,9 +56,17 @@ class Perplexity(Task):
             ids += self.tokenizer(" " + sentences[i % len(sentences)], add_special_tokens=False)["input_ids"]
             i += 1
         ids = ids[: int(cfg.length)]
-        return [Example(example_id=f"ppl-{cfg.text}-L{len(ids)}-s{self.seed}", context_ids=ids, question_ids=[],
-                        answers=[], max_new_tokens=0, subset=cfg.text,
-                        meta={"length_target": int(cfg.length), "scenario": "language modelling"})]
+        return [
+            Example(
+                example_id=f"ppl-{cfg.text}-L{len(ids)}-s{self.seed}",
+                context_ids=ids,
+                question_ids=[],
+                answers=[],
+                max_new_tokens=0,
+                subset=cfg.text,
+                meta={"length_target": int(cfg.length), "scenario": "language modelling"},
+            )
+        ]
 
     def data_files(self):
         return sentence_files(self.cfg.text, list(self.cfg.get("text_files") or []))

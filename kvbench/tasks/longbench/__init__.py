@@ -43,10 +43,20 @@ from kvbench.validate import Rule
 # the official data (what pred.py's `load_dataset('THUDM/LongBench', ...)` reads): JSONL files in LongBench's schema
 DATA_REPO, DATA_ARCHIVE = "THUDM/LongBench", "data.zip"
 FIELDS: dict[str, type | tuple[type, ...]] = {
-    "input": str, "context": str, "answers": list, "length": int, "dataset": str, "language": str,
-          "all_classes": (list, type(None)), "_id": str}
-SUBSET_GROUPS = {"english": ENGLISH_SUBSETS, "all": tuple(n for n in all_subset_names() if not n.endswith("_e")),
-                 "longbench_e": tuple(f"{s}_e" for s in E_SUBSETS)}
+    "input": str,
+    "context": str,
+    "answers": list,
+    "length": int,
+    "dataset": str,
+    "language": str,
+    "all_classes": (list, type(None)),
+    "_id": str,
+}
+SUBSET_GROUPS = {
+    "english": ENGLISH_SUBSETS,
+    "all": tuple(n for n in all_subset_names() if not n.endswith("_e")),
+    "longbench_e": tuple(f"{s}_e" for s in E_SUBSETS),
+}
 # default max_length leaves this many tokens spare: decoding the two halves and tokenizing their join again can
 # give a few more tokens than were kept (a multi-byte character cut at the seam, merges across it)
 RETOKENIZE_MARGIN = 16
@@ -60,8 +70,10 @@ def validate_record(record, where: str, spec: SubsetSpec) -> dict:
         if field not in record:
             raise KvbenchError(f"{where}: record has no field {field!r} (LongBench's schema: {', '.join(FIELDS)})")
         if not isinstance(record[field], kind) or isinstance(record[field], bool):
-            raise KvbenchError(f"{where}: field {field!r} is a {type(record[field]).__name__}, expected "
-                               f"{'a list or null' if isinstance(kind, tuple) else kind.__name__}")
+            raise KvbenchError(
+                f"{where}: field {field!r} is a {type(record[field]).__name__}, expected "
+                f"{'a list or null' if isinstance(kind, tuple) else kind.__name__}"
+            )
     if spec.metric == "classification_score" and not record["all_classes"]:
         raise KvbenchError(f"{where}: {spec.name} is scored by classification and needs a list in 'all_classes'")
     return record
@@ -75,8 +87,10 @@ def read_records(directory: Path, spec: SubsetSpec) -> list[dict]:
         try:
             lines = jsonl.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit inside a string
         except UnicodeDecodeError as error:
-            raise KvbenchError(f"{jsonl} is not UTF-8 text (byte {error.start}: {error.reason}); LongBench's files "
-                               "are UTF-8 JSONL: convert it (e.g. iconv -t UTF-8) or replace it") from None
+            raise KvbenchError(
+                f"{jsonl} is not UTF-8 text (byte {error.start}: {error.reason}); LongBench's files "
+                "are UTF-8 JSONL: convert it (e.g. iconv -t UTF-8) or replace it"
+            ) from None
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -91,18 +105,22 @@ def read_records(directory: Path, spec: SubsetSpec) -> list[dict]:
 
         rows = pq.read_table(parquet).to_pylist()
         return [validate_record(r, f"{parquet}, row {i}", spec) for i, r in enumerate(rows)]
-    raise KvbenchError(f"LongBench file {jsonl.name} not found in task.data_dir={directory}: the directory needs "
-                       f"one <subset>.jsonl (or .parquet) per subset in LongBench's schema, e.g. the unzipped "
-                       f"{DATA_ARCHIVE}")
+    raise KvbenchError(
+        f"LongBench file {jsonl.name} not found in task.data_dir={directory}: the directory needs "
+        f"one <subset>.jsonl (or .parquet) per subset in LongBench's schema, e.g. the unzipped "
+        f"{DATA_ARCHIVE}"
+    )
 
 
 def data_dir(cfg) -> Path:
     """task.data_dir, checked: a directory."""
     directory = Path(str(cfg.get("data_dir"))).expanduser()
     if not directory.is_dir():
-        raise KvbenchError(f"task.data_dir={directory} is not a directory; point it at the unzipped "
-                           f"{DATA_ARCHIVE} (one <subset>.jsonl per subset), or set task.data_dir=null to "
-                           "download it")
+        raise KvbenchError(
+            f"task.data_dir={directory} is not a directory; point it at the unzipped "
+            f"{DATA_ARCHIVE} (one <subset>.jsonl per subset), or set task.data_dir=null to "
+            "download it"
+        )
     return directory
 
 
@@ -122,7 +140,8 @@ def official_data_dir() -> Path:
         raise KvbenchError(
             f"could not download LongBench's {DATA_ARCHIVE} from the Hugging Face hub ({DATA_REPO}: {reason}); "
             f"without network, unzip {DATA_ARCHIVE} on a machine that has it and set task.data_dir=DIR "
-            "(a directory of <subset>.jsonl files)") from None
+            "(a directory of <subset>.jsonl files)"
+        ) from None
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix="data.tmp"))
     try:
@@ -140,8 +159,10 @@ def official_data_dir() -> Path:
 def middle_truncate(tokenizer, ids: list[int], max_length: int) -> tuple[str, str]:
     """pred.py's truncation of an over-long prompt: the decoded first and last `int(max_length/2)` tokens."""
     half = int(max_length / 2)
-    return (tokenizer.decode(ids[:half], skip_special_tokens=True),
-            tokenizer.decode(ids[-half:], skip_special_tokens=True))
+    return (
+        tokenizer.decode(ids[:half], skip_special_tokens=True),
+        tokenizer.decode(ids[-half:], skip_special_tokens=True),
+    )
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -172,11 +193,14 @@ def build_prompt(tokenizer, spec: SubsetSpec, record: dict, max_length: int) -> 
     head, tail = text[:split], text[split:]
     chat = spec.chat_template and bool(getattr(tokenizer, "chat_template", None))
     if chat:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": head + QUESTION_MARK + tail}],
-                                                 tokenize=False, add_generation_prompt=True)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": head + QUESTION_MARK + tail}], tokenize=False, add_generation_prompt=True
+        )
         if rendered.count(QUESTION_MARK) != 1:
-            raise KvbenchError("the tokenizer's chat template rewrites the prompt text; use a model whose template "
-                               "passes the user message through")
+            raise KvbenchError(
+                "the tokenizer's chat template rewrites the prompt text; use a model whose template "
+                "passes the user message through"
+            )
         head, tail = rendered.split(QUESTION_MARK)
     # a chat template writes its own BOS; a plain prompt gets the tokenizer's, as pred.py's tokenizer call does
     full = tokenizer(head + tail, add_special_tokens=not chat)["input_ids"]
@@ -208,8 +232,12 @@ class LongBench(Task):
     selection_keys = frozenset({"subsets", "categories", "limit_per_subset"})
     knobs = {
         "subsets": Rule("any"),  # a list of names, or one group name (task.subsets=all): checked by `select`
-        "categories": Rule("list", f"task.categories=[single_doc_qa] (null: all; valid: {', '.join(SCENARIOS)})",
-                           nullable=True, item=Rule("str", f"scenarios: {', '.join(SCENARIOS)}", choices=SCENARIOS)),
+        "categories": Rule(
+            "list",
+            f"task.categories=[single_doc_qa] (null: all; valid: {', '.join(SCENARIOS)})",
+            nullable=True,
+            item=Rule("str", f"scenarios: {', '.join(SCENARIOS)}", choices=SCENARIOS),
+        ),
         "limit_per_subset": Rule("int", "task.limit_per_subset=10 or null (every record)", nullable=True, min=1),
         "data_dir": Rule("str", "task.data_dir=DIR (one <subset>.jsonl per subset) or null (download)", nullable=True),
         "max_length": Rule("int", "task.max_length=3500 (prompt tokens) or null (fit the model)", nullable=True, min=2),
@@ -233,8 +261,10 @@ class LongBench(Task):
         subsets = cfg.get("subsets") or []
         requested = [subsets] if isinstance(subsets, str) else list(subsets)  # task.subsets=all works too
         if not requested:
-            raise KvbenchError("task.subsets is empty; name LongBench subsets (e.g. task.subsets=[hotpotqa,qasper]) "
-                               f"or a group: {', '.join(SUBSET_GROUPS)}")
+            raise KvbenchError(
+                "task.subsets is empty; name LongBench subsets (e.g. task.subsets=[hotpotqa,qasper]) "
+                f"or a group: {', '.join(SUBSET_GROUPS)}"
+            )
         names = [n for r in requested for n in SUBSET_GROUPS.get(str(r), (str(r),))]
         specs = [subset_spec(n) for n in dict.fromkeys(names)]
         categories = list(cfg.get("categories") or [])
@@ -244,8 +274,10 @@ class LongBench(Task):
         if categories:
             specs = [s for s in specs if s.scenario in categories]
             if not specs:
-                raise KvbenchError(f"task.categories={categories} keeps none of task.subsets={requested}; widen "
-                                   "either (task.categories=null keeps every subset)")
+                raise KvbenchError(
+                    f"task.categories={categories} keeps none of task.subsets={requested}; widen "
+                    "either (task.categories=null keeps every subset)"
+                )
         limit = cfg.get("limit_per_subset")
         if limit is not None and int(limit) < 1:
             raise KvbenchError(f"task.limit_per_subset={limit}: use a positive number, or null for every record")
@@ -255,16 +287,19 @@ class LongBench(Task):
         """Truncation length: task.max_length, or what leaves room in the model for generation and the template."""
         overhead = 0
         if spec.chat_template and getattr(self.tokenizer, "chat_template", None):
-            empty = self.tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False,
-                                                       add_generation_prompt=True)
+            empty = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True
+            )
             overhead = len(self.tokenizer(empty, add_special_tokens=False)["input_ids"])
         room = None if self.max_context is None else self.max_context - spec.max_new_tokens - overhead
         if self.cfg.get("max_length") is not None:
             length = int(self.cfg.max_length)
             if room is not None and length > room:
-                raise KvbenchError(f"task.max_length={length} is more than the model can take for {spec.name} "
-                                   f"({self.max_context} tokens - {spec.max_new_tokens} new - {overhead} of chat "
-                                   f"template); use task.max_length={room} or less")
+                raise KvbenchError(
+                    f"task.max_length={length} is more than the model can take for {spec.name} "
+                    f"({self.max_context} tokens - {spec.max_new_tokens} new - {overhead} of chat "
+                    f"template); use task.max_length={room} or less"
+                )
         elif room is None:
             raise KvbenchError("the model's context window is unknown: set task.max_length (prompt tokens kept)")
         else:
@@ -297,20 +332,33 @@ class LongBench(Task):
         example_id = f"{spec.name}-{record['_id']}"
         n_tokens = len(context_ids) + len(question_ids)
         if self.max_context is not None and n_tokens + spec.max_new_tokens > self.max_context:
-            raise KvbenchError(f"LongBench example {example_id} needs {n_tokens} prompt + {spec.max_new_tokens} new "
-                               f"tokens, more than the model's context of {self.max_context}; set task.max_length "
-                               f"lower than {max_length}")
+            raise KvbenchError(
+                f"LongBench example {example_id} needs {n_tokens} prompt + {spec.max_new_tokens} new "
+                f"tokens, more than the model's context of {self.max_context}; set task.max_length "
+                f"lower than {max_length}"
+            )
         self._all_classes[example_id] = record["all_classes"]
-        meta = {"scenario": spec.scenario, "language": spec.language, "length": record["length"],
-                "truncated": truncated}
+        meta = {
+            "scenario": spec.scenario,
+            "language": spec.language,
+            "length": record["length"],
+            "truncated": truncated,
+        }
         if spec.is_e:
             meta["length_bucket"] = length_bucket(record["length"])
         # pred.py stops samsum at the newline token, but never on the first token; the engine's stop string
         # would also end on a leading newline, so by default decoding goes on and first-line scoring cuts instead
         stop = ("\n",) if spec.newline_stop and self.cfg.get("stop_at_newline") else ()
-        return Example(example_id=example_id, context_ids=context_ids, question_ids=question_ids,
-                       answers=list(record["answers"]), max_new_tokens=spec.max_new_tokens, subset=spec.name,
-                       stop=stop, meta=meta)
+        return Example(
+            example_id=example_id,
+            context_ids=context_ids,
+            question_ids=question_ids,
+            answers=list(record["answers"]),
+            max_new_tokens=spec.max_new_tokens,
+            subset=spec.name,
+            stop=stop,
+            meta=meta,
+        )
 
     def metric_of(self, example: Example) -> str:
         return subset_spec(example.subset).metric

@@ -25,11 +25,11 @@ PROMPTS = {  # verbatim, including "asconcisely" and qasper's "\n\n Answer"
     "phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
     "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, "
     "using a single phrase or sentence if possible. If the question cannot be answered based on the information "
-    "in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or "
-    "\"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on "
+    'in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or '
+    '"unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on '
     "the above article as concisely as you can, using a single phrase or sentence if possible. If the question "
-    "cannot be answered based on the information in the article, write \"unanswerable\". If the question is a "
-    "yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\n"
+    'cannot be answered based on the information in the article, write "unanswerable". If the question is a '
+    'yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\n'
     "Question: {input}\n\nAnswer:",
     "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following "
     "question based on the above text, only give me the answer and do not output any other words.\n\n"
@@ -62,10 +62,10 @@ PROMPTS = {  # verbatim, including "asconcisely" and qasper's "\n\n Answer"
     "as 1, 2, 3, and so on.\n\nThe final answer is: ",
     "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which "
     "paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the "
-    "number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", "
-    "\"Paragraph 2\", etc.\n\nThe answer is: ",
+    'number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", '
+    '"Paragraph 2", etc.\n\nThe answer is: ',
     "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n"
-    "下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是：",
+    '下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
@@ -102,8 +102,21 @@ FIRST_LINE = frozenset({"trec", "triviaqa", "samsum", "lsht"})
 NEWLINE_STOP = frozenset({"samsum"})
 
 # LongBench-E: these 13 subsets again, sampled evenly over lengths, reported per length bucket
-E_SUBSETS = ("qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa",
-             "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p")
+E_SUBSETS = (
+    "qasper",
+    "multifieldqa_en",
+    "hotpotqa",
+    "2wikimqa",
+    "gov_report",
+    "multi_news",
+    "trec",
+    "triviaqa",
+    "samsum",
+    "passage_count",
+    "passage_retrieval_en",
+    "lcc",
+    "repobench-p",
+)
 # the 16 English + code subsets that KV-cache compression papers (SnapKV, PyramidKV, ...) report
 ENGLISH_SUBSETS = tuple(s for s, row in _TABLE.items() if row[2] != "zh")
 
@@ -135,9 +148,18 @@ def subset_spec(name: str) -> SubsetSpec:
     if base not in _TABLE:
         raise KvbenchError(f"unknown LongBench subset {name!r}; valid subsets: {', '.join(all_subset_names())}")
     max_new_tokens, metric, language, scenario = _TABLE[base]
-    return SubsetSpec(name, base, PROMPTS[base], max_new_tokens, metric, language, scenario,
-                      chat_template=base not in NO_CHAT_TEMPLATE, first_line=base in FIRST_LINE,
-                      newline_stop=base in NEWLINE_STOP)
+    return SubsetSpec(
+        name,
+        base,
+        PROMPTS[base],
+        max_new_tokens,
+        metric,
+        language,
+        scenario,
+        chat_template=base not in NO_CHAT_TEMPLATE,
+        first_line=base in FIRST_LINE,
+        newline_stop=base in NEWLINE_STOP,
+    )
 
 
 def length_bucket(length: int) -> str:

@@ -47,14 +47,26 @@ class Ruler(Task):
     facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
     selection_keys = frozenset({"tasks", "context_lengths", "num_samples"})
     knobs = {
-        "tasks": Rule("list", "task.tasks=[niah_single_1,vt] or task.tasks=null (all)", nullable=True, non_empty=True,
-                      item=Rule("str", choices=tuple(SUBTASKS))),
-        "context_lengths": Rule("list", "task.context_lengths=[2048,4096] (prompt tokens)", non_empty=True,
-                                item=Rule("int", "token counts ≥ 1", min=1)),
+        "tasks": Rule(
+            "list",
+            "task.tasks=[niah_single_1,vt] or task.tasks=null (all)",
+            nullable=True,
+            non_empty=True,
+            item=Rule("str", choices=tuple(SUBTASKS)),
+        ),
+        "context_lengths": Rule(
+            "list",
+            "task.context_lengths=[2048,4096] (prompt tokens)",
+            non_empty=True,
+            item=Rule("int", "token counts ≥ 1", min=1),
+        ),
         "num_samples": Rule("int", "task.num_samples=2 (examples per subtask and length)", min=1),
         "max_new_tokens": Rule("int", "task.max_new_tokens=64 or null (RULER's lengths)", nullable=True, min=1),
-        **{name: Rule("dict", f"task.{name}.<knob>=... (conf/task/ruler.yaml)", nullable=True)
-           for name, sub in SUBTASKS.items() if sub.knobs},
+        **{
+            name: Rule("dict", f"task.{name}.<knob>=... (conf/task/ruler.yaml)", nullable=True)
+            for name, sub in SUBTASKS.items()
+            if sub.knobs
+        },
     }
 
     @classmethod
@@ -68,15 +80,16 @@ class Ruler(Task):
         samples = int(self.cfg.get("num_samples", 2))
         if samples < 1:
             raise KvbenchError(f"task.num_samples={samples}: use at least 1")
-        return [self._example(name, length, index)
-                for name in names for length in lengths for index in range(samples)]
+        return [self._example(name, length, index) for name in names for length in lengths for index in range(samples)]
 
     def _subtasks(self) -> list[str]:
         names = list(self.cfg.get("tasks") or SUBTASKS)
         unknown = [n for n in names if n not in SUBTASKS]
         if unknown:
-            raise KvbenchError(f"task.tasks: unknown RULER subtask {', '.join(map(repr, unknown))}; valid subtasks: "
-                               f"{', '.join(SUBTASKS)} (the QA subtasks need downloads and are not offered)")
+            raise KvbenchError(
+                f"task.tasks: unknown RULER subtask {', '.join(map(repr, unknown))}; valid subtasks: "
+                f"{', '.join(SUBTASKS)} (the QA subtasks need downloads and are not offered)"
+            )
         return names
 
     def _lengths(self) -> list[int]:
@@ -93,12 +106,15 @@ class Ruler(Task):
         given = dict(cfg.get(name) or {})
         unknown = sorted(set(given) - set(defaults))
         if unknown:
-            raise KvbenchError(f"task.{name} has no parameter {', '.join(map(repr, unknown))}; valid parameters: "
-                               f"{', '.join(defaults)}")
+            raise KvbenchError(
+                f"task.{name} has no parameter {', '.join(map(repr, unknown))}; valid parameters: {', '.join(defaults)}"
+            )
         for knob, value in given.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise KvbenchError(f"task.{name}.{knob}={value} is not a positive number; use "
-                                   f"task.{name}.{knob}={defaults[knob]} (RULER's default)")
+                raise KvbenchError(
+                    f"task.{name}.{knob}={value} is not a positive number; use "
+                    f"task.{name}.{knob}={defaults[knob]} (RULER's default)"
+                )
         return {**defaults, **given}
 
     def _max_new_tokens(self, subtask: Subtask) -> int:

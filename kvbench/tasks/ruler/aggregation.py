@@ -20,15 +20,19 @@ from kvbench import KvbenchError
 from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout
 from kvbench.tasks.ruler.words import list_words
 
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
-                "ones that appear most often.\n{context}\nQuestion: What are the {num_cw} most common words in the "
-                "above list?")
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
+    "ones that appear most often.\n{context}\nQuestion: What are the {num_cw} most common words in the "
+    "above list?"
+)
 CWE_ANSWER_PREFIX = " Answer: The top {num_cw} words that appear most often in the list are:"
 CWE_SHORT = 4096  # RULER's threshold for the short-context repetitions
 
-FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the three most "
-                "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
-                "the dots '....'. What are the three most frequently appeared words in the above coded text?")
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. Find the three most "
+    "frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore "
+    "the dots '....'. What are the three most frequently appeared words in the above coded text?"
+)
 FWE_ANSWER_PREFIX = " Answer: According to the coded text above, the three most frequently appeared words are:"
 FWE_WORD_LETTERS = 6
 
@@ -46,8 +50,10 @@ def word_list(common: list[str], others: list[str], common_times: int, other_tim
 def cwe_draft(rng: random.Random, length: int, params: dict, encode) -> Draft:
     num_cw, freq_cw, freq_ucw = int(params["num_cw"]), int(params["freq_cw"]), int(params["freq_ucw"])
     if not (num_cw >= 1 and freq_cw > freq_ucw >= 1):
-        raise KvbenchError(f"task.cwe: need num_cw >= 1 and freq_cw > freq_ucw >= 1 (got num_cw={num_cw}, "
-                           f"freq_cw={freq_cw}, freq_ucw={freq_ucw})")
+        raise KvbenchError(
+            f"task.cwe: need num_cw >= 1 and freq_cw > freq_ucw >= 1 (got num_cw={num_cw}, "
+            f"freq_cw={freq_cw}, freq_ucw={freq_ucw})"
+        )
     if length < CWE_SHORT:
         freq_cw, freq_ucw, example_words, example_cw, example_ucw = 6, 1, 20, 3, 1
     else:
@@ -67,8 +73,10 @@ def cwe_draft(rng: random.Random, length: int, params: dict, encode) -> Draft:
         layout=partial(cwe_layout, common, others, freq_cw, freq_ucw, rng.getrandbits(64)),
         max_units=len(others),
         runs_out=f"distinct words (kvbench.tasks.ruler.words has {len(words)})",
-        example=(CWE_TEMPLATE.format(context=numbered(example_list), num_cw=num_cw),
-                 f"{prefix} {numbered(example[:num_cw])}"),
+        example=(
+            CWE_TEMPLATE.format(context=numbered(example_list), num_cw=num_cw),
+            f"{prefix} {numbered(example[:num_cw])}",
+        ),
     )
 
 

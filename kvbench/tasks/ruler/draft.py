@@ -54,8 +54,10 @@ def render(tokenizer, draft: Draft) -> tuple[str, str]:
     user = draft.template.replace(CONTEXT, _MARK)
     turns = []
     if draft.example:
-        turns = [{"role": "user", "content": draft.example[0]},
-                 {"role": "assistant", "content": draft.example[1].strip()}]
+        turns = [
+            {"role": "user", "content": draft.example[0]},
+            {"role": "assistant", "content": draft.example[1].strip()},
+        ]
     # without a chat template, RULER's "base" template: the bare task text, after a solved example on the line before
     plain = (f"{draft.example[0]}{draft.example[1]}\n" if draft.example else "") + user
     text = chat_text(tokenizer, turns + [{"role": "user", "content": user}], plain)
@@ -79,8 +81,10 @@ def fit(draft: Draft, tokenizer, length: int, name: str) -> tuple[list[int], lis
 
     if not fits(draft.min_units):
         shortest = len(head) + len(encode(draft.layout(draft.min_units).text)) + len(tail)
-        raise KvbenchError(f"task.context_lengths: {length} tokens is too short for RULER's {name} "
-                           f"(at least {shortest} with this tokenizer)")
+        raise KvbenchError(
+            f"task.context_lengths: {length} tokens is too short for RULER's {name} "
+            f"(at least {shortest} with this tokenizer)"
+        )
     n = largest_fitting(draft.min_units, fits)
     layout = draft.layout(n)
     haystack = encode(layout.text)
@@ -89,6 +93,8 @@ def fit(draft: Draft, tokenizer, length: int, name: str) -> tuple[list[int], lis
         haystack += encode(layout.filler)[:gap]
     total = len(head) + len(haystack) + len(tail)
     if n == draft.max_units and total < 0.98 * length:
-        raise KvbenchError(f"RULER's {name} runs out of {draft.runs_out} at {total} tokens, short of the {length} "
-                           f"asked; use shorter task.context_lengths or leave {name} out of task.tasks")
+        raise KvbenchError(
+            f"RULER's {name} runs out of {draft.runs_out} at {total} tokens, short of the {length} "
+            f"asked; use shorter task.context_lengths or leave {name} out of task.tasks"
+        )
     return head + haystack, tail, layout

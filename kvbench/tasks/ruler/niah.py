@@ -20,9 +20,11 @@ from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout
 from kvbench.tasks.ruler.words import key_words
 
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-TEMPLATE = ("Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz "
-            "you about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned "
-            "in the provided text?")
+TEMPLATE = (
+    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz "
+    "you about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned "
+    "in the provided text?"
+)
 ANSWER_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
 NOISE_LINE = " ".join(NOISE)
 DEPTHS = tuple(round(100 * i / 39) for i in range(40))  # RULER's essay depths: np.linspace(0, 100, 40), rounded
@@ -98,22 +100,30 @@ def niah_draft(variant: NiahVariant, rng: random.Random, length: int, params, en
         min_units = 1
     else:
         if variant.haystack == "repeat":
+
             def line(r: random.Random) -> str:
                 return NOISE_LINE
         else:
+
             def line(r: random.Random) -> str:  # distractors: other keys and values than the sample's
                 distinct = set(taken)
                 key = fresh_item(r, variant.key, distinct)
                 return NEEDLE.format(kind=variant.value, key=key, value=fresh_item(r, variant.value, distinct))
+
         layout = partial(line_haystack, texts, target, line, seed)
         min_units = len(texts)  # RULER inserts each needle before a different line
-    return Draft(template=template.format(kind=kind, query=query, context=CONTEXT),
-                 answer_prefix=prefix.format(kind=kind, query=query), answers=answers, layout=layout,
-                 min_units=min_units)
+    return Draft(
+        template=template.format(kind=kind, query=query, context=CONTEXT),
+        answer_prefix=prefix.format(kind=kind, query=query),
+        answers=answers,
+        layout=layout,
+        min_units=min_units,
+    )
 
 
-def line_haystack(needles: list[str], target: int | None, line: Callable[[random.Random], str], seed: int,
-                  n: int) -> Layout:
+def line_haystack(
+    needles: list[str], target: int | None, line: Callable[[random.Random], str], seed: int, n: int
+) -> Layout:
     """RULER's repeat/needle haystacks: n lines, each needle inserted as a line before a random line."""
     rng = random.Random(seed)
     lines = [line(rng) for _ in range(n)]

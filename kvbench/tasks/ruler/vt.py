@@ -15,11 +15,15 @@ from kvbench import KvbenchError
 from kvbench.tasks.haystack import NOISE
 from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout, largest_fitting
 
-TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-            "Question: Find all variables that are assigned the value {query} in the text above.")
+TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+    "Question: Find all variables that are assigned the value {query} in the text above."
+)
 # "assgined" is RULER's spelling: kept, the prompt is the benchmark's
-ANSWER_PREFIX = (" Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
-                 "are assgined the value {query}, they are: ")
+ANSWER_PREFIX = (
+    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
+    "are assgined the value {query}, they are: "
+)
 NOISE_LINE = " ".join(NOISE) + "\n"
 EXAMPLE_TOKENS = 470  # RULER sizes its solved example to 500 tokens, 30 of them for the generated answer
 PROMPT_TEXT = (TEMPLATE + ANSWER_PREFIX + NOISE_LINE).lower()
