@@ -229,7 +229,7 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
     except KvbenchError:
         return pd.DataFrame()
     best = table[table["rank"] == 1].copy()
-    best["score [95% CI]"] = [f"{r.score:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]" for r in best.itertuples()]
+    best["score [95% CI]"] = [score_with_interval(r.score, r.ci_low, r.ci_high) for r in best.itertuples()]
     best["ties"] = best["ties"].replace("", "none")
     return best[["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]]
 
@@ -267,3 +267,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def score_with_interval(score: float, low: float, high: float) -> str:
+    """`0.444 [0.189, 0.733]`, or the score alone where there is no interval (n < 5)."""
+    return f"{score:.3f}" if math.isnan(low) else f"{score:.3f} [{low:.3f}, {high:.3f}]"

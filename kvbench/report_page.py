@@ -33,6 +33,7 @@ th:first-child,td:first-child{text-align:left}tr.few td{color:#999}
 body.allcols .more{display:table-cell}.toggle{font-size:.9em;margin:.3em 0}
 th.asc:after{content:" ▲";font-size:.7em}th.desc:after{content:" ▼";font-size:.7em}
 @media print{nav,.toggle{display:none}body{max-width:none;font-size:11px}.card{grid-template-columns:1fr 1fr}
+.wrap,.section{overflow:visible}table{font-size:8.5px}td,th{white-space:normal}
 img,table,.card{break-inside:avoid}h2{break-after:avoid}}
 @media (max-width:900px){.card{grid-template-columns:1fr}}
 """
