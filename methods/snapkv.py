@@ -23,13 +23,14 @@ from kvbench.attention import StatsRequest
 from kvbench.cache import cache_from_kv
 from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import check_choice, per_kv_head, pool, top_k_sorted
+from kvbench.registry import knob
 
 
 @METHODS.register("snapkv")
 @dataclass
 class SnapKV(Method):
-    window_size: int = 32
-    kernel_size: int = 5
+    window_size: int = knob(32, min=1)  # observation window: at least the last token
+    kernel_size: int = knob(5, min=1)  # odd; 1 = no pooling
     pooling: str = "avg"  # avg | max
     aggregate: str = "mean"  # how a KV head combines its query heads' scores: mean | max | none (per query head)
 

@@ -64,6 +64,8 @@ CASES = [
     ("method knob", ["method=snapkv", "method.window_size=abc"], "method.window_size=32"),
     ("method knob", ["method=snapkv", "method.window_size=-5"], "method.window_size=32"),
     ("method knob", ["method=snapkv", "method.window_size=2.5"], "method.window_size=32"),
+    ("method knob", ["method=snapkv", "method.window_size=0"], "method.window_size=32"),
+    ("method knob", ["method=pyramidkv", "method.kernel_size=0"], "method.kernel_size=5"),
     ("method knob", ["method=snapkv", "method.kernel_size=true"], "method.kernel_size=5"),
     ("method knob", ["method=random", "method.seed=x"], "method.seed=0"),
     ("method knob", ["method=h2o", "method.recent_ratio=lots"], "method.recent_ratio=0.5"),
