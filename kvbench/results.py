@@ -225,6 +225,31 @@ class ResultStore:
         rows = read_rows(self.rows_dir)
         return {(r["config_hash"], r["example_id"]): r for r in rows.to_dict("records")}
 
+    def versions(self) -> dict[Path, tuple[int, int]]:
+        """(mtime_ns, size) of every row file: what a process has seen of the store so far."""
+        seen = {}
+        for path in self.rows_dir.glob("*.parquet") if self.rows_dir.exists() else []:
+            if path.name.endswith(".diagnose.parquet"):
+                continue
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            seen[path] = (stat.st_mtime_ns, stat.st_size)
+        return seen
+
+    def rows_since(self, seen: dict[Path, tuple[int, int]], own: Path) -> list[dict]:
+        """Rows of the files other processes wrote or rewrote since `seen` (updated in place)."""
+        rows: list[dict] = []
+        for path, version in self.versions().items():
+            if path == own or seen.get(path) == version:
+                continue
+            seen[path] = version
+            frame = _read_or_skip(path)
+            if frame is not None:
+                rows.extend(frame.to_dict("records"))
+        return rows
+
     def save_run(self, run_id: str, rows: list[dict]) -> Path:
         path = self.rows_dir / f"{run_id}.parquet"
         write_rows(pd.DataFrame(rows), path)

@@ -333,6 +333,7 @@ class ExampleWork:
         self.run_id, self.common, self.lm = run_id, common, lm
         # workload tasks and prefix caching run requests in order: a sequence is measured whole, never partly reused
         self.requests = workload.WorkloadRunner(engine, cfg, lm) if cfg.get("prefix_cache") or task.workload else None
+        self.seen = store.versions()  # before reading: a file written in between is read again, never missed
         self.existing = {} if cfg.get("rerun") or self.requests else store.existing()
         self.claims = Claims(store.root)
         self.rows: list[dict] = []
@@ -377,6 +378,14 @@ class ExampleWork:
                 busy.append(c)
         if busy:
             self.elsewhere.append((ex, busy))
+        if todo and not self.requests:  # a claim won just after another process saved these rows and released it
+            for row in self.store.rows_since(self.seen, self.store.rows_dir / f"{self.run_id}.parquet"):
+                self.existing[(row["config_hash"], row["example_id"])] = row
+            done = [c for c in todo if self._reuse(c, ex) is not None]
+            for c in done:
+                self.rows.extend(self._reuse(c, ex) or [])
+            self.claims.release((c.hash, ex.example_id) for c in done)
+            todo = [c for c in todo if c not in done]
         return todo
 
     def save(self, new: list[dict], claimed: list[tuple[str, str]]) -> None:
