@@ -275,6 +275,7 @@ class PagedLayer(DynamicLayer):
         self.shared_keys, self.shared_values, self.n_shared = [], [], 0
 
     def crop(self, tokens_to_remove: int) -> None:
+        # not a stub: transformers' crop (assisted decoding) never runs on kvbench caches; refuse it loudly
         raise NotImplementedError("a paged layer is not cropped")
 
 

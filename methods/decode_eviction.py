@@ -51,7 +51,7 @@ class DecodeEviction(Method):
 
     def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor | None:
         """Positions (B, H_kv, size) of `layer` to keep, sorted ascending; None to keep every token."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: H2O and StreamingLLM implement it
 
     def evicts_while_decoding(self) -> bool:
         return True

@@ -24,7 +24,7 @@ class ScoreEviction(Method):
 
     def scores(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats) -> torch.Tensor:
         """(B, H_kv, T) fp32; keys/values (B, H_kv, T, D) as cached (post-RoPE keys)."""
-        raise NotImplementedError
+        raise NotImplementedError  # abstract: every scorer implements it
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         values = self._prefill_values[layer_idx]  # the base hook passes keys only; value-aware scorers read these
