@@ -16,11 +16,12 @@ Rows carry `workload`, `turn` and `request_index` (the request's position in its
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from kvbench import KvbenchError
 from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
-from kvbench.tasks.haystack import load_sentences
+from kvbench.tasks.haystack import load_sentences, sentence_files
 from kvbench.tasks.niah import ADJECTIVES, NOUNS, VALUE_NAMES, fill_haystack, random_value
 
 MARK = "\x00DOCUMENT\x00"
@@ -55,7 +56,22 @@ def with_needles(sentences: list[list[int]], needles: list[list[int]], depths: l
     return out
 
 
+@dataclass(frozen=True)
+class Fact:
+    """One request's evidence: `text` is inserted into the shared document, `question` asks for `answer`;
+    `answer_prefix` follows the generation prompt (RULER's habit; empty for LongBench-style prompts)."""
+
+    text: str
+    question: str
+    answer: str
+    answer_prefix: str = ""
+
+
 class SharedPrefixTask(Task):
+    """The common frame of the workloads: one document per workload holding one fact per request at evenly spread
+    depths, the requests' prompts split into the shared head and each request's tail. Subclasses say what the
+    facts are (`request_facts`), how a prompt is laid out (`prompt`) and what the document's units are (`units`)."""
+
     metric = "string_match"
     workload = True
     n_requests_key = "questions"
@@ -65,49 +81,76 @@ class SharedPrefixTask(Task):
         n, documents = int(cfg[self.n_requests_key]), int(cfg.documents)
         if n < 1 or documents < 1:
             raise KvbenchError(f"task.{self.n_requests_key} and task.documents must be >= 1")
-        if n > len(ADJECTIVES) * len(NOUNS):
-            raise KvbenchError(f"task.{self.n_requests_key}={n}: at most {len(ADJECTIVES) * len(NOUNS)} keys")
-        encoded = [self.encode(" " + s) for s in load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))]
-        return [ex for d in range(documents) for ex in self._workload(d, n, encoded)]
+        sentences = load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))
+        units = self.units(sentences)
+        return [ex for d in range(documents) for ex in self._workload(d, n, units)]
+
+    def data_files(self):
+        return sentence_files(self.cfg.haystack, list(self.cfg.get("haystack_files") or []))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _workload(self, doc: int, n: int, encoded: list[list[int]]) -> list[Example]:
+    def units(self, sentences: list[str]) -> list[list[int]]:
+        """The haystack's text units, token ids, in order (facts go between units): sentences."""
+        return [self.encode(" " + s) for s in sentences]
+
+    def request_facts(self, rng: random.Random, n: int) -> tuple[str, list[Fact]]:
+        """(the instruction before the document, `n` facts), drawn with `rng`: RULER's key → value needles."""
         cfg = self.cfg
-        rng = random.Random(f"{self.seed}:{self.name}:{cfg.haystack}:{cfg.value_type}:{cfg.context_length}:{doc}")
+        if n > len(ADJECTIVES) * len(NOUNS):
+            raise KvbenchError(f"task.{self.n_requests_key}={n}: at most {len(ADJECTIVES) * len(NOUNS)} keys")
         singular, plural = VALUE_NAMES.get(cfg.value_type, ("", ""))
         keys: list[str] = []
         while len(keys) < n:
             key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
             keys += [key] if key not in keys else []
         values = [random_value(rng, cfg.value_type, int(cfg.value_length)) for _ in keys]
-        needles = [self.encode(f" One of the special magic {plural} for {k} is: {v}.") for k, v in zip(keys, values)]
         instruction = (
             f"Some special magic {plural} are hidden within the following text. Make sure to memorize "
             f"them. I will quiz you about the {plural} afterwards."
         )
-        questions = [f"What is the special magic {singular} for {k} mentioned in the provided text?" for k in keys]
-        prefixes = [f"The special magic {singular} for {k} mentioned in the provided text is" for k in keys]
-        prompts = [self.prompt(instruction, questions, prefixes, values, i) for i in range(n)]
+        return instruction, [
+            Fact(
+                text=f" One of the special magic {plural} for {k} is: {v}.",
+                question=f"What is the special magic {singular} for {k} mentioned in the provided text?",
+                answer=v,
+                answer_prefix=f"The special magic {singular} for {k} mentioned in the provided text is",
+            )
+            for k, v in zip(keys, values)
+        ]
+
+    def subset(self) -> str:
+        return f"{self.cfg.haystack}-{self.cfg.value_type}"
+
+    def rng_seed(self, doc: int) -> str:
+        cfg = self.cfg
+        return f"{self.seed}:{self.name}:{cfg.haystack}:{cfg.value_type}:{cfg.context_length}:{doc}"
+
+    def _workload(self, doc: int, n: int, units: list[list[int]]) -> list[Example]:
+        cfg = self.cfg
+        rng = random.Random(self.rng_seed(doc))
+        instruction, facts = self.request_facts(rng, n)
+        needles = [self.encode(f.text) for f in facts]
+        prompts = [self.prompt(instruction, facts, i) for i in range(n)]
         head = prompts[0][0]
         room = int(cfg.context_length) - len(head) - sum(map(len, needles))
         if room < 1:
             raise KvbenchError(
-                f"task.context_length={cfg.context_length} is too short for {n} needles and the "
+                f"task.context_length={cfg.context_length} is too short for {n} facts and the "
                 f"template (at least {int(cfg.context_length) - room + 1} tokens)"
             )
-        start = rng.randrange(len(encoded)) if cfg.haystack != "noise" else 0
+        start = rng.randrange(len(units)) if cfg.haystack != "noise" else 0
         depths = [(i + 0.5) / n for i in range(n)]
-        document = with_needles(fill_haystack(encoded, start, room), needles, depths)
+        document = with_needles(fill_haystack(units, start, room), needles, depths)
         return [
             Example(
                 example_id=f"{self.name}-{cfg.haystack}-L{cfg.context_length}-d{doc}-r{i}-s{self.seed}",
                 context_ids=head + document,
                 question_ids=tail,
-                answers=[values[i]],
+                answers=[facts[i].answer],
                 max_new_tokens=int(cfg.max_new_tokens),
-                subset=f"{cfg.haystack}-{cfg.value_type}",
+                subset=self.subset(),
                 meta={
                     "workload": f"{self.name}-d{doc}",
                     "request_index": i,
@@ -116,11 +159,12 @@ class SharedPrefixTask(Task):
                     "length_target": int(cfg.context_length),
                     "scenario": "shared prefix",
                 },
+                evidence=(facts[i].answer,),
             )
             for i, (_, tail) in enumerate(prompts)
         ]
 
-    def prompt(self, instruction, questions, prefixes, values, i) -> tuple[list[int], list[int]]:
+    def prompt(self, instruction: str, facts: list[Fact], i: int) -> tuple[list[int], list[int]]:
         raise NotImplementedError  # abstract: each workload lays out its chat
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
@@ -132,19 +176,19 @@ class SharedPrefixTask(Task):
 class SharedDocument(SharedPrefixTask):
     name = "shared_doc"
 
-    def prompt(self, instruction, questions, prefixes, values, i):
-        user = f"{instruction}\n{MARK}\n{questions[i]}"
-        return chat_split(self.tokenizer, [{"role": "user", "content": user}], prefixes[i])
+    def prompt(self, instruction, facts, i):
+        user = f"{instruction}\n{MARK}\n{facts[i].question}"
+        return chat_split(self.tokenizer, [{"role": "user", "content": user}], facts[i].answer_prefix)
 
 
 @TASKS.register("system_prompt")
 class SystemPrompt(SharedPrefixTask):
     name = "system_prompt"
 
-    def prompt(self, instruction, questions, prefixes, values, i):
+    def prompt(self, instruction, facts, i):
         system = f"You are a helpful assistant. {instruction}\n{MARK}"
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[i]}]
-        return chat_split(self.tokenizer, messages, prefixes[i])
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": facts[i].question}]
+        return chat_split(self.tokenizer, messages, facts[i].answer_prefix)
 
 
 @TASKS.register("multiturn")
@@ -152,11 +196,11 @@ class MultiTurn(SharedPrefixTask):
     name = "multiturn"
     n_requests_key = "turns"
 
-    def prompt(self, instruction, questions, prefixes, values, i):
-        messages = [{"role": "user", "content": f"{instruction}\n{MARK}\n{questions[0]}"}]
+    def prompt(self, instruction, facts, i):
+        messages = [{"role": "user", "content": f"{instruction}\n{MARK}\n{facts[0].question}"}]
         for t in range(1, i + 1):
             messages += [
-                {"role": "assistant", "content": f"{prefixes[t - 1]} {values[t - 1]}."},
-                {"role": "user", "content": questions[t]},
+                {"role": "assistant", "content": f"{facts[t - 1].answer_prefix} {facts[t - 1].answer}."},
+                {"role": "user", "content": facts[t].question},
             ]
-        return chat_split(self.tokenizer, messages, prefixes[i])
+        return chat_split(self.tokenizer, messages, facts[i].answer_prefix)
