@@ -108,6 +108,23 @@ class StatsRecorder:
                 )
                 moments.add(kept)
 
+    def has_layer(self, layer_idx: int) -> bool:
+        """Whether every statistic the request asks for was recorded for this layer (in this pass)."""
+        request = self.request
+        return (
+            (not request.all_queries or layer_idx in self.all_queries)
+            and all(layer_idx in self.window.get(w, {}) for w in request.windows)
+            and all(layer_idx in self.moments.get(s, {}) for s in request.query_moments)
+        )
+
+    def release(self, layer_idx: int) -> None:
+        """Drop one layer's statistics once they are used (prefill=inline: one layer's at a time)."""
+        self.all_queries.pop(layer_idx, None)
+        for windows in self.window.values():
+            windows.pop(layer_idx, None)
+        for moments in self.moments.values():
+            moments.pop(layer_idx, None)
+
     @contextlib.contextmanager
     def _timed(self, name):
         start = time.perf_counter()
@@ -186,6 +203,30 @@ _active = threading.local()
 
 
 @contextlib.contextmanager
+def after_each_layer(hook):
+    """Call `hook(layer_idx, keys, values)` at the end of every attention call inside the block, with the layer's
+    whole cached K/V (B, H_kv, T, D) — `prefill=inline` compresses each layer there (kvbench.inline). Inside the
+    block a layer may hold fewer tokens than the mask the model built from layer 0 (PyramidKV's per-layer counts
+    while prefilling in chunks): such a layer gets the bottom-right-aligned causal mask of its own length."""
+    previous = getattr(_active, "layer_hook", None)
+    _active.layer_hook = hook
+    try:
+        yield
+    finally:
+        _active.layer_hook = previous
+
+
+def _own_length_mask(attention_mask, query: torch.Tensor, key: torch.Tensor):
+    """A chunk's causal mask for a layer holding key.shape[2] tokens when the model's mask covers another length:
+    query i (of Q, the newest) sees every key up to T − Q + i, as (1, 1, Q, T) bool."""
+    n_queries, n_keys = query.shape[2], key.shape[2]
+    if attention_mask is None or attention_mask.shape[-1] == n_keys:
+        return attention_mask
+    positions = torch.arange(n_keys, device=query.device)
+    return (positions[None, :] <= positions[n_keys - n_queries :, None])[None, None]  # (1, 1, Q, T)
+
+
+@contextlib.contextmanager
 def recording(request: StatsRequest):
     """Record `request`'s statistics for every attention call inside the block; yields the recorder."""
     recorder = StatsRecorder(request)
@@ -199,6 +240,16 @@ def recording(request: StatsRequest):
 
 def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """transformers attention signature: query (B, H_q, Q, D); key/value (B, H_kv, T, D) from the cache."""
+    hook = getattr(_active, "layer_hook", None)
+    if hook is not None:
+        attention_mask = _own_length_mask(attention_mask, query, key)
+    output = _attention(module, query, key, value, attention_mask, scaling, **kwargs)
+    if hook is not None:
+        hook(module.layer_idx, key, value)  # the output is computed: the layer's full K/V may now go
+    return output
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     recorder = getattr(_active, "recorder", None)
     if isinstance(key, RaggedKV):  # KV heads of different lengths (adakv): per-head attention, no statistics
         if recorder is not None:

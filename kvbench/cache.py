@@ -20,14 +20,18 @@ KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 SELECT_OBSERVERS: list = []
 
 
+def kv_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A cache layer holding keys/values (B, H_kv, T, D) as they are (no copy)."""
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
+
+
 def cache_from_kv(layers: list[KV]) -> DynamicCache:
     """A DynamicCache holding these tensors as they are (no copy); updates concatenate into new tensors."""
     cache = DynamicCache()
-    for keys, values in layers:
-        layer = DynamicLayer()
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
-        cache.layers.append(layer)
+    cache.layers.extend(kv_layer(keys, values) for keys, values in layers)
     return cache
 
 

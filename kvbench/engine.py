@@ -33,10 +33,14 @@ class Prefill:
     peak_mem_bytes: int
     # prefix caching (kvbench.workload): called with each configuration's compressed cache before decoding
     adopt: Callable | None = None
+    baseline_bytes: int = 0  # memory in use when the prefill started (kvbench.memory): deltas are over it
+    # prefill=inline (kvbench.inline): the cache was compressed inside the forward pass; `kv` is then empty
+    compressed: object | None = None
+    prompt_tokens: int = 0
 
     @property
     def n_tokens(self) -> int:
-        return self.kv[0][0].shape[2]
+        return self.kv[0][0].shape[2] if self.kv else self.prompt_tokens
 
     def seconds_for(self, method: Method) -> float:
         """Prefill time charged to `method`: a shared prefill recorded every method's statistics, this one pays
@@ -58,6 +62,7 @@ class Generation:
     kv_bytes_mha: int  # the same with one KV head per query head (what GQA/MQA already saved)
     peak_mem_bytes: int
     logits: list[torch.Tensor] = field(default_factory=list)
+    peak_mem_delta_bytes: int | None = None  # peak over the memory in use before the prefill (None: not measured)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -108,7 +113,7 @@ class Engine:
 
         device = self.lm.device
         cache = cache if cache is not None else DynamicCache()
-        reset_peak(device)
+        baseline = reset_peak(device)
         synchronize(device)
         start = time.perf_counter()
         with recording(request) as stats:
@@ -116,7 +121,7 @@ class Engine:
         synchronize(device)
         seconds = time.perf_counter() - start
         self._check_recorded(request, stats, len(cache.layers))
-        return Prefill(cache_kv(cache), stats, logits[-1], seconds, read_peak(device))
+        return Prefill(cache_kv(cache), stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
 
     def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
         recorded = [len(stats.all_queries)] if request.all_queries else []
@@ -145,7 +150,9 @@ class Engine:
         reset_peak(device)
         start = time.perf_counter()
         method.bind(self.lm)
-        cache = method.compress(prefill.kv, prefill.stats, budget)
+        cache = prefill.compressed  # prefill=inline: compressed inside the forward pass
+        if cache is None:
+            cache = method.compress(prefill.kv, prefill.stats, budget)
         if prefill.adopt is not None:
             cache = prefill.adopt(cache)
         logits, position = prefill.last_logits, prefill.n_tokens
@@ -174,6 +181,7 @@ class Engine:
 
         text = self.answer_text(generated, stop)
         lm = self.lm
+        peak = max(prefill.peak_mem_bytes, read_peak(device))
         tokens_if_full = prefill.n_tokens + len(suffix_ids) + steps
         return Generation(
             token_ids=generated,
@@ -185,8 +193,9 @@ class Engine:
             kv_bytes=cache_nbytes(cache),
             kv_bytes_full=full_cache_nbytes(lm.n_layers, self.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
             kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
-            peak_mem_bytes=max(prefill.peak_mem_bytes, read_peak(device)),
+            peak_mem_bytes=peak,
             logits=kept_logits,
+            peak_mem_delta_bytes=peak - prefill.baseline_bytes,
         )
 
     def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:

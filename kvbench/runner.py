@@ -19,7 +19,7 @@ import pandas as pd
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from kvbench import KvbenchError, workload
+from kvbench import KvbenchError, inline, workload
 from kvbench.aggregate import summarize, with_variants
 from kvbench.attention import StatsRequest
 from kvbench.batched import batch_columns
@@ -122,6 +122,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             "query_aware": c.query_aware,
             **({"data": data} if data else {}),
             **workload.hash_keys(cfg),
+            **inline.hash_keys(cfg),
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
         }
     )
@@ -165,6 +166,7 @@ def make_row(c: Configuration, ex: Example, gen: Generation, scores: dict, commo
         kv_ratio=gen.kv_ratio,
         kv_bytes_mha=gen.kv_bytes_mha,
         peak_mem_bytes=gen.peak_mem_bytes,
+        peak_mem_delta_bytes=gen.peak_mem_delta_bytes,
         prefill_s=gen.prefill_s,
         decode_s=gen.decode_s,
         decode_ms_per_token=gen.decode_ms_per_token,
@@ -183,14 +185,17 @@ def generation_rows(
     diagnose=None,
     side: list | None = None,
     prefill=None,
+    inline_chunk: tuple[str, int | None] = ("shared", None),
 ) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
     diagnose: verdict Thresholds when `diagnose=true` (kvbench.diagnose_run): rows gain the diagnostic columns and
     the per-(layer, KV head) records are appended to `side`. `prefill(ids, request)` replaces engine.prefill for
-    the shared one (the prefix cache: kvbench.workload)."""
+    the shared one (the prefix cache: kvbench.workload). `inline_chunk` = (prefill, prefill_chunk): with
+    prefill=inline every configuration prefills on its own, compressing inside the forward pass (kvbench.inline)."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
-    shared = [c for c in todo if c.method.shares_prefill]
+    mode, chunk = inline_chunk
+    shared = [c for c in todo if c.method.shares_prefill and mode == "shared"]
     request = StatsRequest()
     for c in shared:
         request = request | c.method.stats_request()
@@ -198,11 +203,12 @@ def generation_rows(
     rows = []
     for c in todo:
         own = engine if c.method.shares_prefill else engine.prepared(c.method)
-        source = (
-            prefill
-            if prefill is not None and c.method.shares_prefill
-            else own.prefill(prompt_ids, c.method.stats_request())
-        )
+        if mode == "inline":
+            source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
+        elif prefill is not None and c.method.shares_prefill:
+            source = prefill
+        else:
+            source = own.prefill(prompt_ids, c.method.stats_request())
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
     if diagnose is not None:
@@ -255,9 +261,8 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     check_config(cfg)  # every key, knob and grid entry, before the model loads
     workload.check(cfg)
     confs = configurations(cfg)
+    inline.check(cfg, [c.method for c in confs], TASKS.get(cfg.task.name))
     if (cfg.get("launcher") or {}).get("name", "local") == "ray" and shard_of(cfg) is None:
-        from kvbench.tasks import TASKS
-
         if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
             raise KvbenchError(
                 "launcher=ray splits a run's examples across workers, which would split a workload's "
@@ -291,7 +296,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         run_id += f"-shard{shard[0]}-{cfg.launcher.get('attempt') or uuid.uuid4().hex[:6]}"
         if not examples:
             return pd.DataFrame()
-    common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device)}
+    common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device), **inline.row_keys(cfg)}
     batched = (
         int(cfg.get("batch_size") or 1) > 1
         and not task.streaming
@@ -362,7 +367,8 @@ class ExampleWork:
         elif self.requests:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm)
         else:
-            new = generation_rows(self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+            args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+            new = generation_rows(*args, inline_chunk=inline.settings(self.cfg))
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 
     def todo(self, ex: Example) -> list[Configuration]:

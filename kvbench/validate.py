@@ -87,6 +87,18 @@ TOP_LEVEL: dict[str, Rule] = {
     "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
     "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
     "reuse": Rule("str", "reuse=per_question or reuse=compress_once", choices=("per_question", "compress_once")),
+    "prefill": Rule(
+        "str",
+        "prefill=shared (compress after the whole prefill; grids share it) or prefill=inline (each layer "
+        "compressed inside the forward pass)",
+        choices=("shared", "inline"),
+    ),
+    "prefill_chunk": Rule(
+        "int",
+        "prefill_chunk=1024 (tokens per chunk, with prefill=inline) or prefill_chunk=null (whole prompt)",
+        nullable=True,
+        min=1,
+    ),
 }
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {

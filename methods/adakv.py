@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, build_method, method_defaults
@@ -46,6 +45,8 @@ class AdaKV(WrapsScorer):
     scorer: str = "snapkv"  # the per-head scores redistributed: snapkv | pyramidkv | tova | knorm | keydiff | ...
     alpha_safeguard: float = 0.2  # share of each head's uniform budget it keeps whatever the other heads score
 
+    chunk_limit = "its ragged layers give no attention statistics to a later chunk"
+
     def __post_init__(self):
         check_choice("scorer", self.scorer, SCORERS)
         if not 0 <= self.alpha_safeguard <= 1:
@@ -58,27 +59,17 @@ class AdaKV(WrapsScorer):
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         """Records the layer's ragged choice; the dense gather the base class does with the returned (empty)
-        index costs nothing and is replaced by the ragged layer in `compress`."""
-        scores = head_scores(self._scorer, layer_idx, keys, self._values[layer_idx], stats)  # (B, H_kv, T)
+        index costs nothing and is replaced by the ragged layer in `compress_layer`."""
+        scores = head_scores(self._scorer, layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
         self._keep[layer_idx] = adaptive_keep(scores, n_keep, self.alpha_safeguard)
         return torch.empty(*keys.shape[:2], 0, dtype=torch.long, device=keys.device)  # (B, H_kv, 0)
 
-    def compress(self, prefill_kv, stats, budget):
-        """The base class resolves the budget (fractions, minimums, nothing to evict) and calls keep_indices per
-        layer; layers it left whole stay dense, the others become ragged."""
-        self._values = [values for _, values in prefill_kv]
-        try:
-            dense = super().compress(prefill_kv, stats, budget)
-        finally:
-            self._values = None
-        if not self._keep:
-            return dense
-        cache = DynamicCache()
-        for layer_idx, ((keys, values), layer) in enumerate(zip(prefill_kv, dense.layers)):
-            keep = self._keep.get(layer_idx)
-            cache.layers.append(layer if keep is None else RaggedLayer.gather(keys, values, keep))
-        self.reset()
-        return cache
+    def compress_layer(self, layer_idx, keys, values, stats):
+        """The base class resolves the budget (fractions, minimums, nothing to evict) and calls keep_indices;
+        a layer it left whole stays dense, the others become ragged."""
+        dense = super().compress_layer(layer_idx, keys, values, stats)
+        keep = self._keep.pop(layer_idx, None)  # (B, H_kv, T) bool
+        return dense if keep is None else RaggedLayer.gather(keys, values, keep)
 
     def stream_bound(self, cache, stats, budget, first: bool):
         raise KvbenchError("adakv is not supported by the streaming perplexity task (task=ppl); use its scorer")

@@ -13,8 +13,15 @@ prefill and selection
 - `layer_tokens(n_keep, L, T)`        tokens kept per layer (uniform; PyramidKV redistributes them)
 - `layer_keep_counts(T, L, budget)`   prompt tokens each layer keeps (the rule `compress` and the planner share)
 - `keep_indices(layer, K, stats, n)`  per layer and KV head, which prompt positions to keep
-- `compress(prefill_kv, stats, budget)`  the cache to decode from: `keep_indices` gathered per layer by default;
-                                      quantized caches build their own layers here
+- `compress(prefill_kv, stats, budget)`  the cache to decode from after a shared prefill: the three hooks below
+- `begin_compress(T, L, budget)`      forget the last example, fix each layer's count for the whole prompt
+- `compress_layer(l, K, V, stats)`    one layer's cache layer: `keep_indices` gathered by default; quantized
+                                      caches build their own layers here. prefill=inline calls it inside the
+                                      forward pass right after layer l's attention (kvbench/inline.py), and
+                                      prefill_chunk again after every chunk with what the layer then holds
+- `observe_layer(l, K, stats)`        a layer kept whole: methods accumulating scores (H2O) add this pass's
+- `end_compress(layers, stats, budget)`  the cache holding the layers; decode-time state is set up here
+- `compresses_per_layer()`, `chunk_limit`  whether prefill=inline / prefill_chunk serve the method (validated)
 decoding (methods/decode_eviction.py's DecodeEviction implements these once for H2O and StreamingLLM)
 - `reset()`                           forget per-example state
 - `decode_request()`                  statistics each decode forward must record
@@ -37,10 +44,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers import DynamicCache
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRecorder, StatsRequest
-from kvbench.cache import KV, cache_from_kv, gather_kv
+from kvbench.cache import KV, gather_kv, kv_layer
 from kvbench.registry import Registry, build_dataclass
 
 METHODS = Registry("method")
@@ -132,24 +140,77 @@ class Method:
         return [min(n, n_prompt) for n in self.layer_tokens(n_keep, n_layers, n_prompt)]
 
     def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
-        """The cache to decode from: each layer's kept positions gathered into new tensors.
+        """The cache to decode from, after the whole prefill (`prefill=shared`): `begin_compress`, then
+        `compress_layer` for each layer, then `end_compress` — the same calls `prefill=inline` makes inside the
+        forward pass, one layer at a time (kvbench.inline)."""
+        self.begin_compress(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
+        layers = [self.compress_layer(i, keys, values, stats) for i, (keys, values) in enumerate(prefill_kv)]
+        return self.end_compress(layers, stats, budget)
+
+    def begin_compress(self, n_prompt: int, n_layers: int, budget: Budget | None) -> None:
+        """Before the first layer: forget the last example, fix each layer's kept count for the whole prompt.
 
         Records `kept_positions` (kvbench.diagnose): per layer the (B, H_kv, N) prompt positions kept, None where a
         layer keeps every token."""
         self.reset()
-        self.kept_positions: list[torch.Tensor | None] = [None] * len(prefill_kv)
-        counts = self.layer_keep_counts(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
-        if counts is None:
-            return cache_from_kv(prefill_kv)
-        kept = []
-        for layer_idx, ((keys, values), layer_keep) in enumerate(zip(prefill_kv, counts)):
-            if layer_keep >= keys.shape[2]:
-                kept.append((keys, values))
-                continue
-            index = self.keep_indices(layer_idx, keys, stats, layer_keep)  # (B, H_kv, layer_keep)
-            self.kept_positions[layer_idx] = index
-            kept.append(gather_kv(keys, values, index))
-        return cache_from_kv(kept)
+        self.kept_positions: list[torch.Tensor | None] = [None] * n_layers
+        self._keep_counts = self.layer_keep_counts(n_prompt, n_layers, budget)
+        self._layer_values: torch.Tensor | None = None  # compress_layer's values, for value-aware scorers
+        self._seen = [0] * n_layers  # prompt tokens each layer has been given (chunked prefill: so far)
+
+    def compress_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats: StatsRecorder):
+        """One layer's cache layer to decode from, given everything it holds now, keys/values (B, H_kv, T, D):
+        `keep_indices` gathered into new tensors when the layer holds more than its count, else kept whole.
+
+        Chunked prefill calls it again after every chunk with what the layer then holds (kept tokens + the chunk);
+        `stats` are always the current pass's, over all of the layer's keys."""
+        n_keep = None if self._keep_counts is None else self._keep_counts[layer_idx]
+        slots = self._slot_positions(layer_idx, keys.shape[2], keys)  # (B, H_kv, T) prompt positions, or None
+        if n_keep is None or n_keep >= keys.shape[2]:
+            self.observe_layer(layer_idx, keys, stats)
+            self.kept_positions[layer_idx] = slots
+            return kv_layer(keys, values)
+        self._layer_values = values  # value-aware scorers (methods/scorer.py) read the layer's values
+        try:
+            index = self.keep_indices(layer_idx, keys, stats, n_keep)  # (B, H_kv, n_keep)
+        finally:
+            self._layer_values = None
+        self.kept_positions[layer_idx] = index if slots is None else slots.gather(-1, index)  # (B, H_kv, n_keep)
+        return kv_layer(*gather_kv(keys, values, index))
+
+    def _slot_positions(self, layer_idx: int, n_slots: int, like: torch.Tensor) -> torch.Tensor | None:
+        """Prompt positions of a layer's `n_slots` cache slots: the positions kept so far, then the new tokens;
+        None while the layer has never been evicted (slot = position)."""
+        held = self.kept_positions[layer_idx]  # (B, H_kv, P) or None
+        seen = self._seen[layer_idx]
+        self._seen[layer_idx] = seen + n_slots - (seen if held is None else held.shape[-1])
+        if held is None:
+            return None
+        new = torch.arange(seen, self._seen[layer_idx], device=held.device)  # (T − P,)
+        return torch.cat([held, new.expand(*held.shape[:2], -1)], dim=-1)  # (B, H_kv, T)
+
+    def observe_layer(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder) -> None:
+        """A layer kept whole by `compress_layer` (under its count): methods that accumulate scores (H2O) add
+        this pass's statistics, so a later chunk or decode step evicts with them."""
+
+    def end_compress(self, layers: list, stats: StatsRecorder, budget: Budget | None):
+        """After the last layer: the cache holding `layers` (methods with decode-time state set it up here)."""
+        cache = DynamicCache()
+        cache.layers = list(layers)
+        return cache
+
+    @classmethod
+    def compresses_per_layer(cls) -> bool:
+        """Whether `prefill=inline` can compress this method layer by layer: true unless the method overrides
+        `compress` itself instead of the begin/compress_layer/end hooks (e.g. one needing every layer first)."""
+        return getattr(cls.compress, "__qualname__", "") == "Method.compress" and cls.compresses_inline
+
+    compresses_inline: ClassVar[bool] = True  # False: a method whose selection needs every layer's statistics
+    chunk_limit: ClassVar[str] = ""  # why the method cannot re-compress after each prefill chunk ("": it can)
+
+    def chunkable(self) -> bool:
+        """Whether `prefill_chunk` can re-compress this method's cache after every chunk."""
+        return not self.chunk_limit
 
     # ---- decode --------------------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
-from kvbench.cache import cache_from_kv, cache_kv
+from kvbench.cache import kv_layer
 from kvbench.methods.base import METHODS, Method, build_method, method_defaults
 
 FAMILY_ORDER = ("structure", "eviction", "precision")
@@ -70,6 +70,8 @@ class Compose(Method):
         # what the stack takes and does, from its parts (instance attributes shadow Method's class defaults)
         self.has_budget = self._eviction is not None
         self.shares_prefill = self._structure is None
+        if self._precision and self._eviction:  # a later chunk would re-select from dequantized K/V
+            self.chunk_limit = "eviction cannot re-select tokens of its quantized layers"
 
     @classmethod
     def lossless_params(cls, lm) -> dict:
@@ -88,11 +90,25 @@ class Compose(Method):
     def stats_request(self) -> StatsRequest:
         return self._eviction.stats_request() if self._eviction else StatsRequest()
 
-    def compress(self, prefill_kv, stats, budget):
-        cache = self._eviction.compress(prefill_kv, stats, budget) if self._eviction else cache_from_kv(prefill_kv)
+    def begin_compress(self, n_prompt, n_layers, budget):
+        if self._eviction:
+            self._eviction.begin_compress(n_prompt, n_layers, budget)
         if self._precision:
-            cache = self._precision.compress(cache_kv(cache), stats, None)  # quantize what eviction kept
-        return cache
+            self._precision.begin_compress(n_prompt, n_layers, None)
+
+    def compress_layer(self, layer_idx, keys, values, stats):
+        """Eviction selects the layer's tokens, then precision stores what it kept."""
+        layer = self._eviction.compress_layer(layer_idx, keys, values, stats) if self._eviction else None
+        if self._precision:
+            kept = (keys, values) if layer is None else (layer.keys, layer.values)
+            layer = self._precision.compress_layer(layer_idx, *kept, stats)  # quantize what eviction kept
+        return layer if layer is not None else kv_layer(keys, values)
+
+    def end_compress(self, layers, stats, budget):
+        cache = self._eviction.end_compress(layers, stats, budget) if self._eviction else None
+        if self._precision:
+            cache = self._precision.end_compress(cache.layers if cache is not None else layers, stats, None)
+        return cache if cache is not None else super().end_compress(layers, stats, budget)
 
     def decode_request(self) -> StatsRequest:
         return self._eviction.decode_request() if self._eviction else StatsRequest()

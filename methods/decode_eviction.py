@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.attention import StatsRecorder
-from kvbench.cache import KV, cache_kv, layer_lengths, layer_select
+from kvbench.cache import cache_kv, layer_lengths, layer_select
 from kvbench.methods.base import Budget, Method
 
 
@@ -30,10 +30,18 @@ class DecodeEviction(Method):
         """Each layer's size while decoding, None when nothing is evicted (budget 1.0)."""
         return self._sizes
 
-    def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
-        cache = super().compress(prefill_kv, stats, budget)  # resets, then keep_indices per layer
-        kept, prompt = layer_lengths(cache), [keys.shape[2] for keys, _ in prefill_kv]
-        if kept != prompt:
+    def begin_compress(self, n_prompt: int, n_layers: int, budget: Budget | None) -> None:
+        super().begin_compress(n_prompt, n_layers, budget)  # resets
+        self._n_prompt = n_prompt
+
+    def compress_layer(self, layer_idx, keys, values, stats):
+        self._like = keys.new_empty(*keys.shape[:2], 0)  # (B, H_kv, 0): shape and device for decode-time indices
+        return super().compress_layer(layer_idx, keys, values, stats)
+
+    def end_compress(self, layers, stats: StatsRecorder, budget: Budget | None):
+        cache = super().end_compress(layers, stats, budget)
+        kept = layer_lengths(cache)
+        if any(n < self._n_prompt for n in kept):
             self._sizes = kept
         elif budget is None or not self.has_budget or budget.value == 1.0:
             self._sizes = None
@@ -42,10 +50,10 @@ class DecodeEviction(Method):
         else:  # a fraction that rounds to the whole (short) prompt: hold it there
             self._sizes = kept
         if self._sizes is not None:
-            cache = self.start_decoding(cache, prefill_kv, stats)
+            cache = self.start_decoding(cache, stats)
         return cache
 
-    def start_decoding(self, cache, prefill_kv: list[KV], stats: StatsRecorder):
+    def start_decoding(self, cache, stats: StatsRecorder):
         """Called once after compression when the cache will be held; returns the cache to decode from."""
         return cache
 

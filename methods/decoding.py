@@ -52,9 +52,15 @@ class Decoding(WrapsScorer):
         self._moments: dict[int, dict[int, QueryMoments]] = {}  # n_sink → layer → moments since last compression
 
     # ---- prefill: the scorer's own compression (bind, stats, token counts: WrapsScorer) -----------------------
-    def compress(self, prefill_kv, stats, budget):
+    def begin_compress(self, n_prompt, n_layers, budget):
         self.reset()
-        cache = self._scorer.compress(prefill_kv, stats, budget)
+        self._scorer.begin_compress(n_prompt, n_layers, budget)
+
+    def compress_layer(self, layer_idx, keys, values, stats):
+        return self._scorer.compress_layer(layer_idx, keys, values, stats)
+
+    def end_compress(self, layers, stats, budget):
+        cache = self._scorer.end_compress(layers, stats, budget)
         self._scorer.reset()  # its own decode-time eviction (TOVA) stays off: this wrapper decides when
         self._armed = True
         return cache

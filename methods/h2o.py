@@ -90,11 +90,12 @@ class H2O(DecodeEviction):
         self._receive(layer_idx, stats, keys.shape[1])
         return self._keep(layer_idx, n_keep)
 
-    def start_decoding(self, cache, prefill_kv, stats):
+    def observe_layer(self, layer_idx, keys, stats):
+        """A layer kept whole (budget ≥ the prompt, or a chunk that fits): score its tokens for later evictions."""
+        self._receive(layer_idx, stats, keys.shape[1])
+
+    def start_decoding(self, cache, stats):
         self._recent = self.recent_tokens(min(self.held_sizes()))
-        for layer_idx, (keys, _) in enumerate(prefill_kv):
-            if layer_idx not in self._received:  # not evicted at prefill (budget ≥ prompt): score every token
-                self._receive(layer_idx, stats, keys.shape[1])
         return cache
 
     def decode_keep(self, layer_idx, layer, size, stats):

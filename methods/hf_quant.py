@@ -48,9 +48,10 @@ class HFQuantizedCache(Method):
     def bind(self, lm) -> None:
         self._config = lm.config
 
-    def compress(self, prefill_kv, stats, budget):
+    def begin_compress(self, n_prompt, n_layers, budget):
         from transformers import QuantizedCache
 
+        super().begin_compress(n_prompt, n_layers, budget)
         options = (
             {}
             if self.backend == "fp8"
@@ -63,9 +64,16 @@ class HFQuantizedCache(Method):
             )
         )
         try:
-            cache = QuantizedCache(self.backend, self._config, **options)
+            self._cache = QuantizedCache(self.backend, self._config, **options)
         except (ValueError, ImportError) as error:
             raise KvbenchError(f"hf-quant: {error}") from None
-        for layer_idx, (keys, values) in enumerate(prefill_kv):
-            cache.layers[layer_idx].update(keys, values)  # first update quantizes the whole prompt
+
+    def compress_layer(self, layer_idx, keys, values, stats):
+        layer = self._cache.layers[layer_idx]
+        layer.update(keys, values)  # the first update quantizes the whole prompt
+        return layer
+
+    def end_compress(self, layers, stats, budget):
+        cache, self._cache = self._cache, None
+        cache.layers = list(layers)
         return cache

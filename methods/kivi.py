@@ -35,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
@@ -308,10 +307,6 @@ class Kivi(Method):
     def lossless_params(cls, lm) -> dict:
         return {"bits": 16}  # passthrough: every token stays in the full-precision residual
 
-    def compress(self, prefill_kv, stats, budget):
-        """Every layer's prefill K/V (B, H_kv, T, D) as a KiviLayer, split as KIVI splits a prefill."""
-        self.reset()
-        cache = DynamicCache()
-        for keys, values in prefill_kv:
-            cache.layers.append(KiviLayer.from_kv(keys, values, self.bits, self.group_size, self.residual_length))
-        return cache
+    def compress_layer(self, layer_idx, keys, values, stats):
+        """A layer's K/V (B, H_kv, T, D) as a KiviLayer, split as KIVI splits a prefill (inline: as produced)."""
+        return KiviLayer.from_kv(keys, values, self.bits, self.group_size, self.residual_length)

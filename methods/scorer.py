@@ -27,15 +27,8 @@ class ScoreEviction(Method):
         raise NotImplementedError  # abstract: every scorer implements it
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
-        values = self._prefill_values[layer_idx]  # the base hook passes keys only; value-aware scorers read these
+        values = self._layer_values  # the base hook passes keys only; compress_layer sets the layer's values
         return top_k_sorted(self.scores(layer_idx, keys, values, stats), n_keep)  # (B, H_kv, n_keep)
-
-    def compress(self, prefill_kv, stats, budget):
-        self._prefill_values = [values for _, values in prefill_kv]
-        try:
-            return super().compress(prefill_kv, stats, budget)
-        finally:
-            self._prefill_values = None
 
 
 def head_scores(method: Method, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats) -> torch.Tensor:

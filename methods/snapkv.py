@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRequest
-from kvbench.cache import cache_from_kv
+from kvbench.cache import kv_layer
 from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import check_choice, per_kv_head, pool, top_k_sorted
 from kvbench.registry import knob
@@ -64,16 +64,17 @@ class SnapKV(Method):
         window = window.expand(keys.shape[0], keys.shape[1], -1)  # (B, H_kv, W)
         return torch.cat([chosen, window], dim=-1)  # (B, H_kv, n_keep), ascending
 
-    def compress(self, prefill_kv, stats, budget):
+    def compress_layer(self, layer_idx, keys, values, stats):
         if self.aggregate != "none":
-            return super().compress(prefill_kv, stats, budget)
-        n_groups = stats.window[self.window_size][0].shape[1] // prefill_kv[0][0].shape[1]  # G = H_q / H_kv
-        expanded = [(repeat_kv(keys, n_groups), repeat_kv(values, n_groups)) for keys, values in prefill_kv]
-        cache = super().compress(expanded, stats, budget)  # (B, H_q, n_keep, D): one selection per query head
-        if cache.layers[0].keys.shape[2] == prefill_kv[0][0].shape[2]:  # nothing evicted: the plain cache
-            return cache_from_kv(prefill_kv)
-        cache.layers = [QueryHeadLayer.holding(layer.keys, layer.values, n_groups) for layer in cache.layers]
-        return cache
+            return super().compress_layer(layer_idx, keys, values, stats)
+        # G = H_q / H_kv; a later chunk (prefill_chunk) finds the layer already per query head: its G was kept
+        n_groups = stats.window[self.window_size][layer_idx].shape[1] // keys.shape[1]
+        held = self.__dict__.setdefault("_groups", {})
+        groups = held.setdefault(layer_idx, n_groups) if n_groups > 1 else held.get(layer_idx, 1)
+        expanded = super().compress_layer(layer_idx, repeat_kv(keys, n_groups), repeat_kv(values, n_groups), stats)
+        if expanded.keys.shape[2] == keys.shape[2]:  # nothing evicted: the plain layer
+            return kv_layer(keys, values)
+        return QueryHeadLayer.holding(expanded.keys, expanded.values, groups)  # (B, H_q, n_keep, D)
 
 
 class QueryHeadLayer(DynamicLayer):

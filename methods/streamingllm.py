@@ -53,16 +53,14 @@ class StreamingLLM(DecodeEviction):
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         return sink_and_recent(keys.shape[2], self.start_size, n_keep, keys)
 
-    def start_decoding(self, cache, prefill_kv, stats):
-        keys = prefill_kv[0][0]
-        self._like = keys.new_empty(*keys.shape[:2], 0)  # (B, H_kv, 0): shape and device for decode-time indices
+    def start_decoding(self, cache, stats):
         if self.positions == "rolling":  # each kept key remembers the position it was rotated at
             for layer_idx, layer in enumerate(cache.layers):
-                n_prompt, n_kept = prefill_kv[layer_idx][0].shape[2], layer.keys.shape[2]
+                n_kept = layer.keys.shape[2]
                 kept = (
-                    sink_and_recent(n_prompt, self.start_size, n_kept, layer.keys)[0, 0]
-                    if n_kept < n_prompt
-                    else torch.arange(n_prompt)
+                    sink_and_recent(self._n_prompt, self.start_size, n_kept, layer.keys)[0, 0]
+                    if n_kept < self._n_prompt
+                    else torch.arange(self._n_prompt)
                 )
                 cache.layers[layer_idx] = RollingLayer(layer.keys, layer.values, kept, self._inv_freq)
         return cache

@@ -40,9 +40,13 @@ class TOVA(ScoreEviction):
     def reset(self) -> None:
         self._size = None
 
-    def compress(self, prefill_kv, stats, budget):
-        cache = super().compress(prefill_kv, stats, budget)
-        evicted = layer_lengths(cache) != [keys.shape[2] for keys, _ in prefill_kv]
+    def begin_compress(self, n_prompt, n_layers, budget):
+        super().begin_compress(n_prompt, n_layers, budget)
+        self._n_prompt = n_prompt
+
+    def end_compress(self, layers, stats, budget):
+        cache = super().end_compress(layers, stats, budget)
+        evicted = any(n < self._n_prompt for n in layer_lengths(cache))
         self._size = layer_lengths(cache) if evicted and self.evict_during_decode else None  # budget 1.0: never
         return cache
 
