@@ -57,12 +57,14 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     from kvbench.models import resolve_dtype
     from kvbench.plan_hardware import build_hardware
     from kvbench.plan_model import arch_of, element_bytes, plan_point
+    from kvbench.plan_reuse import Reuse
     from kvbench.runner import configurations
 
     contexts, batches = as_ints(cfg.context, "context"), as_ints(cfg.batch, "batch")
     headroom = float(cfg.headroom)
     if not 0 <= headroom < 1:
         raise KvbenchError(f"headroom={headroom}: a fraction in [0, 1) of device memory kept free")
+    reuse = Reuse.from_cfg(cfg, contexts)
     dtype = resolve_dtype(cfg.dtype)
     hw = build_hardware(cfg.hardware)
     arch = arch_of(cfg.model)
@@ -79,14 +81,15 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         }
         for context in contexts:
             for batch in batches:
-                rows.append({**common, **plan_point(arch, hw, c.method, c.budget, dtype, context, batch, headroom)})
+                point = plan_point(arch, hw, c.method, c.budget, dtype, context, batch, headroom, reuse=reuse)
+                rows.append({**common, **point})
         for batch in sorted(set(batches) | set(LIMIT_BATCHES)):
-            point = plan_point(arch, hw, c.method, c.budget, dtype, contexts[0], batch, headroom)
+            point = plan_point(arch, hw, c.method, c.budget, dtype, contexts[0], batch, headroom, reuse=reuse)
             limits.append(
                 {"variant": label, "budget": c.budget_value, "batch": batch, "max_context": point["max_context"]}
             )
         for context in contexts:
-            point = plan_point(arch, hw, c.method, c.budget, dtype, context, 1, headroom)
+            point = plan_point(arch, hw, c.method, c.budget, dtype, context, 1, headroom, reuse=reuse)
             limits.append(
                 {"variant": label, "budget": c.budget_value, "context": context, "max_batch": point["max_batch"]}
             )
@@ -101,6 +104,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             f"× {eb} B = {2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * eb:,} B"
         ),
         "weights_bytes": arch.n_params * eb,
+        "reuse": {"prefix": reuse.prefix, "mode": reuse.label, "page_size": reuse.page_size},
     }
     frame = pd.DataFrame(rows)
     frame = frame[PLAN_COLUMNS + [c for c in frame.columns if c not in PLAN_COLUMNS]]
@@ -121,6 +125,12 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
     )
     print(f"KV/token: {header['kv_bytes_per_token']} (uncompressed)")
     print(f"hardware: {describe(hw)}")
+    if header["reuse"]["prefix"]:
+        r = header["reuse"]
+        print(
+            f"reuse:    every request's first {r['prefix']} tokens shared by the batch, prefix caching {r['mode']} "
+            f"(page_size {r['page_size']}): held once, prefilled once (kvbench/plan_reuse.py)"
+        )
     print(
         f"fits:     weights + KV ≤ device × (1 − headroom {header['headroom']}) = "
         f"{hw.memory_bytes * (1 - header['headroom']) / GIB:.1f} GiB (headroom: activations, runtime, fragmentation)"
@@ -143,6 +153,10 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
             "prefill_s": frame.prefill_s_bound.map(lambda v: f"{v:.3f}"),
         }
     )
+    reuse = header["reuse"]
+    if reuse["prefix"]:  # requests sharing a prefix: what is held once, and the prefill it saves
+        table.insert(5, "shared_GB", frame.kv_bytes_shared.map(_gb))
+        table["saved_s"] = frame.prefill_s_saved.map(lambda v: f"{v:.3f}")
     print()
     print(table.to_string(index=False))
     wide = limits.dropna(subset=["batch"]).pivot_table(

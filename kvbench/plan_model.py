@@ -5,6 +5,7 @@ Decode step of a batch of B requests at context T (every weight and every cached
     FLOPs  = B · (2 · matmul params + 4 · H_q · head_dim · Σ_layers T_layer)   (QKᵀ and AV over the kept tokens)
     bound  = max(bytes / bandwidth, FLOPs / peak)        → bandwidth- or compute-bound
 Prefill of B prompts of T tokens: B · (2 · matmul params · T + 2 · H_q · head_dim · L · T²) FLOPs / peak (causal).
+Requests sharing a prefix (prefix caching): bytes held once and prefill saved by kvbench.plan_reuse.
 Quantized caches are counted at their compressed bytes (a fused dequantizing kernel); dequantization FLOPs and
 activation traffic are not modelled.
 """
@@ -20,7 +21,9 @@ import torch
 from kvbench import KvbenchError
 from kvbench.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.plan_hardware import Hardware
+from kvbench.plan_reuse import Reuse, batch_prefill_flops, held_bytes
 
+NO_REUSE = Reuse()
 MAX_SEARCH_CONTEXT = 1 << 24  # largest context the fit search tries (16M tokens)
 
 
@@ -115,34 +118,35 @@ def plan_point(
     batch: int,
     headroom: float,
     limits: bool = True,
+    reuse: Reuse = NO_REUSE,
 ) -> dict:
-    """Memory and roofline for `batch` requests of `context` tokens each under one configuration; with `limits`,
-    also the largest batch at this context and the largest context at this batch."""
+    """Memory and roofline for `batch` requests of `context` tokens each under one configuration (sharing
+    `reuse.prefix` tokens: kvbench.plan_reuse); with `limits`, also the largest batch at this context and the
+    largest context at this batch."""
     shape = arch.kv_shape(dtype)
-    per_request = predict_kv_bytes(method, budget, shape, context)
-    kv_batch = per_request.kv_bytes * batch
+    held = held_bytes(method, budget, shape, context, reuse)
+    request = predict_kv_bytes(method, budget, shape, context)
+    kv_batch = held.once + batch * held.private
     weights = arch.n_params * element_bytes(dtype)
     usable = int(hw.memory_bytes * (1 - headroom))
     total = weights + kv_batch
     fits = total <= usable
     kept_q_heads = arch.n_q_heads  # head merging shares K/V across more query heads; queries are unchanged
-    decode_bytes = weights + kv_batch
-    decode_flops = batch * (2 * arch.matmul_params + 4 * kept_q_heads * arch.head_dim * sum(per_request.layer_tokens))
+    decode_bytes = weights + batch * held.view  # each request reads its whole view (no shared-prefix kernel)
+    decode_flops = batch * (2 * arch.matmul_params + 4 * kept_q_heads * arch.head_dim * sum(request.layer_tokens))
     memory_s, compute_s = decode_bytes / hw.bandwidth_bytes_s, decode_flops / hw.peak_flops
     decode_s = max(memory_s, compute_s)
-    prefill_flops = batch * (
-        2 * arch.matmul_params * context + 2 * arch.n_q_heads * arch.head_dim * arch.n_layers * context**2
-    )
+    prefill, prefill_saved = batch_prefill_flops(arch, method, context, batch, reuse)
     full_bytes = shape.bytes_per_token * context
     return {
         "context": context,
         "batch": batch,
         "kv_bytes_per_token_full": shape.bytes_per_token,
-        "kv_bytes_per_request": per_request.kv_bytes,
+        "kv_bytes_per_request": held.view,
         "kv_bytes": kv_batch,
         "kv_bytes_full": full_bytes * batch,
-        "kv_ratio": per_request.kv_bytes / full_bytes,
-        "bytes_exact": per_request.exact,
+        "kv_ratio": kv_batch / (full_bytes * batch),
+        "bytes_exact": held.exact,
         "weights_bytes": weights,
         "total_bytes": total,
         "device_bytes": hw.memory_bytes,
@@ -150,8 +154,8 @@ def plan_point(
         "fits": fits,
         **(
             {
-                "max_batch": max_batch(weights, per_request.kv_bytes, usable),
-                "max_context": max_context(shape, method, budget, weights, batch, usable),
+                "max_batch": max_batch(weights + held.once, held.private, usable),
+                "max_context": max_context(shape, method, budget, weights, batch, usable, reuse),
             }
             if limits
             else {}
@@ -162,20 +166,29 @@ def plan_point(
         "decode_bound": ("bandwidth" if memory_s >= compute_s else "compute") if fits else "oom",
         "decode_s_bound": decode_s,
         "decode_tokens_per_s_bound": batch / decode_s,
-        "prefill_flops": prefill_flops,
-        "prefill_s_bound": prefill_flops / hw.peak_flops,
+        "prefill_flops": prefill,
+        "prefill_s_bound": prefill / hw.peak_flops,
+        "reuse": reuse.label,
+        "prefix_tokens": held.shared_tokens,
+        "kv_bytes_shared": held.once,
+        "kv_bytes_private": held.private,
+        "prefill_flops_saved": prefill_saved,
+        "prefill_s_saved": prefill_saved / hw.peak_flops,
     }
 
 
-def max_batch(weights: int, kv_per_request: int, usable: int) -> int:
-    return max(0, (usable - weights) // kv_per_request) if kv_per_request else 0
+def max_batch(fixed: int, kv_per_request: int, usable: int) -> int:
+    """The most requests that fit beside `fixed` bytes (weights, and what the batch shares once)."""
+    return max(0, (usable - fixed) // kv_per_request) if kv_per_request else 0
 
 
-def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable: int) -> int:
-    """The longest context at which `batch` requests fit (bytes grow with context: binary search)."""
+def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable: int, reuse: Reuse = NO_REUSE) -> int:
+    """The longest context at which `batch` requests fit (bytes grow with context: binary search; a shared prefix
+    stays `reuse.prefix` tokens, or the whole context below that)."""
 
     def fits(tokens: int) -> bool:
-        return weights + batch * predict_kv_bytes(method, budget, shape, tokens).kv_bytes <= usable
+        held = held_bytes(method, budget, shape, tokens, reuse)
+        return weights + held.once + batch * held.private <= usable
 
     if not fits(1):
         return 0

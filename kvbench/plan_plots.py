@@ -25,18 +25,20 @@ def region_plot(cfg, path: Path) -> Path:
     from kvbench.models import resolve_dtype
     from kvbench.plan_hardware import build_hardware
     from kvbench.plan_model import arch_of, plan_point
+    from kvbench.plan_reuse import Reuse
     from kvbench.results import write_atomic
     from kvbench.runner import configurations
 
     hw, arch, dtype = build_hardware(cfg.hardware), arch_of(cfg.model), resolve_dtype(cfg.dtype)
     confs = configurations(cfg)
+    reuse = Reuse.from_cfg(cfg)  # a context shorter than the prefix shares all of it
     fig, axes = plt.subplots(1, len(confs), figsize=(4.2 * len(confs), 4.2), squeeze=False, sharey=True)
     for ax, c in zip(axes[0], confs):
         grid = np.zeros((len(BATCHES), len(CONTEXTS)), dtype=int)  # (batches, contexts)
         for i, batch in enumerate(BATCHES):
             for j, context in enumerate(CONTEXTS):
                 point = plan_point(
-                    arch, hw, c.method, c.budget, dtype, context, batch, float(cfg.headroom), limits=False
+                    arch, hw, c.method, c.budget, dtype, context, batch, float(cfg.headroom), limits=False, reuse=reuse
                 )
                 grid[i, j] = REGIONS[point["decode_bound"]]
                 if point["fits"] and i % 3 == 0 and j % 2 == 0:

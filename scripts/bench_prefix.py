@@ -1,7 +1,7 @@
 """Prefix caching on the bundled model: TTFT and bytes held with vs without it, measured in one process.
 
-    python scripts/bench_prefix.py                      # shared_doc (20 questions) and multiturn (10 turns)
-    python scripts/bench_prefix.py --questions 5 --turns 4 --context 1024
+    python scripts/bench_prefix.py                      # shared_doc, shared_doc_qa (20 questions), multiturn (10 turns)
+    python scripts/bench_prefix.py --workloads shared_doc_qa --questions 5 --context 1024
 
 For each workload it runs the full cache over the same requests without, then with, the prefix cache, and prints
 the total time to first token (Σ prefill_s), the bytes held after the last request (held_bytes: the store's pages
@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from kvbench.runner import run
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
+WORKLOADS = ("shared_doc", "shared_doc_qa", "multiturn")
 
 
 def rows(tmp: Path, name: str, overrides: list[str]):
@@ -49,33 +50,28 @@ def compare(tmp: Path, label: str, overrides: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=2048, help="shared_doc's document tokens")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--context", type=int, default=2048, help="shared_doc's and shared_doc_qa's document tokens")
     parser.add_argument("--chat-context", type=int, default=1024, help="multiturn's document tokens")
     parser.add_argument("--questions", type=int, default=20)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=12, help="a 7-digit answer is ~9 tokens")
+    parser.add_argument("--qa-max-new-tokens", type=int, default=64, help="shared_doc_qa's (LongBench's 64)")
     args = parser.parse_args(argv)
     import pandas as pd
 
     with tempfile.TemporaryDirectory() as tmp:
-        common = [f"model={args.model}", f"task.max_new_tokens={args.max_new_tokens}"]
+        model = f"model={args.model}"
+        tasks = {
+            "shared_doc": [f"task.max_new_tokens={args.max_new_tokens}", f"task.questions={args.questions}"],
+            "shared_doc_qa": [f"task.max_new_tokens={args.qa_max_new_tokens}", f"task.questions={args.questions}"],
+            "multiturn": [f"task.max_new_tokens={args.max_new_tokens}", f"task.turns={args.turns}"],
+        }
+        lengths = {"shared_doc": args.context, "shared_doc_qa": args.context, "multiturn": args.chat_context}
         table = pd.DataFrame(
             [
-                compare(
-                    Path(tmp),
-                    "shared_doc",
-                    [
-                        *common,
-                        "task=shared_doc",
-                        f"task.questions={args.questions}",
-                        f"task.context_length={args.context}",
-                    ],
-                ),
-                compare(
-                    Path(tmp),
-                    "multiturn",
-                    [*common, "task=multiturn", f"task.turns={args.turns}", f"task.context_length={args.chat_context}"],
-                ),
+                compare(Path(tmp), w, [model, f"task={w}", f"task.context_length={lengths[w]}", *tasks[w]])
+                for w in args.workloads
             ]
         )
     print()
