@@ -40,10 +40,22 @@ def thresholds_for(cfg, task) -> Thresholds:
     return Thresholds.from_config(cfg.get("verdict"))
 
 
-def diagnose_example(engine, todo, ex, task, prefill, rows: list[dict], thresholds: Thresholds) -> list[dict]:
+def diagnose_example(
+    engine,
+    todo,
+    ex,
+    task,
+    prefill,
+    rows: list[dict],
+    thresholds: Thresholds,
+    methods: list | None = None,
+    query_aware: bool | None = None,
+) -> list[dict]:
     """Add the diagnostic columns and `verdict` to `rows` (one per configuration in `todo`, same order); returns
-    the side-table records."""
-    prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
+    the side-table records. `methods`: what each configuration compresses with instead of its method (compress
+    once: its compressed context, kvbench.workload.Reused); `query_aware`: the split those rows used."""
+    prompt_ids, suffix_ids = ex.split(todo[0].query_aware if query_aware is None else query_aware)
+    methods = methods or [c.method for c in todo]
     if prefill is None:
         prefill = engine.prefill(prompt_ids, StatsRequest())
     full_method = next((c.method for c in todo if c.method.name == "full"), None)
@@ -55,13 +67,13 @@ def diagnose_example(engine, todo, ex, task, prefill, rows: list[dict], threshol
     full_score = task.score(answer_text(engine, full.token_ids, ex.stop), ex)["score"]
     evidence = evidence_positions(engine.lm.tokenizer, prompt_ids + list(suffix_ids), ex.evidence)
     records = []
-    for c, row in zip(todo, rows):
+    for c, method, row in zip(todo, methods, rows):
         if c.method.name == "full":
             other = full
         else:
             own = engine if c.method.shares_prefill else engine.prepared(c.method)
             source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
-            other = teacher_forced(own, source, c.method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
+            other = teacher_forced(own, source, method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
         columns, per_head = compare(full, other, evidence, engine.full_kv_heads)
         row.update(
             columns,

@@ -365,7 +365,7 @@ class ExampleWork:
         elif self.task.streaming:
             new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
         elif self.requests:
-            new = self.requests.rows(todo, ex, self.task, self.common, self.lm)
+            new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
             new = generation_rows(*args, inline_chunk=inline.settings(self.cfg))

@@ -124,13 +124,24 @@ class WorkloadRunner:
         self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
         self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
 
-    def rows(self, todo, ex, task, common, lm) -> list[dict]:
-        if self.reuse == "compress_once":
-            return [self._compress_once(c, ex, task, common, lm) for c in todo]
-        return self._per_question(todo, ex, task, common, lm)
+    def rows(self, todo, ex, task, common, lm, diagnose=None, side: list | None = None) -> list[dict]:
+        """Each configuration's row for request `ex`; with `diagnose` (verdict thresholds, kvbench.diagnose_run)
+        the rows gain the diagnostic columns and `side` the per-(layer, KV head) records, from this request's own
+        caches: per question the prompt as prefilled through the prefix cache, compressed once the stored
+        compressed context with the question appended (against the full cache with the same split)."""
+        if self.reuse != "compress_once":
+            return self._per_question(todo, ex, task, common, lm, diagnose, side)
+        done = [self._compress_once(c, ex, task, common, lm) for c in todo]
+        rows = [row for row, _ in done]
+        if diagnose is not None:
+            from kvbench.diagnose_run import diagnose_example
+
+            reused = [Reused(value) for _, value in done]  # fresh copies of the state right after compressing
+            side.extend(diagnose_example(self.engine, todo, ex, task, None, rows, diagnose, reused, False))  # type: ignore[union-attr]  # given with diagnose
+        return rows
 
     # ---- per question: prefix pages + prefill of the rest ----------------------------------------------------
-    def _per_question(self, todo, ex, task, common, lm) -> list[dict]:
+    def _per_question(self, todo, ex, task, common, lm, diagnose=None, side=None) -> list[dict]:
         from kvbench.runner import generation_rows
 
         prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
@@ -157,7 +168,7 @@ class WorkloadRunner:
 
             return replace(out, seconds=time.perf_counter() - start, adopt=adopt)
 
-        rows = generation_rows(self.engine, todo, ex, task, common, lm, prefill=prefill)
+        rows = generation_rows(self.engine, todo, ex, task, common, lm, diagnose, side, prefill=prefill)
         store_ptrs = self.store.storages() if self.store else set()
         shared = iter(caches)
         for c, row in zip(todo, rows):
@@ -170,7 +181,8 @@ class WorkloadRunner:
         return rows
 
     # ---- compress once, answer many ----------------------------------------------------------------------------
-    def _compress_once(self, c, ex, task, common, lm) -> dict:
+    def _compress_once(self, c, ex, task, common, lm) -> tuple[dict, Compressed]:
+        """The row of configuration `c` for request `ex`, and the compressed context it was answered from."""
         from kvbench.runner import make_row
 
         engine = self.engine.prepared(c.method)
@@ -215,7 +227,7 @@ class WorkloadRunner:
         # the store holds every configuration's entry: this configuration's held bytes count only its own
         store_bytes = sum(e.nbytes for key, e in self.store.entries.items() if key[0] == c.hash)
         self._annotate(row, c, ex, ex.n_tokens, reused, own, store_bytes)
-        return row
+        return row, entry.value
 
     def _annotate(self, row: dict, c, ex, n_prompt: int, reused: int, own_bytes: int, store_bytes=None) -> None:
         self.own_bytes[c.hash] = self.own_bytes.get(c.hash, 0) + own_bytes

@@ -154,3 +154,35 @@ def test_report_shows_prefix_sections(runs, tmp_path):
 def test_bad_prefix_settings_name_the_fix(tmp_path, extra, message):
     with pytest.raises(KvbenchError, match=message):
         run(compose_config("model=tiny-random", f"results_dir={tmp_path}", "task=shared_doc", *extra))
+
+
+DIAGNOSED = ["kl_mean", "top1_agreement", "mass_recall", "evidence_retention", "evicted_share"]
+
+
+def test_diagnose_on_workloads_per_request(tmp_path):
+    """diagnose=true on a workload: every request's row gets the diagnostics of the caches it was answered from —
+    per question through the prefix cache the same as without it; compressed once the same as compressing the
+    context alone (query_aware=false) without caching; the side table has each row's layer × head records."""
+    import pandas as pd
+
+    def diagnosed(name, *extra):
+        rows = workload(tmp_path, name, "diagnose=true", "task.questions=2", *extra)
+        return rows.sort_values(["request_index", "method"]).reset_index(drop=True)
+
+    plain, cached = diagnosed("plain"), diagnosed("cached", "prefix_cache=true")
+    once, context_only = diagnosed("once", "prefix_cache=true", "reuse=compress_once"), diagnosed(
+        "context_only", "query_aware=false"
+    )
+    for rows in (plain, cached, once, context_only):
+        assert rows.verdict.map(lambda v: isinstance(v, str)).all() and len(rows) == 2 * 4
+        full = rows[rows.method == "full"]
+        assert (full.kl_mean.abs() < 1e-6).all() and (full.mass_recall > 1 - 1e-6).all()  # full vs itself
+        # the evidence (each request's value) is found in the shared document
+        assert (rows.evidence_tokens == 7).all()
+    for a, b in ((plain, cached), (context_only, once)):
+        assert list(a.verdict) == list(b.verdict)
+        pd.testing.assert_frame_equal(a[DIAGNOSED], b[DIAGNOSED], rtol=1e-4, atol=1e-6)
+    evicting = once[once.method == "snapkv"]
+    assert (evicting.evicted_share > 0.3).all() and (evicting.mass_recall < 1).all()
+    side = pd.read_parquet(tmp_path / "once" / "rows.diagnose.parquet")
+    assert len(side) == len(once) * 4 * 2  # 4 layers × 2 KV heads per row
