@@ -57,14 +57,19 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     from kvbench.models import resolve_dtype
     from kvbench.plan_hardware import build_hardware
     from kvbench.plan_model import arch_of, element_bytes, plan_point
-    from kvbench.plan_reuse import Reuse
+    from kvbench.plan_reuse import Reuse, workload_shape
     from kvbench.runner import configurations
 
     contexts, batches = as_ints(cfg.context, "context"), as_ints(cfg.batch, "batch")
     headroom = float(cfg.headroom)
     if not 0 <= headroom < 1:
         raise KvbenchError(f"headroom={headroom}: a fraction in [0, 1) of device memory kept free")
-    reuse = Reuse.from_cfg(cfg, contexts)
+    measured = workload_shape(cfg.reuse_from) if cfg.get("reuse_from") else None
+    if measured is not None:  # the measured workload's shape replaces context, batch, prefix and reuse
+        contexts, batches = [measured.context], [measured.batch]
+        reuse = Reuse(measured.prefix, measured.mode, int(cfg.get("page_size") or 16))
+    else:
+        reuse = Reuse.from_cfg(cfg, contexts)
     dtype = resolve_dtype(cfg.dtype)
     hw = build_hardware(cfg.hardware)
     arch = arch_of(cfg.model)
@@ -105,6 +110,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
         ),
         "weights_bytes": arch.n_params * eb,
         "reuse": {"prefix": reuse.prefix, "mode": reuse.label, "page_size": reuse.page_size},
+        "reuse_from": measured.describe() if measured else None,
     }
     frame = pd.DataFrame(rows)
     frame = frame[PLAN_COLUMNS + [c for c in frame.columns if c not in PLAN_COLUMNS]]
@@ -125,6 +131,8 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
     )
     print(f"KV/token: {header['kv_bytes_per_token']} (uncompressed)")
     print(f"hardware: {describe(hw)}")
+    if header.get("reuse_from"):
+        print(f"measured: {header['reuse_from']}")
     if header["reuse"]["prefix"]:
         r = header["reuse"]
         print(

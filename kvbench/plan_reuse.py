@@ -21,6 +21,11 @@ the first request prefills all of it and the others reuse the shared whole pages
 window (its statistics come from the request's own queries; H2O, which sums every query, reuses nothing; a method
 with its own prefill, head merging, none): F(0, T) + (batch − 1) · F(r, T). Compress once: F(0, P) + batch · F(P, T)
 (the appended tokens' attention over the compressed prefix is counted over the full one: an upper bound).
+
+`reuse_from=PATH` takes the workload's shape from the rows of a run with prefix_cache=true (kvbench.workload):
+batch = requests per workload, context = the median prompt (prefill_tokens + reused_tokens), prefix = the most
+tokens a request reused (per question: whole pages, short of the observation window the grid left to each request:
+at most a window below the shared prefix), reuse = the rows' mode.
 """
 
 from __future__ import annotations
@@ -64,6 +69,45 @@ class Reuse:
     @property
     def label(self) -> str:
         return self.mode if self.prefix else "none"
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    batch: int
+    context: int
+    prefix: int
+    mode: str
+    source: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.source}: {self.batch} requests per workload, {self.context}-token prompts (median), "
+            f"{self.prefix} reused, {self.mode}"
+        )
+
+
+def workload_shape(path) -> WorkloadShape:
+    """The reuse factor measured by a workload run (rows.parquet, a run directory or a store)."""
+    from pathlib import Path
+
+    from kvbench.results import read_rows
+
+    if not Path(str(path)).expanduser().exists():
+        raise KvbenchError(f"reuse_from={path} does not exist; give the rows of a run with prefix_cache=true")
+    rows = read_rows(Path(str(path)).expanduser())
+    if "reused_tokens" in rows and "prefix_cache" in rows:
+        rows = rows[rows["prefix_cache"].fillna(False).astype(bool)]
+    if "reused_tokens" not in rows or not len(rows):
+        raise KvbenchError(
+            f"reuse_from={path} holds no rows of a workload run with prefix_cache=true; run e.g. "
+            "`python -m kvbench task=shared_doc prefix_cache=true` and point reuse_from at its run directory"
+        )
+    modes = sorted(set(rows["reuse"]))
+    if len(modes) > 1:
+        raise KvbenchError(f"reuse_from={path} mixes reuse={' and '.join(modes)}; point it at one run's rows.parquet")
+    requests = rows.groupby(["config_hash", "workload"]).example_id.nunique()
+    prompts = rows.drop_duplicates("example_id").eval("prefill_tokens + reused_tokens")
+    return WorkloadShape(int(requests.max()), int(prompts.median()), int(rows.reused_tokens.max()), modes[0], str(path))
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,24 @@ def test_planner_bytes_equal_what_a_workload_holds(tmp_path, tiny, method, reuse
     b = Budget.parse(0.5) if method != "full" else None
     held = [held_bytes(build_method(method), b, SHAPE, len(p), plan_reuse) for p in prompts]
     assert rows.held_bytes.iloc[-1] == held[0].once + sum(h.private for h in held)
+
+
+def test_reuse_from_reads_the_workload_shape_from_rows(tmp_path):
+    overrides = ["task=shared_doc", "task.questions=3", "task.context_length=400", "task.max_new_tokens=1"]
+    base = ["model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path / 'store'}", "report=false"]
+    rows = run(
+        compose_config(*base, *overrides, "method=snapkv", "budget=0.5", "prefix_cache=true", "reuse=compress_once"),
+        output_dir=tmp_path / "run",
+    )
+    prompts = sorted(set(rows.prefill_tokens + rows.reused_tokens))
+    plan = run_plan(plan_config(f"reuse_from={tmp_path / 'run'}", "method=snapkv", "budget=0.5"), tmp_path / "plan")
+    # 3 requests, the median prompt, the 400-token context compressed once
+    assert set(plan.batch) == {3} and set(plan.context) == {prompts[1]} and set(plan.prefix_tokens) == {400}
+    assert set(plan.reuse) == {"compress_once"}
+    snap = plan[plan.method == "snapkv"].iloc[0]
+    assert snap.kv_bytes_shared == 200 * 1024 and snap.kv_bytes_private == (prompts[1] - 400) * 1024
+    run(compose_config(*base, *overrides, "method=full"), output_dir=tmp_path / "plain")  # no prefix cache
+    with pytest.raises(KvbenchError, match="holds no rows of a workload run with prefix_cache=true"):
+        run_plan(plan_config(f"reuse_from={tmp_path / 'plain'}"), tmp_path / "plan2")
+    with pytest.raises(KvbenchError, match="does not exist"):
+        run_plan(plan_config(f"reuse_from={tmp_path / 'nowhere'}"), tmp_path / "plan3")
