@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench import KvbenchError
 from kvbench.kernels import attention_column_sums
+from kvbench.padded import PaddedKV
 from kvbench.ragged import RaggedKV, ragged_attention
 
 # not "…sdpa…": transformers refuses any implementation named so for models without sdpa support (Gemma-2, whose
@@ -227,9 +228,10 @@ def _own_length_mask(attention_mask, query: torch.Tensor, key: torch.Tensor):
 
 
 @contextlib.contextmanager
-def recording(request: StatsRequest):
-    """Record `request`'s statistics for every attention call inside the block; yields the recorder."""
-    recorder = StatsRecorder(request)
+def recording(request: StatsRequest, recorder: StatsRecorder | None = None):
+    """Record `request`'s statistics for every attention call inside the block; yields the recorder (`recorder`:
+    a StatsRecorder of one's own, e.g. one that records some batch rows only: kvbench.grid_decode)."""
+    recorder = recorder if recorder is not None else StatsRecorder(request)
     previous = getattr(_active, "recorder", None)
     _active.recorder = recorder if request else None
     try:
@@ -251,6 +253,8 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
 
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     recorder = getattr(_active, "recorder", None)
+    if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.grid_decode): pads masked out
+        key, value, attention_mask = key.tensor, value.tensor, key.mask
     if isinstance(key, RaggedKV):  # KV heads of different lengths (adakv): per-head attention, no statistics
         if recorder is not None:
             raise KvbenchError("attention statistics over ragged (adakv) cache layers are not supported")

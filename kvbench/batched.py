@@ -75,7 +75,7 @@ def generate_batch(
 ) -> list[BatchedGeneration]:
     """Compress the batch's prefill with `method`, append each row's suffix, decode greedily until every row is
     done; one BatchedGeneration per row, equal to what `Engine.generate` gives that row alone."""
-    device, tokenizer, lm = engine.lm.device, engine.lm.tokenizer, engine.lm
+    device, lm = engine.lm.device, engine.lm
     n_rows = prefill.kv[0][0].shape[0]
     reset_peak(device)
     start = time.perf_counter()
@@ -88,44 +88,29 @@ def generate_batch(
     synchronize(device)
     others = sum(prefill.stats.seconds.values()) - prefill.stats.seconds_for(method.stats_request())
     prefill_s = prefill.seconds - others + time.perf_counter() - start
+    compress_peak = read_peak(device)
 
-    tokens = logits.argmax(-1)  # (B,)
-    generated = [[int(t)] for t in tokens]
-    kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
-    done = [False] * n_rows
-    steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
-    decode_start = time.perf_counter()
-
-    def finished(row: int) -> bool:
-        out = generated[row]
-        if len(out) >= max_new_tokens or out[-1] in engine.eos_ids:
-            return True
-        return bool(stop) and any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stop)
-
-    while True:
-        for row in range(n_rows):
-            if not done[row] and finished(row):  # this row's cache now holds what it holds alone at its end
-                done[row], finish_steps[row] = True, steps
-                finish_bytes[row] = cache_nbytes(cache) // n_rows
-                finish_s[row] = time.perf_counter() - decode_start
-        if all(done):
-            break
-        with recording(method.decode_request()) as stats:
-            logits = forward_batch(
-                engine, tokens[:, None], torch.full((n_rows, 1), method.position(position, cache), device=device), cache
-            )  # (B, V)
-        method.on_decode_step(cache, stats)
-        position, steps = position + 1, steps + 1
-        tokens = logits.argmax(-1)  # (B,)
-        for row in range(n_rows):
-            if not done[row]:  # finished rows keep decoding (aligned caches); their output is masked out
-                generated[row].append(int(tokens[row]))
-                if keep_logits:
-                    kept[row].append(logits[row])
-    synchronize(device)
-    decode_s = time.perf_counter() - decode_start
-    peak = max(prefill.peak_mem_bytes, read_peak(device))
-    rate = sum(finish_steps) / decode_s if decode_s > 0 else float("nan")
+    done = decode_together(
+        engine,
+        cache,
+        logits,
+        position,
+        positions=lambda p, n: torch.full((n, 1), method.position(p, cache), device=device),  # (B, 1)
+        request=lambda live: method.decode_request(),
+        after_step=lambda stats, live: method.on_decode_step(cache, stats),
+        row_bytes=lambda row: cache_nbytes(cache) // n_rows,  # every tensor has B as its leading dimension
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+        keep_logits=keep_logits,
+    )
+    peak = max(prefill.peak_mem_bytes, compress_peak, done.peak)
+    generated, kept, finish_steps, finish_bytes, finish_s = (
+        done.generated,
+        done.logits,
+        done.steps,
+        done.nbytes,
+        done.seconds,
+    )
 
     rows = []
     for row in range(n_rows):
@@ -148,11 +133,99 @@ def generate_batch(
                 peak_mem_bytes=peak,
                 logits=kept[row],
                 batch_size=n_rows,
-                decode_tokens_per_s=rate,
+                decode_tokens_per_s=done.tokens_per_s,
                 latency_s=prefill_s + finish_s[row],
             )
         )
     return rows
+
+
+@dataclass
+class Decoded:
+    """What `decode_together` produced for each row, and the batch's decode time and peak memory."""
+
+    generated: list[list[int]]
+    logits: list[list[torch.Tensor]]
+    steps: list[int]  # decode steps until the row finished
+    seconds: list[float]  # the batch's decode wall time until the row finished
+    nbytes: list[int]  # the row's cache bytes when it finished
+    decode_s: float
+    peak: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The batch's generated tokens (decode steps of every row) per second of its decode."""
+        return sum(self.steps) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+@torch.inference_mode()
+def decode_together(
+    engine: Engine,
+    cache,
+    logits: torch.Tensor,
+    position: int,
+    positions,
+    request,
+    after_step,
+    row_bytes,
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+    keep_logits: bool = False,
+    drop_rows=None,
+    recorder=None,
+) -> Decoded:
+    """Greedy decoding of B rows in one batch from `logits` (B, V) at the prompt's end, until every row is done.
+
+    Each row stops as `Engine.generate` stops alone (max_new_tokens, an end-of-turn id, a stop string). Finished
+    rows keep feeding their last token (the cache stays one batch; what they produce is masked out), unless
+    `drop_rows(keep)` is given: it removes them from the cache (batch indices `keep` stay) and the batch shrinks.
+    `live`: the rows still in the batch (original indices, in batch order). positions(p, n) → (n, 1) RoPE positions
+    of the next step at absolute position p; request(live) → the StatsRequest the step records; after_step(stats,
+    live) after each forward (decode-time eviction); recorder(request, live) → the StatsRecorder to record with
+    (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes."""
+    device, tokenizer = engine.lm.device, engine.lm.tokenizer
+    n_rows = logits.shape[0]
+    tokens = logits.argmax(-1)  # (B,)
+    generated = [[int(t)] for t in tokens]
+    kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
+    done = [False] * n_rows
+    steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
+    reset_peak(device)
+    start = time.perf_counter()
+
+    def finished(row: int) -> bool:
+        out = generated[row]
+        if len(out) >= max_new_tokens or out[-1] in engine.eos_ids:
+            return True
+        return bool(stop) and any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stop)
+
+    live = list(range(n_rows))
+    while True:
+        for row in live:
+            if not done[row] and finished(row):  # this row's cache now holds what it holds alone at its end
+                done[row], finish_steps[row] = True, steps
+                finish_bytes[row] = row_bytes(row)
+                finish_s[row] = time.perf_counter() - start
+        if all(done):
+            break
+        if drop_rows is not None and any(done[row] for row in live):
+            keep = [i for i, row in enumerate(live) if not done[row]]
+            drop_rows(keep)
+            tokens, live = tokens[keep], [live[i] for i in keep]  # (B_live,)
+        step_request = request(live)
+        with recording(step_request, recorder(step_request, live) if recorder else None) as stats:
+            logits = forward_batch(engine, tokens[:, None], positions(position, len(live)), cache)  # (B_live, V)
+        after_step(stats, live)
+        position, steps = position + 1, steps + 1
+        tokens = logits.argmax(-1)  # (B_live,)
+        for i, row in enumerate(live):
+            if not done[row]:  # finished rows still in the batch keep decoding; their output is masked out
+                generated[row].append(int(tokens[i]))
+                if keep_logits:
+                    kept[row].append(logits[i])
+    synchronize(device)
+    decode_s = time.perf_counter() - start
+    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device))
 
 
 def _extend_batch(engine: Engine, cache, method: Method, ids: torch.Tensor, position: int) -> torch.Tensor:

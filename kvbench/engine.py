@@ -73,6 +73,20 @@ class Generation:
         return self.kv_bytes / self.kv_bytes_full
 
 
+@dataclass
+class Compressed:
+    """A configuration's compressed cache (suffix appended) and where decoding starts (Engine.compressed)."""
+
+    cache: object
+    logits: torch.Tensor  # (V,) for the first generated token
+    position: int  # absolute position of the next token
+    prompt_tokens: int
+    suffix_tokens: int
+    prefill_s: float  # the prefill's share charged to this method + compression + suffix
+    prefill_peak: int  # peak memory of the prefill and of this compression
+    baseline_bytes: int = 0  # memory in use when the prefill started (peak_mem_delta_bytes is over it)
+
+
 class Engine:
     def __init__(self, lm: LoadedModel, full_kv_heads: int | None = None):
         self.lm = lm
@@ -146,7 +160,13 @@ class Engine:
         keep_logits: bool = False,
     ) -> Generation:
         """Compress `prefill` with `method`, feed `suffix_ids` uncompressed, then decode greedily."""
-        device, tokenizer = self.lm.device, self.lm.tokenizer
+        start = self.compressed(prefill, method, budget, suffix_ids)
+        return self.decode(start, method, max_new_tokens, stop, keep_logits)
+
+    @torch.inference_mode()
+    def compressed(self, prefill: Prefill, method: Method, budget: Budget | None, suffix_ids: list[int]) -> Compressed:
+        """The first half of `generate`: compress, append the suffix; the cache and logits decoding starts from."""
+        device = self.lm.device
         reset_peak(device)
         start = time.perf_counter()
         method.bind(self.lm)
@@ -161,10 +181,20 @@ class Engine:
             position += len(suffix_ids)
         synchronize(device)
         prefill_s = prefill.seconds_for(method) + time.perf_counter() - start
+        peak = max(prefill.peak_mem_bytes, read_peak(device))
+        suffix = position - prefill.n_tokens
+        return Compressed(cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes)
 
+    @torch.inference_mode()
+    def decode(
+        self, start: Compressed, method: Method, max_new_tokens: int, stop: tuple[str, ...] = (), keep_logits=False
+    ) -> Generation:
+        """The second half of `generate`: greedy decoding of one configuration from its compressed cache."""
+        device, tokenizer = self.lm.device, self.lm.tokenizer
+        cache, logits, position = start.cache, start.logits, start.position
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
-        steps, start = 0, time.perf_counter()
+        steps, t0 = 0, time.perf_counter()
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
@@ -177,26 +207,26 @@ class Engine:
             if keep_logits:
                 kept_logits.append(logits)
         synchronize(device)
-        decode_s = time.perf_counter() - start
-
-        text = self.answer_text(generated, stop)
-        lm = self.lm
-        peak = max(prefill.peak_mem_bytes, read_peak(device))
-        tokens_if_full = prefill.n_tokens + len(suffix_ids) + steps
+        decode_s = time.perf_counter() - t0
+        peak = max(start.prefill_peak, read_peak(device))
         return Generation(
             token_ids=generated,
-            text=text,
-            context_tokens=prefill.n_tokens + len(suffix_ids),
-            prefill_s=prefill_s,
+            text=self.answer_text(generated, stop),
+            context_tokens=start.position,
+            prefill_s=start.prefill_s,
             decode_s=decode_s,
             decode_steps=steps,
             kv_bytes=cache_nbytes(cache),
-            kv_bytes_full=full_cache_nbytes(lm.n_layers, self.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype),
-            kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
+            kv_bytes_full=self.full_bytes(start.position + steps, self.full_kv_heads),
+            kv_bytes_mha=self.full_bytes(start.position + steps, self.lm.n_q_heads),
             peak_mem_bytes=peak,
             logits=kept_logits,
-            peak_mem_delta_bytes=peak - prefill.baseline_bytes,
+            peak_mem_delta_bytes=peak - start.baseline_bytes,
         )
+
+    def full_bytes(self, tokens: int, kv_heads: int) -> int:
+        """The uncompressed cache of `tokens` tokens with `kv_heads` KV heads (the kv_bytes_full / _mha columns)."""
+        return full_cache_nbytes(self.lm.n_layers, kv_heads, self.lm.head_dim, tokens, self.lm.dtype)
 
     def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:
         """Append `ids` after compression (the question when query_aware=false; a scored continuation);

@@ -186,13 +186,16 @@ def generation_rows(
     side: list | None = None,
     prefill=None,
     inline_chunk: tuple[str, int | None] = ("shared", None),
+    grid_batch: bool = False,
 ) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
     diagnose: verdict Thresholds when `diagnose=true` (kvbench.diagnose_run): rows gain the diagnostic columns and
     the per-(layer, KV head) records are appended to `side`. `prefill(ids, request)` replaces engine.prefill for
     the shared one (the prefix cache: kvbench.workload). `inline_chunk` = (prefill, prefill_chunk): with
-    prefill=inline every configuration prefills on its own, compressing inside the forward pass (kvbench.inline)."""
+    prefill=inline every configuration prefills on its own, compressing inside the forward pass (kvbench.inline).
+    grid_batch: the configurations sharing the prefill decode together where their caches allow
+    (kvbench.grid_decode); rows are the same, timings the batch's."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = inline_chunk
     shared = [c for c in todo if c.method.shares_prefill and mode == "shared"]
@@ -200,8 +203,18 @@ def generation_rows(
     for c in shared:
         request = request | c.method.stats_request()
     prefill = (prefill or engine.prefill)(prompt_ids, request) if shared else None
-    rows = []
+    rows, together = [], {}
+    if grid_batch and len(shared) > 1 and diagnose is None and prefill.adopt is None:  # type: ignore[union-attr]
+        from kvbench.grid_decode import generate_grid  # configurations of this example decoded as one batch
+
+        confs = [(c.method, c.budget) for c in shared]
+        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop)
+        together = {id(c): gen for c, gen in zip(shared, gens)}
     for c in todo:
+        if id(c) in together:
+            gen = together[id(c)]
+            rows.append(make_row(c, ex, gen, task.score(gen.text, ex), common, task, lm))
+            continue
         own = engine if c.method.shares_prefill else engine.prepared(c.method)
         if mode == "inline":
             source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
@@ -368,7 +381,8 @@ class ExampleWork:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-            new = generation_rows(*args, inline_chunk=inline.settings(self.cfg))
+            grid_batch = bool(self.cfg.get("grid_batch", True))
+            new = generation_rows(*args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch)
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 
     def todo(self, ex: Example) -> list[Configuration]:

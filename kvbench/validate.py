@@ -53,6 +53,7 @@ TOP_LEVEL: dict[str, Rule] = {
     "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
     "report": Rule("bool", "report=true or report=false"),
     "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
+    "grid_batch": Rule("bool", "grid_batch=true (a grid's configurations decoded together) or grid_batch=false"),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
     "grid.method": Rule(
         "list",

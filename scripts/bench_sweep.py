@@ -1,11 +1,14 @@
-"""Shared-prefill sweep vs one configuration at a time, on the same examples, in one process.
+"""Shared-prefill sweep: separate runs vs one shared prefill vs shared prefill + the grid decoded as one batch.
 
     python scripts/bench_sweep.py [--model smollm2-135m] [--lengths 1024 2048 4096] [--depth 0.5]
                                   [--methods snapkv h2o streamingllm pyramidkv] [--budgets 0.1 0.25 0.5]
+                                  [--no-separate]
 
-One-by-one = what separate runs do: prefill + compress + decode for each (method, budget). Shared = one prefill
-per example with the union of the statistics, then compress + decode per configuration. Checks the outputs are
-identical and prints both wall times and the speed-up.
+Separate = what separate runs do: prefill + compress + decode for each (method, budget). Shared = one prefill per
+example with the union of the statistics, then compress + decode per configuration, one at a time
+(grid_batch=false). Grid = shared prefill, each configuration compressed alone, then decoded together as one
+batch (grid_batch=true, kvbench.grid_decode). Same examples, one process; checks the outputs are identical and
+prints the wall times and speed-ups.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from omegaconf import OmegaConf
 from kvbench import conf_dir
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
+from kvbench.grid_decode import generate_grid
 from kvbench.methods import Budget, build_method
 from kvbench.models import load_model
 from kvbench.runner import method_config
@@ -34,6 +38,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["snapkv", "h2o", "streamingllm", "pyramidkv"])
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--no-separate", action="store_true", help="skip the separate-runs pass (the slowest)")
     args = parser.parse_args()
 
     lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"), args.device, "auto")
@@ -51,27 +56,48 @@ def main() -> None:
 
     engine.run(build_method("full"), None, examples[0].split(True)[0][:64], max_new_tokens=2)  # warm-up
     start, alone = time.perf_counter(), []
-    for ex in examples:
-        for method, budget in configs():
-            alone.append(engine.run(method, budget, *ex.split(True), max_new_tokens=ex.max_new_tokens).text)
+    if not args.no_separate:
+        for ex in examples:
+            for method, budget in configs():
+                alone.append(engine.run(method, budget, *ex.split(True), max_new_tokens=ex.max_new_tokens).text)
     t_alone = time.perf_counter() - start
 
-    start, shared = time.perf_counter(), []
-    for ex in examples:
-        todo = configs()
+    def shared_prefill(ex, todo):
         request = StatsRequest()
         for method, _ in todo:
             request = request | method.stats_request()
         prompt, suffix = ex.split(True)
-        prefill = engine.prefill(prompt, request)
+        return engine.prefill(prompt, request), suffix
+
+    start, shared = time.perf_counter(), []
+    for ex in examples:
+        todo = configs()
+        prefill, suffix = shared_prefill(ex, todo)
         for method, budget in todo:
             shared.append(engine.generate(prefill, method, budget, suffix, ex.max_new_tokens).text)
     t_shared = time.perf_counter() - start
 
-    n = len(alone)
-    print(f"{len(examples)} examples × {n // len(examples)} configurations ({args.model}, {lm.dtype}, {lm.device})")
-    print(f"one by one: {t_alone:7.1f} s\nshared:     {t_shared:7.1f} s\nspeed-up:   {t_alone / t_shared:.2f}×")
-    print(f"identical outputs: {alone == shared} ({sum(a == b for a, b in zip(alone, shared))}/{n})")
+    start, grid, batched = time.perf_counter(), [], 0
+    for ex in examples:
+        todo = configs()
+        prefill, suffix = shared_prefill(ex, todo)
+        gens = generate_grid(engine, prefill, todo, suffix, ex.max_new_tokens)
+        grid += [g.text for g in gens]
+        batched += sum(getattr(g, "batch_size", 1) > 1 for g in gens)
+    t_grid = time.perf_counter() - start
+
+    n = len(shared)
+    print(f"{len(examples)} examples × {n // len(examples)} configurations ({args.model}, {lm.dtype}, {lm.device}); "
+          f"{batched}/{n} decoded in a grid batch")
+    if alone:
+        print(f"separate runs:                 {t_alone:7.1f} s")
+    print(f"shared prefill, one by one:    {t_shared:7.1f} s")
+    print(f"shared prefill, grid batched:  {t_grid:7.1f} s")
+    print(f"grid vs one by one: {t_grid / t_shared:.2f} of the time ({t_shared / t_grid:.2f}× faster)"
+          + (f"; vs separate runs {t_alone / t_grid:.2f}× faster" if alone else ""))
+    same = sum(a == b for a, b in zip(shared, grid))
+    print(f"identical outputs, grid vs one by one: {same}/{n}"
+          + (f"; one by one vs separate: {sum(a == b for a, b in zip(alone, shared))}/{n}" if alone else ""))
 
 
 if __name__ == "__main__":

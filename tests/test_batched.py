@@ -83,7 +83,7 @@ def test_runner_batch_size_rows_equal_batch_one(tmp_path):
     from tests.conftest import compose_config, tiny_overrides
 
     grid = ["grid.method=[snapkv,h2o]", "grid.budget=[0.25]", "task.context_lengths=[500]", "task.depths=[0.2,0.5,0.8]"]
-    one = run(compose_config(*tiny_overrides(tmp_path, *grid)), tmp_path / "one")
+    one = run(compose_config(*tiny_overrides(tmp_path, *grid, "grid_batch=false")), tmp_path / "one")
     three = run(compose_config(*tiny_overrides(tmp_path, *grid, "batch_size=3")), tmp_path / "three")
     assert not three["reused"].any()  # batched rows have their own configuration hash (their timings differ)
     assert set(one["batch_size"]) == {1} and set(three["batch_size"]) == {3}

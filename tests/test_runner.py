@@ -59,19 +59,19 @@ def test_interrupted_sweep_resumes(tmp_path, monkeypatch):
     import kvbench.runner as runner
 
     calls = {"n": 0}
-    real_generate = runner.Engine.generate
+    real_compressed = runner.Engine.compressed  # every configuration's compression, decoded alone or in a grid
 
-    def failing_generate(self, *args, **kwargs):
+    def failing_compressed(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 5:  # third example, first configuration
             raise KeyboardInterrupt
-        return real_generate(self, *args, **kwargs)
+        return real_compressed(self, *args, **kwargs)
 
-    monkeypatch.setattr(runner.Engine, "generate", failing_generate)
+    monkeypatch.setattr(runner.Engine, "compressed", failing_compressed)
     with pytest.raises(KeyboardInterrupt):
         run(compose_config(*tiny_overrides(tmp_path)), output_dir=tmp_path / "a")
     assert len(read_rows(tmp_path / "store")) == 4  # two finished examples × two configurations
-    monkeypatch.setattr(runner.Engine, "generate", real_generate)
+    monkeypatch.setattr(runner.Engine, "compressed", real_compressed)
     rows = run(compose_config(*tiny_overrides(tmp_path)), output_dir=tmp_path / "b")
     assert rows.reused.sum() == 4 and (~rows.reused).sum() == 4
 

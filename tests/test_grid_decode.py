@@ -1,0 +1,80 @@
+"""Configurations of one example decoded as one batch (kvbench.grid_decode) give what each gives alone (fp32)."""
+
+import pytest
+
+from kvbench.grid_decode import generate_grid, groups
+from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.results import read_rows
+from kvbench.runner import run
+from tests.conftest import compose_config, tiny_overrides
+
+# (name, knobs, budget, decoded in the grid?)
+GRID = [
+    ("full", {}, None, True),
+    ("snapkv", {"window_size": 8}, 0.25, True),
+    ("snapkv", {"window_size": 8}, 0.5, True),
+    ("pyramidkv", {"window_size": 8}, 0.5, True),  # per-layer counts
+    ("h2o", {}, 0.25, True),  # decode-time eviction with accumulated attention, on its own row
+    ("streamingllm", {}, 0.3, True),  # decode-time eviction, absolute positions
+    ("tova", {}, 0.4, True),
+    ("knorm", {}, 0.5, True),
+    ("decoding", {"compress_every": 2, "decode_budget": 100}, 0.6, True),  # re-selects every 2 steps
+    ("kivi", {"group_size": 16, "residual_length": 32}, None, False),  # storage of its own
+    ("streamingllm", {"positions": "rolling"}, 0.3, False),  # re-indexed positions
+]
+
+
+def build(name, params):
+    return build_method(name, {**method_defaults(name), **params})
+
+
+def confs():
+    return [(build(n, p), Budget.parse(b) if b else None) for n, p, b, _ in GRID]
+
+
+@pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
+def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, monkeypatch):
+    monkeypatch.setattr("kvbench.grid_decode.MAX_PADDING", 100.0)  # every eligible row in one batch
+    prompt, question = (prompt_ids[:-suffix], prompt_ids[-suffix:]) if suffix else (prompt_ids, [])
+    request = None
+    for method, _ in confs():
+        request = method.stats_request() if request is None else request | method.stats_request()
+    prefill = tiny_engine.prefill(prompt, request)
+    together = generate_grid(tiny_engine, prefill, confs(), question, max_new_tokens=10)
+    alone = [tiny_engine.generate(prefill, m, b, question, max_new_tokens=10) for m, b in confs()]
+    for (name, _, budget, in_grid), got, want in zip(GRID, together, alone):
+        label = f"{name} {budget}"
+        assert got.token_ids == want.token_ids and got.text == want.text, label
+        assert got.decode_steps == want.decode_steps == 9, label
+        assert got.kv_bytes == want.kv_bytes and got.kv_bytes_full == want.kv_bytes_full, label
+        assert got.kv_ratio == want.kv_ratio and got.context_tokens == want.context_tokens, label
+        assert getattr(got, "batch_size", 1) == (sum(g[3] for g in GRID) if in_grid else 1), label
+    assert len({g.kv_bytes for g in together}) > 5  # the rows really differ in size
+
+
+def test_padding_bounds_the_groups():
+    lengths = [[100] * 3, [50] * 3, [50] * 3, [25] * 3, [25] * 3, [10] * 3, [10] * 3, [10] * 3]
+    out = groups(lengths)
+    assert sorted(r for g in out for r in g) == list(range(8))
+    for g in out:
+        padded = len(g) * sum(max(lengths[r][layer] for r in g) for layer in range(3))
+        assert padded <= 2.0 * sum(sum(lengths[r]) for r in g)
+    assert out == [[0, 1, 2, 3, 4], [5, 6, 7]]  # 5 × 100 = 2 × 250; one more row of 10 would pass 2×
+    assert groups(lengths[:6]) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
+
+
+def test_runner_grid_batch_switch(tmp_path):
+    """grid_batch=true and false: the same rows (predictions, scores, bytes, ratios, hashes); only timings differ."""
+    kivi = "{name:kivi,group_size:16,residual_length:32}"
+    grid = [f"grid.method=[snapkv,h2o,streamingllm,{kivi}]", "grid.budget=[0.2,0.5]", "task.max_new_tokens=5"]
+    on = run(compose_config(*tiny_overrides(tmp_path / "on", *grid)), output_dir=tmp_path / "on" / "out")
+    off = run(compose_config(*tiny_overrides(tmp_path / "off", *grid, "grid_batch=false")),
+              output_dir=tmp_path / "off" / "out")
+    key = ["method", "budget", "example_id"]
+    a, b = on.sort_values(key).reset_index(drop=True), off.sort_values(key).reset_index(drop=True)
+    same = ["prediction", "score", "kv_bytes", "kv_bytes_full", "kv_ratio", "new_tokens", "config_hash"]
+    assert a[same].equals(b[same])
+    assert (b.batch_size == 1).all()
+    assert set(a[a.method == "kivi"].batch_size) == {1}  # decoded alone
+    assert (a[a.method.isin(["snapkv", "h2o", "streamingllm"])].batch_size > 1).all()
+    assert len(read_rows(tmp_path / "on" / "store")) == len(a)
