@@ -31,7 +31,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench.attention import StatsRecorder, StatsRequest
 from kvbench.batched import BatchedGeneration, decode_together
 from kvbench.engine import Compressed, Engine, Generation, Prefill
-from kvbench.memory import read_peak, reset_peak
+from kvbench.memory import reset_peak
 from kvbench.padded import PaddedKV
 from kvbench.methods import Budget, Method
 
@@ -241,6 +241,7 @@ def decode_grid(
             kv_bytes_full=engine.full_bytes(s.position + done.steps[row], engine.full_kv_heads),
             kv_bytes_mha=engine.full_bytes(s.position + done.steps[row], engine.lm.n_q_heads),
             peak_mem_bytes=s.prefill_peak,
+            peak_mem_delta_bytes=s.prefill_peak - s.baseline_bytes,
             batch_size=n_rows,
             decode_tokens_per_s=done.tokens_per_s,
             latency_s=s.prefill_s + done.seconds[row],
@@ -259,18 +260,17 @@ def generate_grid(
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together; in order."""
     device = engine.lm.device
-    reset_peak(device)
-    base = read_peak(device)
+    base = reset_peak(device)
 
     def held() -> int:
         """Memory the caches compressed so far hold (a process-wide peak counts them; a row alone would not)."""
-        reset_peak(device)
-        return max(0, read_peak(device) - base)
+        return max(0, reset_peak(device) - base)
 
     def alone(i: int) -> Generation:
         before = held()
         gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop)
         gen.peak_mem_bytes = max(starts[i].prefill_peak, gen.peak_mem_bytes - before)
+        gen.peak_mem_delta_bytes = gen.peak_mem_bytes - starts[i].baseline_bytes
         return gen
 
     starts: list[Compressed] = []

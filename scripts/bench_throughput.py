@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import gc
 import sys
@@ -82,13 +81,9 @@ def broadcast(prefill: Prefill, batch: int) -> Prefill:
 
 
 def settle(device: torch.device) -> int:
-    """Free what is garbage, give freed heap back to the OS (so RSS measures what is held), reset the peak."""
+    """Free what is garbage, reset the peak; the memory in use now (freed heap given back to the OS first)."""
     gc.collect()
-    if device.type == "cpu":
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-    reset_peak(device)
-    return read_peak(device)
+    return reset_peak(device)
 
 
 @contextlib.contextmanager
