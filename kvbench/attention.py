@@ -64,6 +64,9 @@ class StatsRecorder:
     # seconds spent computing each statistic ("all" or the window size W): a shared prefill charges each
     # configuration only the statistics its own method asked for
     seconds: dict = field(default_factory=dict)
+    # set by Engine.prefill when it prefilled a whole prompt (None after a reused prefix): methods that re-read the
+    # prompt (kvzip's reconstruction forward) find the model, the token ids and the per-layer (keys, values) here
+    prompt: PromptSource | None = None
 
     def record(
         self,
@@ -139,6 +142,13 @@ class StatsRecorder:
             + (self.seconds.get("all", 0.0) if request.all_queries else 0.0)
             + (self.seconds.get("moments", 0.0) if request.query_moments else 0.0)
         )
+
+
+@dataclass
+class PromptSource:
+    lm: object  # kvbench.models.LoadedModel
+    ids: list[int]
+    kv: list  # per layer (keys, values) (B, H_kv, T, D), the prefill's own tensors
 
 
 @dataclass

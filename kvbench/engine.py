@@ -17,7 +17,7 @@ from typing import cast
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRecorder, StatsRequest, recording
+from kvbench.attention import PromptSource, StatsRecorder, StatsRequest, recording
 from kvbench.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
 from kvbench.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
@@ -135,7 +135,10 @@ class Engine:
         synchronize(device)
         seconds = time.perf_counter() - start
         self._check_recorded(request, stats, len(cache.layers))
-        return Prefill(cache_kv(cache), stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
+        kv = cache_kv(cache)
+        if position == 0:  # the whole prompt: methods that re-read it (kvzip) find it with the statistics
+            stats.prompt = PromptSource(self.lm, list(ids), kv)
+        return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
 
     def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
         recorded = [len(stats.all_queries)] if request.all_queries else []

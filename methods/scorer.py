@@ -63,4 +63,4 @@ class WrapsScorer(Method):
         return self._scorer.layer_tokens(n_keep, n_layers, n_prompt)
 
 
-SCORERS = ("snapkv", "pyramidkv", "tova", "knorm", "keydiff", "expected_attention")
+SCORERS = ("snapkv", "pyramidkv", "tova", "knorm", "keydiff", "expected_attention", "kvzip")

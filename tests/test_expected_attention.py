@@ -48,7 +48,8 @@ def _hand_scores(use_covariance: bool, use_vnorm: bool, epsilon: float) -> list[
 
 
 @pytest.mark.parametrize(
-    "use_covariance, use_vnorm, epsilon", [(True, True, 0.0), (False, True, 0.0), (True, False, 0.0), (True, True, 0.01)]
+    "use_covariance, use_vnorm, epsilon",
+    [(True, True, 0.0), (False, True, 0.0), (True, False, 0.0), (True, True, 0.01)],
 )
 def test_expected_attention_equals_the_formula_by_hand(use_covariance, use_vnorm, epsilon):
     queries = torch.tensor(QUERIES)[None, None]  # (B=1, H_q=1, N, D=2)
@@ -57,10 +58,8 @@ def test_expected_attention_equals_the_formula_by_hand(use_covariance, use_vnorm
     stats = SimpleNamespace(moments={1: {0: moments}})
     keys = torch.tensor(KEYS)[None, None]  # (1, H_kv=1, T, 2)
     values = torch.tensor(VALUE_NORMS)[None, None, :, None] * torch.tensor([0.6, 0.8])  # (1, 1, T, 2): ‖v‖ as listed
-    method = build_method(
-        "expected_attention",
-        dict(n_sink=1, n_future_positions=N_FUTURE, use_covariance=use_covariance, use_vnorm=use_vnorm, epsilon=epsilon),
-    )
+    knobs = dict(use_covariance=use_covariance, use_vnorm=use_vnorm, epsilon=epsilon)
+    method = build_method("expected_attention", dict(n_sink=1, n_future_positions=N_FUTURE, **knobs))
     scores = head_scores(method, 0, keys, values, stats)  # (1, 1, T)
     assert scores[0, 0, 0] == float("inf")  # the sink is always kept (its huge key would otherwise win)
     torch.testing.assert_close(scores[0, 0, 1:], torch.tensor(_hand_scores(use_covariance, use_vnorm, epsilon)))
