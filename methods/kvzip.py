@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -75,6 +76,10 @@ def max_attention(
 @METHODS.register("kvzip")
 @dataclass
 class KVzip(ScoreEviction):
+    # prefill=inline / prefill_chunk cannot serve it: the reconstruction needs the whole prompt's K/V in every layer
+    compresses_inline: ClassVar[bool] = False
+    chunk_limit: ClassVar[str] = "its reconstruction forward re-reads the whole prefilled prompt"
+
     n_sink: int = 4  # first positions always kept, not repeated
     chunk_size: int = 2048  # prompt tokens repeated per reconstruction forward (kvpress's chunk_size)
 

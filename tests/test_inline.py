@@ -51,6 +51,8 @@ def assert_same_cache(a, b):
 @pytest.mark.parametrize("name", ALL_METHODS)
 def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine, prompt_ids):
     method = built(name)
+    if not method.compresses_per_layer():  # refused by inline.check (kvzip: its second forward needs every layer)
+        pytest.skip(f"{name} compresses after the whole prefill")
     budget = Budget.parse(0.25) if method.has_budget else None
     engine = tiny_engine.prepared(method)
     method.bind(engine.lm)
