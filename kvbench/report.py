@@ -26,7 +26,7 @@ from kvbench import KvbenchError
 from kvbench.aggregate import ALL, add_results_argument, knees, load_rows, pareto, summarize, with_variants
 from kvbench.intervals import MIN_N
 from kvbench.report_page import Page
-from kvbench.report_sections import PLACES, build_sections
+from kvbench.report_sections import INPUTS, PLACES, build_sections
 from kvbench.report_tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report_takeaways import takeaways
 from kvbench.results import check_writable, write_atomic, write_csv
@@ -120,6 +120,7 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     frontier = pareto(summary)
     check_writable(out_dir)
     plots = plot_all(rows, summary, knee, frontier, out_dir, tolerance)
+    INPUTS[:] = [Path(p) for p in paths]  # sections reading files beside the store (kvbench.predicted_section)
     extra = {place: build_sections(rows, summary, out_dir, place) for place in PLACES}
     page = render(rows, summary, knee, frontier, plots, extra, paths, tolerance)
 

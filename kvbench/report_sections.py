@@ -54,6 +54,9 @@ class _Entry:
 
 
 SECTIONS: list[_Entry] = []
+# the report's inputs (store directories or row files), set by build_report: sections that read files written
+# beside the store (kvbench.predicted_section) look there
+INPUTS: list[Path] = []
 
 
 def report_section(title: str, needs: list[str] | tuple[str, ...] = (), where: str = "tables"):
