@@ -93,7 +93,7 @@ def guide_table(
                 "n_matched": int(matched.sum()),
                 "kv_ratio": kv_ratio,
                 "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
-                "decode_vs_full": _ratio(group.loc[matched, "decode_ms_per_token"], base["decode_ms_per_token"]),
+                "decode_vs_full": _ratio(*_timed_alone(group.loc[matched], base)),
                 "changes_model": any(p in CHANGES_MODEL for p in parts),
                 "needs_statistics": any(p in NEEDS_STATISTICS for p in parts),
                 "fit": _fit(drop_low, drop_high, kv_ratio, int(matched.sum()), max_drop, max_kv_ratio, min_n),
@@ -124,6 +124,15 @@ def _label(method: str, params: str) -> str:
         return variant_label(method, json.loads(params))
     except (TypeError, ValueError):
         return method
+
+
+def _timed_alone(rows: pd.DataFrame, base: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """decode ms/token of the matched pairs whose decode was timed alone: a row decoded in a batch (grid_batch,
+    batch_size; `batch_size` > 1) carries the batch's step time, which says nothing about its own method's speed."""
+    if "batch_size" not in rows or "batch_size" not in base:
+        return rows["decode_ms_per_token"], base["decode_ms_per_token"]
+    alone = (rows["batch_size"].fillna(1).to_numpy() == 1) & (base["batch_size"].fillna(1).to_numpy() == 1)
+    return rows["decode_ms_per_token"][alone], base["decode_ms_per_token"][alone]
 
 
 def _ratio(values: pd.Series, full: pd.Series) -> float:

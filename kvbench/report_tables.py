@@ -86,7 +86,13 @@ def summary_columns(
         Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
         Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
         Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
-        Column("decode ms/token", lambda r: r["decode_ms_per_token"], fixed(1)),
+        Column(
+            "decode ms/token",
+            lambda r: r["decode_ms_per_token"],
+            fixed(1),
+            title="rows decoded in a batch (batch_size > 1: grid_batch, the default for grids, or batch_size) carry "
+            "the batch's step time; compare methods' decode speed with grid_batch=false",
+        ),
     ]
     if tasks:
         cols.append(Column("tasks", lambda r: r["tasks"], left=True, title="tasks the examples come from"))

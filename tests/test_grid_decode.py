@@ -78,3 +78,19 @@ def test_runner_grid_batch_switch(tmp_path):
     assert set(a[a.method == "kivi"].batch_size) == {1}  # decoded alone
     assert (a[a.method.isin(["snapkv", "h2o", "streamingllm"])].batch_size > 1).all()
     assert len(read_rows(tmp_path / "on" / "store")) == len(a)
+
+
+def test_guide_compares_decode_speed_only_between_rows_timed_alone():
+    """A grid-batched row's decode ms/token is its batch's step time: the guide's decode_vs_full skips it."""
+    import pandas as pd
+
+    from kvbench.guide import guide_table
+    from tests.test_report import row
+
+    def rows(method, budget, ms, batch):
+        return [row(method, budget, f"ex{i}", 1.0, decode_ms_per_token=ms, batch_size=batch) for i in range(6)]
+
+    frame = pd.DataFrame(rows("full", 1.0, 40.0, 1) + rows("snapkv", 0.5, 20.0, 1) + rows("h2o", 0.5, 40.0, 3))
+    table = guide_table(frame).set_index("config")
+    assert table.loc["snapkv", "decode_vs_full"] == 0.5
+    assert pd.isna(table.loc["h2o", "decode_vs_full"])
