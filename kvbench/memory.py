@@ -7,6 +7,13 @@ returns freed memory to the OS, which glibc's malloc does lazily: `reset_peak` f
 baseline is what is live now rather than what earlier work left in malloc's free lists — otherwise a configuration
 that reuses those pages would show no growth. Everything the process touches counts (weights, activations, the
 engine's statistics and score tensors), which is what decides whether a request fits.
+
+Within a stretch, glibc keeps freed blocks of up to 32 MiB in its heap (its mmap threshold adapts upwards), and
+fragmentation can then grow the resident set past the live tensors (a chunked prefill: ~38 MiB more per 2K-token
+chunk on longctx-random). `KVBENCH_MMAP_THRESHOLD=131072` fixes the threshold (mallopt): every block above it is
+its own mapping, returned to the OS when freed, so the peak RSS follows the live tensors; it costs time (~15 % on
+prefill and decode of the bundled model at 4K, measured in one run), so it is for memory benchmarks
+(scripts/bench_peak_memory.py sets it), not the default.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import os
 import re
 import resource
 
@@ -43,6 +51,16 @@ def _trim() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def fix_mmap_threshold(threshold: int) -> bool:
+    """glibc: serve every allocation above `threshold` bytes by its own mmap (freed = back to the OS)."""
+    libc = _libc()
+    return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
+
+
+if os.environ.get("KVBENCH_MMAP_THRESHOLD"):
+    fix_mmap_threshold(int(os.environ["KVBENCH_MMAP_THRESHOLD"]))
 
 
 @functools.cache

@@ -240,3 +240,28 @@ def test_a_run_with_prefill_inline_records_it_and_predicts_what_shared_does(tmp_
     for frame in (shared, inlined, chunked):
         assert (frame["peak_mem_delta_bytes"] >= 0).all()
         assert (frame["peak_mem_delta_bytes"] < frame["peak_mem_bytes"]).all()  # beside the absolute
+
+
+def test_report_table_of_peak_memory_by_prefill_mode():
+    import pandas as pd
+
+    from kvbench.prefill_section import peak_by_prefill, peak_table
+
+    mib = 2**20
+    rows = pd.DataFrame(
+        {
+            "model": "m",
+            "context_tokens": 8192,
+            "method": ["snapkv"] * 4,
+            "budget": 0.25,
+            "prefill": ["shared", "inline", "inline", "inline"],
+            "prefill_chunk": [None, None, 1024, 1024],
+            "peak_mem_delta_bytes": [300 * mib, 120 * mib, 40 * mib, 60 * mib],
+            "peak_mem_bytes": [900 * mib, 720 * mib, 640 * mib, 660 * mib],
+        }
+    )
+    table = peak_table(rows)
+    assert list(table.columns[-3:]) == ["shared", "inline", "inline + chunk 1024"]
+    assert table.iloc[0][["shared", "inline", "inline + chunk 1024"]].tolist() == ["300 (900)", "120 (720)", "50 (650)"]
+    assert peak_by_prefill(rows.iloc[:1], None, None) is None  # shared alone: nothing to compare
+    assert "inline + chunk 1024" in peak_by_prefill(rows, None, None).markdown

@@ -1,0 +1,115 @@
+"""Peak memory per method and prefill mode, measured in one run: shared vs inline vs inline + chunked.
+
+    flock /tmp/kvbench-bench.lock python scripts/bench_peak_memory.py [--model smollm2-135m] [--context 8192]
+        [--methods full snapkv streamingllm h2o pyramidkv kivi] [--budget 0.25] [--chunk 1024]
+        [--modes shared inline chunked] [--new-tokens 8] [--cap-mib N] [--csv PATH]
+
+Each configuration prefills the same prompt (seeded random token ids: memory does not depend on the text) and
+decodes `new-tokens` greedily through the engine the runner uses; `shared` is the whole-prompt prefill then
+compression (what a grid shares), `inline` compresses each layer inside the forward pass, `chunked` is inline with
+`prefill_chunk`. Peak memory as kvbench.memory measures it: CPU peak RSS (VmHWM reset per configuration, after
+malloc_trim) and its delta over the memory in use when the configuration started (the loaded model); CUDA max
+allocated. glibc's mmap threshold is fixed at 128 KiB here (KVBENCH_MMAP_THRESHOLD, see kvbench/memory.py), so
+freed tensors leave the resident set at once and the peak follows live memory. With --cap-mib each row says
+whether its delta fits the cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import os
+import sys
+
+os.environ.setdefault("KVBENCH_MMAP_THRESHOLD", "131072")  # before kvbench.memory is imported: peaks = live memory
+
+import torch
+from omegaconf import OmegaConf
+
+from kvbench import conf_dir, inline
+from kvbench.engine import Engine
+from kvbench.memory import in_use
+from kvbench.methods import Budget, build_method
+from kvbench.models import load_model
+
+MIB = 2**20
+
+
+def measure(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids: list[int], new_tokens: int) -> dict:
+    method = build_method(name)
+    value = Budget.parse(budget) if method.has_budget else None
+    gc.collect()
+    if mode == "shared":
+        prefill = engine.prefill(ids, method.stats_request())
+    else:
+        prefill = inline.prefill(engine, method, value, ids, chunk if mode == "chunked" else None)
+    gen = engine.generate(prefill, method, value, [], new_tokens)
+    del prefill
+    return {
+        "method": name,
+        "budget": str(budget if method.has_budget else 1.0),
+        "mode": mode if mode != "chunked" else f"chunked {chunk}",
+        "peak_MiB": gen.peak_mem_bytes / MIB,
+        "delta_MiB": (gen.peak_mem_delta_bytes or 0) / MIB,
+        "kv_MiB": gen.kv_bytes / MIB,
+        "prefill_s": gen.prefill_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--methods", nargs="+", default=["full", "snapkv", "streamingllm", "h2o", "pyramidkv", "kivi"])
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--modes", nargs="+", default=["shared", "inline", "chunked"])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--cap-mib", type=float, default=None, help="a memory cap over the loaded model (MiB)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args()
+
+    lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), args.device, args.dtype)
+    engine = Engine(lm)
+    vocab = min(lm.config.vocab_size, len(lm.tokenizer))
+    ids = torch.randint(vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    for mode in args.modes:  # warm-up: one-time allocations (kernels, thread pools) are not any method's
+        measure(engine, "full", 1.0, mode, args.chunk, ids[:256], 2)
+    loaded = in_use(lm.device)
+    print(
+        f"{args.model} ({lm.dtype}, {lm.device}), {args.context} prompt tokens, {args.new_tokens} new tokens; "
+        f"{loaded / MIB:.0f} MiB in use with the model loaded; threads={torch.get_num_threads()}, "
+        f"KVBENCH_MMAP_THRESHOLD={os.environ.get('KVBENCH_MMAP_THRESHOLD')}",
+        flush=True,
+    )
+    rows = []
+    for name in args.methods:
+        for mode in args.modes:
+            row = measure(engine, name, args.budget, mode, args.chunk, ids, args.new_tokens)
+            if args.cap_mib is not None:
+                row["fits_cap"] = row["delta_MiB"] <= args.cap_mib
+            rows.append(row)
+            print(
+                "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+            )
+    by = {(r["method"], r["mode"].split()[0]): r for r in rows}
+    print(f"\npeak memory over the loaded model (MiB), {args.context} tokens, budget {args.budget}")
+    header = ["method", *args.modes, "kv_MiB"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for name in args.methods:
+        cells = [f"{by[(name, m)]['delta_MiB']:.0f}" if (name, m) in by else "" for m in args.modes]
+        kv = next(r["kv_MiB"] for r in rows if r["method"] == name)
+        print(f"| {name} | " + " | ".join(cells) + f" | {kv:.1f} |")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
