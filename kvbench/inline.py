@@ -112,6 +112,13 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
         base = method.position(first, cache) if first else 0
         with recording(request) as compressor.stats, after_each_layer(compressor):
             logits = engine.forward(piece, [base + i for i in range(len(piece))], cache)
+        if len(compressor.layers_seen) != len(cache.layers):  # some attention bypassed kvbench's: nothing compressed
+            raise KvbenchError(
+                f"prefill=inline compresses each layer at the end of its attention, but {len(cache.layers)} cache "
+                f"layers reported {len(compressor.layers_seen)} attention calls through kvbench's attention "
+                f"({type(lm.model).__name__}); use prefill=shared with this model"
+            )
+        compressor.layers_seen.clear()
     stats = compressor.stats
     assert stats is not None  # the prompt has at least one token
     compressed = method.end_compress(list(cache.layers), stats, budget)
@@ -136,11 +143,13 @@ class _LayerCompressor:
         self.engine, self.method, self.cache = engine, method, cache
         self.stats: StatsRecorder | None = None  # the current chunk's recorder
         self.compress = True
+        self.layers_seen: set[int] = set()
 
     def __call__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values (B, H_kv, T, D): everything layer `layer_idx` holds, this chunk included."""
         stats = self.stats
         assert stats is not None
+        self.layers_seen.add(layer_idx)
         if not stats.has_layer(layer_idx):  # this model's attention did not report statistics: one clear line
             self.engine._check_recorded(stats.request, stats, self.engine.lm.n_layers)
         if self.compress:

@@ -258,6 +258,7 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
             kv_bytes_full=w.kv_bytes_full,
             kv_ratio=w.kv_bytes / w.kv_bytes_full,
             peak_mem_bytes=w.peak_mem_bytes,
+            peak_mem_delta_bytes=w.peak_mem_delta_bytes,
             prefill_s=w.seconds,
             decode_s=0.0,
             decode_ms_per_token=1000 * w.seconds / max(1, w.n_predicted),

@@ -33,6 +33,7 @@ class Window:
     kv_bytes_full: int
     seconds: float
     peak_mem_bytes: int
+    peak_mem_delta_bytes: int  # over the memory in use when the window started (the model and the bounded cache)
 
     @property
     def perplexity(self) -> float:
@@ -58,7 +59,7 @@ def stream_perplexity(
     targets = torch.tensor(ids, device=device)
     for index, start in enumerate(range(0, len(ids) - 1, chunk)):
         piece = ids[start : start + chunk]
-        reset_peak(device)
+        baseline = reset_peak(device)
         t0 = time.perf_counter()
         base = method.position(start, cache) if index else 0
         with recording(request) as stats:
@@ -71,6 +72,7 @@ def stream_perplexity(
             )
         synchronize(device)
         seconds = time.perf_counter() - t0
+        peak = read_peak(device)
         # position i predicts token i + 1; the text's last token has no target
         n = min(len(piece), len(ids) - 1 - start)
         nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="sum")
@@ -85,7 +87,8 @@ def stream_perplexity(
                 cache_nbytes(cache),
                 full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
                 seconds,
-                read_peak(device),
+                peak,
+                peak - baseline,
             )
         )
     return windows

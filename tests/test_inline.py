@@ -265,3 +265,14 @@ def test_report_table_of_peak_memory_by_prefill_mode():
     assert table.iloc[0][["shared", "inline", "inline + chunk 1024"]].tolist() == ["300 (900)", "120 (720)", "50 (650)"]
     assert peak_by_prefill(rows.iloc[:1], None, None) is None  # shared alone: nothing to compare
     assert "inline + chunk 1024" in peak_by_prefill(rows, None, None).markdown
+
+
+def test_a_model_whose_attention_bypasses_kvbench_is_refused_not_left_uncompressed(tiny, tiny_engine, prompt_ids):
+    from kvbench.attention import register
+
+    tiny.model.set_attn_implementation("sdpa")
+    try:
+        with pytest.raises(KvbenchError, match="use prefill=shared with this model"):
+            inline.prefill(tiny_engine, build_method("streamingllm"), Budget.parse(0.25), prompt_ids)
+    finally:
+        tiny.model.set_attn_implementation(register())
