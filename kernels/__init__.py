@@ -71,9 +71,19 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
 
 
+def kivi_decode_attention(query, *storage, key_bits: int, value_bits: int, group_size: int, scaling: float, dead=None):
+    """Decode attention of one query on a KIVI layer's packed storage (contract: kivi_attention)."""
+    from kvbench.kernels.kivi_attention import packed_decode_attention
+
+    return packed_decode_attention(
+        query, *storage, key_bits=key_bits, value_bits=value_bits, group_size=group_size, scaling=scaling, dead=dead
+    )
+
+
 __all__ = [
     "attention_column_sums",
     "attention_column_sums_reference",
+    "kivi_decode_attention",
     "quantize_pack",
     "quantize_pack_reference",
     "unpack_dequantize",

@@ -254,6 +254,8 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
     """transformers attention signature: query (B, H_q, Q, D); key/value (B, H_kv, T, D) from the cache."""
     hook = getattr(_active, "layer_hook", None)
     if hook is not None:
+        if hasattr(key, "attend"):  # a quantized layer's view of its storage (chunked prefill into KIVI): dense K/V
+            key, value = key.kv()
         attention_mask = _own_length_mask(attention_mask, query, key)
     output = _attention(module, query, key, value, attention_mask, scaling, **kwargs)
     if hook is not None:
@@ -265,6 +267,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
     recorder = getattr(_active, "recorder", None)
     if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.grid_decode): pads masked out
         key, value, attention_mask = key.tensor, value.tensor, key.mask
+    if hasattr(key, "attend"):  # a cache layer's view of its own storage (KIVI's packed groups, methods/kivi.py)
+        if recorder is None and query.shape[2] == 1 and attention_mask is None and kwargs.get("softcap") is None:
+            out = key.attend(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
+            if out is not None:  # None: nothing is quantized, the dense path below is exact
+                return out, None
+        key, value = key.kv()  # (B, H_kv, T, D) dequantized: statistics, masks and several queries go through sdpa
     if isinstance(key, RaggedKV):  # KV heads of different lengths (adakv): per-head attention, no statistics
         if recorder is not None:
             raise KvbenchError("attention statistics over ragged (adakv) cache layers are not supported")

@@ -53,21 +53,29 @@ class Prediction:
 
 
 def kivi_layer_bytes(
-    shape: KVShape, tokens: int, bits: int, group_size: int, residual_length: int, batch: int = 1
+    shape: KVShape,
+    tokens: int,
+    key_bits: int,
+    group_size: int,
+    residual_length: int,
+    batch: int = 1,
+    value_bits: int | None = None,
 ) -> int:
     """One KiviLayer holding `tokens` (a function of the count alone: prefill, flushes and `select` all store by
-    KIVI's prefill rule). Keys: whole residual blocks quantized per channel, the rest full precision; values: all
-    but the newest residual_length quantized per token. Packed words are int32, scales/zeros in the model dtype."""
+    KIVI's prefill rule). Keys (`key_bits`): whole residual blocks quantized per channel, the rest full precision;
+    values (`value_bits`, default `key_bits`): all but the newest residual_length quantized per token; 16 bits keeps
+    that part in full precision. Packed words are int32, scales/zeros in the model dtype."""
     heads, dim, elem = batch * shape.n_kv_heads, shape.head_dim, shape.element_bytes
-    if bits == 16:  # passthrough: every token stays in the full-precision residual
-        return 2 * heads * tokens * dim * elem
-    words_per_group = -(-group_size * bits // 32)
-    key_tokens = tokens // residual_length * residual_length
-    key_groups = key_tokens // group_size  # per channel
-    keys = heads * dim * key_groups * (4 * words_per_group + 2 * elem) + heads * (tokens - key_tokens) * dim * elem
-    value_tokens = max(0, tokens - residual_length)
-    value_groups = dim // group_size  # per token
-    values = heads * value_tokens * value_groups * (4 * words_per_group + 2 * elem)
+    value_bits = key_bits if value_bits is None else value_bits
+
+    def group_bytes(part_bits: int) -> int:
+        return 4 * -(-group_size * part_bits // 32) + 2 * elem  # packed words + scale + zero
+
+    key_tokens = 0 if key_bits == 16 else tokens // residual_length * residual_length
+    keys = heads * dim * (key_tokens // group_size) * group_bytes(key_bits) if key_tokens else 0  # groups per channel
+    keys += heads * (tokens - key_tokens) * dim * elem
+    value_tokens = 0 if value_bits == 16 else max(0, tokens - residual_length)
+    values = heads * value_tokens * (dim // group_size) * group_bytes(value_bits) if value_tokens else 0  # per token
     values += heads * (tokens - value_tokens) * dim * elem
     return keys + values
 
@@ -137,19 +145,14 @@ def predict_kv_bytes(
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
     elif precision.name == "kivi":
-        total = sum(
-            kivi_layer_bytes(shape, t, precision.bits, precision.group_size, precision.residual_length, batch)
-            for t in tokens
-        )
+        kivi_knobs = (precision.bits_of("key"), precision.group_size, precision.residual_length)
+        total = sum(kivi_layer_bytes(shape, t, *kivi_knobs, batch, precision.bits_of("value")) for t in tokens)
         if stays and decoded_tokens:
             # each decode step evicts ≤ 1 token per head; KIVI never re-quantizes, so an evicted token stays stored
             # until its key group empties (methods/kivi.py): ≤ t + decoded stored, residuals ≤ one block each
             fp_block = 2 * batch * shape.n_kv_heads * precision.residual_length * shape.head_dim * shape.element_bytes
             total = sum(
-                kivi_layer_bytes(
-                    shape, t + decoded_tokens, precision.bits, precision.group_size, precision.residual_length, batch
-                )
-                + fp_block
+                kivi_layer_bytes(shape, t + decoded_tokens, *kivi_knobs, batch, precision.bits_of("value")) + fp_block
                 for t in tokens
             )
             exact, bound = False, True

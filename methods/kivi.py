@@ -13,7 +13,8 @@ Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.cac
 - values, quantized PER TOKEN in groups of G channels (G divides head_dim):
     value_packed (B, H_kv, T_v, D/G·W) int32,  value_scale, value_zero (B, H_kv, T_v, D/G);
   the newest min(T, R) values stay in  value_residual (B, H_kv, min(T, R), D).
-W = ceil(G·bits/32) int32 words per group (G·bits/32 when G·bits is a multiple of 32, as with the defaults).
+W = ceil(G·bits/32) int32 words per group (G·bits/32 when G·bits is a multiple of 32, as with the defaults), bits
+being key_bits for keys and value_bits for values.
 Storage slot s is the s-th stored token in time order for K and V alike, although their quantized/residual split
 points differ. Cache position p (what `update` returns and `select` indexes) is the p-th *live* slot.
 
@@ -23,15 +24,21 @@ storage that is dead in every head — whole key groups, full-precision residual
 group each) — so every kept token has been quantized exactly once. A key group with a live member stays held in
 full, and its bytes are counted: kv_bytes reports what the cache physically holds.
 
-Decoding (`update`): new tokens join the residuals; attention gets dequantized ++ residual K/V, formed *before* the
-flush (KIVI attends to the block it is about to quantize in full precision); then keys flush their residual to
-quantized storage once it holds R tokens, values quantize their oldest tokens beyond R. The dequantized tensors are
-returned, never kept. bits=16 is a passthrough (nothing is quantized; every token stays in the residual), for
-equivalence tests.
+Decoding (`update`): new tokens join the residuals; attention sees the storage *before* the flush (KIVI attends to
+the block it is about to quantize in full precision); then keys flush their residual to quantized storage once it
+holds R tokens, values quantize their oldest tokens beyond R. `update` hands attention a view of that storage (a
+shallow copy: the same tensors) instead of K/V tensors, and kvbench's attention computes a decode step's single
+query directly on the packed groups — scales and zeros folded into the query and the probabilities
+(kernels/kivi_attention.py) — so no dequantized copy of the cache is made per step; with several queries, a mask
+or recorded statistics it dequantizes (`kv`) and uses sdpa. Either way nothing extra is kept.
+Keys and values take their own bit widths (`key_bits`, `value_bits`; both default to `bits`), each 2, 4, 8 or 16;
+16 is a passthrough for that part (nothing quantized, every token in its residual): bits=16 reproduces the full
+cache exactly, for equivalence tests.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -59,9 +66,9 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
-def check_config(bits: int, group_size: int, residual_length: int) -> None:
+def check_config(bits: int, group_size: int, residual_length: int, knob: str = "bits") -> None:
     if bits not in BITS:
-        raise KvbenchError(f"kivi bits={bits}: must be 2, 4 or 8 (packed quantization) or 16 (no quantization)")
+        raise KvbenchError(f"kivi {knob}={bits}: must be 2, 4 or 8 (packed quantization) or 16 (no quantization)")
     if group_size <= 0 or residual_length <= 0 or residual_length % group_size:
         raise KvbenchError(
             f"kivi residual_length={residual_length} must be a positive multiple of group_size={group_size} "
@@ -74,27 +81,44 @@ class KiviLayer(DynamicLayer):
 
     is_croppable = False  # crop goes through select
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual_length: int = 64):
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int = 64,
+        residual_length: int = 64,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
+    ):
         super().__init__()
-        check_config(bits, group_size, residual_length)
-        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.key_bits = bits if key_bits is None else key_bits
+        self.value_bits = bits if value_bits is None else value_bits
+        check_config(self.key_bits, group_size, residual_length, "key_bits")
+        check_config(self.value_bits, group_size, residual_length, "value_bits")
+        self.group_size, self.residual_length = group_size, residual_length
         for name in _TENSORS:
             setattr(self, name, None)
         self.dead: torch.Tensor | None = None  # (B, H_kv, n_dead) int32 slots evicted but still stored; None: none
 
     @classmethod
     def from_kv(
-        cls, keys: torch.Tensor, values: torch.Tensor, bits: int, group_size: int, residual_length: int
+        cls,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bits: int,
+        group_size: int,
+        residual_length: int,
+        key_bits: int | None = None,
+        value_bits: int | None = None,
     ) -> KiviLayer:
         """A layer holding keys/values (B, H_kv, N, D), split as KIVI splits a prefill (also: already-evicted K/V)."""
-        layer = cls(bits, group_size, residual_length)
+        layer = cls(bits, group_size, residual_length, key_bits, value_bits)
         layer.lazy_initialization(keys, values)
         layer._store(keys, values)
         return layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bsz, n_heads, _, head_dim = key_states.shape
-        if self.bits < 16 and head_dim % self.group_size:
+        if self.value_bits < 16 and head_dim % self.group_size:
             valid = [g for g in range(1, head_dim + 1) if head_dim % g == 0]
             raise KvbenchError(
                 f"kivi group_size={self.group_size} does not divide the model's head_dim={head_dim} (values are "
@@ -106,11 +130,11 @@ class KiviLayer(DynamicLayer):
         def empty(*shape, dtype=self.dtype):
             return torch.empty(*shape, dtype=dtype, device=self.device)
 
-        n_groups = head_dim // self.group_size if self.bits < 16 else 0
+        n_groups = head_dim // self.group_size if self.value_bits < 16 else 0
         self.key_packed = empty(bsz, n_heads, head_dim, 0, dtype=torch.int32)  # (B, H_kv, D, 0)
         self.key_scale, self.key_zero = empty(bsz, n_heads, head_dim, 0), empty(bsz, n_heads, head_dim, 0)
         self.key_residual = empty(bsz, n_heads, 0, head_dim)  # (B, H_kv, 0, D)
-        words = n_groups * (-(-self.group_size * self.bits // 32))
+        words = n_groups * (-(-self.group_size * self.value_bits // 32))
         self.value_packed = empty(bsz, n_heads, 0, words, dtype=torch.int32)  # (B, H_kv, 0, D/G·W)
         self.value_scale, self.value_zero = empty(bsz, n_heads, 0, n_groups), empty(bsz, n_heads, 0, n_groups)
         self.value_residual = empty(bsz, n_heads, 0, value_states.shape[-1])  # (B, H_kv, 0, D)
@@ -119,17 +143,18 @@ class KiviLayer(DynamicLayer):
     # ---- storage -------------------------------------------------------------------------------------------
     def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store full-precision tails keys/values (B, H_kv, n, D) — old residual ++ new tokens — by KIVI's rules."""
-        bits, group, residual = self.bits, self.group_size, self.residual_length
-        n_keys = 0 if bits == 16 else keys.shape[2] // residual * residual  # whole residual blocks
+        group, residual = self.group_size, self.residual_length
+        n_keys = 0 if self.key_bits == 16 else keys.shape[2] // residual * residual  # whole residual blocks
         if n_keys:
-            packed, scale, zero = quantize_pack(keys[:, :, :n_keys].transpose(2, 3), bits, group)  # (B, H_kv, D, ·)
+            transposed = keys[:, :, :n_keys].transpose(2, 3)  # (B, H_kv, D, n_keys)
+            packed, scale, zero = quantize_pack(transposed, self.key_bits, group)  # (B, H_kv, D, ·)
             self.key_packed = torch.cat([self.key_packed, packed], dim=-1)  # (B, H_kv, D, T_q/G·W)
             self.key_scale = torch.cat([self.key_scale, scale], dim=-1)  # (B, H_kv, D, T_q/G)
             self.key_zero = torch.cat([self.key_zero, zero], dim=-1)
         self.key_residual = _own(keys[:, :, n_keys:])  # (B, H_kv, n mod R, D)
-        n_values = 0 if bits == 16 else max(0, values.shape[2] - residual)  # the oldest beyond R
+        n_values = 0 if self.value_bits == 16 else max(0, values.shape[2] - residual)  # the oldest beyond R
         if n_values:
-            packed, scale, zero = quantize_pack(values[:, :, :n_values], bits, group)  # (B, H_kv, n_values, ·)
+            packed, scale, zero = quantize_pack(values[:, :, :n_values], self.value_bits, group)  # (B, H_kv, n, ·)
             self.value_packed = torch.cat([self.value_packed, packed], dim=2)  # (B, H_kv, T_v, D/G·W)
             self.value_scale = torch.cat([self.value_scale, scale], dim=2)  # (B, H_kv, T_v, D/G)
             self.value_zero = torch.cat([self.value_zero, zero], dim=2)
@@ -140,11 +165,11 @@ class KiviLayer(DynamicLayer):
         keys = values = None
         if self.key_scale.shape[-1]:
             keys = unpack_dequantize(
-                self.key_packed, self.key_scale, self.key_zero, self.bits, self.group_size, self.dtype
+                self.key_packed, self.key_scale, self.key_zero, self.key_bits, self.group_size, self.dtype
             ).transpose(2, 3)  # (B, H_kv, D, T_q) -> (B, H_kv, T_q, D)
         if self.value_scale.shape[2]:
             values = unpack_dequantize(
-                self.value_packed, self.value_scale, self.value_zero, self.bits, self.group_size, self.dtype
+                self.value_packed, self.value_scale, self.value_zero, self.value_bits, self.group_size, self.dtype
             )  # (B, H_kv, T_v, D)
         return keys, values
 
@@ -184,15 +209,37 @@ class KiviLayer(DynamicLayer):
 
     # ---- the transformers cache-layer protocol ---------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append key/value_states (B, H_kv, n, D); return all live K/V (B, H_kv, N + n, D) for attention (not kept)."""
+        """Append key/value_states (B, H_kv, n, D). Returns, in place of both K and V, a view for attention: a
+        shallow copy of this layer (the same storage tensors, nothing copied) with the new tokens in its residuals
+        — the storage before the flush, which KIVI attends to. kvbench's attention function calls its `attend`
+        (packed groups) or `kv` (dequantized); neither is kept."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        key_tail = torch.cat([self.key_residual, key_states], dim=2)  # (B, H_kv, r_k + n, D)
-        value_tail = torch.cat([self.value_residual, value_states], dim=2)  # (B, H_kv, r_v + n, D)
-        keys, values = self._quantized_kv()
-        keys, values = self._join(keys, key_tail), self._join(values, value_tail)  # before the flush, as KIVI
-        self._store(key_tail, value_tail)
-        return self._live(keys), self._live(values)
+        view = copy.copy(self)  # _store below replaces the storage tensors, never edits them in place
+        view.key_residual = torch.cat([self.key_residual, key_states], dim=2)  # (B, H_kv, r_k + n, D)
+        view.value_residual = torch.cat([self.value_residual, value_states], dim=2)  # (B, H_kv, r_v + n, D)
+        self._store(view.key_residual, view.value_residual)
+        return view, view
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """softmax(q·Kᵀ·scaling)·V of query (B, H_q, 1, D) over the live tokens, on the packed groups (no
+        dequantized copy): (B, 1, H_q, D) as transformers' attention functions return it. None when nothing is
+        quantized (bits=16, a short prompt): then the attention function's dense path is exact and no slower."""
+        from kvbench.kernels import kivi_decode_attention
+
+        if not (self.key_scale.shape[-1] or self.value_scale.shape[2]):
+            return None
+
+        storage = [getattr(self, name) for name in _TENSORS]
+        return kivi_decode_attention(
+            query,
+            *storage,
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            group_size=self.group_size,
+            scaling=scaling,
+            dead=self.dead,
+        )
 
     def n_stored(self) -> int:
         """Stored slots, live or dead."""
@@ -296,12 +343,21 @@ class Kivi(Method):
     # per-group overhead: two 16-bit numbers per 32 elements add 1 bit per element).
     group_size: int = 64  # channels per value group, tokens per key group; must divide head_dim
     residual_length: int = 64  # recent tokens kept in full precision; a multiple of group_size
+    key_bits: int | None = None  # keys' bit width (None: `bits`); e.g. key_bits=4 value_bits=2 (KIVI's K4V2)
+    value_bits: int | None = None  # values' bit width (None: `bits`)
 
     has_budget = False  # keeps every token; the knob is the bit width
     family = "precision"
 
     def __post_init__(self):
         check_config(self.bits, self.group_size, self.residual_length)
+        check_config(self.bits_of("key"), self.group_size, self.residual_length, "key_bits")
+        check_config(self.bits_of("value"), self.group_size, self.residual_length, "value_bits")
+
+    def bits_of(self, part: str) -> int:
+        """The bit width of keys (part="key") or values ("value"): its own knob, else `bits`."""
+        own = self.key_bits if part == "key" else self.value_bits
+        return self.bits if own is None else own
 
     @classmethod
     def lossless_params(cls, lm) -> dict:
@@ -309,4 +365,12 @@ class Kivi(Method):
 
     def compress_layer(self, layer_idx, keys, values, stats):
         """A layer's K/V (B, H_kv, T, D) as a KiviLayer, split as KIVI splits a prefill (inline: as produced)."""
-        return KiviLayer.from_kv(keys, values, self.bits, self.group_size, self.residual_length)
+        return KiviLayer.from_kv(
+            keys,
+            values,
+            self.bits,
+            self.group_size,
+            self.residual_length,
+            self.bits_of("key"),
+            self.bits_of("value"),
+        )

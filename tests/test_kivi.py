@@ -85,7 +85,9 @@ def test_decode_flushes_keys_by_block_and_values_by_token():
     layer = KiviLayer.from_kv(keys, values, bits=8, group_size=8, residual_length=16)  # K: 32 + 8, V: 24 + 16
     new_k, new_v = _kv(30, seed=1)
     for step in range(8):
-        k_all, v_all = layer.update(new_k[:, :, step : step + 1], new_v[:, :, step : step + 1])
+        view, same = layer.update(new_k[:, :, step : step + 1], new_v[:, :, step : step + 1])
+        assert view is same  # one view of the storage for attention in place of K and V
+        k_all, v_all = view.kv()
         assert k_all.shape == v_all.shape == (1, 2, 41 + step, 16)
         # attention sees the newest tokens in full precision, the block about to be flushed included (as KIVI)
         assert torch.equal(k_all[:, :, -(9 + step):], torch.cat([keys[:, :, 32:], new_k[:, :, : step + 1]], 2))
@@ -145,7 +147,7 @@ def _h2o_or_streaming_on_kivi(eviction, n_prompt, steps, budget, monkeypatch):
     monkeypatch.setattr(KiviLayer, "select", lambda self, index: selected.append(index) or real_select(self, index))
     for t in range(n_prompt, n_prompt + steps):
         with recording(method.decode_request()) as stats:
-            k, _ = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            k, _ = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])[0].kv()
             truth = [torch.cat([x, src[:, :, t : t + 1]], 2) for x, src in zip(truth, (keys, values))]
             if stats.request:
                 stats.record(0, torch.randn(1, 4, 1, 16), k, 0.25)
