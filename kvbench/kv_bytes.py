@@ -119,7 +119,9 @@ def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: i
             out.append(size)
         return out
     stays = evicted and eviction.evicts_while_decoding()  # H2O / StreamingLLM / TOVA evict back to their size
-    return [n + appended + (0 if stays else decoded) for n in counts]
+    # every evict_every-th step (H2O, StreamingLLM: methods/decode_eviction.py); the steps since the last stay held
+    since_eviction = decoded % getattr(eviction, "evict_every", 1) if stays else decoded
+    return [n + appended + since_eviction for n in counts]
 
 
 def predict_kv_bytes(

@@ -9,19 +9,44 @@ prompt: nothing is evicted at prefill and decoding evicts once the cache reaches
 their cache at the budget. Budget 1.0 (and no budget) never evicts: the full cache, exactly. Tokens appended
 uncompressed after compression (`on_extend`, the question when query_aware=false) grow the sizes. Streaming
 (`stream_bound`) compresses the first chunk, then evicts like a decode step after each chunk.
+
+Block eviction (`evict_every` = k): the originals evict one token at every decode step, which costs a gather of
+the whole cache per step — more than the growing full cache pays. With k > 1 a layer grows for k − 1 steps and
+at the k-th evicts down to its size at once (k tokens), so the gather is paid once per k steps. The slack: after
+each step a layer holds between size and size + k − 1 tokens (size + k during the step's own attention); kv_bytes
+is measured at the end of generation as always, i.e. size + (decode steps mod k) tokens — what is physically held
+then (the planner predicts the same); the most it holds between steps is size + k − 1. Every step's attention is
+still observed (`observe_step`: H2O adds it to its scores), so k changes only when and how many tokens go at once:
+H2O drops the k lowest-scored tokens outside the recent window together instead of one per step (the window has
+moved on by then); StreamingLLM keeps exactly what per-step eviction keeps at every k-th step. k = 1 is the
+originals' per-step eviction, unchanged (the default).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from kvbench import KvbenchError
 from kvbench.attention import StatsRecorder
 from kvbench.cache import cache_kv, layer_lengths, layer_select
 from kvbench.methods.base import Budget, Method
 
 
+@dataclass
 class DecodeEviction(Method):
-    """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`)."""
+    """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`,
+    `observe_step`)."""
+
+    evict_every: int = 1  # decode steps per eviction: 1 = every step (the originals); k: k tokens at once, slack k − 1
+
+    def __post_init__(self):
+        if not isinstance(self.evict_every, int) or self.evict_every < 1:
+            raise KvbenchError(
+                f"evict_every={self.evict_every!r}: give the number of decode steps between evictions, an integer "
+                f">= 1 (1 = every step, as the original; e.g. evict_every=32)"
+            )
 
     def reset(self) -> None:
         self._sizes: list[int] | None = None  # per layer; None: the cache is not held (budget 1.0)
@@ -58,8 +83,11 @@ class DecodeEviction(Method):
         return cache
 
     def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor | None:
-        """Positions (B, H_kv, size) of `layer` to keep, sorted ascending; None to keep every token."""
+        """Positions (B, H_kv, size) of `layer` (over its size) to keep, sorted ascending; None to keep every token."""
         raise NotImplementedError  # abstract: H2O and StreamingLLM implement it
+
+    def observe_step(self, layer_idx: int, layer, stats: StatsRecorder) -> None:
+        """Called after every forward while decoding (also the steps that do not evict): accumulate scores."""
 
     def evicts_while_decoding(self) -> bool:
         return True
@@ -73,13 +101,16 @@ class DecodeEviction(Method):
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         if self._sizes is not None and self.evicts_while_decoding():
-            self._evict(cache, self._sizes, stats)
+            self._evict(cache, self._sizes, stats, slack=self.evict_every - 1)
 
-    def _evict(self, cache, sizes: list[int], stats: StatsRecorder) -> None:
+    def _evict(self, cache, sizes: list[int], stats: StatsRecorder, slack: int = 0) -> None:
+        """Each layer over its size + `slack` drops to its size; every layer observes the step first."""
         for layer_idx, (layer, size) in enumerate(zip(cache.layers, sizes)):
-            index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
-            if index is not None:
-                layer_select(layer, index)
+            self.observe_step(layer_idx, layer, stats)
+            if layer.get_seq_length() > size + slack:
+                index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
+                if index is not None:
+                    layer_select(layer, index)
 
     def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
         """Streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step."""

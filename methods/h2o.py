@@ -32,6 +32,7 @@ class H2O(DecodeEviction):
     score: str = "sum"  # sum (the original) | mean (÷ queries each key received: kvpress's ObservedAttentionPress)
 
     def __post_init__(self):
+        super().__post_init__()  # evict_every
         if not 0 <= self.recent_ratio < 1:
             raise KvbenchError(f"recent_ratio={self.recent_ratio}: must be in [0, 1) (the rest are heavy hitters)")
         check_choice("score", self.score, ("sum", "mean"))
@@ -98,6 +99,8 @@ class H2O(DecodeEviction):
         self._recent = self.recent_tokens(min(self.held_sizes()))
         return cache
 
+    def observe_step(self, layer_idx, layer, stats):
+        self._receive(layer_idx, stats, self._received[layer_idx].shape[1])  # every step's query votes
+
     def decode_keep(self, layer_idx, layer, size, stats):
-        n_tokens = self._receive(layer_idx, stats, self._received[layer_idx].shape[1])
-        return self._keep(layer_idx, size) if n_tokens > size else None
+        return self._keep(layer_idx, size)  # the layer is over its size

@@ -39,6 +39,7 @@ class StreamingLLM(DecodeEviction):
     positions: str = "absolute"  # absolute | rolling (re-indexed inside the cache, the original code)
 
     def __post_init__(self):
+        super().__post_init__()  # evict_every
         check_choice("positions", self.positions, ("absolute", "rolling"))
         self._inv_freq: torch.Tensor | None = None
         self.reset()

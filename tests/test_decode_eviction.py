@@ -128,3 +128,73 @@ def test_h2o_mean_score_divides_by_the_queries_each_key_received(tiny_engine, pr
         tiny_engine.forward([5], [120], cache)
     mean.on_decode_step(cache, stats)
     assert torch.equal(mean._queries[0][0, 0], torch.cat([torch.arange(121, 1, -1), torch.ones(1)]).float())
+
+
+# ---- block eviction (evict_every = k) -----------------------------------------------------------------------------
+def _held_caches(method, budget, n_prompt, n_new, dim=16):
+    """The synthetic decode loop (one layer, random K/V, no model): each step's (keys, values) after eviction."""
+    torch.manual_seed(0)
+    keys, values = torch.randn(1, 2, n_prompt + n_new, dim), torch.randn(1, 2, n_prompt + n_new, dim)  # (B, H, T, D)
+    queries = torch.randn(n_prompt + n_new, 1, 4, 1, dim)  # one (B, H_q, 1, D) query per step
+    with recording(method.stats_request()) as stats:
+        stats.record(0, torch.randn(1, 4, n_prompt, dim), keys[:, :, :n_prompt], dim**-0.5)
+    cache = method.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, budget)
+    held = []
+    for t in range(n_prompt, n_prompt + n_new):
+        with recording(method.decode_request()) as stats:
+            k, _ = cache.layers[0].update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            if stats.request:
+                stats.record(0, queries[t], k, dim**-0.5)
+        method.on_decode_step(cache, stats)
+        held.append((cache.layers[0].keys.clone(), cache.layers[0].values.clone()))
+    return held
+
+
+@pytest.mark.parametrize("name,params", [("h2o", {}), ("h2o", {"score": "mean"}), ("streamingllm", {})])
+@pytest.mark.parametrize("every", [1, 4, 7])
+def test_block_eviction_holds_between_budget_and_budget_plus_slack(name, params, every):
+    held = _held_caches(build_method(name, {**params, "evict_every": every}), Budget.parse(24), 60, 40)
+    lengths = [keys.shape[2] for keys, _ in held]
+    # after step s (1-based) a layer holds 24 + (s mod k): it grows for k − 1 steps, the k-th drops k tokens at once
+    assert lengths == [24 + (step % every) for step in range(1, 41)]
+    assert max(lengths) <= 24 + every - 1
+
+
+@pytest.mark.parametrize("every", [4, 7])
+def test_streamingllm_blocks_keep_what_per_step_eviction_keeps_at_every_kth_step(every):
+    per_step = _held_caches(build_method("streamingllm"), Budget.parse(24), 60, 40)
+    blocks = _held_caches(build_method("streamingllm", {"evict_every": every}), Budget.parse(24), 60, 40)
+    for step in range(every - 1, 40, every):  # right after each block eviction: sinks + the same recent window
+        assert all(torch.equal(a, b) for a, b in zip(per_step[step], blocks[step]))
+
+
+def test_h2o_blocks_drop_the_lowest_accumulated_scores_with_every_step_voting():
+    method = build_method("h2o", {"evict_every": 5})
+    held = _held_caches(method, Budget.parse(24), 60, 10)
+    # the scores follow the held tokens and count every query so far: after 10 steps the recent window's newest
+    # token has been seen by 1 query, the oldest kept prompt token by 60 + 10 (mean's denominators)
+    assert method._received[0].shape[-1] == held[-1][0].shape[2] == 24
+    assert method._queries[0][0, 0, -1] == 1 and method._queries[0][0, 0, 0] == 70
+
+
+@pytest.mark.parametrize("name", ["h2o", "streamingllm"])
+def test_block_eviction_bytes_are_what_is_held_and_what_the_planner_predicts(name, tiny_engine, prompt_ids):
+    from kvbench.cache import full_cache_nbytes
+    from kvbench.kv_bytes import KVShape, predict_kv_bytes
+
+    lm = tiny_engine.lm
+    method = build_method(name, {"evict_every": 5})
+    gen = tiny_engine.run(method, Budget.parse(0.25), prompt_ids, max_new_tokens=13)  # 12 decode steps: 2 held over
+    assert gen.decode_steps == 12
+    held = 135 + 12 % 5  # per layer: the budget + the steps since the last block eviction
+    assert gen.kv_bytes == full_cache_nbytes(lm.n_layers, lm.n_kv_heads, lm.head_dim, held, lm.dtype)
+    shape = KVShape(lm.n_layers, lm.n_kv_heads, lm.head_dim, lm.dtype)
+    predicted = predict_kv_bytes(method, Budget.parse(0.25), shape, len(prompt_ids), 0, gen.decode_steps)
+    assert predicted.exact and predicted.kv_bytes == gen.kv_bytes and set(predicted.layer_tokens) == {held}
+
+
+def test_evict_every_must_be_a_positive_integer():
+    from kvbench import KvbenchError
+
+    with pytest.raises(KvbenchError, match=r"evict_every=0.*integer >= 1"):
+        build_method("h2o", {"evict_every": 0})
