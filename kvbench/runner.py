@@ -105,6 +105,17 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     return out
 
 
+def grid_batching(cfg: DictConfig, dtype) -> bool:
+    """Whether a grid's configurations of one example decode together (kvbench.grid_decode): grid_batch=auto does
+    in float32, where the rows are identical to one by one (tested); true always; false never."""
+    setting = cfg.get("grid_batch", "auto")
+    return _fp32(dtype) if setting == "auto" else bool(setting)
+
+
+def _fp32(dtype) -> bool:
+    return str(dtype).removeprefix("torch.") == "float32"
+
+
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
     """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
     selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
@@ -124,6 +135,8 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **workload.hash_keys(cfg),
             **inline.hash_keys(cfg),
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
+            # outside float32, decoding configurations together may change a last bit (and a token): apart
+            **({"grid_batch": True} if grid_batching(cfg, lm.dtype) and not _fp32(lm.dtype) else {}),
         }
     )
 
@@ -382,7 +395,7 @@ class ExampleWork:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-            grid_batch = bool(self.cfg.get("grid_batch", True))
+            grid_batch = grid_batching(self.cfg, self.lm.dtype)
             new = generation_rows(*args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch)
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 

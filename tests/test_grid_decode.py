@@ -67,7 +67,7 @@ def test_runner_grid_batch_switch(tmp_path):
     """grid_batch=true and false: the same rows (predictions, scores, bytes, ratios, hashes); only timings differ."""
     kivi = "{name:kivi,group_size:16,residual_length:32}"
     grid = [f"grid.method=[snapkv,h2o,streamingllm,{kivi}]", "grid.budget=[0.2,0.5]", "task.max_new_tokens=5"]
-    on = run(compose_config(*tiny_overrides(tmp_path / "on", *grid)), output_dir=tmp_path / "on" / "out")
+    on = run(compose_config(*tiny_overrides(tmp_path / "on", *grid)), output_dir=tmp_path / "on" / "out")  # auto: fp32
     off = run(compose_config(*tiny_overrides(tmp_path / "off", *grid, "grid_batch=false")),
               output_dir=tmp_path / "off" / "out")
     key = ["method", "budget", "example_id"]
@@ -94,3 +94,23 @@ def test_guide_compares_decode_speed_only_between_rows_timed_alone():
     table = guide_table(frame).set_index("config")
     assert table.loc["snapkv", "decode_vs_full"] == 0.5
     assert pd.isna(table.loc["h2o", "decode_vs_full"])
+
+
+def test_grid_batch_auto_is_float32_only_and_forced_elsewhere_hashes_apart():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvbench.runner import configurations, grid_batching, hash_configuration
+
+    assert grid_batching({"grid_batch": "auto"}, torch.float32) and not grid_batching({}, torch.bfloat16)
+    assert grid_batching({"grid_batch": True}, torch.bfloat16)
+    assert not grid_batching({"grid_batch": False}, torch.float32)
+    hashes = {}
+    for setting in ("auto", True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+            cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
+            lm = SimpleNamespace(dtype=dtype, device=torch.device("cpu"))
+            hashes[setting, dtype] = hash_configuration(configurations(cfg)[0], cfg, lm)
+    assert hashes["auto", torch.float32] == hashes[True, torch.float32] == hashes[False, torch.float32]
+    assert hashes["auto", torch.bfloat16] == hashes[False, torch.bfloat16] != hashes[True, torch.bfloat16]
