@@ -48,18 +48,23 @@ def attention_column_sums(
         n_chunk = q_chunk.shape[3]
         # without a mask, keys after the chunk's last query are all masked: skip them
         visible = n_keys if mask is not None else first_query_pos + start + n_chunk
-        scores = torch.matmul(q_chunk, k_t[..., :visible]).mul_(scaling)  # (B, H_kv, G, C, t)
-        if softcap is not None:
-            scores.div_(softcap).tanh_().mul_(softcap)
-        if mask is None:
+        if softcap is None:  # the scaling folded into the (small) query chunk: one pass fewer over the scores
+            scores = torch.matmul(q_chunk * scaling, k_t[..., :visible])  # (B, H_kv, G, C, t)
+        else:
+            scores = torch.matmul(q_chunk, k_t[..., :visible]).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
+        if mask is None:  # causal: only the last C keys can lie after a query of the chunk
             query_pos = first_query_pos + start + torch.arange(n_chunk, device=query.device)  # (C,)
-            future = torch.arange(visible, device=query.device)[None, :] > query_pos[:, None]  # (C, t) causal mask
-            scores.masked_fill_(future, float("-inf"))
+            tail = torch.arange(visible - n_chunk, visible, device=query.device)  # (C,) the last C keys
+            scores[..., visible - n_chunk :].masked_fill_(tail[None, :] > query_pos[:, None], float("-inf"))
         else:
             _apply_mask(scores, mask[:, :, start : start + n_chunk], n_kv_heads, group)
-        scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()  # softmax in place: no extra chunk-sized buffers
-        scores.div_(scores.sum(dim=-1, keepdim=True)).nan_to_num_(0.0)  # a fully masked row (padding) adds nothing
-        out[..., :visible] += scores.sum(dim=3)  # (B, H_kv, G, t)
+        # softmax column sums without normalising every element: Σ_i exp(s_ij − m_i) / l_i is a (1 × C)·(C × t)
+        # product per head, the 1/l_i folded into its left operand (a fully masked row, padding, adds nothing)
+        row_max = scores.amax(dim=-1, keepdim=True)  # (B, H_kv, G, C, 1)
+        scores.sub_(row_max.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp_()  # in place: no chunk-sized buffers
+        inv_total = scores.sum(dim=-1, keepdim=True).reciprocal_()  # (B, H_kv, G, C, 1); 1/0 = inf: masked rows
+        inv_total.masked_fill_(inv_total.isinf(), 0.0)
+        out[..., :visible] += torch.matmul(inv_total.transpose(-1, -2), scores).squeeze(-2)  # (B, H_kv, G, t)
     return out.reshape(bsz, n_q_heads, n_keys)
 
 

@@ -112,3 +112,21 @@ def test_sliding_window_and_softcapped_models_record_the_attention_they_compute(
     # the window is real: the first key of a windowed layer is seen by its window of queries only
     _, stats, _ = _stats_and_eager(mistral, ids)
     assert float(stats.all_queries[0][..., 0].max()) <= 12
+
+
+def test_h2o_keeps_the_positions_eager_attention_weights_select(tiny, prompt_ids):
+    """The chunked column sums (normalisation folded into a product) select what eager attention's weights do."""
+    from types import SimpleNamespace
+
+    from kvbench.engine import Engine
+    from kvbench.methods import Budget, build_method
+    from tests.conftest import eager_attentions
+
+    ids = prompt_ids[:300]
+    prefill = Engine(tiny).prefill(ids, StatsRequest(all_queries=True))
+    eager = SimpleNamespace(all_queries={i: w.sum(2) for i, w in enumerate(eager_attentions(tiny, ids))})  # (B, H_q, T)
+    for params in ({}, {"score": "mean"}, {"recent_ratio": 0.1}):
+        ours, reference = build_method("h2o", params), build_method("h2o", params)
+        ours.compress(prefill.kv, prefill.stats, Budget.parse(0.2))
+        reference.compress(prefill.kv, eager, Budget.parse(0.2))
+        assert all(torch.equal(a, b) for a, b in zip(ours.kept_positions, reference.kept_positions))
