@@ -1,4 +1,4 @@
-"""Decode-time eviction, shared by H2O and StreamingLLM: hold every layer at its size while generating.
+"""Decode-time eviction, shared by H2O, StreamingLLM and TOVA: hold every layer at its size while generating.
 
 Prefill selection (`keep_indices`, `layer_tokens`) decides what the compressed prompt keeps; this part decides
 what the cache holds afterwards, so a method that evicts while decoding writes only its policy, `decode_keep`
@@ -25,6 +25,7 @@ originals' per-step eviction, unchanged (the default).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -40,6 +41,8 @@ class DecodeEviction(Method):
     `observe_step`)."""
 
     evict_every: int = 1  # decode steps per eviction: 1 = every step (the originals); k: k tokens at once, slack k − 1
+    # False: a cache that compression left whole (budget ≥ the prompt) grows while decoding (TOVA's original)
+    holds_whole_prompt: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.evict_every, int) or self.evict_every < 1:
@@ -47,6 +50,7 @@ class DecodeEviction(Method):
                 f"evict_every={self.evict_every!r}: give the number of decode steps between evictions, an integer "
                 f">= 1 (1 = every step, as the original; e.g. evict_every=32)"
             )
+        self.reset()
 
     def reset(self) -> None:
         self._sizes: list[int] | None = None  # per layer; None: the cache is not held (budget 1.0)
@@ -68,7 +72,7 @@ class DecodeEviction(Method):
         kept = layer_lengths(cache)
         if any(n < self._n_prompt for n in kept):
             self._sizes = kept
-        elif budget is None or not self.has_budget or budget.value == 1.0:
+        elif not self.holds_whole_prompt or budget is None or not self.has_budget or budget.value == 1.0:
             self._sizes = None
         elif budget.is_tokens:  # an absolute budget ≥ the prompt: hold the cache at the budget itself
             self._sizes = [int(budget.value)] * len(kept)
@@ -93,7 +97,9 @@ class DecodeEviction(Method):
         return True
 
     def decode_request(self):
-        return self.stats_request() if self._sizes is not None else super().decode_request()
+        if self._sizes is not None and self.evicts_while_decoding():
+            return self.stats_request()
+        return super().decode_request()
 
     def on_extend(self, n_tokens: int) -> None:
         if self._sizes is not None:

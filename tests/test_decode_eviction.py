@@ -150,7 +150,7 @@ def _held_caches(method, budget, n_prompt, n_new, dim=16):
     return held
 
 
-@pytest.mark.parametrize("name,params", [("h2o", {}), ("h2o", {"score": "mean"}), ("streamingllm", {})])
+@pytest.mark.parametrize("name,params", [("h2o", {}), ("h2o", {"score": "mean"}), ("streamingllm", {}), ("tova", {})])
 @pytest.mark.parametrize("every", [1, 4, 7])
 def test_block_eviction_holds_between_budget_and_budget_plus_slack(name, params, every):
     held = _held_caches(build_method(name, {**params, "evict_every": every}), Budget.parse(24), 60, 40)
@@ -198,3 +198,23 @@ def test_evict_every_must_be_a_positive_integer():
 
     with pytest.raises(KvbenchError, match=r"evict_every=0.*integer >= 1"):
         build_method("h2o", {"evict_every": 0})
+
+
+def test_tova_evicts_by_the_step_query_on_the_shared_component():
+    """TOVA on DecodeEviction: each step keeps the top tokens by that step's query, head-averaged (its formula)."""
+    torch.manual_seed(0)
+    method = build_method("tova")
+    keys, values = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)  # (B, H_kv, T, D)
+    with recording(method.stats_request()) as stats:
+        stats.record(0, torch.randn(1, 4, 60, 16), keys[:, :, :60], 0.25)
+    cache = method.compress([(keys[:, :, :60], values[:, :, :60])], stats, Budget.parse(20))
+    for t in range(60, 70):
+        before = torch.cat([cache.layers[0].keys, keys[:, :, t : t + 1]], 2)  # (1, 2, 21, 16)
+        query = torch.randn(1, 4, 1, 16)
+        with recording(method.decode_request()) as stats:
+            k, _ = cache.layers[0].update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            stats.record(0, query, k, 0.25)
+        method.on_decode_step(cache, stats)
+        row = (query @ before.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).softmax(-1)  # (1, 4, 1, 21)
+        kept = row.mean(1)[0, 0].topk(20).indices.sort().values  # head-averaged: the same positions for every head
+        assert torch.equal(cache.layers[0].keys, before[:, :, kept])
