@@ -88,14 +88,28 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Se
 def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
     if rows["reuse"].nunique() < 2:
         return None
-    scores = rows.pivot_table(index=["task", "method", "budget"], columns="reuse", values="score", aggfunc="mean")
-    if "compress_once" not in scores or "per_question" not in scores:
+    rows = rows.sort_values("request_index")  # `method` carries the variant (kivi bits=2 and bits=4 apart)
+    keys = ["task", "method", "budget"]
+    values = ["score"] + (["score_partial"] if "score_partial" in rows and rows["score_partial"].notna().any() else [])
+    per_mode = rows.groupby([*keys, "reuse"], sort=False, dropna=False).agg(
+        n=("score", "size"),
+        **{v: (v, "mean") for v in values},
+        held_MiB=("held_bytes", lambda h: h.iloc[-1] / MiB),  # after the last request: what the workload holds
+    )
+    wide = per_mode.unstack("reuse")
+    if "compress_once" not in wide["n"] or "per_question" not in wide["n"]:
         return None
-    scores = scores.dropna(subset=["compress_once", "per_question"]).reset_index()
-    scores["difference"] = scores["compress_once"] - scores["per_question"]
+    wide = wide.dropna(subset=[("n", "compress_once"), ("n", "per_question")])
+    table = pd.DataFrame({"task": [k[0] for k in wide.index], "method": [k[1] for k in wide.index]})
+    table["budget"] = [k[2] for k in wide.index]
+    table["n"] = wide[("n", "per_question")].astype(int).to_numpy()
+    for v in [*values, "held_MiB"]:
+        table[f"{v} per_question"] = wide[(v, "per_question")].to_numpy()
+        table[f"{v} compress_once"] = wide[(v, "compress_once")].to_numpy()
     note = (
         "<p>per_question: each prompt compressed with its question (query-aware); compress_once: the shared "
-        "context compressed once without the question, every question answered from it.</p>"
+        "context compressed once without the question, every question answered from it. held_MiB: bytes held "
+        "after the last request (the prefix cache once + every request's own cache).</p>"
     )
-    table_html, table_md = _table(scores)
+    table_html, table_md = _table(table)
     return Section(html=note + table_html, markdown=html.unescape(note[3:-4]) + "\n\n" + table_md)

@@ -139,6 +139,9 @@ def test_report_shows_prefix_sections(runs, tmp_path):
     assert any(f.name == "prefix_shared_doc.png" for f in files)
     section = md.split("Compress once vs per question")[1]
     assert "snapkv" in section and "compress_once" in section
+    assert "| held_MiB per_question | held_MiB compress_once |" in section
+    kivi = next(line for line in section.splitlines() if "| kivi" in line)
+    assert kivi.split(" | ")[3] == "3"  # n: the 3 requests, each mode
 
 
 @pytest.mark.parametrize(
