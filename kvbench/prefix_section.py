@@ -88,6 +88,7 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Se
 def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
     if rows["reuse"].nunique() < 2:
         return None
+    rows = rows[_mode(rows) != "no prefix cache"]  # both modes with the prefix cache (compress once needs it)
     rows = rows.sort_values("request_index")  # `method` carries the variant (kivi bits=2 and bits=4 apart)
     keys = ["task", "method", "budget"]
     values = ["score"] + (["score_partial"] if "score_partial" in rows and rows["score_partial"].notna().any() else [])
