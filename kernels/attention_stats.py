@@ -78,3 +78,22 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group
         scores.masked_fill_(~mask, float("-inf"))
     else:
         scores.add_(mask.float())
+
+
+def decode_attention_with_probs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per sequence, no mask: the attention output and its probabilities from one softmax.
+
+    query (B, H_q, 1, D), key/value (B, H_kv, T, D) → output (B, 1, H_q, D) in query's dtype (as transformers'
+    attention functions return it) and the probabilities (B, H_q, T) fp32 — for a single query these are the
+    column sums `attention_column_sums` records, so a decode step that records statistics (H2O, TOVA) computes
+    q·Kᵀ and the softmax once instead of once in sdpa and again for the statistics. fp32 throughout.
+    """
+    bsz, n_q_heads, _, head_dim = query.shape  # (B, H_q, 1, D)
+    n_kv_heads = key.shape[1]
+    q = query.reshape(bsz, n_kv_heads, n_q_heads // n_kv_heads, head_dim).float() * scaling  # (B, H_kv, G, D)
+    probs = torch.matmul(q, key.float().transpose(-1, -2)).softmax(dim=-1)  # (B, H_kv, G, T)
+    out = torch.matmul(probs, value.float())  # (B, H_kv, G, D)
+    out = out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)
+    return out, probs.reshape(bsz, n_q_heads, -1)

@@ -93,6 +93,21 @@ class StatsRecorder:
                 else:
                     self.all_queries[layer_idx] = attention_column_sums(query, key, scaling, mask, softcap)
 
+    def record_decode_step(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """One query (B, H_q, 1, D), no mask: record its attention row as every requested statistic and return the
+        attention output (B, 1, H_q, D) computed from the same probabilities (kernels/attention_stats.py)."""
+        from kvbench.kernels.attention_stats import decode_attention_with_probs
+
+        with self._timed("all" if self.request.all_queries else next(iter(self.request.windows))):
+            output, row = decode_attention_with_probs(query, key, value, scaling)  # row: (B, H_q, T)
+        for w in self.request.windows:
+            self.window.setdefault(w, {})[layer_idx] = row
+        if self.request.all_queries:
+            self.all_queries[layer_idx] = row
+        return output
+
     def record_query_moments(self, module, query: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Accumulate Σq and Σqqᵀ of the pre-RoPE queries (the post-RoPE ones rotated back by their positions)."""
         from kvbench.rope import rerotate
@@ -279,6 +294,14 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
         return ragged_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
     if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if (  # a plain decode step recording a single query's row (H2O, TOVA): one softmax for output and stats
+            type(recorder) is StatsRecorder
+            and query.shape[2] == 1
+            and attention_mask is None
+            and kwargs.get("softcap") is None
+            and not recorder.request.query_moments
+        ):
+            return recorder.record_decode_step(module.layer_idx, query, key, value, scale), None
         mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]  # (B|1, 1|H_q, Q, T)
         recorder.record(module.layer_idx, query, key, scale, mask, kwargs.get("softcap"))
         if recorder.request.query_moments:

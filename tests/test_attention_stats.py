@@ -130,3 +130,18 @@ def test_h2o_keeps_the_positions_eager_attention_weights_select(tiny, prompt_ids
         ours.compress(prefill.kv, prefill.stats, Budget.parse(0.2))
         reference.compress(prefill.kv, eager, Budget.parse(0.2))
         assert all(torch.equal(a, b) for a, b in zip(ours.kept_positions, reference.kept_positions))
+
+
+def test_a_decode_step_records_its_row_and_attends_with_one_softmax():
+    """One query, no mask: the output equals sdpa's and the recorded row equals the chunked column sums."""
+    from kvbench.kernels.attention_stats import decode_attention_with_probs
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 30, 8), torch.randn(2, 2, 30, 8)
+    out, row = decode_attention_with_probs(query, key, value, 0.3)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1), scale=0.3
+    )  # (B, H_q, 1, D)
+    torch.testing.assert_close(out, sdpa.transpose(1, 2))
+    torch.testing.assert_close(row, attention_column_sums(query, key, 0.3))
+    torch.testing.assert_close(row, _eager_column_sums(query, key, 0.3))
