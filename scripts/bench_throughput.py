@@ -15,9 +15,9 @@ views, so compression runs on the batch and every row's compressed cache and dec
 their own (decode time and memory do not depend on which tokens a row holds). EOS is ignored: every row decodes
 `--new-tokens` tokens.
 
-Search per configuration: batch 1, then the planner's largest batch (weights + KV alone ≤ limit) as the first
-guess; while a guess does not fit, the next is the limit divided by the measured bytes per request, bisected into
-the bracket (largest fit, smallest misfit); at most --max-tries batches. On a CPU, decode of a 135M model is
+Search per configuration: batch 1, then the limit divided by batch 1's measured bytes per request (at most the
+planner's largest batch, weights + KV alone ≤ limit); then the limit divided by the last batch's measured bytes per
+request, bisected into the bracket (largest fit, smallest misfit); at most --max-tries batches. On a CPU, decode of a 135M model is
 dominated by per-step overhead (framework, 30 layers of small kernels), not by bytes: `overhead_ms` = measured
 decode ms/step minus the roofline bound (hardware preset `--hardware`, `cpu` = calibrated here), reported, not
 fitted away. Writes --out (one row per measured batch) and, beside it, `<out>_summary.csv` and
@@ -188,7 +188,9 @@ def main(argv=None) -> int:
         prefill_added = max(0, read_peak(device) - before)
         first = measure(spec, method, budget, one, prefill_added, 1, predicted)
         lo, hi = (1, None) if first["fits"] else (0, 1)
-        guess, tries = predicted, 1
+        per_request = max(1, first["decode_added_bytes"])  # batch 1's measured bytes: the first guess, ≤ the planner's
+        guess, tries = min(predicted, (limit - weights - prefill_added) // per_request), 1
+        guess = guess if guess > 1 else predicted
         while hi != lo + 1 and tries < args.max_tries and lo > 0 and guess > lo:
             row = measure(spec, method, budget, one, prefill_added, guess, predicted)
             tries += 1
