@@ -31,6 +31,10 @@ def find_csv(inputs: list[Path]) -> Path | None:
     return None
 
 
+def _number(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:,.4g}"
+
+
 def table_of(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """The shown table (readable units, measured ÷ predicted) and one line per configuration on the overhead."""
     missing = [c for c in COLUMNS if c not in frame]
@@ -43,8 +47,8 @@ def table_of(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
         shown.append({
             "config": r["config"],
             "quantity": r["quantity"],
-            "predicted": f"{r['predicted'] / scale:,.4g}",
-            "measured": f"{r['measured'] / scale:,.4g}",
+            "predicted": _number(r["predicted"] / scale),
+            "measured": _number(r["measured"] / scale),
             "measured ÷ predicted": f"{ratio:.3g}",
             "unit": unit,
         })
