@@ -17,10 +17,10 @@ their own (decode time and memory do not depend on which tokens a row holds). EO
 
 Search per configuration: batch 1, then the limit divided by batch 1's measured bytes per request (at most the
 planner's largest batch, weights + KV alone ≤ limit); then the limit divided by the last batch's measured bytes per
-request, bisected into the bracket (largest fit, smallest misfit); at most --max-tries batches. On a CPU, decode of a 135M model is
-dominated by per-step overhead (framework, 30 layers of small kernels), not by bytes: `overhead_ms` = measured
-decode ms/step minus the roofline bound (hardware preset `--hardware`, `cpu` = calibrated here), reported, not
-fitted away. Writes --out (one row per measured batch) and, beside it, `<out>_summary.csv` and
+request, bisected into the bracket (largest fit, smallest misfit); at most --max-tries batches. On a CPU, decode of
+a 135M model is dominated by per-step overhead (framework, 30 layers of small kernels), not by bytes:
+`overhead_ms` = measured decode ms/step minus the roofline bound (hardware preset `--hardware`, `cpu` = calibrated
+here), reported, not fitted away. Writes --out (one row per measured batch) and, beside it, `<out>_summary.csv` and
 `predicted_vs_measured.csv` (the report's "Predicted vs measured" section reads the latter from a results dir).
 """
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         prefill_added = max(0, read_peak(device) - before)
         first = measure(spec, method, budget, one, prefill_added, 1, predicted)
         lo, hi = (1, None) if first["fits"] else (0, 1)
-        per_request = max(1, first["decode_added_bytes"])  # batch 1's measured bytes: the first guess, ≤ the planner's
+        per_request = max(1, first["decode_added_bytes"])  # batch 1's measured bytes: the first guess (≤ planner's)
         guess, tries = min(predicted, (limit - weights - prefill_added) // per_request), 1
         guess = guess if guess > 1 else predicted
         while hi != lo + 1 and tries < args.max_tries and lo > 0 and guess > lo:
