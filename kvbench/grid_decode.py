@@ -1,4 +1,5 @@
-"""The configurations of one example decoded together as one batch (`grid_batch=true`, the default).
+"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: in float32,
+where the rows are identical to one by one — in bf16 a batched matmul rounds differently and may flip a token).
 
 A shared prefill serves every (method, budget) of a grid; each configuration is then compressed on its own, exactly
 as alone (`Engine.compressed`), and the configurations whose caches are plain tensors decode as the rows of one
@@ -19,7 +20,7 @@ until this row finished (`decode_ms_per_token` = the batch's step time: the same
 batch, so per-method decode speed needs grid_batch=false), `decode_tokens_per_s` = the batch's. `kv_bytes` is the
 row's own cache (its slots, not the pads); `peak_mem_bytes` = the shared prefill's peak or this configuration's own
 compression peak (the caches compressed before it subtracted), the larger; the batch's decode peak is not
-attributed (decoding alone adds less than compression does).
+attributed (on the bundled model both came out equal to one by one's: the prefill's peak dominates).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from kvbench.attention import StatsRecorder, StatsRequest
 from kvbench.batched import BatchedGeneration, decode_together
 from kvbench.engine import Compressed, Engine, Generation, Prefill
 from kvbench.memory import reset_peak
-from kvbench.padded import PaddedKV
 from kvbench.methods import Budget, Method
+from kvbench.padded import PaddedKV
 
 MAX_PADDING = 2.0  # a batch's padded bytes ≤ this × its rows' own bytes (+ one row: see `groups`)
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
