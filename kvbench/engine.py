@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -77,7 +77,7 @@ class Generation:
 class Compressed:
     """A configuration's compressed cache (suffix appended) and where decoding starts (Engine.compressed)."""
 
-    cache: object
+    cache: Any  # a transformers Cache; None once a grid batch has copied it
     logits: torch.Tensor  # (V,) for the first generated token
     position: int  # absolute position of the next token
     prompt_tokens: int

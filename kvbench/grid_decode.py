@@ -25,6 +25,8 @@ attributed (on the bundled model both came out equal to one by one's: the prefil
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -42,6 +44,9 @@ GROW = 32  # slots added at once when a row reaches the capacity (one copy per 3
 
 class GridLayer(DynamicLayer):
     """One layer of rows with their own lengths: row r's tokens in slots [0, lengths[r]), pads after."""
+
+    keys: torch.Tensor  # (B, H_kv, capacity, D), never None once built
+    values: torch.Tensor
 
     def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]]):
         super().__init__()
@@ -96,11 +101,12 @@ class GridLayer(DynamicLayer):
         return layer
 
 
-def grid_cache(caches: list) -> DynamicCache:
+def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
     """One cache of the rows' caches (each batch 1, plain layers): their tensors copied into GridLayers."""
     cache = DynamicCache()
     for layer_idx in range(len(caches[0].layers)):
-        cache.layers.append(GridLayer([(c.layers[layer_idx].keys, c.layers[layer_idx].values) for c in caches]))
+        rows = [cast(DynamicLayer, c.layers[layer_idx]) for c in caches]
+        cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in rows]))
     return cache
 
 
@@ -155,6 +161,7 @@ def row_stats(stats: StatsRecorder, row: int, lengths: list[int]) -> StatsRecord
     from kvbench.attention import QueryMoments
 
     out = StatsRecorder(stats.request)
+
     def own(by_layer: dict) -> dict:  # (B, H_q, T) per layer → (1, H_q, T_row)
         return {layer: t[row : row + 1, :, : lengths[layer]] for layer, t in by_layer.items()}
 
@@ -175,9 +182,10 @@ def decode_grid(
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
+    grids = cast(list[GridLayer], cache.layers)
     for s in starts:
         s.cache = None  # the grid holds copies: the rows' own tensors are freed
-    token_bytes = [2 * layer.keys[0, :, 0].numel() * layer.keys.element_size() for layer in cache.layers]
+    token_bytes = [2 * layer.keys[0, :, 0].numel() * layer.keys.element_size() for layer in grids]
 
     ids = list(range(n_rows))  # the original row of each batch index (finished rows leave the batch)
 
@@ -199,20 +207,20 @@ def decode_grid(
             if row not in hooked:
                 continue
             method = methods[row]  # its decode-time policy on its own tokens, as alone
-            layers = [grid.row(i) for grid in cache.layers]
+            layers = [grid.row(i) for grid in grids]
             view = DynamicCache()
             view.layers.extend(layers)
             before = [layer.keys for layer in layers]
             own = StatsRecorder(StatsRequest())
             if i in recorded:
-                own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in cache.layers])
+                own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
             method.on_decode_step(view, own)
-            for grid, layer, old in zip(cache.layers, view.layers, before):
+            for grid, layer, old in zip(grids, cast(list[DynamicLayer], view.layers), before):
                 if layer.keys is not old:  # evicted: the kept tokens become the row's slots
-                    grid.write(i, layer.keys, layer.values)
+                    grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
 
     def drop_rows(keep: list[int]) -> None:
-        for grid in cache.layers:
+        for grid in grids:
             grid.keep_rows(keep)
         ids[:] = [ids[i] for i in keep]
 
@@ -224,7 +232,7 @@ def decode_grid(
         positions=lambda p, n: torch.full((n, 1), p, device=device),  # (B_live, 1)
         request=request,
         after_step=after_step,
-        row_bytes=lambda row: sum(g.lengths[ids.index(row)] * b for g, b in zip(cache.layers, token_bytes)),
+        row_bytes=lambda row: sum(g.lengths[ids.index(row)] * b for g, b in zip(grids, token_bytes)),
         max_new_tokens=max_new_tokens,
         stop=stop,
         drop_rows=drop_rows,

@@ -44,14 +44,16 @@ def table_of(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     for r in frame.to_dict("records"):
         scale, unit = (1e6, "MB") if r["unit"] == "B" else (1.0, r["unit"])
         ratio = r["measured"] / r["predicted"] if r["predicted"] else float("nan")
-        shown.append({
-            "config": r["config"],
-            "quantity": r["quantity"],
-            "predicted": _number(r["predicted"] / scale),
-            "measured": _number(r["measured"] / scale),
-            "measured ÷ predicted": f"{ratio:.3g}",
-            "unit": unit,
-        })
+        shown.append(
+            {
+                "config": r["config"],
+                "quantity": r["quantity"],
+                "predicted": _number(r["predicted"] / scale),
+                "measured": _number(r["measured"] / scale),
+                "measured ÷ predicted": f"{ratio:.3g}",
+                "unit": unit,
+            }
+        )
         if r["unit"] == "ms":
             notes.append(
                 f"{r['config']}: a decode step took {r['measured']:.0f} ms against a roofline bound of "

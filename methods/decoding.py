@@ -43,6 +43,11 @@ class Decoding(WrapsScorer):
                 f"decoding: compress_every={self.compress_every} and decode_budget={self.decode_budget} must be ≥ 1"
             )
         self._scorer = build_method(self.scorer, method_defaults(self.scorer))
+        if not getattr(self._scorer, "rescores_while_decoding", True):
+            usable = sorted(name for name in SCORERS if name != self.scorer)
+            raise KvbenchError(
+                f"decoding: scorer={self.scorer} cannot re-score while decoding; use one of {', '.join(usable)}"
+            )
         self.reset()
 
     def reset(self) -> None:

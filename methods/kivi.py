@@ -221,7 +221,7 @@ class KiviLayer(DynamicLayer):
         self._store(view.key_residual, view.value_residual)
         return view, view
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
         """softmax(q·Kᵀ·scaling)·V of query (B, H_q, 1, D) over the live tokens, on the packed groups (no
         dequantized copy): (B, 1, H_q, D) as transformers' attention functions return it. None when nothing is
         quantized (bits=16, a short prompt): then the attention function's dense path is exact and no slower."""

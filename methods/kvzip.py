@@ -49,9 +49,7 @@ def turn_switch(tokenizer) -> list[int]:
     return tokenizer.encode(text.split(separator)[1], add_special_tokens=False)
 
 
-def max_attention(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, n_scored: tuple[int, int]
-) -> torch.Tensor:
+def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_scored: tuple[int, int]) -> torch.Tensor:
     """query (B, H_q, R, D) post-RoPE; keys (B, H_kv, S + C + R, D) = sinks, scored chunk, the queries' own keys.
     The softmax over those keys (causal among the last R); returns the max over queries and over each KV head's
     query group of the attention paid to keys [start, stop) = the chunk: (B, H_kv, C) fp32."""
@@ -78,6 +76,7 @@ def max_attention(
 class KVzip(ScoreEviction):
     # prefill=inline / prefill_chunk cannot serve it: the reconstruction needs the whole prompt's K/V in every layer
     compresses_inline: ClassVar[bool] = False
+    rescores_while_decoding: ClassVar[bool] = False  # its scores need the whole prompt re-read
     chunk_limit: ClassVar[str] = "its reconstruction forward re-reads the whole prefilled prompt"
 
     n_sink: int = 4  # first positions always kept, not repeated

@@ -66,3 +66,5 @@ def test_kvzip_refuses_without_the_whole_prompt(tiny, tiny_engine, prompt_ids):
         head_scores(method, 0, *prefill.kv[0], StatsRecorder(StatsRequest()))
     with pytest.raises(KvbenchError, match="chunk_size"):
         build_method("kvzip", {"chunk_size": 0})
+    with pytest.raises(KvbenchError, match="scorer=kvzip cannot re-score while decoding"):
+        build_method("decoding", {"scorer": "kvzip"})
