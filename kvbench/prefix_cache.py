@@ -275,8 +275,18 @@ class PagedLayer(DynamicLayer):
         self.shared_keys, self.shared_values, self.n_shared = [], [], 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        # not a stub: transformers' crop (assisted decoding) never runs on kvbench caches; refuse it loudly
-        raise NotImplementedError("a paged layer is not cropped")
+        """transformers' crop: drop the last `-tokens_to_remove` tokens (a negative count, as DynamicLayer takes it).
+        Within the private tail the shared blocks stay shared; cropping into them makes the rest private."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        if keep >= self.n_shared:
+            n_tail = keep - self.n_shared
+            self.keys, self.values = self.keys[..., :n_tail, :], self.values[..., :n_tail, :]  # (B, H_kv, n_tail, D)
+            return
+        keys, values = self.kv()  # (B, H_kv, T, D)
+        self.keys, self.values = keys[..., :keep, :].clone(), values[..., :keep, :].clone()  # (B, H_kv, keep, D)
+        self.shared_keys, self.shared_values, self.n_shared = [], [], 0
 
 
 def shared_layer(keys: torch.Tensor, values: torch.Tensor) -> PagedLayer:

@@ -124,3 +124,21 @@ def test_pages_are_shared_storage_and_paged_layer_matches_plain_kv():
     cache.layers[2].select(index)
     assert cache.layers[2].get_seq_length() == 3 and torch.equal(cache.layers[2].keys[:, :, 1], kv[2][0][:, :, 5])
     assert cache.layers[2].shared_keys == [] and tree.nbytes < cache_nbytes(cache)  # layers 0-1 still share
+
+
+def test_paged_layer_crop_equals_cropping_the_plain_kv():
+    shared = [(torch.randn(1, 2, 8, 4), torch.randn(1, 2, 8, 4)), (torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4))]
+    tail = (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    for remove in (0, -2, -3, -5, -15, -20):
+        layer = PagedLayer(shared, *tail)
+        keys, values = layer.kv()  # (1, 2, 15, 4)
+        layer.crop(remove)
+        keep = max(15 + remove, 0)
+        assert layer.get_seq_length() == keep
+        got_keys, got_values = layer.kv()
+        assert torch.equal(got_keys, keys[..., :keep, :]) and torch.equal(got_values, values[..., :keep, :])
+        assert layer.n_shared == (12 if keep >= 12 else 0)  # blocks stay shared unless the crop reaches them
+        if keep >= 12:
+            assert layer.shared_keys[0] is shared[0][0]
+    with pytest.raises(ValueError, match="negative count"):
+        PagedLayer(shared, *tail).crop(3)
