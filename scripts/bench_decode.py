@@ -73,7 +73,11 @@ def main() -> None:
     parser.add_argument("--evict-every", type=int, default=32, help="K: the block size of the block-eviction rows")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--kivi-group", type=int, default=64, help="KIVI group_size = residual_length (≤ head_dim)")
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="run only the rows whose label contains one of these (full always runs)"
+    )
     args = parser.parse_args()
+    configs = [c for c in CONFIGS if c[0] == "full" or args.only is None or any(o in c[0] for o in args.only)]
 
     lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), args.device, args.dtype)
     engine = Engine(lm)
@@ -85,13 +89,13 @@ def main() -> None:
     for length in args.lengths:
         ids = torch.randint(vocab, (length,), generator=generator).tolist()
         prefill_s = {"plain": [], "h2o": []}
-        decode_ms: dict[str, list[float]] = {label: [] for label, *_ in CONFIGS}
+        decode_ms: dict[str, list[float]] = {label: [] for label, *_ in configs}
         for _ in range(args.repeats):
             plain = engine.prefill(ids, StatsRequest())
             h2o = engine.prefill(ids, StatsRequest(all_queries=True))
             prefill_s["plain"].append(plain.seconds)
             prefill_s["h2o"].append(h2o.seconds)
-            for label, name, knobs, budget, packed in CONFIGS:
+            for label, name, knobs, budget, packed in configs:
                 knobs = {
                     **method_defaults(name),
                     **({"evict_every": args.evict_every} if "=K" in label else {}),
@@ -114,7 +118,7 @@ def main() -> None:
             f"H2O's statistics: ×{ratio:.2f}",
             flush=True,
         )
-        for label, *_ in CONFIGS:
+        for label, *_ in configs:
             best = min(decode_ms[label])
             shown = label.replace("=K", f"={args.evict_every}")
             print(f"  {shown:<36} {best:7.1f} ms/token  ×{best / full:.2f} of full", flush=True)
