@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import torch
 
-# Elements of one chunk's score tensor (H_q × chunk × T): 2^19 fp32 = 2 MiB stays in cache; measured 4× faster
-# than 64 MiB chunks at 4K tokens on 2 CPU cores.
-_MAX_CHUNK_ELEMENTS = 1 << 19
+# Query rows (query heads of one KV head × queries) per chunk of scores: the score tile (rows × T fp32, 2 MiB at 4K
+# tokens) stays in cache and each matmul is large enough to be efficient. Measured (bundled model's shapes, 2 cores,
+# one layer): 128 rows 136 ms at 4K and 634 ms at 8K, vs 375 ms and 2,994 ms with 2^19-element chunks (14 queries)
+# and with exp in place of exp2.
+_SCORE_ROWS = 128
+# Scores are kept in log2 units (the scaling × log2(e) folded into the query) because exp2 runs ~3× faster than exp
+# on this CPU's vectorised kernels, and 2^(s·log2 e) = e^s.
+_LOG2E = 1.4426950408889634
 
 
 def attention_column_sums(
@@ -32,44 +37,48 @@ def attention_column_sums(
     mask: the attention mask the model passed, (B or 1, 1 or H_q, Q, T) — bool (True = attend) or additive float;
     None = causal (query i sees keys up to T − Q + i). softcap: logits → softcap·tanh(logits / softcap) before the
     mask, as Gemma-2's attention does.
-    GQA: query head h reads KV head h // (H_q / H_kv) (transformers' repeat_kv order); K is never expanded.
+    GQA: query head h reads KV head h // (H_q / H_kv) (transformers' repeat_kv order); K is never expanded: the G
+    query heads of a KV head are stacked as rows of one (G·C × D)·(D × T) product.
     Returns (B, H_q, T): how much attention each key position received from these queries.
     """
     bsz, n_q_heads, n_queries, head_dim = query.shape
     n_kv_heads, n_keys = key.shape[1], key.shape[2]
     group = n_q_heads // n_kv_heads
     q = query.reshape(bsz, n_kv_heads, group, n_queries, head_dim)  # (B, H_kv, G, Q, D)
-    k_t = key.float().transpose(-1, -2).unsqueeze(2)  # (B, H_kv, 1, D, T)
+    keys_t = key.float().transpose(-1, -2).contiguous()  # (B, H_kv, D, T): measured 1.6× faster products than Kᵀ views
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
-    chunk = max(1, _MAX_CHUNK_ELEMENTS // max(1, n_q_heads * n_keys))
+    chunk = max(1, _SCORE_ROWS // group)
     first_query_pos = n_keys - n_queries
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
         n_chunk = q_chunk.shape[3]
         # without a mask, keys after the chunk's last query are all masked: skip them
         visible = n_keys if mask is not None else first_query_pos + start + n_chunk
-        if softcap is None:  # the scaling folded into the (small) query chunk: one pass fewer over the scores
-            scores = torch.matmul(q_chunk * scaling, k_t[..., :visible])  # (B, H_kv, G, C, t)
+        if softcap is None:  # scaling and log2(e) folded into the (small) query chunk: no pass over the scores
+            rows = (q_chunk * (scaling * _LOG2E)).reshape(bsz, n_kv_heads, group * n_chunk, head_dim)
+            scores = torch.matmul(rows, keys_t[..., :visible])  # (B, H_kv, G·C, t) log2 units
         else:
-            scores = torch.matmul(q_chunk, k_t[..., :visible]).mul_(scaling).div_(softcap).tanh_().mul_(softcap)
+            rows = q_chunk.reshape(bsz, n_kv_heads, group * n_chunk, head_dim)  # (B, H_kv, G·C, D)
+            scores = torch.matmul(rows, keys_t[..., :visible]).mul_(scaling / softcap).tanh_().mul_(softcap * _LOG2E)
+        per_head = scores.view(bsz, n_kv_heads, group, n_chunk, visible)  # (B, H_kv, G, C, t)
         if mask is None:  # causal: only the last C keys can lie after a query of the chunk
             query_pos = first_query_pos + start + torch.arange(n_chunk, device=query.device)  # (C,)
             tail = torch.arange(visible - n_chunk, visible, device=query.device)  # (C,) the last C keys
-            scores[..., visible - n_chunk :].masked_fill_(tail[None, :] > query_pos[:, None], float("-inf"))
+            per_head[..., visible - n_chunk :].masked_fill_(tail[None, :] > query_pos[:, None], float("-inf"))
         else:
-            _apply_mask(scores, mask[:, :, start : start + n_chunk], n_kv_heads, group)
-        # softmax column sums without normalising every element: Σ_i exp(s_ij − m_i) / l_i is a (1 × C)·(C × t)
+            _apply_mask(per_head, mask[:, :, start : start + n_chunk], n_kv_heads, group)
+        # softmax column sums without normalising every element: Σ_i 2^(s_ij − m_i) / l_i is a (1 × C)·(C × t)
         # product per head, the 1/l_i folded into its left operand (a fully masked row, padding, adds nothing)
-        row_max = scores.amax(dim=-1, keepdim=True)  # (B, H_kv, G, C, 1)
-        scores.sub_(row_max.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp_()  # in place: no chunk-sized buffers
-        inv_total = scores.sum(dim=-1, keepdim=True).reciprocal_()  # (B, H_kv, G, C, 1); 1/0 = inf: masked rows
+        row_max = scores.amax(dim=-1, keepdim=True)  # (B, H_kv, G·C, 1)
+        scores.sub_(row_max.nan_to_num_(0.0, posinf=0.0, neginf=0.0)).exp2_()  # in place: no chunk-sized buffers
+        inv_total = per_head.sum(dim=-1).reciprocal_()  # (B, H_kv, G, C); 1/0 = inf: masked rows
         inv_total.masked_fill_(inv_total.isinf(), 0.0)
-        out[..., :visible] += torch.matmul(inv_total.transpose(-1, -2), scores).squeeze(-2)  # (B, H_kv, G, t)
+        out[..., :visible] += torch.matmul(inv_total.unsqueeze(-2), per_head).squeeze(-2)  # (B, H_kv, G, t)
     return out.reshape(bsz, n_q_heads, n_keys)
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group: int) -> None:
-    """Mask scores (B, H_kv, G, C, T) in place with the model's mask rows (B|1, 1|H_q, C, T)."""
+    """Mask scores (B, H_kv, G, C, T), in log2 units, in place with the model's mask rows (B|1, 1|H_q, C, T)."""
     if mask.shape[1] == 1:
         mask = mask.unsqueeze(1)  # (B|1, 1, 1, C, T)
     else:
@@ -77,7 +86,7 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group
     if mask.dtype == torch.bool:
         scores.masked_fill_(~mask, float("-inf"))
     else:
-        scores.add_(mask.float())
+        scores.add_(mask.float() * _LOG2E)  # an additive mask is in natural-log units
 
 
 def decode_attention_with_probs(

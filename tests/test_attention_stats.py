@@ -18,7 +18,7 @@ def _eager_column_sums(query, key, scaling):
 def test_column_sums_match_eager_for_gqa_and_windows(monkeypatch):
     torch.manual_seed(0)
     query, key = torch.randn(1, 6, 50, 8), torch.randn(1, 2, 50, 8)
-    monkeypatch.setattr(attention_stats, "_MAX_CHUNK_ELEMENTS", 6 * 50 * 7)  # force several chunks
+    monkeypatch.setattr(attention_stats, "_SCORE_ROWS", 3 * 7)  # force several chunks (7 queries × 3 heads)
     for window in (50, 7, 1):
         got = attention_column_sums(query[:, :, -window:], key, 0.3)
         torch.testing.assert_close(got, _eager_column_sums(query[:, :, -window:], key, 0.3))
@@ -55,7 +55,7 @@ def _direct_column_sums(query, key, scaling, allowed, softcap=None):
 def test_column_sums_follow_a_sliding_window_mask_and_softcap(monkeypatch):
     torch.manual_seed(0)
     query, key = torch.randn(1, 6, 40, 8) * 3, torch.randn(1, 2, 40, 8) * 3
-    monkeypatch.setattr(attention_stats, "_MAX_CHUNK_ELEMENTS", 6 * 40 * 7)  # several chunks
+    monkeypatch.setattr(attention_stats, "_SCORE_ROWS", 3 * 7)  # several chunks
     q_pos, k_pos = torch.arange(40)[:, None], torch.arange(40)[None, :]
     window = (k_pos <= q_pos) & (q_pos - k_pos < 5)  # (Q, T): the last 5 positions, as transformers' sliding window
     for softcap in (None, 2.0):
@@ -145,3 +145,15 @@ def test_a_decode_step_records_its_row_and_attends_with_one_softmax():
     torch.testing.assert_close(out, sdpa.transpose(1, 2))
     torch.testing.assert_close(row, attention_column_sums(query, key, 0.3))
     torch.testing.assert_close(row, _eager_column_sums(query, key, 0.3))
+
+
+def test_column_sums_add_a_finite_additive_mask_in_natural_units(monkeypatch):
+    """Scores live in log2 units inside the kernel; an additive (bias) mask is in the logits' units."""
+    torch.manual_seed(1)
+    query, key = torch.randn(1, 4, 30, 8), torch.randn(1, 2, 30, 8)
+    monkeypatch.setattr(attention_stats, "_SCORE_ROWS", 2 * 4)  # several chunks
+    causal = torch.arange(30)[None, :] <= torch.arange(30)[:, None]  # (Q, T)
+    bias = (torch.randn(30, 30) * 2).masked_fill(~causal, float("-inf"))  # (Q, T)
+    k = key.repeat_interleave(2, dim=1)  # (B, H_q, T, D)
+    expected = ((query @ k.transpose(-1, -2)) * 0.4 + bias).softmax(-1).sum(2)  # (B, H_q, T)
+    torch.testing.assert_close(attention_column_sums(query, key, 0.4, bias[None, None]), expected)
