@@ -17,6 +17,9 @@ query_aware; H2O: every query, added to the scores the kept tokens received befo
 StreamingLLM: sinks + the most recent tokens, no votes; Expected Attention: the chunk's queries). Methods without a
 budget (KIVI, hf-quant) quantize the first chunk as it is produced and later chunks as they land in their layers.
 Peak memory is then weights + the budget's cache + one chunk's activations and one layer's chunk K/V.
+
+task=ppl with prefill=inline streams its text through the same per-layer hook (`forward_per_layer`): each layer is
+bounded by the method's `stream_layer` right after its attention (kvbench.streaming); its `task.chunk` is the chunk.
 """
 
 from __future__ import annotations
@@ -64,11 +67,15 @@ def check(cfg: DictConfig, methods: list[Method], task) -> None:
         )
     if mode != "inline":
         return
+    if chunk is not None and task.streaming:
+        raise KvbenchError(
+            f"task={task.name} streams its text in task.chunk tokens, so prefill_chunk={chunk} has nothing to split; "
+            "drop prefill_chunk and set task.chunk"
+        )
     others = {
         "diagnose=true": cfg.get("diagnose"),
         "prefix_cache=true": cfg.get("prefix_cache") or getattr(task, "workload", False),
         f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
-        f"task={task.name} (streamed perplexity)": task.streaming,
         f"task={task.name}": hasattr(task, "compute_rows"),
     }
     for what, present in others.items():
@@ -104,23 +111,13 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
     synchronize(device)
     start = time.perf_counter()
     method.begin_compress(len(ids), lm.n_layers, budget)
-    compressor = _LayerCompressor(engine, method, cache)
     step = chunk or len(ids)
     for first in range(0, len(ids), step):
         piece = ids[first : first + step]
-        compressor.compress = first == 0 or method.has_budget  # quantization: later chunks quantized as they land
+        # quantization (no budget): later chunks land in the layers as they are, quantized by the layer's own rule
+        bound = method.compress_layer if first == 0 or method.has_budget else _as_is
         base = method.position(first, cache) if first else 0
-        with recording(request) as compressor.stats, after_each_layer(compressor):
-            logits = engine.forward(piece, [base + i for i in range(len(piece))], cache)
-        if len(compressor.layers_seen) != len(cache.layers):  # some attention bypassed kvbench's: nothing compressed
-            raise KvbenchError(
-                f"prefill=inline compresses each layer at the end of its attention, but {len(cache.layers)} cache "
-                f"layers reported {len(compressor.layers_seen)} attention calls through kvbench's attention "
-                f"({type(lm.model).__name__}); use prefill=shared with this model"
-            )
-        compressor.layers_seen.clear()
-    stats = compressor.stats
-    assert stats is not None  # the prompt has at least one token
+        logits, stats = forward_per_layer(engine, cache, request, piece, [base + i for i in range(len(piece))], bound)
     compressed = method.end_compress(list(cache.layers), stats, budget)
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -136,13 +133,33 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
     )
 
 
-class _LayerCompressor:
-    """The per-layer hook: replaces cache layer l by the method's compressed layer right after l's attention."""
+def forward_per_layer(engine: Engine, cache, request, ids: list[int], positions: list[int], bound, all_logits=False):
+    """Forward `ids` through `cache`, calling `bound(layer_idx, keys, values, stats)` right after each layer's
+    attention: the cache layer it returns (None: keep the layer as it is) replaces that layer, whose statistics are
+    then freed. Returns (logits, the recorder). Used by prefill=inline (per prompt chunk) and task=ppl (per text
+    chunk, kvbench.streaming)."""
+    hook = _PerLayer(engine, cache, bound)
+    with recording(request) as hook.stats, after_each_layer(hook):
+        logits = engine.forward(ids, positions, cache, all_logits=all_logits)
+    if len(hook.layers_seen) != len(cache.layers):  # some attention bypassed kvbench's: nothing compressed
+        raise KvbenchError(
+            f"prefill=inline compresses each layer at the end of its attention, but {len(cache.layers)} cache "
+            f"layers reported {len(hook.layers_seen)} attention calls through kvbench's attention "
+            f"({type(engine.lm.model).__name__}); use prefill=shared with this model"
+        )
+    return logits, hook.stats
 
-    def __init__(self, engine: Engine, method: Method, cache):
-        self.engine, self.method, self.cache = engine, method, cache
+
+def _as_is(layer_idx, keys, values, stats) -> None:
+    """A `bound` that keeps the layer as it is."""
+
+
+class _PerLayer:
+    """The per-layer hook: replaces cache layer l by what `bound` makes of it right after l's attention."""
+
+    def __init__(self, engine: Engine, cache, bound):
+        self.engine, self.cache, self.bound = engine, cache, bound
         self.stats: StatsRecorder | None = None  # the current chunk's recorder
-        self.compress = True
         self.layers_seen: set[int] = set()
 
     def __call__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,6 +169,7 @@ class _LayerCompressor:
         self.layers_seen.add(layer_idx)
         if not stats.has_layer(layer_idx):  # this model's attention did not report statistics: one clear line
             self.engine._check_recorded(stats.request, stats, self.engine.lm.n_layers)
-        if self.compress:
-            self.cache.layers[layer_idx] = self.method.compress_layer(layer_idx, keys, values, stats)
+        layer = self.bound(layer_idx, keys, values, stats)
+        if layer is not None:
+            self.cache.layers[layer_idx] = layer
         stats.release(layer_idx)  # used: free the layer's statistics now rather than after the last layer

@@ -250,7 +250,9 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
 
     ids = ex.context_ids
     budget = stream_budget(c.budget, len(ids))  # fraction of the text → tokens
-    windows = stream_perplexity(engine.prepared(c.method), c.method, budget, ids, task.chunk)  # headmerge: its model
+    windows = stream_perplexity(  # headmerge: its model; prefill=inline bounds each layer inside the forward
+        engine.prepared(c.method), c.method, budget, ids, task.chunk, inline=common["prefill"] == "inline"
+    )
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
         nll, predicted = nll + w.nll_sum, predicted + w.n_predicted

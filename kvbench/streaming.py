@@ -3,21 +3,29 @@
 The text is fed in chunks of `chunk` tokens. After each chunk the method bounds the cache (`stream_bound`):
 eviction methods keep their budget of tokens, quantization compresses once; so memory stays bounded while the
 text grows and the per-window perplexity shows what the bound costs. The full cache is the reference.
+
+`prefill=inline` bounds each layer right after its attention inside the chunk's forward instead (the method's
+`begin_stream`, `stream_layer` from the per-layer hook of kvbench.inline, `end_stream` — the calls `stream_bound`
+makes after the forward): the same entries and the same per-token NLL, while at most one layer holds its
+unbounded chunk K/V and one layer's statistics exist at a time (tests/test_ppl_inline.py).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from kvbench import KvbenchError
 from kvbench.attention import recording
 from kvbench.cache import cache_nbytes, full_cache_nbytes, layer_lengths
 from kvbench.engine import Engine
+from kvbench.inline import forward_per_layer
 from kvbench.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 
@@ -45,26 +53,40 @@ def stream_budget(budget: Budget | None, n_tokens: int) -> Budget | None:
     return Budget.parse(max(2, budget.tokens(n_tokens))) if budget else None
 
 
-@torch.inference_mode()
 def stream_perplexity(
-    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int
+    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int, inline: bool = False
 ) -> list[Window]:
-    """Per-window next-token NLL of `ids`, feeding `chunk` tokens at a time through a bounded cache."""
-    from transformers import DynamicCache
+    """Per-window next-token NLL of `ids`, feeding `chunk` tokens at a time through a bounded cache; `inline`:
+    each layer bounded inside the forward right after its attention, else every layer after the forward."""
+    return [window for window, _, _ in stream_chunks(engine, method, budget, ids, chunk, inline)]
 
+
+@torch.inference_mode()
+def stream_chunks(
+    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int, inline: bool = False
+) -> Iterator[tuple[Window, torch.Tensor, DynamicCache]]:
+    """Per chunk: its Window, the per-token NLL (n,) fp32 of the predictions it scores, and the bounded cache."""
     lm, device = engine.lm, engine.lm.device
     method.bind(lm)
     request = method.stats_request() | method.decode_request()
-    cache, windows = DynamicCache(), []
+    cache = DynamicCache()
     targets = torch.tensor(ids, device=device)
     for index, start in enumerate(range(0, len(ids) - 1, chunk)):
         piece = ids[start : start + chunk]
         baseline = reset_peak(device)
         t0 = time.perf_counter()
         base = method.position(start, cache) if index else 0
-        with recording(request) as stats:
-            logits = engine.forward(piece, [base + i for i in range(len(piece))], cache, all_logits=True)
-        cache = method.stream_bound(cache, stats, budget, first=index == 0)
+        positions = [base + i for i in range(len(piece))]
+        first = index == 0
+        if inline:  # each layer bounded right after its attention: one layer's chunk K/V and statistics at a time
+            method.begin_stream(cache.get_seq_length() + len(piece), lm.n_layers, budget, first)
+            logits, stats = forward_per_layer(engine, cache, request, piece, positions, _streamer(method, cache), True)
+            cache = method.end_stream(cache, stats, budget)
+        else:  # every layer holds its chunk K/V, and its statistics, until the forward ends
+            with recording(request) as stats:
+                logits = engine.forward(piece, positions, cache, all_logits=True)
+            cache = method.stream_bound(cache, stats, budget, first)
+        del stats  # not needed by the next chunk's forward
         if len(set(layer_lengths(cache))) > 1:
             raise KvbenchError(
                 f"{method.name} keeps a different number of tokens per layer; streaming feeds "
@@ -72,23 +94,31 @@ def stream_perplexity(
             )
         synchronize(device)
         seconds = time.perf_counter() - t0
-        peak = read_peak(device)
+        peak = read_peak(device)  # the chunk's forward and bounding (its logits included), not the scoring below
         # position i predicts token i + 1; the text's last token has no target
         n = min(len(piece), len(ids) - 1 - start)
-        nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="sum")
+        token_nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="none")  # (n,)
+        del logits  # (chunk, V) fp32: freed before the next chunk's forward rather than after it
         end = start + len(piece)
-        windows.append(
-            Window(
-                index,
-                end,
-                n,
-                float(nll),
-                layer_lengths(cache)[0],
-                cache_nbytes(cache),
-                full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
-                seconds,
-                peak,
-                peak - baseline,
-            )
+        window = Window(
+            index,
+            end,
+            n,
+            float(token_nll.sum()),
+            layer_lengths(cache)[0],
+            cache_nbytes(cache),
+            full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
+            seconds,
+            peak,
+            peak - baseline,
         )
-    return windows
+        yield window, token_nll, cache
+
+
+def _streamer(method: Method, cache):
+    """The per-layer `bound` of kvbench.inline.forward_per_layer for a streamed chunk: the method's stream_layer."""
+
+    def bound(layer_idx, keys, values, stats):
+        return method.stream_layer(layer_idx, cache.layers[layer_idx], stats)
+
+    return bound

@@ -71,5 +71,5 @@ class AdaKV(WrapsScorer):
         keep = self._keep.pop(layer_idx, None)  # (B, H_kv, T) bool
         return dense if keep is None else RaggedLayer.gather(keys, values, keep)
 
-    def stream_bound(self, cache, stats, budget, first: bool):
+    def begin_stream(self, n_tokens, n_layers, budget, first):
         raise KvbenchError("adakv is not supported by the streaming perplexity task (task=ppl); use its scorer")

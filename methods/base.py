@@ -29,7 +29,9 @@ decoding (methods/decode_eviction.py's DecodeEviction implements these once for 
 - `on_decode_step(cache, stats)`      after each decode forward: evict to stay at the budget
 - `evicts_while_decoding()`           whether on_decode_step evicts (compose checks its precision part can drop tokens)
 - `position(absolute, cache)`         the RoPE position of the next token (absolute by default; StreamingLLM can roll)
-- `stream_bound(cache, stats, budget, first)`  keep a streamed text's cache bounded (perplexity task)
+- `stream_bound(cache, stats, budget, first)`  keep a streamed text's cache bounded (perplexity task) after a
+                                      chunk: `begin_stream`, `stream_layer` per layer, `end_stream` (prefill=inline
+                                      calls `stream_layer` inside the forward, right after each layer's attention)
 recording
 - `params()`                          the knobs as recorded in the `method_params` column
 - `lossless_params(lm)`               knobs under which the method must reproduce the full cache exactly (tested)
@@ -229,17 +231,37 @@ class Method:
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache)."""
 
+    # ---- streaming (task=ppl) -----------------------------------------------------------------------------
     def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
-        """Streaming (perplexity): bound the cache after each chunk of text; returns the cache to continue with.
+        """Streaming (perplexity): bound the cache after a whole chunk's forward; returns the cache to continue with.
+        `begin_stream`, `stream_layer` per layer, `end_stream`: the calls ppl with prefill=inline makes one layer at a
+        time inside the forward (kvbench.streaming), so both bound every layer identically."""
+        self.begin_stream(cache.layers[0].get_seq_length(), len(cache.layers), budget, first)
+        layers = [self.stream_layer(i, layer, stats) for i, layer in enumerate(cache.layers)]
+        cache.layers[:] = layers
+        return self.end_stream(cache, stats, budget)
 
-        Eviction methods re-select from what the cache holds (with this chunk's statistics); methods without a
-        budget compress once, after the first chunk (quantization), and then let the cache grow.
-        """
-        from kvbench.cache import cache_kv
+    def begin_stream(self, n_tokens: int, n_layers: int, budget: Budget | None, first: bool) -> None:
+        """Before a streamed chunk's layers are bounded; n_tokens: what each layer holds, the chunk included.
 
-        if not self.has_budget:
-            return self.compress(cache_kv(cache), stats, None) if first else cache
-        return self.compress(cache_kv(cache), stats, budget)
+        Eviction methods re-select from what each layer holds (with this chunk's statistics): a fresh compression
+        to the budget; methods without a budget compress once, after the first chunk (quantization), and then let
+        the cache grow."""
+        self._stream_compresses = first or self.has_budget
+        if self._stream_compresses:
+            self.begin_compress(n_tokens, n_layers, budget if self.has_budget else None)
+
+    def stream_layer(self, layer_idx: int, layer, stats: StatsRecorder):
+        """One layer right after this chunk's attention (it holds what it kept + the chunk): the layer to keep."""
+        if not self._stream_compresses:
+            return layer
+        return self.compress_layer(layer_idx, layer.keys, layer.values, stats)
+
+    def end_stream(self, cache, stats: StatsRecorder, budget: Budget | None):
+        """After every layer of a chunk is bounded: the cache to continue with."""
+        if not self._stream_compresses:
+            return cache
+        return self.end_compress(list(cache.layers), stats, budget if self.has_budget else None)
 
     def position(self, absolute_position: int, cache) -> int:
         """RoPE position for the next token; the original absolute position unless the method re-indexes."""

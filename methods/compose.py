@@ -127,5 +127,5 @@ class Compose(Method):
     def position(self, absolute_position: int, cache) -> int:
         return self._eviction.position(absolute_position, cache) if self._eviction else absolute_position
 
-    def stream_bound(self, cache, stats, budget, first: bool):
+    def begin_stream(self, n_tokens, n_layers, budget, first):
         raise KvbenchError("compose is not supported by the streaming perplexity task (task=ppl); run its parts")

@@ -31,7 +31,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.attention import StatsRecorder
-from kvbench.cache import cache_kv, layer_lengths, layer_select
+from kvbench.cache import layer_lengths, layer_select
 from kvbench.methods.base import Budget, Method
 
 
@@ -112,16 +112,29 @@ class DecodeEviction(Method):
     def _evict(self, cache, sizes: list[int], stats: StatsRecorder, slack: int = 0) -> None:
         """Each layer over its size + `slack` drops to its size; every layer observes the step first."""
         for layer_idx, (layer, size) in enumerate(zip(cache.layers, sizes)):
-            self.observe_step(layer_idx, layer, stats)
-            if layer.get_seq_length() > size + slack:
-                index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
-                if index is not None:
-                    layer_select(layer, index)
+            self._evict_layer(layer_idx, layer, size, stats, slack)
 
-    def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
-        """Streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step."""
-        if first:
-            return self.compress(cache_kv(cache), stats, budget)
+    def _evict_layer(self, layer_idx: int, layer, size: int, stats: StatsRecorder, slack: int = 0) -> None:
+        self.observe_step(layer_idx, layer, stats)
+        if layer.get_seq_length() > size + slack:
+            index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
+            if index is not None:
+                layer_select(layer, index)
+
+    # streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step
+    stream_evicts: ClassVar[bool] = True  # False: every chunk re-selects from all the layer holds (TOVA)
+
+    def begin_stream(self, n_tokens, n_layers, budget, first):
+        self._stream_evicting = self.stream_evicts and not first
+        if not self._stream_evicting:
+            super().begin_stream(n_tokens, n_layers, budget, first)
+
+    def stream_layer(self, layer_idx, layer, stats):
+        if not self._stream_evicting:
+            return super().stream_layer(layer_idx, layer, stats)
         if self._sizes is not None:
-            self._evict(cache, self._sizes, stats)
-        return cache
+            self._evict_layer(layer_idx, layer, self._sizes[layer_idx], stats)
+        return layer
+
+    def end_stream(self, cache, stats, budget):
+        return cache if self._stream_evicting else super().end_stream(cache, stats, budget)

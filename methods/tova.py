@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.attention import StatsRequest
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.methods.scorer import ScoreEviction
 from kvbench.methods.scoring import top_k_sorted
@@ -28,6 +28,7 @@ class TOVA(DecodeEviction, ScoreEviction):
     evict_during_decode: bool = True  # the original: a constant-size cache while generating
 
     holds_whole_prompt = False  # the original evicts only once the cache was compressed (budget < the prompt)
+    stream_evicts = False  # streaming: every chunk re-selects by its last query from all a layer holds
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({1}))  # the last query's attention row
@@ -42,6 +43,3 @@ class TOVA(DecodeEviction, ScoreEviction):
     def decode_keep(self, layer_idx, layer, size, stats):
         """The new query's head-averaged attention: the least attended tokens go (the new one included)."""
         return top_k_sorted(self.scores(layer_idx, layer.keys, layer.values, stats), size)  # (B, H_kv, size)
-
-    def stream_bound(self, cache, stats, budget, first):
-        return Method.stream_bound(self, cache, stats, budget, first)  # re-select by each chunk's last query
