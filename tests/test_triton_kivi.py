@@ -1,0 +1,185 @@
+"""The Triton KIVI decode-attention kernel (kernels/triton_kivi.py) equals the torch version on the packed groups
+(kernels/kivi_attention.packed_decode_attention) on real KiviLayer storage: interpreted on CPU, compiled on CUDA.
+
+As in test_quant_kernels.py the interpreted run happens in a child process that sets TRITON_INTERPRET=1 from the
+start. Tolerance: both compute in fp32 but sum in different orders (the kernel also dequantizes values in registers
+where the torch version folds the value scales into the probabilities, and merges an online softmax across blocks
+and splits), so fp32 outputs agree to 2e-6 relative to the largest output element; bf16 outputs are both rounded once
+from fp32, hence at most one bf16 step (2^-7 relative) apart.
+"""
+
+import types
+
+import pytest
+import torch
+
+from kvbench.cache import layer_select
+from kvbench.kernels.kivi_attention import packed_decode_attention
+from kvbench.methods.kivi import _TENSORS, KiviLayer
+from tests.conftest import run_interpreted
+
+pytest.importorskip("triton")
+
+# (key_bits, value_bits, query heads per KV head, evicted, head_dim, group_size, residual, dtype, splits)
+CASES = [
+    (4, 4, 1, False, 16, 8, 16, torch.float32, 1),
+    (2, 2, 3, True, 16, 8, 16, torch.float32, 1),  # 8 two-bit codes: half a word per group
+    (8, 8, 4, False, 16, 8, 16, torch.float32, 3),  # 3 splits merged
+    (4, 2, 4, True, 16, 8, 16, torch.float32, 4),
+    (2, 8, 3, False, 16, 8, 16, torch.float32, 2),
+    (4, 4, 3, True, 24, 12, 24, torch.float32, 3),  # 12-token groups: 4-slot blocks, 1.5 words per 4-bit group
+    (2, 4, 1, False, 24, 12, 24, torch.float32, 1),  # head_dim 24: a masked tail of the 32-wide channel block
+    (16, 4, 4, False, 16, 8, 16, torch.float32, 1),  # keys unquantized: every key in the residual
+    (4, 16, 3, True, 16, 8, 16, torch.float32, 2),  # values unquantized
+    (4, 2, 4, True, 64, 32, 64, torch.bfloat16, 2),
+]
+IDS = [f"k{c[0]}v{c[1]}-gqa{c[2]}{'-dead' if c[3] else ''}-D{c[4]}g{c[5]}-{str(c[7])[6:]}-s{c[8]}" for c in CASES]
+
+_CHILD = """
+import sys, torch
+from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+out = [triton_kivi_decode_attention(q, *storage, **kw) for q, storage, kw in torch.load(sys.argv[1])]
+torch.save(out, sys.argv[2])
+"""
+
+
+def _kv(n_tokens, head_dim, n_heads, dtype, seed, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, n_heads, n_tokens, head_dim, generator=g) * torch.linspace(0.5, 4, head_dim)
+    values = torch.randn(batch, n_heads, n_tokens, head_dim, generator=g) + 1  # (B, H_kv, T, D)
+    return keys.to(dtype), values.to(dtype)
+
+
+def _case(key_bits, value_bits, group, evicted, head_dim, group_size, residual, dtype, splits, seed=0):
+    """(query, storage, kwargs) of a real KiviLayer after one decode step's update: 101 slots stored, two heads."""
+    keys, values = _kv(100, head_dim, 2, dtype, seed)
+    layer = KiviLayer.from_kv(keys, values, 4, group_size, residual, key_bits=key_bits, value_bits=value_bits)
+    if evicted:  # head 0 drops slots 0-7 and every 3rd, head 1 the oldest 39: key group 0 freed when G = 8
+        head0 = torch.tensor([i for i in range(8, 100) if i % 3])
+        index = torch.stack([head0, torch.arange(39, 100)]).expand(2, -1, -1)  # (B, H_kv, 61)
+        layer_select(layer, index)
+        assert layer.dead is not None
+    view, _ = layer.update(*_kv(1, head_dim, 2, dtype, seed + 1))
+    query = torch.randn(2, 2 * group, 1, head_dim, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
+    storage = tuple(getattr(view, name) for name in _TENSORS)
+    kwargs = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size, scaling=head_dim**-0.5,
+                  dead=view.dead, n_splits=splits)  # fmt: skip
+    return query, storage, kwargs
+
+
+def _residual_only(dtype=torch.float32):
+    """Nothing quantized (a prompt shorter than the residual): every slot read from the residuals."""
+    keys, values = _kv(13, 16, 2, dtype, 5)
+    layer = KiviLayer.from_kv(keys, values, 4, 8, 16)
+    assert layer.key_scale.shape[-1] == 0 and layer.value_scale.shape[2] == 0
+    query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
+    kwargs = dict(key_bits=4, value_bits=4, group_size=8, scaling=0.25, dead=None, n_splits=2)
+    return query, tuple(getattr(layer, name) for name in _TENSORS), kwargs
+
+
+def _reference(query, storage, kwargs):
+    return packed_decode_attention(query, *storage, **{k: v for k, v in kwargs.items() if k != "n_splits"})
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    inputs = [_case(*c) for c in CASES] + [_residual_only()]
+    return inputs, run_interpreted(_CHILD, inputs, tmp_path_factory.mktemp("triton_kivi"))
+
+
+def _assert_matches(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * want.float().abs().max().item())
+    else:
+        assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("case", range(len(CASES) + 1), ids=IDS + ["residual-only"])
+def test_interpreted_kernel_matches_packed_attention(interpreted, case):
+    inputs, outputs = interpreted
+    query, storage, kwargs = inputs[case]
+    want = _reference(query, storage, kwargs)  # (B, 1, H_q, D)
+    assert want.shape == (query.shape[0], 1, query.shape[1], query.shape[-1]) and torch.isfinite(want).all()
+    _assert_matches(outputs[case], want)
+
+
+def test_cases_cover_the_storage_edge_cases(interpreted):
+    """The inputs really hold what the case names promise: dead slots, freed key groups, empty quantized parts."""
+    inputs, _ = interpreted
+    for (key_bits, value_bits, _, evicted, *_), (_, storage, kwargs) in zip(CASES, inputs):
+        key_scale, value_scale = storage[1], storage[5]  # (B, H_kv, D, N_k), (B, H_kv, T_v, D/G)
+        assert (kwargs["dead"] is not None) == evicted
+        assert (key_scale.shape[-1] == 0) == (key_bits == 16) and (value_scale.shape[2] == 0) == (value_bits == 16)
+    _, storage, kwargs = inputs[1]  # 2-bit, G = 8, evicted: key group 0 is dead in both heads and freed
+    assert storage[1].shape[-1] == 11 and kwargs["dead"].shape == (2, 2, 31)  # 100 − 8 stored + 1 new − 62 kept
+    assert storage[3].shape[2] % 8 and storage[5].shape[2] % 8  # partial last blocks for keys and values
+
+
+def test_merge_of_splits_equals_one_softmax():
+    """merge_splits reassembles softmax(s)·v from per-split partials, a split with nothing live included."""
+    from kvbench.kernels.triton_kivi import merge_splits
+
+    scores, values = torch.randn(3, 10) * 4, torch.randn(10, 5)  # (G_q, T), (T, D)
+    scores[:, 4:6] = float("-inf")  # split 2 (slots 4-5) is all dead
+    bounds = [(0, 4), (4, 6), (6, 10)]
+    maxima, denominators, outputs = [], [], []
+    for lo, hi in bounds:
+        top = scores[:, lo:hi].amax(-1)  # (G_q,)
+        weights = torch.exp2(scores[:, lo:hi] - top.clamp_min(-1e30).unsqueeze(-1))  # (G_q, n)
+        maxima.append(top), denominators.append(weights.sum(-1)), outputs.append(weights @ values[lo:hi])
+    got = merge_splits(torch.stack(maxima), torch.stack(denominators), torch.stack(outputs))  # (G_q, D)
+    want = torch.softmax(scores * torch.log(torch.tensor(2.0)), -1) @ values  # exp2 = exp(s·ln 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
+    """kivi_decode_attention: the torch version off CUDA (whatever KVBENCH_NO_TRITON says); the Triton module for a
+    CUDA tensor unless KVBENCH_NO_TRITON=1."""
+    import kvbench.kernels as kernels
+    from kvbench.kernels import triton_kivi
+
+    query, storage, kwargs = _case(4, 2, 2, True, 16, 8, 16, torch.float32, 1)
+    kwargs.pop("n_splits")
+    calls = []
+    monkeypatch.setattr(triton_kivi, "triton_kivi_decode_attention", lambda *a, **k: calls.append(1))
+    for env in ("0", "1"):
+        monkeypatch.setenv("KVBENCH_NO_TRITON", env)
+        assert torch.equal(kernels.kivi_decode_attention(query, *storage, **kwargs), _reference(query, storage, kwargs))
+    assert not calls
+    on_cuda = types.SimpleNamespace(is_cuda=True)  # what the dispatcher reads of a tensor: where it lives
+    monkeypatch.setenv("KVBENCH_NO_TRITON", "0")
+    assert (
+        kernels._fast_module(on_cuda, "triton_kivi") is triton_kivi
+        and kernels._fast_module(query, "triton_kivi") is None
+    )
+    monkeypatch.setenv("KVBENCH_NO_TRITON", "1")
+    assert kernels._fast_module(on_cuda, "triton_kivi") is None
+
+
+def test_bench_gpu_parses_its_kivi_arguments():
+    """scripts/bench_gpu.py imports and parses on a CPU-only machine (the GPU run happens when one is lent)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--kivi-attention", "--lengths", "4096", "32768", "--kivi-bits", "2", "4"])
+    assert args.kivi_attention and args.lengths == [4096, 32768] and args.kivi_bits == [2, 4]
+    assert not bench.parse_args([]).kivi_attention
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs CUDA")
+def test_compiled_kernel_matches_packed_attention_on_cuda():
+    from kvbench.kernels import kivi_decode_attention
+    from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+
+    for query, storage, kwargs in [_case(*c) for c in CASES] + [_residual_only()]:
+        query, storage = query.cuda(), tuple(t.cuda() for t in storage)
+        kwargs = {**kwargs, "dead": None if kwargs["dead"] is None else kwargs["dead"].cuda()}
+        want = _reference(query, storage, kwargs)
+        _assert_matches(triton_kivi_decode_attention(query, *storage, **kwargs), want)
+        kwargs.pop("n_splits")
+        _assert_matches(kivi_decode_attention(query, *storage, **kwargs), want)  # the dispatch picks the kernel
