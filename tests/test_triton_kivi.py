@@ -9,6 +9,7 @@ from fp32, hence at most one bf16 step (2^-7 relative) apart.
 """
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +117,42 @@ def test_cases_cover_the_storage_edge_cases(interpreted):
     assert storage[3].shape[2] % 8 and storage[5].shape[2] % 8  # partial last blocks for keys and values
 
 
+_GENERATE = """
+import sys, torch
+from omegaconf import OmegaConf
+import kvbench.kernels as kernels
+from kvbench.engine import Engine
+from kvbench.kernels import triton_kivi
+from kvbench.methods import build_method, method_defaults
+from kvbench.models import load_model
+from kvbench.methods.kivi import KiviLayer
+conf, prompt, params = torch.load(sys.argv[1])
+engine = Engine(load_model(OmegaConf.load(conf), "cpu", "float32"))
+method = build_method("kivi", {**method_defaults("kivi"), **params})
+runs, calls = {}, []
+for path in ("torch", "triton"):
+    if path == "triton":  # what the dispatcher does on CUDA, here on CPU tensors under the interpreter
+        kernels._fast_module = lambda tensor, module: triton_kivi if module == "triton_kivi" else None
+        real = triton_kivi.triton_kivi_decode_attention
+        triton_kivi.triton_kivi_decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
+    gen = engine.run(method, None, prompt, max_new_tokens=6, keep_logits=True)
+    runs[path] = (gen.token_ids, [l.float() for l in gen.logits], gen.kv_bytes, gen.decode_steps)
+torch.save((runs, len(calls)), sys.argv[2])
+"""
+
+
+def test_generation_through_the_kernel_equals_the_torch_path(tmp_path, prompt_ids):
+    """The kernel plugged into KiviLayer.attend by the dispatcher, on the tiny model (4 layers, GQA 2): the same
+    tokens, logits within fp32 rounding, the same bytes as the torch version's generation."""
+    conf = Path(__file__).resolve().parent.parent / "conf" / "model" / "tiny-random.yaml"
+    params = {"key_bits": 4, "value_bits": 2, "group_size": 16, "residual_length": 32}
+    runs, calls = run_interpreted(_GENERATE, (str(conf), prompt_ids[:150], params), tmp_path)
+    (tokens, logits, kv_bytes, steps), (t_tokens, t_logits, t_bytes, t_steps) = runs["torch"], runs["triton"]
+    assert steps == t_steps == 5 and calls == steps * 4  # every decode step of every layer went through the kernel
+    assert t_tokens == tokens and t_bytes == kv_bytes
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(t_logits, logits))
+
+
 def test_merge_of_splits_equals_one_softmax():
     """merge_splits reassembles softmax(s)·v from per-split partials, a split with nothing live included."""
     from kvbench.kernels.triton_kivi import merge_splits
@@ -160,7 +197,6 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
 def test_bench_gpu_parses_its_kivi_arguments():
     """scripts/bench_gpu.py imports and parses on a CPU-only machine (the GPU run happens when one is lent)."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", path)
