@@ -9,11 +9,15 @@ scale and zero fold out of the sums, so the codes are never scaled element by el
     values  Σ_t p_t·v_{t,d} = Σ_t (p_t·s_{t,m})·c_{t,d} + Σ_t p_t·z_{t,m}   m: d's value group, so per group a
                                                                       (G_q × T)·(T × G) product + a sum
 
-The codes are unpacked byte-wise (a uint8 view of the int32 words: each byte holds 8/bits codes, lowest bits first,
-as quantize packs them, on a little-endian machine) straight into the layout the batched products read, by
-permuting the small packed words instead of the codes. Dead slots (evicted on top of KIVI) get −inf scores.
-Scores and softmax are fp32; the products run in fp32 (`matmul_dtype`), so the result differs from dequantize-then-
-attend (which rounds every dequantized element to the model dtype) by that rounding only.
+The codes are unpacked in *bit planes* (`unpack_planes`): on a uint8 view of the packed words, plane j holds field j
+of every byte — one mask (and one shift) per plane, one concatenation, one conversion — so a group's codes come out in
+the order (plane, byte) instead of time/channel order. Why: a broadcast shift producing the codes in order costs ~10×
+more per byte on CPU than these whole-tensor ops. The products are computed in plane order and only their small
+outputs (scores, per-channel sums) are put back in order (`_in_order`, one copy); the packed words are permuted (keys:
+group axis before channels), never the codes. Dead slots (evicted on top of KIVI) get −inf scores. Scores and
+softmax are fp32; the products run in fp32 (`matmul_dtype`), so the result differs from dequantize-then-attend (which
+rounds every dequantized element to the model dtype) by that rounding only. The one temporary of size T·D per part
+is the codes in `matmul_dtype` (freed when the layer's attention returns).
 """
 
 from __future__ import annotations
@@ -25,18 +29,42 @@ import torch
 from kvbench.kernels.quantize import words_per_group
 
 
+def unpack_planes(words: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Codes of packed words (..., W) int32 (one group; any strides, the last axis contiguous) in bit-plane order:
+    (..., 8/bits · 4W) in `dtype`.
+
+    Column j·4W + m holds code m·(8/bits) + j of the group: field j of byte m (byte m of the words' little-endian
+    bytes; quantize packs the lowest bits first). `from_planes` puts columns in this order back in code order.
+    """
+    if sys.byteorder != "little":  # the byte view assumes the lowest bits sit in the first byte
+        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)  # (P,)
+        codes = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., W, P) in code order
+        return codes.flatten(-2).unflatten(-1, (-1, 8 // bits)).transpose(-1, -2).flatten(-2).to(dtype)
+    data = words.view(torch.uint8)  # (..., 4W): byte m of word w is byte 4w + m
+    if bits == 8:
+        return data.to(dtype)
+    mask, top = 2**bits - 1, 8 - bits
+    planes = [data & mask] + [(data >> shift) & mask for shift in range(bits, top, bits)] + [data >> top]
+    return torch.cat(planes, dim=-1).to(dtype)  # (..., 8/bits · 4W) in (plane, byte) order
+
+
+def from_planes(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """x (..., 8/bits · 4W) in bit-plane order -> code order, padding dropped: (..., G) (a view)."""
+    return x.unflatten(-1, (8 // bits, -1)).transpose(-1, -2).flatten(-2)[..., :group_size]
+
+
 def unpack_codes(packed: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
     """Codes of packed (..., n_groups·W) int32 as (..., n_groups, G) in `dtype` (exact: codes are < 2^bits ≤ 256)."""
-    words = words_per_group(bits, group_size)
-    grouped = packed.unflatten(-1, (-1, words))  # (..., n_groups, W)
-    if sys.byteorder != "little":  # the byte view below assumes the lowest bits sit in the first byte
-        shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # (P,)
-        codes = (grouped.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., n_groups, W, P)
-        return codes.flatten(-2)[..., :group_size].to(dtype)
-    data = grouped.contiguous().view(torch.uint8)  # (..., n_groups, 4·W): byte k of a word holds bits [8k, 8k+8)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (8/bits,)
-    codes = (data.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., n_groups, 4·W, 8/bits) uint8
-    return codes.flatten(-2)[..., :group_size].to(dtype)  # (..., n_groups, G)
+    words = packed.unflatten(-1, (-1, words_per_group(bits, group_size)))  # (..., n_groups, W)
+    return from_planes(unpack_planes(words, bits, dtype), bits, group_size)  # (..., n_groups, G)
+
+
+def _in_order(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Per-group products x (B, H_kv, n, G_q, 8/bits · 4W) in bit-plane order -> (B, H_kv, G_q, n·G) in code order
+    (time for keys, channels for values): one copy of a small tensor."""
+    planes = x.unflatten(-1, (8 // bits, -1))  # (B, H_kv, n, G_q, 8/bits, 4W)
+    ordered = planes.permute(0, 1, 3, 2, 5, 4).flatten(-2)  # (B, H_kv, G_q, n, 4W · 8/bits)
+    return ordered[..., :group_size].flatten(-2)  # (B, H_kv, G_q, n·G)
 
 
 def packed_decode_attention(
@@ -66,20 +94,16 @@ def packed_decode_attention(
     bsz, n_q_heads, _, head_dim = query.shape  # (B, H_q, 1, D)
     n_kv_heads = key_residual.shape[1]
     n_group = n_q_heads // n_kv_heads
-    x = query.reshape(bsz, n_kv_heads, n_group, head_dim).float()  # (B, H_kv, G_q, D)
-    parts = []
+    x = query.reshape(bsz, n_kv_heads, n_group, head_dim).float() * scaling  # (B, H_kv, G_q, D), scaling folded in
     n_key_groups = key_scale.shape[-1]
+    scores = torch.matmul(x, key_residual.float().transpose(2, 3))  # (B, H_kv, G_q, r_k)
     if n_key_groups:
-        # codes in (B, H_kv, N_k, D, G): permute the packed words, not the codes
-        words = key_packed.unflatten(-1, (n_key_groups, -1)).transpose(2, 3)  # (B, H_kv, N_k, D, W)
-        codes = unpack_codes(words.flatten(-2), key_bits, group_size, matmul_dtype)  # (B, H_kv, N_k, D, G)
-        x_scaled = x.unsqueeze(2) * key_scale.float().transpose(2, 3).unsqueeze(3)  # (B, H_kv, N_k, G_q, D)
-        scores = torch.matmul(x_scaled.to(matmul_dtype), codes).float()  # (B, H_kv, N_k, G_q, G)
-        offset = torch.matmul(x, key_zero.float())  # (B, H_kv, G_q, N_k): Σ_d x_d·z_{d,n}
-        scores = scores + offset.transpose(2, 3).unsqueeze(-1)  # (B, H_kv, N_k, G_q, G)
-        parts.append(scores.permute(0, 1, 3, 2, 4).flatten(-2))  # (B, H_kv, G_q, N_k·G)
-    parts.append(torch.matmul(x, key_residual.float().transpose(2, 3)))  # (B, H_kv, G_q, r_k)
-    scores = torch.cat(parts, dim=-1).mul_(scaling)  # (B, H_kv, G_q, T)
+        words = key_packed.unflatten(-1, (n_key_groups, -1)).transpose(2, 3)  # (B, H_kv, N_k, D, W): groups first
+        codes = unpack_planes(words, key_bits, matmul_dtype)  # (B, H_kv, N_k, D, G') in bit-plane order
+        x_scaled = x.unsqueeze(2) * key_scale.transpose(2, 3).unsqueeze(3)  # (B, H_kv, N_k, G_q, D) fp32
+        offset = torch.matmul(x, key_zero.float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, N_k, G_q, 1): x·z
+        quantized = torch.matmul(x_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, N_k, G_q, G')
+        scores = torch.cat([_in_order(quantized, key_bits, group_size), scores], dim=-1)  # (B, H_kv, G_q, T)
     if dead is not None:
         dead_slots = dead.long().unsqueeze(2).expand(-1, -1, n_group, -1)  # (B, H_kv, G_q, n_dead)
         scores.scatter_(-1, dead_slots, float("-inf"))
@@ -89,14 +113,11 @@ def packed_decode_attention(
     out = torch.matmul(probs[..., n_values:], value_residual.float())  # (B, H_kv, G_q, D)
     if n_values:
         n_value_groups = value_scale.shape[-1]
-        # codes in (B, H_kv, D/G, T_v, G): again the packed words are permuted
         words = value_packed.unflatten(-1, (n_value_groups, -1)).transpose(2, 3)  # (B, H_kv, D/G, T_v, W)
-        codes = unpack_codes(words, value_bits, group_size, matmul_dtype)  # (B, H_kv, D/G, T_v, 1, G)
-        codes = codes.flatten(-3, -2)  # (B, H_kv, D/G, T_v, G)
+        codes = unpack_planes(words, value_bits, matmul_dtype)  # (B, H_kv, D/G, T_v, G') in bit-plane order
         p = probs[..., :n_values]  # (B, H_kv, G_q, T_v)
-        p_scaled = p.unsqueeze(2) * value_scale.float().permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_kv, D/G, G_q, T_v)
-        weighted = torch.matmul(p_scaled.to(matmul_dtype), codes).float()  # (B, H_kv, D/G, G_q, G)
-        offset = torch.matmul(p, value_zero.float())  # (B, H_kv, G_q, D/G): Σ_t p_t·z_{t,m}
-        weighted = weighted + offset.transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, G)
-        out = out + weighted.permute(0, 1, 3, 2, 4).flatten(-2)  # (B, H_kv, G_q, D)
+        p_scaled = p.unsqueeze(2) * value_scale.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_kv, D/G, G_q, T_v) fp32
+        offset = torch.matmul(p, value_zero.float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, 1): Σ p·z
+        quantized = torch.matmul(p_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, D/G, G_q, G')
+        out = out + _in_order(quantized, value_bits, group_size)  # (B, H_kv, G_q, D)
     return out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)

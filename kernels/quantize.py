@@ -41,30 +41,37 @@ def _check(bits: int, group_size: int, length: int) -> None:
 def quant_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group (scale, zero), each (..., n_groups) in x's dtype, rounded outward (see the module docstring)."""
     _check(bits, group_size, x.shape[-1])
-    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G) fp32
-    low, high = groups.amin(-1), groups.amax(-1)  # (..., n_groups)
-    zero = low.to(x.dtype)  # exact: low is one of x's elements
+    return _params(x.float().unflatten(-1, (-1, group_size)), bits, x.dtype)  # (..., n_groups, G) fp32 in
+
+
+def _params(groups: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """quant_params of fp32 groups (..., n_groups, G). Few ops on purpose: KIVI quantizes one token per decode step."""
+    low, high = torch.aminmax(groups, dim=-1)  # (..., n_groups)
+    zero = low.to(dtype)  # exact: low is one of x's elements
     exact = (high - zero.float()) / (2**bits - 1)  # (..., n_groups) fp32
-    scale = exact.to(x.dtype)
-    # round up where the dtype rounded down, so zero + levels·scale still reaches the group's max
-    scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+    scale = exact.to(dtype)
+    if dtype != torch.float32:  # round up where the dtype rounded down, so zero + levels·scale reaches the max
+        scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
     return scale.contiguous(), zero.contiguous()  # reductions over a transposed x may come back strided
 
 
 def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x (..., L) by groups on the last axis: packed (..., n_groups·W) int32, scale, zero (..., n_groups)"""
-    scale, zero = quant_params(x, bits, group_size)
+    _check(bits, group_size, x.shape[-1])
+    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G) fp32
+    scale, zero = _params(groups, bits, x.dtype)
     per_word, words = 32 // bits, words_per_group(bits, group_size)
-    groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G)
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale).float()  # constant groups: (x − zero) is 0 there
+    # a constant group has scale 0 and x − zero = 0 there: dividing by the smallest subnormal instead gives q = 0,
+    # and leaves every positive scale as it is
+    safe = scale.float().clamp_min(torch.finfo(torch.float32).smallest_normal * 2**-23)  # (..., n_groups)
     q = torch.floor((groups - zero.float().unsqueeze(-1)) / safe.unsqueeze(-1) + 0.5)  # (..., n_groups, G)
     q = q.clamp_(0, 2**bits - 1).to(torch.int32)
     if words * per_word != group_size:  # pad each group to whole words (zeros are never read back)
         q = torch.nn.functional.pad(q, (0, words * per_word - group_size))  # (..., n_groups, W·P)
-    q = q.unflatten(-1, (words, per_word))  # (..., n_groups, W, P)
-    packed = torch.zeros(q.shape[:-1], dtype=torch.int32, device=x.device)  # (..., n_groups, W)
-    for i in range(per_word):  # disjoint bit fields; int32 shifts wrap the 8-bit top field into the sign bit
-        packed |= q[..., i] << (i * bits)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=x.device)  # (P,)
+    # the bit fields are disjoint, so their sum is their OR and never carries (int32 shifts wrap the top field into
+    # the sign bit; the two's-complement sum keeps it there)
+    packed = (q.unflatten(-1, (words, per_word)) << shifts).sum(-1, dtype=torch.int32)  # (..., n_groups, W)
     return packed.flatten(-2), scale, zero  # (..., n_groups·W), (..., n_groups) ×2
 
 

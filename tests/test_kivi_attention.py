@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvbench.cache import cache_nbytes, layer_select
-from kvbench.kernels.kivi_attention import unpack_codes
+from kvbench.kernels.kivi_attention import unpack_codes, unpack_planes
 from kvbench.kernels.quantize import quantize_pack, words_per_group
 from kvbench.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.methods import build_method, method_defaults
@@ -38,6 +38,48 @@ def test_unpacked_codes_are_the_quantized_integers(bits, group):
     want = ((words >> shifts) & (2**bits - 1)).flatten(-2)[..., :group].float()  # the bit fields, read by shifting
     assert codes.shape == (3, 2, 4, group) and torch.equal(codes, want)
     assert codes.max() <= 2**bits - 1 and codes.min() >= 0
+
+
+def _shift_decoded(packed, bits, group):
+    """Each group's codes read by shifting the int32 words, independently of kivi_attention: (..., n_groups, G)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    words = packed.unflatten(-1, (-1, words_per_group(bits, group))).unsqueeze(-1)  # (..., n_groups, W, 1)
+    return ((words >> shifts) & (2**bits - 1)).flatten(-2)[..., :group]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group", [8, 12, 64])
+def test_bit_planes_hold_field_j_of_every_byte(bits, group):
+    """unpack_planes' column j·4W + m is code m·(8/bits) + j, on a strided (transposed) view of the words too."""
+    x = torch.randn(2, 5, 3 * group)  # (..., L)
+    packed, _, _ = quantize_pack(x, bits, group)
+    words = packed.unflatten(-1, (3, -1)).transpose(0, 1)  # (5, 2, 3, W): strided, last axis contiguous
+    planes = unpack_planes(words, bits, torch.float32)  # (5, 2, 3, 8/bits · 4W)
+    per_byte, n_bytes = 8 // bits, 4 * words.shape[-1]
+    codes = _shift_decoded(packed, bits, group).transpose(0, 1)  # (5, 2, 3, G)
+    for j in range(per_byte):
+        for m in range(n_bytes):
+            if m * per_byte + j < group:  # past it: padding
+                assert torch.equal(planes[..., j * n_bytes + m], codes[..., m * per_byte + j].float())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_words_are_the_bitwise_or_of_the_shifted_codes(bits, dtype):
+    """quantize_pack sums the shifted fields; that must equal OR-ing them (sign bit included for the top field)."""
+    x = (torch.randn(3, 4, 64) * 5).to(dtype)  # (..., L): groups of 32
+    x[0, 0, :32] = 1.5  # a constant group: scale 0, codes 0
+    packed, scale, zero = quantize_pack(x, bits, 32)
+    groups = x.float().unflatten(-1, (-1, 32))  # (..., 2, 32)
+    safe = torch.where(scale == 0, 1.0, scale.float()).unsqueeze(-1)
+    q = torch.floor((groups - zero.float().unsqueeze(-1)) / safe + 0.5).clamp(0, 2**bits - 1).int()  # (..., 2, 32)
+    per_word = 32 // bits
+    q = q.unflatten(-1, (-1, per_word))  # (..., 2, W, P)
+    want = torch.zeros(q.shape[:-1], dtype=torch.int32)
+    for i in range(per_word):
+        want |= q[..., i] << (i * bits)
+    assert torch.equal(packed, want.flatten(-2))
+    assert scale[0, 0, 0] == 0 and torch.equal(_shift_decoded(packed, bits, 32)[0, 0, 0], torch.zeros(32).int())
 
 
 @pytest.mark.parametrize("key_bits,value_bits", [(4, 4), (2, 2), (8, 8), (4, 2), (2, 8), (16, 4), (4, 16)])
