@@ -31,7 +31,11 @@ import torch
 from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
 from kvbench.kernels.quantize import words_per_group
 
-_MAX_BLOCK_T = 32  # slots per block: the (G_q, D, BLOCK_T) fp32 product tile stays within registers at D = 128
+# Slots per block: the (G_q, D, BLOCK_T) fp32 product tiles live in registers. Compiled for sm_90 (ptxas, D = 128,
+# 4 warps) 16 slots hold G_q = 1-8 without spills (155-168 registers), 32 slots spill at G_q = 8 and G_q = 16 needs
+# 8: hence at most 16 slots and 8·128·16 tile elements. Chosen from register counts, not from GPU timings.
+_MAX_BLOCK_T = 16
+_TILE_ELEMENTS = 8 * 128 * 16
 _MIN_BLOCKS_PER_SPLIT = 4  # fewer blocks per split and the merge costs more than the parallelism gains
 
 if TRITON_AVAILABLE:
@@ -180,9 +184,10 @@ if TRITON_AVAILABLE:
         tl.store(acc_ptr + part[:, None] * head_dim + offs_d[None, :], acc, mask=q_mask[:, None] & d_mask[None, :])
 
 
-def _block_slots(group_size: int) -> int:
-    """The largest power of two dividing group_size, at most _MAX_BLOCK_T: a block never straddles a key group."""
-    return min(group_size & -group_size, _MAX_BLOCK_T)
+def _block_slots(group_size: int, block_q: int, block_d: int) -> int:
+    """Slots per block: a power of two dividing group_size (a block never straddles a key group), at most
+    _MAX_BLOCK_T and _TILE_ELEMENTS / (G_q · D) (both padded to powers of two)."""
+    return min(group_size & -group_size, _MAX_BLOCK_T, max(1, _TILE_ELEMENTS // (block_q * block_d)))
 
 
 def _n_splits(n_programs: int, n_blocks: int, device: torch.device) -> int:
@@ -230,7 +235,8 @@ def triton_kivi_decode_attention(
     n_key_quant = key_scale.shape[-1] * group_size  # packed key slots, whole groups
     n_value_quant = value_scale.shape[2]
     n_slots = n_key_quant + key_residual.shape[2]
-    block_t = _block_slots(group_size)
+    block_q, block_d = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    block_t = _block_slots(group_size, block_q, block_d)
     n_blocks = -(-n_slots // block_t)
     splits = n_splits or _n_splits(bsz * n_kv_heads, n_blocks, query.device)
     blocks_per_split = -(-n_blocks // splits)
@@ -280,8 +286,9 @@ def triton_kivi_decode_attention(
         VALUE_WORDS=words_per_group(value_bits, group_size),
         HAS_DEAD=dead_mask is not None,
         BLOCK_T=block_t,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_Q=triton.next_power_of_2(group),
+        BLOCK_D=block_d,
+        BLOCK_Q=block_q,
+        enable_fp_fusion=True,  # FMAs welcome (nothing must match torch bit for bit); Triton 3.10 turns them off
     )
     return merge_splits(stats[0], stats[1], acc).reshape(bsz, 1, n_q_heads, head_dim).to(query.dtype)
 

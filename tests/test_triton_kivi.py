@@ -207,6 +207,46 @@ def test_bench_gpu_parses_its_kivi_arguments():
     assert not bench.parse_args([]).kivi_attention
 
 
+def _nvidia_tool(name: str) -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+
+
+@pytest.mark.skipif(not _nvidia_tool("ptxas").exists(), reason="triton without its bundled ptxas")
+@pytest.mark.parametrize("group_q,bits", [(1, 2), (4, 4), (8, 8)])
+def test_kernel_compiles_for_the_h200_without_register_spills(group_q, bits, tmp_path):
+    """No GPU needed: Triton's frontend, its NVIDIA passes and the bundled ptxas build the kernel for sm_90 (H200)
+    with the launch's own block sizes at Llama-3.1-8B's head_dim 128 and KIVI's default group 64 — what the
+    interpreter cannot check — and cuobjdump reports no spilled registers (STACK:0)."""
+    import inspect
+    import subprocess
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvbench.kernels.quantize import words_per_group
+    from kvbench.kernels.triton_kivi import _block_slots, _kivi_decode_kernel
+
+    constants = dict(KEY_BITS=bits, VALUE_BITS=bits, GROUP=64, KEY_WORDS=words_per_group(bits, 64),
+                     VALUE_WORDS=words_per_group(bits, 64), HAS_DEAD=True, BLOCK_T=_block_slots(64, group_q, 128),
+                     BLOCK_D=128, BLOCK_Q=group_q)  # fmt: skip
+    pointers = dict(kp_ptr="*i32", vp_ptr="*i32", dead_ptr="*i8", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32")
+    names = list(inspect.signature(_kivi_decode_kernel.fn).parameters)
+    signature = {
+        n: "constexpr" if n in constants else pointers.get(n, "*bf16") if n.endswith("_ptr") else "i32" for n in names
+    }
+    signature["qk_scale"] = "fp32"
+    source = ASTSource(_kivi_decode_kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(enable_fp_fusion=True))
+    (tmp_path / "kernel.cubin").write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run(
+        [_nvidia_tool("cuobjdump"), "--dump-resource-usage", tmp_path / "kernel.cubin"], capture_output=True, text=True
+    ).stdout
+    assert "REG:" in usage and "STACK:0 " in usage, usage
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs CUDA")
 def test_compiled_kernel_matches_packed_attention_on_cuda():
     from kvbench.kernels import kivi_decode_attention
