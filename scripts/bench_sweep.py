@@ -2,18 +2,20 @@
 
     python scripts/bench_sweep.py [--model smollm2-135m] [--lengths 1024 2048 4096] [--depth 0.5]
                                   [--methods snapkv h2o streamingllm pyramidkv] [--budgets 0.1 0.25 0.5]
-                                  [--no-separate]
+                                  [--no-separate] [--dtype float32] [--baseline FILE.json]
 
 Separate = what separate runs do: prefill + compress + decode for each (method, budget). Shared = one prefill per
 example with the union of the statistics, then compress + decode per configuration, one at a time
 (grid_batch=false). Grid = shared prefill, each configuration compressed alone, then decoded together as one
 batch (grid_batch=true, kvbench.grid_decode). Same examples, one process; checks the outputs are identical and
-prints the wall times and speed-ups.
+prints the wall times and speed-ups. --baseline: the same shared sweep timed on an older commit (its outputs and
+seconds as JSON); prints today's default path (grid where grid_batch=auto batches, else one by one) against it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from omegaconf import OmegaConf
@@ -40,6 +42,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="grid_batch=auto decodes together in float32 only")
     parser.add_argument("--no-separate", action="store_true", help="skip the separate-runs pass (the slowest)")
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        help='JSON {"label", "seconds", "outputs"} of an older commit\'s shared sweep (same examples and order): '
+        "print today's times against it and how many outputs are identical",
+    )
     args = parser.parse_args()
 
     lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"), args.device, args.dtype)
@@ -93,21 +101,41 @@ def main() -> None:
     t_grid = time.perf_counter() - start
 
     n = len(shared)
-    print(f"{len(examples)} examples × {n // len(examples)} configurations ({args.model}, {lm.dtype}, {lm.device}); "
-          f"{batched}/{n} decoded in a grid batch")
+    print(
+        f"{len(examples)} examples × {n // len(examples)} configurations ({args.model}, {lm.dtype}, {lm.device}); "
+        f"{batched}/{n} decoded in a grid batch"
+    )
     if alone:
         print(f"separate runs:                 {t_alone:7.1f} s")
-    print(f"shared prefill, one by one:    {t_shared:7.1f} s (prefill {prefill_s['shared']:.1f} s, "
-          f"compress + decode {t_shared - prefill_s['shared']:.1f} s)")
-    print(f"shared prefill, grid batched:  {t_grid:7.1f} s (prefill {prefill_s['grid']:.1f} s, "
-          f"compress + decode {t_grid - prefill_s['grid']:.1f} s)")
+    print(
+        f"shared prefill, one by one:    {t_shared:7.1f} s (prefill {prefill_s['shared']:.1f} s, "
+        f"compress + decode {t_shared - prefill_s['shared']:.1f} s)"
+    )
+    print(
+        f"shared prefill, grid batched:  {t_grid:7.1f} s (prefill {prefill_s['grid']:.1f} s, "
+        f"compress + decode {t_grid - prefill_s['grid']:.1f} s)"
+    )
     after = (t_shared - prefill_s["shared"]) / max(1e-9, t_grid - prefill_s["grid"])
-    print(f"grid vs one by one: {t_grid / t_shared:.2f} of the time ({t_shared / t_grid:.2f}× faster; "
-          f"compress + decode {after:.2f}× faster)"
-          + (f"; vs separate runs {t_alone / t_grid:.2f}× faster" if alone else ""))
+    print(
+        f"grid vs one by one: {t_grid / t_shared:.2f} of the time ({t_shared / t_grid:.2f}× faster; "
+        f"compress + decode {after:.2f}× faster)"
+        + (f"; vs separate runs {t_alone / t_grid:.2f}× faster" if alone else "")
+    )
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)
+        default = grid if batched else shared  # what a default sweep runs (grid_batch=auto)
+        t_default = t_grid if batched else t_shared
+        print(
+            f"vs {base['label']}: {base['seconds']:.1f} s → {t_default:.1f} s, "
+            f"{t_default / base['seconds']:.2f} of the time ({base['seconds'] / t_default:.2f}× faster); "
+            f"identical outputs {sum(a == b for a, b in zip(base['outputs'], default))}/{len(base['outputs'])}"
+        )
     same = sum(a == b for a, b in zip(shared, grid))
-    print(f"identical outputs, grid vs one by one: {same}/{n}"
-          + (f"; one by one vs separate: {sum(a == b for a, b in zip(alone, shared))}/{n}" if alone else ""))
+    print(
+        f"identical outputs, grid vs one by one: {same}/{n}"
+        + (f"; one by one vs separate: {sum(a == b for a, b in zip(alone, shared))}/{n}" if alone else "")
+    )
 
 
 if __name__ == "__main__":
