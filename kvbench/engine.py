@@ -198,6 +198,7 @@ class Engine:
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
         steps, t0 = 0, time.perf_counter()
+        method.on_decode_start(cache, position)
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break

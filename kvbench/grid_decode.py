@@ -11,8 +11,9 @@ decoding) act on their own row: after each step `on_decode_step` runs on a batch
 slice of the step's statistics, and what it keeps is written back — so every row keeps what it keeps alone.
 
 Decoded alone instead (automatically, with `Engine.decode`, exactly today's path): caches with storage of their
-own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), model-changing
-methods (head merging, which has its own prefill), and every configuration when only one would be in the batch.
+own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
+(StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), and every configuration
+when only one would be in the batch.
 Rows are grouped so padding at most doubles the bytes a batch holds (`MAX_PADDING`).
 
 Rows decoded together: `batch_size` = the configurations in the batch, `decode_s` = the batch's decode wall time
@@ -114,6 +115,7 @@ def decodes_in_grid(method: Method, start: Compressed) -> bool:
     """Whether this configuration's cache can be a row of a grid batch (else it decodes alone)."""
     return (
         method.shares_prefill
+        and not method.decodes_alone()
         and all(type(layer) is DynamicLayer for layer in start.cache.layers)  # plain tensors, dense heads
         and start.cache.layers[0].keys.shape[0] == 1
         and method.position(start.position, start.cache) == start.position  # no re-indexed positions

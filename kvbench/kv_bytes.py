@@ -144,6 +144,8 @@ def predict_kv_bytes(
     tokens = decoded_layer_tokens(eviction, counts, evicted, appended_tokens, decoded_tokens)
     stays = evicted and eviction.evicts_while_decoding()  # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
     exact, bound = True, False
+    if stays and decoded_tokens and getattr(eviction, "uses_ring", lambda: False)():
+        tokens = [t + 1 for t in tokens]  # a ring layer (kvbench/ring.py) holds its size + the slot written next
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
     elif precision.name == "kivi":

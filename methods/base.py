@@ -26,7 +26,9 @@ decoding (methods/decode_eviction.py's DecodeEviction implements these once for 
 - `reset()`                           forget per-example state
 - `decode_request()`                  statistics each decode forward must record
 - `on_extend(n)`                      n uncompressed tokens are appended (the question when query_aware=false)
+- `on_decode_start(cache, position)`  Engine.decode starts decoding one by one (StreamingLLM's ring starts here)
 - `on_decode_step(cache, stats)`      after each decode forward: evict to stay at the budget
+- `decodes_alone()`                   never a grid row (its own decode-time layers)
 - `evicts_while_decoding()`           whether on_decode_step evicts (compose checks its precision part can drop tokens)
 - `position(absolute, cache)`         the RoPE position of the next token (absolute by default; StreamingLLM can roll)
 - `stream_bound(cache, stats, budget, first)`  keep a streamed text's cache bounded (perplexity task) after a
@@ -230,6 +232,14 @@ class Method:
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache)."""
+
+    def on_decode_start(self, cache, position: int) -> None:
+        """Engine.decode is about to decode one by one from `cache` (the next token at `position`); grids and
+        batched examples do not call it."""
+
+    def decodes_alone(self) -> bool:
+        """Whether decoding needs Engine.decode's own loop (StreamingLLM's ring layers): never a grid row."""
+        return False
 
     # ---- streaming (task=ppl) -----------------------------------------------------------------------------
     def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):

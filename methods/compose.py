@@ -56,6 +56,11 @@ class Compose(Method):
                 "compose: streamingllm positions=rolling re-rotates cached keys in place, which a "
                 "quantized cache cannot do; use positions=absolute"
             )
+        if getattr(self._eviction, "ring", False):
+            raise KvbenchError(
+                "compose: streamingllm ring=true decodes StreamingLLM's own plain K/V layers; "
+                "use streamingllm ring=true without compose, or ring=false in the stack"
+            )
         if (
             self._precision
             and not self._precision.layers_can_select

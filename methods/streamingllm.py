@@ -8,6 +8,12 @@ Positions: `absolute` (default; as kvpress and KVCache-Factory) keeps each token
 then the recent tokens contiguously), which is what lets it stream past the trained context. The original
 stores pre-RoPE keys and rotates on read; here the cache layers (kvbench.rope.RollingLayer) store each key as
 the model rotated it and rotate it on read to its slot, so keys never drift however long the stream.
+
+`ring=true` (positions=absolute, evict_every=1): once a layer is at its size while decoding, it moves into a ring
+buffer (kvbench.ring.RingLayer) whose decode step writes the new token in place over the token per-step eviction
+drops next: the same tokens attended at every step, no per-step copy of the layer; the layer holds size + 1 tokens.
+Only `Engine.decode` (one by one, plain tensor layers) rings; grids decode such rows alone, batched examples and
+paged (prefix-cache) layers keep per-step eviction.
 """
 
 from __future__ import annotations
@@ -15,10 +21,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
+from kvbench import KvbenchError
 from kvbench.methods.base import METHODS
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.methods.scoring import check_choice
+from kvbench.ring import RingLayer
 from kvbench.rope import RollingLayer, inv_freq_of
 
 
@@ -37,12 +46,30 @@ class StreamingLLM(DecodeEviction):
     start_size: int = 4  # attention sinks kept at the start
     evict_during_decode: bool = True  # keep the cache at its post-prefill size while generating (the original)
     positions: str = "absolute"  # absolute | rolling (re-indexed inside the cache, the original code)
+    ring: bool = False  # decode in a ring buffer: no per-step copy of the cache (positions=absolute, evict_every=1)
 
     def __post_init__(self):
         super().__post_init__()  # evict_every
         check_choice("positions", self.positions, ("absolute", "rolling"))
+        if self.ring and (self.positions != "absolute" or self.evict_every != 1 or not self.evict_during_decode):
+            raise KvbenchError(
+                f"streamingllm ring=true overwrites the evicted token in place, which needs positions=absolute, "
+                f"evict_every=1 and evict_during_decode=true (got positions={self.positions}, evict_every="
+                f"{self.evict_every}, evict_during_decode={self.evict_during_decode}); drop ring=true or set those"
+            )
         self._inv_freq: torch.Tensor | None = None
         self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
+
+    def uses_ring(self) -> bool:
+        """Whether held layers decode in ring buffers (the planner counts their one dead slot: kvbench.kv_bytes)."""
+        return self.ring
+
+    def decodes_alone(self) -> bool:
+        return self.ring
 
     def bind(self, lm) -> None:
         if self.positions == "rolling":
@@ -73,6 +100,20 @@ class StreamingLLM(DecodeEviction):
 
     def evicts_while_decoding(self) -> bool:
         return self.evict_during_decode
+
+    def on_decode_start(self, cache, position: int) -> None:
+        if self.ring and self.held_sizes() is not None:
+            self._decoded_to = position
+
+    def on_decode_step(self, cache, stats) -> None:
+        super().on_decode_step(cache, stats)  # per-step eviction (a ring layer is never over its size)
+        if self._decoded_to is None:
+            return
+        self._decoded_to += 1
+        for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
+            if type(layer) is DynamicLayer and layer.get_seq_length() == size > self.start_size:  # ring from now on
+                held = sink_and_recent(self._decoded_to, self.start_size, size, layer.keys)[0, 0].tolist()
+                cache.layers[layer_idx] = RingLayer(layer.keys, layer.values, self.start_size, held)
 
     def decode_keep(self, layer_idx, layer, size, stats):
         n_tokens = layer.get_seq_length()

@@ -90,7 +90,7 @@ def test_too_small_budget_names_the_minimum(tiny_engine, prompt_ids):
 def test_unknown_method_and_parameter_list_valid_ones():
     with pytest.raises(KvbenchError, match="valid methods: .*full.*streamingllm"):
         build_method("nope")
-    with pytest.raises(KvbenchError, match="valid parameters: evict_during_decode, evict_every, positions, start_size"):
+    with pytest.raises(KvbenchError, match="valid parameters: evict_during_decode, evict_every, positions, ring, start_size"):
         build_method("streamingllm", {"window": 3})
 
 
