@@ -20,6 +20,8 @@ Storage layout, for x (..., L) with L = n_groups · group_size:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BITS = (2, 4, 8)
@@ -41,38 +43,51 @@ def _check(bits: int, group_size: int, length: int) -> None:
 def quant_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group (scale, zero), each (..., n_groups) in x's dtype, rounded outward (see the module docstring)."""
     _check(bits, group_size, x.shape[-1])
-    return _params(x.float().unflatten(-1, (-1, group_size)), bits, x.dtype)  # (..., n_groups, G) fp32 in
+    scale, zero, _, _ = _params(x.float().unflatten(-1, (-1, group_size)), bits, x.dtype)
+    return scale, zero
 
 
-def _params(groups: torch.Tensor, bits: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """quant_params of fp32 groups (..., n_groups, G). Few ops on purpose: KIVI quantizes one token per decode step."""
-    low, high = torch.aminmax(groups, dim=-1)  # (..., n_groups)
-    zero = low.to(dtype)  # exact: low is one of x's elements
-    exact = (high - zero.float()) / (2**bits - 1)  # (..., n_groups) fp32
-    scale = exact.to(dtype)
-    if dtype != torch.float32:  # round up where the dtype rounded down, so zero + levels·scale reaches the max
+def _params(groups: torch.Tensor, bits: int, dtype: torch.dtype):
+    """quant_params of fp32 groups (..., n_groups, G): scale, zero in `dtype` and both in fp32 (..., n_groups).
+
+    Few ops on purpose: KIVI quantizes one value token per decode step, where each op's fixed cost dominates."""
+    low, high = torch.aminmax(groups, dim=-1)  # (..., n_groups) fp32; low is one of x's elements: exact in dtype
+    exact = (high - low).div_(2**bits - 1)  # (..., n_groups) fp32
+    if dtype == torch.float32:
+        scale_f32 = exact
+    elif dtype == torch.bfloat16:  # bf16 is fp32's top half: round up by carrying into it, then truncate (exact)
+        scale_f32 = ((exact.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)
+    else:  # round up where the dtype rounded down, so zero + levels·scale still reaches the group's max
+        scale = exact.to(dtype)
         scale = torch.where(scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
-    return scale.contiguous(), zero.contiguous()  # reductions over a transposed x may come back strided
+        scale_f32 = scale.float()
+    # reductions over a transposed x may come back strided
+    return scale_f32.to(dtype).contiguous(), low.to(dtype).contiguous(), scale_f32, low
 
 
 def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x (..., L) by groups on the last axis: packed (..., n_groups·W) int32, scale, zero (..., n_groups)"""
     _check(bits, group_size, x.shape[-1])
     groups = x.float().unflatten(-1, (-1, group_size))  # (..., n_groups, G) fp32
-    scale, zero = _params(groups, bits, x.dtype)
+    scale, zero, scale_f32, zero_f32 = _params(groups, bits, x.dtype)
     per_word, words = 32 // bits, words_per_group(bits, group_size)
     # a constant group has scale 0 and x − zero = 0 there: dividing by the smallest subnormal instead gives q = 0,
     # and leaves every positive scale as it is
-    safe = scale.float().clamp_min(torch.finfo(torch.float32).smallest_normal * 2**-23)  # (..., n_groups)
-    q = torch.floor((groups - zero.float().unsqueeze(-1)) / safe.unsqueeze(-1) + 0.5)  # (..., n_groups, G)
-    q = q.clamp_(0, 2**bits - 1).to(torch.int32)
+    safe = scale_f32.clamp_min(torch.finfo(torch.float32).smallest_normal * 2**-23)  # (..., n_groups)
+    q = groups - zero_f32.unsqueeze(-1)  # (..., n_groups, G); then q = floor((x − zero)/scale + 0.5), clamped
+    q = q.div_(safe.unsqueeze(-1)).add_(0.5).floor_().clamp_(0, 2**bits - 1).to(torch.int32)
     if words * per_word != group_size:  # pad each group to whole words (zeros are never read back)
         q = torch.nn.functional.pad(q, (0, words * per_word - group_size))  # (..., n_groups, W·P)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=x.device)  # (P,)
     # the bit fields are disjoint, so their sum is their OR and never carries (int32 shifts wrap the top field into
     # the sign bit; the two's-complement sum keeps it there)
-    packed = (q.unflatten(-1, (words, per_word)) << shifts).sum(-1, dtype=torch.int32)  # (..., n_groups, W)
+    packed = (q.unflatten(-1, (words, per_word)) << _shifts(bits, x.device)).sum(-1, dtype=torch.int32)
     return packed.flatten(-2), scale, zero  # (..., n_groups·W), (..., n_groups) ×2
+
+
+@functools.cache
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    """Each field's bit offset in its word: (32/bits,) int32 (cached: built once per width and device)."""
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
 
 
 def unpack_dequantize(

@@ -141,3 +141,19 @@ def test_separate_key_and_value_bits_store_and_predict_exact_bytes(key_bits, val
     assert cache_nbytes(method.compress(prefill_kv, None, None)) != cache_nbytes(
         uniform.compress(prefill_kv, None, None)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scales_are_the_exact_scale_rounded_up_to_the_dtype(dtype):
+    """quantize_pack's scale is the smallest `dtype` number ≥ (max − min)/levels: never below it (the group's max
+    stays reachable), one step above at most (bf16 rounds up by carrying into fp32's top half)."""
+    x = (torch.randn(64, 128) * torch.logspace(-30, 30, 64).unsqueeze(-1)).to(dtype)  # (rows, L): many magnitudes
+    x = x.masked_fill(torch.isinf(x), 0)
+    x[0] = 2.5  # constant groups: scale 0
+    _, scale, zero = quantize_pack(x, 4, 32)
+    groups = x.float().unflatten(-1, (-1, 32))  # (64, 4, 32)
+    exact = (groups.amax(-1) - groups.amin(-1)) / 15  # (64, 4) fp32
+    below = torch.nextafter(scale, torch.full_like(scale, -float("inf")))
+    assert torch.equal(zero.float(), groups.amin(-1))
+    assert (scale.float() >= exact).all() and ((below.float() < exact) | (scale == 0)).all()
+    assert (scale[0] == 0).all()
