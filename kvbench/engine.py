@@ -105,10 +105,14 @@ class Engine:
 
     # ---- forward ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: list[int], positions: list[int], cache, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: list[int], positions: list[int], cache, all_logits: bool = False, fp32: bool = True
+    ) -> torch.Tensor:
         """Run `ids` at RoPE `positions` through the model, appending to `cache`.
 
-        Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity)."""
+        Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity); fp32=False:
+        in the model's dtype (a long chunk's fp32 copy would be a streamed window's largest tensor: kvbench.streaming
+        upcasts block by block)."""
         device = self.lm.device
         out = self.lm.model(
             input_ids=torch.tensor([ids], device=device),
@@ -117,7 +121,7 @@ class Engine:
             logits_to_keep=0 if all_logits else 1,
             **{self._cache_kwarg: cache},
         )
-        return out.logits[0].float()
+        return out.logits[0].float() if fp32 else out.logits[0]
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], request: StatsRequest, cache=None, position: int = 0) -> Prefill:

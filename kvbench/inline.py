@@ -133,21 +133,21 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
     )
 
 
-def forward_per_layer(engine: Engine, cache, request, ids: list[int], positions: list[int], bound, all_logits=False):
+def forward_per_layer(engine: Engine, cache, request, ids: list[int], positions: list[int], bound, **logits):
     """Forward `ids` through `cache`, calling `bound(layer_idx, keys, values, stats)` right after each layer's
     attention: the cache layer it returns (None: keep the layer as it is) replaces that layer, whose statistics are
-    then freed. Returns (logits, the recorder). Used by prefill=inline (per prompt chunk) and task=ppl (per text
-    chunk, kvbench.streaming)."""
+    then freed. Returns (logits as `Engine.forward` gives them with `**logits`, the recorder). Used by
+    prefill=inline (per prompt chunk) and task=ppl (per text chunk, kvbench.streaming)."""
     hook = _PerLayer(engine, cache, bound)
     with recording(request) as hook.stats, after_each_layer(hook):
-        logits = engine.forward(ids, positions, cache, all_logits=all_logits)
+        out = engine.forward(ids, positions, cache, **logits)
     if len(hook.layers_seen) != len(cache.layers):  # some attention bypassed kvbench's: nothing compressed
         raise KvbenchError(
             f"prefill=inline compresses each layer at the end of its attention, but {len(cache.layers)} cache "
             f"layers reported {len(hook.layers_seen)} attention calls through kvbench's attention "
             f"({type(engine.lm.model).__name__}); use prefill=shared with this model"
         )
-    return logits, hook.stats
+    return out, hook.stats
 
 
 def _as_is(layer_idx, keys, values, stats) -> None:

@@ -1,7 +1,9 @@
 """Report section: peak memory by prefill mode (`prefill=shared|inline`, `prefill_chunk`), from the rows alone.
 
-Shown when the rows hold more than the default shared prefill: per model, context length, method and budget, the
-median peak memory over the loaded model (`peak_mem_delta_bytes`) and the absolute peak, one column per mode.
+Shown when the rows hold more than the default shared prefill: per model, task, context length, method and budget,
+the median peak memory over the loaded model (`peak_mem_delta_bytes`) and the absolute peak, one column per mode.
+A streamed text (task=ppl: one row per window) counts once, with its largest window's peaks at the text's length;
+its `inline` column is the text streamed with each layer bounded inside the forward (kvbench.streaming).
 """
 
 from __future__ import annotations
@@ -23,12 +25,28 @@ def prefill_mode(rows: pd.DataFrame) -> pd.Series:
     return mode.where(chunk.isna(), mode + " + chunk " + chunk.fillna(0).astype(int).astype(str))
 
 
+def per_stream(rows: pd.DataFrame) -> pd.DataFrame:
+    """Streamed rows (a `window` column: task=ppl) collapsed to one row per stream — a configuration's text, its
+    windows' example ids `<text>/wNNN` — with the largest window peaks and context_tokens (the text's length)."""
+    if "window" not in rows or not rows["window"].notna().any():
+        return rows
+    streamed = rows["window"].notna()
+    windows = rows[streamed].assign(
+        example_id=rows.loc[streamed, "example_id"].astype(str).str.replace(r"/w\d+$", "", regex=True)
+    )
+    group = [c for c in ("run_id", "config_hash", "example_id") if c in windows]
+    peaks = {c: "max" for c in ("context_tokens", "peak_mem_bytes", "peak_mem_delta_bytes") if c in windows}
+    streams = windows.groupby(group, dropna=False).agg({c: peaks.get(c, "first") for c in windows if c not in group})
+    return pd.concat([rows[~streamed], streams.reset_index()[list(rows.columns)]], ignore_index=True)
+
+
 def peak_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, context_tokens, method, budget), columns = mode → 'delta (absolute)' MiB medians."""
-    frame = rows.assign(mode=prefill_mode(rows))
+    """One row per (model, task, context_tokens, method, budget), columns = mode → 'delta (absolute)' MiB medians."""
+    frame = per_stream(rows)
+    frame = frame.assign(mode=prefill_mode(frame))
     if "peak_mem_delta_bytes" not in frame:
         frame = frame.assign(peak_mem_delta_bytes=float("nan"))
-    keys = ["model", "context_tokens", "method", "budget"]
+    keys = [k for k in ("model", "task", "context_tokens", "method", "budget") if k in frame]
     grouped = frame.groupby([*keys, "mode"], dropna=False)[["peak_mem_delta_bytes", "peak_mem_bytes"]].median()
     cells = grouped.apply(
         lambda r: (
@@ -51,7 +69,9 @@ def peak_by_prefill(rows: pd.DataFrame, summary: pd.DataFrame, out_dir) -> Secti
     note = (
         "Median peak memory per configuration, MiB: over the loaded model (peak_mem_delta_bytes), the absolute peak "
         "in brackets. shared = compress after the whole prefill; inline = each layer compressed inside the forward "
-        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/inline.py)."
+        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/inline.py). A streamed text (ppl) counts once, "
+        "with its largest window's peak (shared: every layer bounded after each chunk's forward; inline: each layer "
+        "right after its attention)."
     )
     return Section(
         html=f"<p>{html.escape(note)}</p>" + table.to_html(index=False, escape=True),

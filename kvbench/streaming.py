@@ -29,6 +29,8 @@ from kvbench.inline import forward_per_layer
 from kvbench.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 
+LOGITS = {"all_logits": True, "fp32": False}  # every position's, in the model's dtype (upcast in _token_nll)
+
 
 @dataclass
 class Window:
@@ -80,11 +82,12 @@ def stream_chunks(
         first = index == 0
         if inline:  # each layer bounded right after its attention: one layer's chunk K/V and statistics at a time
             method.begin_stream(cache.get_seq_length() + len(piece), lm.n_layers, budget, first)
-            logits, stats = forward_per_layer(engine, cache, request, piece, positions, _streamer(method, cache), True)
+            bound = _streamer(method, cache)
+            logits, stats = forward_per_layer(engine, cache, request, piece, positions, bound, **LOGITS)
             cache = method.end_stream(cache, stats, budget)
         else:  # every layer holds its chunk K/V, and its statistics, until the forward ends
             with recording(request) as stats:
-                logits = engine.forward(piece, positions, cache, all_logits=True)
+                logits = engine.forward(piece, positions, cache, **LOGITS)  # (chunk, V)
             cache = method.stream_bound(cache, stats, budget, first)
         del stats  # not needed by the next chunk's forward
         if len(set(layer_lengths(cache))) > 1:
@@ -97,8 +100,8 @@ def stream_chunks(
         peak = read_peak(device)  # the chunk's forward and bounding (its logits included), not the scoring below
         # position i predicts token i + 1; the text's last token has no target
         n = min(len(piece), len(ids) - 1 - start)
-        token_nll = F.cross_entropy(logits[:n], targets[start + 1 : start + 1 + n], reduction="none")  # (n,)
-        del logits  # (chunk, V) fp32: freed before the next chunk's forward rather than after it
+        token_nll = _token_nll(logits[:n], targets[start + 1 : start + 1 + n])  # (n,)
+        del logits  # freed before the next chunk's forward rather than after it
         end = start + len(piece)
         window = Window(
             index,
@@ -113,6 +116,18 @@ def stream_chunks(
             peak - baseline,
         )
         yield window, token_nll, cache
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor, rows: int = 128) -> torch.Tensor:
+    """Next-token NLL (n,) fp32 of logits (n, V) in the model's dtype, upcast `rows` at a time: a 1K-token chunk's
+    logits in fp32 would be 192 MiB at a 49K vocabulary, more than a bounded cache (each row is the same fp32
+    log-softmax as the whole tensor's)."""
+    return torch.cat(
+        [
+            F.cross_entropy(logits[i : i + rows].float(), targets[i : i + rows], reduction="none")  # (rows,)
+            for i in range(0, logits.shape[0], rows)
+        ]
+    )
 
 
 def _streamer(method: Method, cache):

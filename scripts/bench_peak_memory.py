@@ -2,7 +2,11 @@
 
     flock /tmp/kvbench-bench.lock python scripts/bench_peak_memory.py [--model smollm2-135m] [--context 8192]
         [--methods full snapkv streamingllm h2o pyramidkv kivi] [--budget 0.25] [--chunk 1024]
-        [--modes shared inline chunked] [--new-tokens 8] [--cap-mib N] [--csv PATH]
+        [--modes shared inline chunked] [--new-tokens 8] [--cap-mib N] [--csv PATH] [--task prompt|ppl]
+
+`--task ppl` streams `context` tokens through a bounded cache in chunks of `chunk` as task=ppl does
+(kvbench.streaming; the budget is a fraction of the whole text), modes `shared` (every layer bounded after each
+chunk's forward) and `inline` (each layer bounded right after its attention); a row's peak is its largest window's.
 
 Each configuration prefills the same prompt (seeded random token ids: memory does not depend on the text) and
 decodes `new-tokens` greedily through the engine the runner uses; `shared` is the whole-prompt prefill then
@@ -32,6 +36,7 @@ from kvbench.engine import Engine
 from kvbench.memory import in_use
 from kvbench.methods import Budget, build_method
 from kvbench.models import load_model
+from kvbench.streaming import stream_budget, stream_perplexity
 
 MIB = 2**20
 
@@ -57,6 +62,25 @@ def measure(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids
     }
 
 
+def measure_stream(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids: list[int]) -> dict:
+    """task=ppl: the text streamed `chunk` tokens at a time; the peak of the stream is its largest window's."""
+    method = build_method(name)
+    bound = stream_budget(Budget.parse(budget), len(ids)) if method.has_budget else None
+    gc.collect()
+    windows = stream_perplexity(engine, method, bound, ids, chunk, inline=mode == "inline")
+    worst = max(windows, key=lambda w: w.peak_mem_delta_bytes)
+    return {
+        "method": name,
+        "budget": str(budget if method.has_budget else 1.0),
+        "mode": mode,
+        "peak_MiB": max(w.peak_mem_bytes for w in windows) / MIB,
+        "delta_MiB": worst.peak_mem_delta_bytes / MIB,
+        "worst_window": worst.index,
+        "kv_MiB": windows[-1].kv_bytes / MIB,
+        "stream_s": sum(w.seconds for w in windows),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -70,17 +94,28 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--task", choices=["prompt", "ppl"], default="prompt", help="ppl: stream the text (task=ppl)")
     args = parser.parse_args()
+    if args.task == "ppl" and not set(args.modes) <= {"shared", "inline"}:
+        parser.error("--task ppl streams in --chunk tokens: give --modes among shared inline")
 
     lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), args.device, args.dtype)
     engine = Engine(lm)
     vocab = min(lm.config.vocab_size, len(lm.tokenizer))
     ids = torch.randint(vocab, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     for mode in args.modes:  # warm-up: one-time allocations (kernels, thread pools) are not any method's
-        measure(engine, "full", 1.0, mode, args.chunk, ids[:256], 2)
+        if args.task == "ppl":
+            measure_stream(engine, "full", 1.0, mode, min(args.chunk, 128), ids[:256])
+        else:
+            measure(engine, "full", 1.0, mode, args.chunk, ids[:256], 2)
     loaded = in_use(lm.device)
+    what = (
+        f"{args.context} text tokens streamed in chunks of {args.chunk} (task=ppl)"
+        if args.task == "ppl"
+        else f"{args.context} prompt tokens, {args.new_tokens} new tokens"
+    )
     print(
-        f"{args.model} ({lm.dtype}, {lm.device}), {args.context} prompt tokens, {args.new_tokens} new tokens; "
+        f"{args.model} ({lm.dtype}, {lm.device}), {what}; "
         f"{loaded / MIB:.0f} MiB in use with the model loaded; threads={torch.get_num_threads()}, "
         f"KVBENCH_MMAP_THRESHOLD={os.environ.get('KVBENCH_MMAP_THRESHOLD')}",
         flush=True,
@@ -88,7 +123,10 @@ def main() -> None:
     rows = []
     for name in args.methods:
         for mode in args.modes:
-            row = measure(engine, name, args.budget, mode, args.chunk, ids, args.new_tokens)
+            if args.task == "ppl":
+                row = measure_stream(engine, name, args.budget, mode, args.chunk, ids)
+            else:
+                row = measure(engine, name, args.budget, mode, args.chunk, ids, args.new_tokens)
             if args.cap_mib is not None:
                 row["fits_cap"] = row["delta_MiB"] <= args.cap_mib
             rows.append(row)

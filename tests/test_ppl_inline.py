@@ -145,3 +145,35 @@ def test_prefill_chunk_with_ppl_names_task_chunk(tmp_path):
     cfg = ppl_config(tmp_path, "prefill=inline", "prefill_chunk=64")
     with pytest.raises(KvbenchError, match=r"drop prefill_chunk and set task\.chunk"):
         run(cfg)
+
+
+def test_report_peak_table_counts_a_stream_once_with_its_largest_window():
+    import pandas as pd
+
+    from kvbench.prefill_section import peak_by_prefill, peak_table
+
+    mib = 2**20
+    windows = pd.DataFrame(
+        {
+            "run_id": "r",
+            "model": "m",
+            "task": "ppl",
+            "config_hash": ["a", "a", "b", "b"],
+            "example_id": ["ppl-prose-L2048-s0/w000", "ppl-prose-L2048-s0/w001"] * 2,
+            "window": [0, 1, 0, 1],
+            "context_tokens": [1024, 2048, 1024, 2048],
+            "method": "snapkv",
+            "budget": 0.25,
+            "prefill": ["shared", "shared", "inline", "inline"],
+            "prefill_chunk": None,
+            "peak_mem_delta_bytes": [300 * mib, 310 * mib, 250 * mib, 240 * mib],
+            "peak_mem_bytes": [900 * mib, 950 * mib, 850 * mib, 860 * mib],
+        }
+    )
+    prompt = windows.iloc[:1].assign(task="niah", window=None, example_id="n1", config_hash="c", context_tokens=2048)
+    table = peak_table(pd.concat([windows, prompt], ignore_index=True))
+    ppl = table[table.task == "ppl"]
+    assert len(ppl) == 1 and ppl.iloc[0].context_tokens == 2048  # one stream, at the text's length
+    assert ppl.iloc[0][["shared", "inline"]].tolist() == ["310 (950)", "250 (860)"]  # its largest window's
+    assert table[table.task == "niah"].iloc[0]["shared"] == "300 (900)"  # prompt rows as before
+    assert "ppl" in peak_by_prefill(windows, None, None).markdown
