@@ -74,7 +74,7 @@ def _residual_only(dtype=torch.float32):
     layer = KiviLayer.from_kv(keys, values, 4, 8, 16)
     assert layer.key_scale.shape[-1] == 0 and layer.value_scale.shape[2] == 0
     query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
-    kwargs = dict(key_bits=4, value_bits=4, group_size=8, scaling=0.25, dead=None, n_splits=2)
+    kwargs = dict(key_bits=4, value_bits=4, group_size=8, scaling=0.25, dead=None, n_splits=5)  # 3 empty splits
     return query, tuple(getattr(layer, name) for name in _TENSORS), kwargs
 
 
