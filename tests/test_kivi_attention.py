@@ -8,7 +8,7 @@ from kvbench.cache import cache_nbytes, layer_select
 from kvbench.kernels.kivi_attention import unpack_codes, unpack_planes
 from kvbench.kernels.quantize import quantize_pack, words_per_group
 from kvbench.kv_bytes import KVShape, predict_kv_bytes
-from kvbench.methods import build_method, method_defaults
+from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.methods.kivi import KiviLayer
 
 
@@ -120,6 +120,25 @@ def test_generation_on_packed_groups_equals_dequantized_at_fp32(params, tiny_eng
     assert len(calls) == packed.decode_steps * tiny_engine.lm.n_layers  # every decode step, every layer
     monkeypatch.setattr(KiviLayer, "attend", lambda self, q, s: None)  # the dense path: dequantize, then sdpa
     dense = tiny_engine.run(method, None, prompt_ids, max_new_tokens=12, keep_logits=True)
+    assert packed.token_ids == dense.token_ids and packed.kv_bytes == dense.kv_bytes
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(packed.logits, dense.logits))
+
+
+def test_generation_with_eviction_on_kivi_equals_dequantized_at_fp32(tiny_engine, prompt_ids, monkeypatch):
+    """StreamingLLM evicting on top of KIVI while decoding: the packed path, dead slots included, generates what
+    dequantize-then-attend generates."""
+    kivi = {"bits": 4, "group_size": 16, "residual_length": 16}
+    method = build_method("compose", {"stack": ["streamingllm", "kivi"], "overrides": {"kivi": kivi}})
+    dead_seen = []
+    real_attend = KiviLayer.attend
+    monkeypatch.setattr(
+        KiviLayer, "attend", lambda self, q, s: dead_seen.append(self.dead is not None) or real_attend(self, q, s)
+    )
+    budget = Budget.parse(0.25)
+    packed = tiny_engine.run(method, budget, prompt_ids, max_new_tokens=24, keep_logits=True)
+    assert len(dead_seen) == packed.decode_steps * tiny_engine.lm.n_layers and any(dead_seen)
+    monkeypatch.setattr(KiviLayer, "attend", lambda self, q, s: None)  # the dense path: dequantize, then sdpa
+    dense = tiny_engine.run(method, budget, prompt_ids, max_new_tokens=24, keep_logits=True)
     assert packed.token_ids == dense.token_ids and packed.kv_bytes == dense.kv_bytes
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(packed.logits, dense.logits))
 
