@@ -27,6 +27,8 @@ class RingLayer(DynamicLayer):
     and returns the whole buffer (`keys`/`values`: what attention sees, no copy)."""
 
     is_croppable = False
+    keys: torch.Tensor  # (B, H_kv, size + 1, D), set at construction (DynamicLayer declares them Optional)
+    values: torch.Tensor
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, n_sinks: int, positions: list[int]):
         """keys/values (B, H_kv, size, D): the held tokens, sorted by position (sinks first); positions: theirs."""

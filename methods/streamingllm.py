@@ -112,8 +112,10 @@ class StreamingLLM(DecodeEviction):
         self._decoded_to += 1
         for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
             if type(layer) is DynamicLayer and layer.get_seq_length() == size > self.start_size:  # ring from now on
-                held = sink_and_recent(self._decoded_to, self.start_size, size, layer.keys)[0, 0].tolist()
-                cache.layers[layer_idx] = RingLayer(layer.keys, layer.values, self.start_size, held)
+                keys, values = layer.keys, layer.values
+                assert keys is not None and values is not None  # a layer holding tokens
+                held = sink_and_recent(self._decoded_to, self.start_size, size, keys)[0, 0].tolist()
+                cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
 
     def decode_keep(self, layer_idx, layer, size, stats):
         n_tokens = layer.get_seq_length()

@@ -53,7 +53,8 @@ def test_grid_entries_with_parameters(tmp_path):
                                          "{name: headmerge, kv_heads: 1}]", "grid.budget=[0.5]"))
     rows = run(cfg, output_dir=tmp_path / "out")
     assert sorted(rows.method_params.map(lambda p: p.replace(" ", ""))) == sorted([
-        "{}", '{"evict_during_decode":true,"evict_every":1,"positions":"absolute","start_size":4}',
-        '{"evict_during_decode":true,"evict_every":1,"positions":"absolute","start_size":8}', '{"kv_heads":1}'])
+        "{}", '{"evict_during_decode":true,"evict_every":1,"positions":"absolute","ring":false,"start_size":4}',
+        '{"evict_during_decode":true,"evict_every":1,"positions":"absolute","ring":false,"start_size":8}',
+        '{"kv_heads":1}'])
     merged = rows[rows.method == "headmerge"].iloc[0]
     assert merged.budget == 1.0 and merged.kv_ratio == pytest.approx(0.5, abs=0.01)
