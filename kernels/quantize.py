@@ -47,7 +47,9 @@ def quant_params(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Ten
     return scale, zero
 
 
-def _params(groups: torch.Tensor, bits: int, dtype: torch.dtype):
+def _params(
+    groups: torch.Tensor, bits: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """quant_params of fp32 groups (..., n_groups, G): scale, zero in `dtype` and both in fp32 (..., n_groups).
 
     Few ops on purpose: KIVI quantizes one value token per decode step, where each op's fixed cost dominates."""
