@@ -90,6 +90,7 @@ def generate_batch(
     prefill_s = prefill.seconds - others + time.perf_counter() - start
     compress_peak = read_peak(device)
 
+    method.on_decode_start(cache, position)  # every row decodes one token per step, unpadded: as Engine.decode
     done = decode_together(
         engine,
         cache,

@@ -234,8 +234,8 @@ class Method:
         """Called after each decode forward (the new token is already in the cache)."""
 
     def on_decode_start(self, cache, position: int) -> None:
-        """Engine.decode is about to decode one by one from `cache` (the next token at `position`); grids and
-        batched examples do not call it."""
+        """Decoding one token per step starts from `cache` (the next token at `position`): Engine.decode and
+        batched examples (kvbench.batched) call it; grid batches and diagnose do not."""
 
     def decodes_alone(self) -> bool:
         """Whether decoding needs Engine.decode's own loop (StreamingLLM's ring layers): never a grid row."""

@@ -12,8 +12,8 @@ the model rotated it and rotate it on read to its slot, so keys never drift howe
 `ring=true` (positions=absolute, evict_every=1): once a layer is at its size while decoding, it moves into a ring
 buffer (kvbench.ring.RingLayer) whose decode step writes the new token in place over the token per-step eviction
 drops next: the same tokens attended at every step, no per-step copy of the layer; the layer holds size + 1 tokens.
-Only `Engine.decode` (one by one, plain tensor layers) rings; grids decode such rows alone, batched examples and
-paged (prefix-cache) layers keep per-step eviction.
+Decoding one by one (`Engine.decode`) and batched examples (`batch_size`, unpadded rows) ring their plain tensor
+layers; grids decode such rows alone; paged (prefix-cache) layers and `diagnose` keep per-step eviction.
 """
 
 from __future__ import annotations

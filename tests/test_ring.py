@@ -120,6 +120,21 @@ def test_ring_with_an_appended_question(engine, prompt_ids):
     assert all(type(layer) is RingLayer and layer.get_seq_length() == 32 + 15 for layer in runs[1][1].layers)
 
 
+def test_batched_examples_ring_like_each_alone(engine, tiny):
+    """batch_size > 1 (kvbench.batched): the rows' layers ring together, each row equal to its one-by-one run."""
+    from kvbench.batched import run_batch
+
+    texts = ["The quick brown fox jumps over the lazy dog. ", "Pack my box with five dozen liquor jugs!!!!! "]
+    prompts = [tiny.tokenizer(text * 4)["input_ids"] for text in texts]  # equal token counts: one batch
+    budget = Budget.parse(24)
+    rows = run_batch(engine, streaming(True), budget, prompts, max_new_tokens=50, keep_logits=True)
+    for prompt, row in zip(prompts, rows):
+        alone = engine.run(streaming(True), budget, prompt, max_new_tokens=50, keep_logits=True)
+        assert_same_decoding(row, alone, tolerance=1e-4)
+        per_token = full_cache_nbytes(tiny.n_layers, tiny.n_kv_heads, tiny.head_dim, 1, tiny.dtype)
+        assert row.kv_bytes == alone.kv_bytes == 25 * per_token  # the budget + the ring's slot written next
+
+
 def test_budget_one_never_rings(engine, prompt_ids):
     full = engine.run(build_method("full"), None, prompt_ids[:80], max_new_tokens=20, keep_logits=True)
     method = streaming(True)
