@@ -2,7 +2,7 @@
 
 Shown when the rows hold more than the default shared prefill: per model, task, context length, method and budget,
 the median peak memory over the loaded model (`peak_mem_delta_bytes`) and the absolute peak, one column per mode.
-A streamed text (task=ppl: one row per window) counts once, with its largest window's peaks at the text's length;
+A streamed text (task=ppl: one row per window) counts once, its peak over the model at the text's length;
 its `inline` column is the text streamed with each layer bounded inside the forward (kvbench.streaming).
 """
 
@@ -27,16 +27,21 @@ def prefill_mode(rows: pd.DataFrame) -> pd.Series:
 
 def per_stream(rows: pd.DataFrame) -> pd.DataFrame:
     """Streamed rows (a `window` column: task=ppl) collapsed to one row per stream — a configuration's text, its
-    windows' example ids `<text>/wNNN` — with the largest window peaks and context_tokens (the text's length)."""
+    windows' example ids `<text>/wNNN` — at the text's length: its largest window peak, and as delta that peak over
+    the memory in use when the stream started (window 0's baseline: the loaded model), so the bounded cache counts
+    (each window's own delta is over that window's start)."""
     if "window" not in rows or not rows["window"].notna().any():
         return rows
     streamed = rows["window"].notna()
-    windows = rows[streamed].assign(
-        example_id=rows.loc[streamed, "example_id"].astype(str).str.replace(r"/w\d+$", "", regex=True)
+    windows = rows[streamed].sort_values("window")
+    windows = windows.assign(
+        example_id=windows["example_id"].astype(str).str.replace(r"/w\d+$", "", regex=True),
+        baseline=windows["peak_mem_bytes"] - windows["peak_mem_delta_bytes"],
     )
     group = [c for c in ("run_id", "config_hash", "example_id") if c in windows]
-    peaks = {c: "max" for c in ("context_tokens", "peak_mem_bytes", "peak_mem_delta_bytes") if c in windows}
+    peaks = {c: "max" for c in ("context_tokens", "peak_mem_bytes")}
     streams = windows.groupby(group, dropna=False).agg({c: peaks.get(c, "first") for c in windows if c not in group})
+    streams["peak_mem_delta_bytes"] = streams["peak_mem_bytes"] - streams["baseline"]  # first: window 0's
     return pd.concat([rows[~streamed], streams.reset_index()[list(rows.columns)]], ignore_index=True)
 
 
@@ -69,9 +74,9 @@ def peak_by_prefill(rows: pd.DataFrame, summary: pd.DataFrame, out_dir) -> Secti
     note = (
         "Median peak memory per configuration, MiB: over the loaded model (peak_mem_delta_bytes), the absolute peak "
         "in brackets. shared = compress after the whole prefill; inline = each layer compressed inside the forward "
-        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/inline.py). A streamed text (ppl) counts once, "
-        "with its largest window's peak (shared: every layer bounded after each chunk's forward; inline: each layer "
-        "right after its attention)."
+        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/inline.py). A streamed text (ppl) counts once: "
+        "its largest window's peak, over the memory in use when it started (shared: every layer bounded after each "
+        "chunk's forward; inline: each layer right after its attention)."
     )
     return Section(
         html=f"<p>{html.escape(note)}</p>" + table.to_html(index=False, escape=True),
