@@ -16,8 +16,8 @@ more per byte on CPU than these whole-tensor ops. The products are computed in p
 outputs (scores, per-channel sums) are put back in order (`_in_order`, one copy); the packed words are permuted (keys:
 group axis before channels), never the codes. Dead slots (evicted on top of KIVI) get −inf scores. Scores and
 softmax are fp32; the products run in fp32 (`matmul_dtype`), so the result differs from dequantize-then-attend (which
-rounds every dequantized element to the model dtype) by that rounding only. The one temporary of size T·D per part
-is the codes in `matmul_dtype` (freed when the layer's attention returns).
+rounds every dequantized element to the model dtype) by that rounding only. The one large temporary is the codes in
+`matmul_dtype`, at most CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
 """
 
 from __future__ import annotations
@@ -67,6 +67,44 @@ def _in_order(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return ordered[..., :group_size].flatten(-2)  # (B, H_kv, G_q, n·G)
 
 
+# Quantized slots unpacked at once. The codes' temporary (slots · D · 4 bytes per KV head in fp32) then stays bounded on
+# long contexts (8192 slots: 2 MiB per head at D = 64); up to 8K slots it is one pass (chunks were slower at 1K–4K).
+CHUNK_SLOTS = 8192
+
+
+def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size, matmul_dtype) -> torch.Tensor:
+    """x (B, H_kv, G_q, D) (scaling folded in) against the quantized keys: (B, H_kv, G_q, N_k·G) fp32."""
+    n_key_groups = key_scale.shape[-1]
+    grouped = key_packed.unflatten(-1, (n_key_groups, -1))  # (B, H_kv, D, N_k, W)
+    per_chunk = max(1, CHUNK_SLOTS // group_size)
+    chunks = []
+    for start in range(0, n_key_groups, per_chunk):
+        part = slice(start, start + per_chunk)
+        words = grouped[:, :, :, part].transpose(2, 3)  # (B, H_kv, n, D, W): groups first
+        codes = unpack_planes(words, bits, matmul_dtype)  # (B, H_kv, n, D, G') in bit-plane order
+        x_scaled = x.unsqueeze(2) * key_scale[..., part].transpose(2, 3).unsqueeze(3)  # (B, H_kv, n, G_q, D) fp32
+        offset = torch.matmul(x, key_zero[..., part].float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, n, G_q, 1)
+        scores = torch.matmul(x_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, n, G_q, G')
+        chunks.append(_in_order(scores, bits, group_size))  # (B, H_kv, G_q, n·G)
+    return torch.cat(chunks, dim=-1) if len(chunks) > 1 else chunks[0]
+
+
+def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size, matmul_dtype) -> torch.Tensor:
+    """probs (B, H_kv, G_q, T_v) over the quantized values: Σ_t p_t·v_t, (B, H_kv, G_q, D) fp32."""
+    n_values, n_value_groups = value_scale.shape[2:]
+    total = None
+    for start in range(0, n_values, CHUNK_SLOTS):
+        part = slice(start, start + CHUNK_SLOTS)
+        words = value_packed[:, :, part].unflatten(-1, (n_value_groups, -1)).transpose(2, 3)  # (B, H_kv, D/G, t, W)
+        codes = unpack_planes(words, bits, matmul_dtype)  # (B, H_kv, D/G, t, G') in bit-plane order
+        p = probs[..., part]  # (B, H_kv, G_q, t)
+        p_scaled = p.unsqueeze(2) * value_scale[:, :, part].permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_kv, D/G, G_q, t)
+        offset = torch.matmul(p, value_zero[:, :, part].float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, 1)
+        sums = torch.matmul(p_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, D/G, G_q, G')
+        total = sums if total is None else total.add_(sums)
+    return _in_order(total, bits, group_size)  # (B, H_kv, G_q, D)
+
+
 def packed_decode_attention(
     query: torch.Tensor,
     key_packed: torch.Tensor,
@@ -95,15 +133,11 @@ def packed_decode_attention(
     n_kv_heads = key_residual.shape[1]
     n_group = n_q_heads // n_kv_heads
     x = query.reshape(bsz, n_kv_heads, n_group, head_dim).float() * scaling  # (B, H_kv, G_q, D), scaling folded in
-    n_key_groups = key_scale.shape[-1]
+    n_key_groups = key_scale.shape[-1]  # N_k
     scores = torch.matmul(x, key_residual.float().transpose(2, 3))  # (B, H_kv, G_q, r_k)
     if n_key_groups:
-        words = key_packed.unflatten(-1, (n_key_groups, -1)).transpose(2, 3)  # (B, H_kv, N_k, D, W): groups first
-        codes = unpack_planes(words, key_bits, matmul_dtype)  # (B, H_kv, N_k, D, G') in bit-plane order
-        x_scaled = x.unsqueeze(2) * key_scale.transpose(2, 3).unsqueeze(3)  # (B, H_kv, N_k, G_q, D) fp32
-        offset = torch.matmul(x, key_zero.float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, N_k, G_q, 1): x·z
-        quantized = torch.matmul(x_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, N_k, G_q, G')
-        scores = torch.cat([_in_order(quantized, key_bits, group_size), scores], dim=-1)  # (B, H_kv, G_q, T)
+        quantized = _key_scores(x, key_packed, key_scale, key_zero, key_bits, group_size, matmul_dtype)
+        scores = torch.cat([quantized, scores], dim=-1)  # (B, H_kv, G_q, T)
     if dead is not None:
         dead_slots = dead.long().unsqueeze(2).expand(-1, -1, n_group, -1)  # (B, H_kv, G_q, n_dead)
         scores.scatter_(-1, dead_slots, float("-inf"))
@@ -112,12 +146,6 @@ def packed_decode_attention(
     n_values = value_scale.shape[2]
     out = torch.matmul(probs[..., n_values:], value_residual.float())  # (B, H_kv, G_q, D)
     if n_values:
-        n_value_groups = value_scale.shape[-1]
-        words = value_packed.unflatten(-1, (n_value_groups, -1)).transpose(2, 3)  # (B, H_kv, D/G, T_v, W)
-        codes = unpack_planes(words, value_bits, matmul_dtype)  # (B, H_kv, D/G, T_v, G') in bit-plane order
-        p = probs[..., :n_values]  # (B, H_kv, G_q, T_v)
-        p_scaled = p.unsqueeze(2) * value_scale.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_kv, D/G, G_q, T_v) fp32
-        offset = torch.matmul(p, value_zero.float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, 1): Σ p·z
-        quantized = torch.matmul(p_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, D/G, G_q, G')
-        out = out + _in_order(quantized, value_bits, group_size)  # (B, H_kv, G_q, D)
+        probs = probs[..., :n_values]  # (B, H_kv, G_q, T_v)
+        out = out + _value_sums(probs, value_packed, value_scale, value_zero, value_bits, group_size, matmul_dtype)
     return out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)

@@ -101,6 +101,25 @@ def test_packed_attention_equals_dequantize_then_attend(key_bits, value_bits, ev
     assert layer.key_scale.shape[-1] == (0 if key_bits == 16 else 12 - evict)  # the flush happened after the view
 
 
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 4), (2, 8), (16, 4), (4, 16)])
+@pytest.mark.parametrize("chunk", [8, 24, 40])
+def test_chunked_unpacking_equals_one_pass(key_bits, value_bits, chunk, monkeypatch):
+    """Long contexts unpack CHUNK_SLOTS quantized slots at a time: the same attention as one pass, dead slots too."""
+    from kvbench.kernels import kivi_attention
+
+    keys, values = _kv(100)
+    layer = KiviLayer.from_kv(keys, values, 4, 8, 16, key_bits=key_bits, value_bits=value_bits)
+    index = torch.stack([torch.tensor([i for i in range(8, 100) if i % 3]), torch.arange(39, 100)]).unsqueeze(0)
+    layer_select(layer, index)  # dead slots in both heads' quantized parts
+    view, _ = layer.update(*_kv(1, seed=1))
+    query = torch.randn(1, 4, 1, 16)  # (B, H_q, 1, D)
+    one_pass = view.attend(query, 0.25)
+    monkeypatch.setattr(kivi_attention, "CHUNK_SLOTS", chunk)  # 1, 3 or 5 key groups; 8–40 value tokens per chunk
+    chunked = view.attend(query, 0.25)
+    assert torch.allclose(chunked, one_pass, atol=1e-6, rtol=1e-5)
+    assert torch.allclose(chunked, dense_attention(query, *view.kv(), 0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_attention_in_bf16_is_within_rounding():
     keys, values = _kv(300, D=64, H=3)
     layer = KiviLayer.from_kv(keys.bfloat16(), values.bfloat16(), 4, 64, 64)
