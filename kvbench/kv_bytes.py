@@ -106,8 +106,36 @@ def _parts(method) -> tuple:
     )
 
 
-def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: int, decoded: int) -> list[int]:
-    """Tokens per layer after appending and decoding, by the eviction part's decode-time rule."""
+def held_sizes(eviction, counts: list[int], evicted: bool, budget, prompt_tokens: int) -> list[int] | None:
+    """Per layer, the size decode-time eviction holds it at; None when it grows (the rule of DecodeEviction's
+    end_compress, methods/decode_eviction.py): what compression kept, or — nothing evicted — an absolute budget
+    at least the prompt (held at the budget once decoding reaches it) or a fraction that rounds to the whole prompt."""
+    if eviction is None or eviction.name == "decoding" or not eviction.evicts_while_decoding():
+        return None
+    if evicted:
+        return counts
+    if not getattr(eviction, "holds_whole_prompt", False) or budget is None or not eviction.has_budget:
+        return None
+    if budget.value == 1.0:
+        return None
+    return [int(budget.value)] * len(counts) if budget.is_tokens else [prompt_tokens] * len(counts)
+
+
+def _held_after_decoding(start: int, size: int, every: int, decoded: int, ring: bool) -> int:
+    """Tokens one layer holds after `decoded` steps from `start`: over size + every − 1 it drops to size (blocks of
+    `every` steps); a StreamingLLM ring (kvbench/ring.py) replaces the layer once it is at its size, holding one
+    slot more from then on."""
+    held, ringed = start, False
+    for _ in range(decoded):
+        held += 1
+        if held > size + every - 1:
+            held = size
+        ringed = ringed or (ring and held == size)
+    return held + ringed
+
+
+def decoded_layer_tokens(eviction, counts: list[int], sizes: list[int] | None, appended: int, decoded: int) -> list[int]:
+    """Tokens per layer after appending and decoding, by the eviction part's decode-time rule (sizes: held_sizes)."""
     if eviction is not None and eviction.name == "decoding":
         # every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it
         out = []
@@ -118,10 +146,16 @@ def decoded_layer_tokens(eviction, counts: list[int], evicted: bool, appended: i
                     size = eviction.decode_budget
             out.append(size)
         return out
-    stays = evicted and eviction.evicts_while_decoding()  # H2O / StreamingLLM / TOVA evict back to their size
-    # every evict_every-th step (H2O, StreamingLLM: methods/decode_eviction.py); the steps since the last stay held
-    since_eviction = decoded % getattr(eviction, "evict_every", 1) if stays else decoded
-    return [n + appended + since_eviction for n in counts]
+    if sizes is None:
+        return [n + appended + decoded for n in counts]
+    # appended tokens (the question, query_aware=false) grow the sizes too (DecodeEviction.on_extend)
+    every = getattr(eviction, "evict_every", 1)
+    ring = getattr(eviction, "uses_ring", lambda: False)()
+    sinks = getattr(eviction, "start_size", 0)  # a ring needs a window beside the sinks
+    return [
+        _held_after_decoding(n + appended, size + appended, every, decoded, ring and size + appended > sinks)
+        for n, size in zip(counts, sizes)
+    ]
 
 
 def predict_kv_bytes(
@@ -141,11 +175,11 @@ def predict_kv_bytes(
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
-    tokens = decoded_layer_tokens(eviction, counts, evicted, appended_tokens, decoded_tokens)
-    stays = evicted and eviction.evicts_while_decoding()  # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
+    sizes = held_sizes(eviction, counts, evicted, budget, prompt_tokens)
+    tokens = decoded_layer_tokens(eviction, counts, sizes, appended_tokens, decoded_tokens)
+    # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
+    stays = (evicted and eviction.evicts_while_decoding()) or sizes is not None
     exact, bound = True, False
-    if stays and decoded_tokens and getattr(eviction, "uses_ring", lambda: False)():
-        tokens = [t + 1 for t in tokens]  # a ring layer (kvbench/ring.py) holds its size + the slot written next
     if precision is None:
         total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
     elif precision.name == "kivi":

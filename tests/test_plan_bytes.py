@@ -30,10 +30,10 @@ def cases(settings: dict, budgets=(0.25, 0.5)):
             yield pytest.param(name, params, budgets[i], id=f"{name}-{i}")
 
 
-def check(engine, lm, name, params, budget, prompt_ids, suffix_ids=()):
+def check(engine, lm, name, params, budget, prompt_ids, suffix_ids=(), max_new_tokens=8):
     method = build_method(name, {**method_defaults(name), **params})
     budget = Budget.parse(budget) if method.has_budget else None
-    gen = engine.run(method, budget, prompt_ids, suffix_ids, max_new_tokens=8)
+    gen = engine.run(method, budget, prompt_ids, suffix_ids, max_new_tokens=max_new_tokens)
     shape = KVShape(lm.n_layers, lm.n_kv_heads, lm.head_dim, lm.dtype)
     predicted = predict_kv_bytes(method, budget, shape, len(prompt_ids), len(suffix_ids), gen.decode_steps)
     if predicted.bound:  # decode-time eviction on KIVI: an upper bound (dead tokens of live key groups stay)
@@ -113,3 +113,29 @@ def test_predicted_bytes_equal_measured_on_the_bundled_model():
             assert gen.kv_bytes <= predicted.kv_bytes, (method.name, method.params(), budget)
             continue
         assert abs(predicted.kv_bytes - gen.kv_bytes) <= tolerance, (method.name, method.params(), budget)
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("h2o", {}),
+        ("h2o", {"evict_every": 4}),
+        ("streamingllm", {}),
+        ("streamingllm", {"evict_every": 3}),
+        ("streamingllm", {"ring": True}),
+        ("tova", {}),
+    ],
+)
+@pytest.mark.parametrize("budget", ["44", "60"])
+def test_absolute_budget_above_the_prompt_is_held_while_decoding(name, params, budget, tiny_engine, tiny, prompt_ids):
+    """Nothing is evicted at prefill (budget ≥ the 40-token prompt), then H2O/StreamingLLM hold the cache at the
+    budget once decoding reaches it (TOVA grows: it evicts only after compressing); the planner predicts each."""
+    eos_ids, tiny_engine.eos_ids = tiny_engine.eos_ids, set()  # decode every step: 30 go past both budgets
+    try:
+        _, gen = check(tiny_engine, tiny, name, params, budget, prompt_ids[:40], max_new_tokens=30)
+    finally:
+        tiny_engine.eos_ids = eos_ids  # a session-wide engine
+    assert gen.decode_steps >= 25
+    grows = name == "tova" or 40 + gen.decode_steps <= int(budget)
+    per_token = tiny.n_layers * 2 * tiny.n_kv_heads * tiny.head_dim * torch.finfo(tiny.dtype).bits // 8
+    assert (gen.kv_bytes // per_token > int(budget) + 3) == grows
