@@ -134,7 +134,9 @@ def _held_after_decoding(start: int, size: int, every: int, decoded: int, ring: 
     return held + ringed
 
 
-def decoded_layer_tokens(eviction, counts: list[int], sizes: list[int] | None, appended: int, decoded: int) -> list[int]:
+def decoded_layer_tokens(
+    eviction, counts: list[int], sizes: list[int] | None, appended: int, decoded: int
+) -> list[int]:
     """Tokens per layer after appending and decoding, by the eviction part's decode-time rule (sizes: held_sizes)."""
     if eviction is not None and eviction.name == "decoding":
         # every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it
