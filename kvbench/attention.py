@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
@@ -100,13 +101,20 @@ class StatsRecorder:
         attention output (B, 1, H_q, D) computed from the same probabilities (kernels/attention_stats.py)."""
         from kvbench.kernels.attention_stats import decode_attention_with_probs
 
-        with self._timed("all" if self.request.all_queries else next(iter(self.request.windows))):
+        with self._timed(self._decode_step_name()):
             output, row = decode_attention_with_probs(query, key, value, scaling)  # row: (B, H_q, T)
+        self.store_decode_row(layer_idx, row)
+        return output
+
+    def _decode_step_name(self):
+        return "all" if self.request.all_queries else next(iter(self.request.windows))
+
+    def store_decode_row(self, layer_idx: int, row: torch.Tensor) -> None:
+        """A single query's attention row (B, H_q, T) is every requested statistic of that step."""
         for w in self.request.windows:
             self.window.setdefault(w, {})[layer_idx] = row
         if self.request.all_queries:
             self.all_queries[layer_idx] = row
-        return output
 
     def record_query_moments(self, module, query: torch.Tensor, position_ids: torch.Tensor | None) -> None:
         """Accumulate Σq and Σqqᵀ of the pre-RoPE queries (the post-RoPE ones rotated back by their positions)."""
@@ -280,8 +288,10 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
 
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     recorder = getattr(_active, "recorder", None)
-    if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.grid_decode): pads masked out
-        key, value, attention_mask = key.tensor, value.tensor, key.mask
+    if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.grid_decode)
+        if key.lengths is not None and query.shape[2] == 1 and _rows_alone_ok(recorder, kwargs):
+            return _rows_attention(module, query, key, value, scaling, recorder, **kwargs), None
+        key, value, attention_mask = key.tensor, value.tensor, key.mask  # pads masked out
     if hasattr(key, "attend"):  # a cache layer's view of its own storage (KIVI's packed groups, methods/kivi.py)
         if recorder is None and query.shape[2] == 1 and attention_mask is None and kwargs.get("softcap") is None:
             out = key.attend(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -306,6 +316,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
         recorder.record(module.layer_idx, query, key, scale, mask, kwargs.get("softcap"))
         if recorder.request.query_moments:
             recorder.record_query_moments(module, query, kwargs.get("position_ids"))
+    return _plain_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+
+
+def _plain_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """The model's attention on dense K/V: transformers' sdpa, or the model's eager function for soft-capped logits."""
     model_code = sys.modules[type(module).__module__]  # the model's own modeling file
     if key.shape[1] == query.shape[1] != getattr(module.config, "num_key_value_heads", key.shape[1]):
         # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
@@ -321,6 +336,45 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
             )
         return model_code.eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _rows_alone_ok(recorder: StatsRecorder | None, kwargs) -> bool:
+    """Whether a grid step can attend row by row exactly as each row decodes alone: the rows that record statistics
+    take the fused decode step alone too (no query moments, no soft cap)."""
+    if kwargs.get("softcap") is not None:
+        return False
+    return recorder is None or not recorder.request.query_moments
+
+
+def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, recorder, **kwargs) -> torch.Tensor:
+    """A grid decode step (kvbench.grid_decode): each row attends over its own tokens by the very call a batch-1
+    decode makes, so its output has the bits it has alone — one sdpa over the padded, masked batch rounds
+    differently (enough to flip a greedy token in bf16). The rows recording statistics (`recorder.rows`, a
+    grid_decode.RowsRecorder) take the fused decode step and their rows are stored stacked, zero past each row's
+    length. Returns (B, 1, H_q, D)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    asking = list(getattr(recorder, "rows", [])) if recorder is not None else []
+    lengths = cast(list[int], key.lengths)
+    outputs, recorded = [], []
+    for row, n_tokens in enumerate(lengths):
+        q = query[row : row + 1]  # (1, H_q, 1, D)
+        k, v = key.tensor[row : row + 1, :, :n_tokens], value.tensor[row : row + 1, :, :n_tokens]  # (1, H_kv, n, D)
+        if row in asking:
+            from kvbench.kernels.attention_stats import decode_attention_with_probs
+
+            assert recorder is not None  # rows ask only through a recorder
+
+            with recorder._timed(recorder._decode_step_name()):
+                out, probs = decode_attention_with_probs(q, k, v, scale)  # (1, 1, H_q, D), (1, H_q, n)
+            recorded.append(probs)
+        else:
+            out = _plain_attention(module, q, k, v, None, scaling, **kwargs)[0]  # (1, 1, H_q, D)
+        outputs.append(out)
+    if recorded:
+        width = max(lengths)
+        rows = torch.stack([torch.nn.functional.pad(p[0], (0, width - p.shape[-1])) for p in recorded])  # (B_r, H_q, T)
+        recorder.store_decode_row(module.layer_idx, rows)
+    return torch.cat(outputs)  # (B, 1, H_q, D)
 
 
 def register() -> str:

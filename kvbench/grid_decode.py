@@ -1,14 +1,17 @@
-"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: in float32,
-where the rows are identical to one by one — in bf16 a batched matmul rounds differently and may flip a token).
+"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: where the
+rows come out as one by one — float32, and any dtype whose matrix products are row-independent on this device,
+checked once per model by `rows_independent`: bf16 on an AVX512-BF16 CPU).
 
 A shared prefill serves every (method, budget) of a grid; each configuration is then compressed on its own, exactly
 as alone (`Engine.compressed`), and the configurations whose caches are plain tensors decode as the rows of one
 batch: one forward per step for all of them instead of one each. Their caches have different lengths (budgets,
 PyramidKV's per-layer counts, decode-time eviction), so each layer stores the rows left-aligned in one
-(B, H_kv, capacity, D) tensor with the pad slots after each row's tokens; the attention masks the pads per row and
-layer (`PaddedKV`, unwrapped by kvbench.attention). Methods that evict while decoding (H2O, StreamingLLM, TOVA,
-decoding) act on their own row: after each step `on_decode_step` runs on a batch-1 view of that row with the row's
-slice of the step's statistics, and what it keeps is written back — so every row keeps what it keeps alone.
+(B, H_kv, capacity, D) tensor with the pad slots after each row's tokens; the linear layers run on the whole
+batch, the attention row by row over each row's own slots (`PaddedKV`, kvbench.attention._rows_attention) by the
+call a batch-1 decode makes — one masked sdpa over the padded batch rounds differently. Methods that evict while
+decoding (H2O, StreamingLLM, TOVA, decoding) act on their own row: after each step `on_decode_step` runs on a
+batch-1 view of that row with the row's slice of the step's statistics, and what it keeps is written back — so
+every row keeps what it keeps alone.
 
 Decoded alone instead (automatically, with `Engine.decode`, exactly today's path): caches with storage of their
 own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
@@ -82,7 +85,8 @@ class GridLayer(DynamicLayer):
         if min(self.lengths) < used:
             mask = torch.arange(used, device=self.device) < (slots + 1)[:, None]  # (B, T)
             mask = mask[:, None, None, :]  # (B, 1, 1, T)
-        return PaddedKV(self.keys[:, :, :used], mask), PaddedKV(self.values[:, :, :used], mask)
+        lengths = list(self.lengths)
+        return PaddedKV(self.keys[:, :, :used], mask, lengths), PaddedKV(self.values[:, :, :used], mask, lengths)
 
     def get_seq_length(self) -> int:
         return max(self.lengths)
@@ -109,6 +113,32 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
         rows = [cast(DynamicLayer, c.layers[layer_idx]) for c in caches]
         cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in rows]))
     return cache
+
+
+_ROWS_INDEPENDENT: dict[tuple, bool] = {}
+
+
+def rows_independent(lm) -> bool:
+    """Whether the model's matrix products give a row the same bits inside a batch as alone, on this device and
+    dtype (checked once per model: every distinct Linear shape, batches of 2–13 rows). With the attention taken row
+    by row (kvbench.attention._rows_attention), a grid row then decodes bit for bit as it does alone. Measured: true
+    for bf16 on this AVX512-BF16 EPYC (oneDNN), false for fp32 (MKL's sgemm blocks by the batch)."""
+    key = (id(lm.model), str(lm.dtype), str(lm.device))
+    if key not in _ROWS_INDEPENDENT:
+        generator = torch.Generator().manual_seed(0)
+        shapes: dict[tuple, torch.nn.Linear] = {}
+        for module in lm.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                shapes.setdefault(tuple(module.weight.shape), module)
+        same = True
+        with torch.no_grad():
+            for linear in shapes.values():
+                for rows in (2, 3, 5, 8, 13):
+                    x = torch.randn(rows, 1, linear.in_features, generator=generator).to(lm.device, lm.dtype)
+                    batched = linear(x)  # (rows, 1, out)
+                    same = same and all(torch.equal(linear(x[r : r + 1]), batched[r : r + 1]) for r in range(rows))
+        _ROWS_INDEPENDENT[key] = same
+    return _ROWS_INDEPENDENT[key]
 
 
 def decodes_in_grid(method: Method, start: Compressed) -> bool:

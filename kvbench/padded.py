@@ -14,3 +14,4 @@ class PaddedKV:
 
     tensor: torch.Tensor  # (B, H_kv, T, D)
     mask: torch.Tensor | None  # (B, 1, 1, T) bool, True = a token of that row; None = no pads
+    lengths: list[int] | None = None  # per row, its tokens: slots [0, n) (a decode step attends row by row)

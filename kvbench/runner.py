@@ -105,15 +105,18 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
     return out
 
 
-def grid_batching(cfg: DictConfig, dtype) -> bool:
+def grid_batching(cfg: DictConfig, lm) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.grid_decode): grid_batch=auto does
-    in float32, where the rows are identical to one by one (tested); true always; false never."""
+    where the rows come out as one by one — float32 (the same tokens: tested), or any dtype whose matrix products
+    are row-independent on this device (bit for bit: grid_decode.rows_independent); true always; false never."""
     setting = cfg.get("grid_batch", "auto")
-    return _fp32(dtype) if setting == "auto" else bool(setting)
+    return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 
 
-def _fp32(dtype) -> bool:
-    return str(dtype).removeprefix("torch.") == "float32"
+def grid_rows_as_alone(lm) -> bool:
+    from kvbench.grid_decode import rows_independent
+
+    return str(lm.dtype).removeprefix("torch.") == "float32" or rows_independent(lm)
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
@@ -136,7 +139,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **inline.hash_keys(cfg),
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
             # outside float32, decoding configurations together may change a last bit (and a token): apart
-            **({"grid_batch": True} if grid_batching(cfg, lm.dtype) and not _fp32(lm.dtype) else {}),
+            **({"grid_batch": True} if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
         }
     )
 
@@ -397,7 +400,7 @@ class ExampleWork:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-            grid_batch = grid_batching(self.cfg, self.lm.dtype)
+            grid_batch = grid_batching(self.cfg, self.lm)
             new = generation_rows(*args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch)
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 
