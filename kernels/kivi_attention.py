@@ -92,7 +92,7 @@ def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size, matmul_dty
 def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size, matmul_dtype) -> torch.Tensor:
     """probs (B, H_kv, G_q, T_v) over the quantized values: Σ_t p_t·v_t, (B, H_kv, G_q, D) fp32."""
     n_values, n_value_groups = value_scale.shape[2:]
-    total = None
+    total: torch.Tensor | None = None
     for start in range(0, n_values, CHUNK_SLOTS):
         part = slice(start, start + CHUNK_SLOTS)
         words = value_packed[:, :, part].unflatten(-1, (n_value_groups, -1)).transpose(2, 3)  # (B, H_kv, D/G, t, W)
@@ -102,6 +102,7 @@ def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size, 
         offset = torch.matmul(p, value_zero[:, :, part].float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, 1)
         sums = torch.matmul(p_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, D/G, G_q, G')
         total = sums if total is None else total.add_(sums)
+    assert total is not None  # called with n_values > 0
     return _in_order(total, bits, group_size)  # (B, H_kv, G_q, D)
 
 
