@@ -1,6 +1,7 @@
-"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: where the
-rows come out as one by one — float32, and any dtype whose matrix products are row-independent on this device,
-checked once per model by `rows_independent`: bf16 on an AVX512-BF16 CPU).
+"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: in float32,
+where the rows come out as one by one — in bf16 this CPU's matrix products round a row differently depending on the
+batch size (oneDNN; measured on the bundled model: the MLP's down projection at 10 rows, the whole MLP at 3), and a
+last-bit difference sometimes flips a greedy token).
 
 A shared prefill serves every (method, budget) of a grid; each configuration is then compressed on its own, exactly
 as alone (`Engine.compressed`), and the configurations whose caches are plain tensors decode as the rows of one
@@ -113,32 +114,6 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
         rows = [cast(DynamicLayer, c.layers[layer_idx]) for c in caches]
         cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in rows]))
     return cache
-
-
-_ROWS_INDEPENDENT: dict[tuple, bool] = {}
-
-
-def rows_independent(lm) -> bool:
-    """Whether the model's matrix products give a row the same bits inside a batch as alone, on this device and
-    dtype (checked once per model: every distinct Linear shape, batches of 2–13 rows). With the attention taken row
-    by row (kvbench.attention._rows_attention), a grid row then decodes bit for bit as it does alone. Measured: true
-    for bf16 on this AVX512-BF16 EPYC (oneDNN), false for fp32 (MKL's sgemm blocks by the batch)."""
-    key = (id(lm.model), str(lm.dtype), str(lm.device))
-    if key not in _ROWS_INDEPENDENT:
-        generator = torch.Generator().manual_seed(0)
-        shapes: dict[tuple, torch.nn.Linear] = {}
-        for module in lm.model.modules():
-            if isinstance(module, torch.nn.Linear):
-                shapes.setdefault(tuple(module.weight.shape), module)
-        same = True
-        with torch.no_grad():
-            for linear in shapes.values():
-                for rows in (2, 3, 5, 8, 13):
-                    x = torch.randn(rows, 1, linear.in_features, generator=generator).to(lm.device, lm.dtype)
-                    batched = linear(x)  # (rows, 1, out)
-                    same = same and all(torch.equal(linear(x[r : r + 1]), batched[r : r + 1]) for r in range(rows))
-        _ROWS_INDEPENDENT[key] = same
-    return _ROWS_INDEPENDENT[key]
 
 
 def decodes_in_grid(method: Method, start: Compressed) -> bool:

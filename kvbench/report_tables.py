@@ -90,7 +90,7 @@ def summary_columns(
             "decode ms/token",
             lambda r: r["decode_ms_per_token"],
             fixed(1),
-            title="rows decoded in a batch (batch_size > 1: grid_batch=auto where rows equal one by one, or "
+            title="rows decoded in a batch (batch_size > 1: grid_batch in float32 by default, or "
             "batch_size) carry "
             "the batch's step time; compare methods' decode speed with grid_batch=false",
         ),

@@ -107,16 +107,14 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
 
 def grid_batching(cfg: DictConfig, lm) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.grid_decode): grid_batch=auto does
-    where the rows come out as one by one — float32 (the same tokens: tested), or any dtype whose matrix products
-    are row-independent on this device (bit for bit: grid_decode.rows_independent); true always; false never."""
+    in float32, where the rows are identical to one by one (tested); true always; false never."""
     setting = cfg.get("grid_batch", "auto")
     return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 
 
 def grid_rows_as_alone(lm) -> bool:
-    from kvbench.grid_decode import rows_independent
-
-    return str(lm.dtype).removeprefix("torch.") == "float32" or rows_independent(lm)
+    """float32: a grid row decodes as it does alone (bf16 products round a row by the batch size: grid_decode)."""
+    return str(lm.dtype).removeprefix("torch.") == "float32"
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
