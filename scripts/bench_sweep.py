@@ -3,13 +3,16 @@
     python scripts/bench_sweep.py [--model smollm2-135m] [--lengths 1024 2048 4096] [--depth 0.5]
                                   [--methods snapkv h2o streamingllm pyramidkv] [--budgets 0.1 0.25 0.5]
                                   [--no-separate] [--dtype float32] [--baseline FILE.json]
+    # the baseline, from a checkout of an older commit with this script copied in:
+    python bench_sweep.py --no-separate --save-baseline FILE.json
 
 Separate = what separate runs do: prefill + compress + decode for each (method, budget). Shared = one prefill per
 example with the union of the statistics, then compress + decode per configuration, one at a time
 (grid_batch=false). Grid = shared prefill, each configuration compressed alone, then decoded together as one
 batch (grid_batch=true, kvbench.grid_decode). Same examples, one process; checks the outputs are identical and
 prints the wall times and speed-ups. --baseline: the same shared sweep timed on an older commit (its outputs and
-seconds as JSON); prints today's default path (grid where grid_batch=auto batches, else one by one) against it.
+seconds as JSON); prints today's default path (grid in float32, where grid_batch=auto batches; else one by one)
+against it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from omegaconf import OmegaConf
 from kvbench import conf_dir
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
-from kvbench.grid_decode import generate_grid
 from kvbench.methods import Budget, build_method
 from kvbench.models import load_model
 from kvbench.runner import method_config
@@ -42,6 +44,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="grid_batch=auto decodes together in float32 only")
     parser.add_argument("--no-separate", action="store_true", help="skip the separate-runs pass (the slowest)")
+    parser.add_argument(
+        "--save-baseline",
+        default=None,
+        help="time only the shared sweep one by one and write it as a --baseline JSON (run this script, copied, in a "
+        "checkout of the older commit: it imports nothing newer there)",
+    )
     parser.add_argument(
         "--baseline",
         default=None,
@@ -90,6 +98,19 @@ def main() -> None:
         for method, budget in todo:
             shared.append(engine.generate(prefill, method, budget, suffix, ex.max_new_tokens).text)
     t_shared = time.perf_counter() - start
+    if args.save_baseline:  # with --no-separate
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        with open(args.save_baseline, "w") as f:
+            json.dump({"label": f"{commit} (shared prefill, one by one)", "seconds": t_shared, "outputs": shared}, f)
+        print(
+            f"shared prefill, one by one: {t_shared:.1f} s ({len(shared)} outputs, {lm.dtype}) -> {args.save_baseline}"
+        )
+        return
+
+    from kvbench.grid_decode import generate_grid
+    from kvbench.runner import grid_rows_as_alone
 
     start, grid, batched = time.perf_counter(), [], 0
     for ex in examples:
@@ -124,8 +145,8 @@ def main() -> None:
     if args.baseline:
         with open(args.baseline) as f:
             base = json.load(f)
-        default = grid if batched else shared  # what a default sweep runs (grid_batch=auto)
-        t_default = t_grid if batched else t_shared
+        auto = grid_rows_as_alone(lm)  # what a default sweep runs: grid_batch=auto batches in float32 only
+        default, t_default = (grid, t_grid) if auto else (shared, t_shared)
         print(
             f"vs {base['label']}: {base['seconds']:.1f} s → {t_default:.1f} s, "
             f"{t_default / base['seconds']:.2f} of the time ({base['seconds'] / t_default:.2f}× faster); "
