@@ -99,15 +99,16 @@ class StatsRecorder:
     ) -> torch.Tensor:
         """One query (B, H_q, 1, D), no mask: record its attention row as every requested statistic and return the
         attention output (B, 1, H_q, D) computed from the same probabilities (kernels/attention_stats.py)."""
-        from kvbench.kernels.attention_stats import decode_attention_with_probs
-
-        with self._timed(self._decode_step_name()):
-            output, row = decode_attention_with_probs(query, key, value, scaling)  # row: (B, H_q, T)
+        output, row = self.decode_step(query, key, value, scaling)  # row: (B, H_q, T)
         self.store_decode_row(layer_idx, row)
         return output
 
-    def _decode_step_name(self):
-        return "all" if self.request.all_queries else next(iter(self.request.windows))
+    def decode_step(self, query, key, value, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused decode step, timed as the statistic it records: output (B, 1, H_q, D), row (B, H_q, T)."""
+        from kvbench.kernels.attention_stats import decode_attention_with_probs
+
+        with self._timed("all" if self.request.all_queries else next(iter(self.request.windows))):
+            return decode_attention_with_probs(query, key, value, scaling)
 
     def store_decode_row(self, layer_idx: int, row: torch.Tensor) -> None:
         """A single query's attention row (B, H_q, T) is every requested statistic of that step."""
@@ -289,7 +290,7 @@ def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwar
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     recorder = getattr(_active, "recorder", None)
     if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.grid_decode)
-        if key.lengths is not None and query.shape[2] == 1 and _rows_alone_ok(recorder, kwargs):
+        if key.lengths is not None and query.shape[2] == 1 and _fused_ok(recorder, kwargs):
             return _rows_attention(module, query, key, value, scaling, recorder, **kwargs), None
         key, value, attention_mask = key.tensor, value.tensor, key.mask  # pads masked out
     if hasattr(key, "attend"):  # a cache layer's view of its own storage (KIVI's packed groups, methods/kivi.py)
@@ -304,12 +305,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
         return ragged_attention(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5), None
     if recorder is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if (  # a plain decode step recording a single query's row (H2O, TOVA): one softmax for output and stats
+        # a plain decode step recording a single query's row (H2O, TOVA): one softmax for output and stats
+        if (
             type(recorder) is StatsRecorder
             and query.shape[2] == 1
             and attention_mask is None
-            and kwargs.get("softcap") is None
-            and not recorder.request.query_moments
+            and _fused_ok(recorder, kwargs)
         ):
             return recorder.record_decode_step(module.layer_idx, query, key, value, scale), None
         mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]  # (B|1, 1|H_q, Q, T)
@@ -338,12 +339,10 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-def _rows_alone_ok(recorder: StatsRecorder | None, kwargs) -> bool:
-    """Whether a grid step can attend row by row exactly as each row decodes alone: the rows that record statistics
-    take the fused decode step alone too (no query moments, no soft cap)."""
-    if kwargs.get("softcap") is not None:
-        return False
-    return recorder is None or not recorder.request.query_moments
+def _fused_ok(recorder: StatsRecorder | None, kwargs) -> bool:
+    """Whether a single-query step's statistics can come from its own softmax (the fused decode step): no soft cap,
+    no query moments (they need the query itself, not its row)."""
+    return kwargs.get("softcap") is None and (recorder is None or not recorder.request.query_moments)
 
 
 def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, recorder, **kwargs) -> torch.Tensor:
@@ -360,12 +359,8 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
         q = query[row : row + 1]  # (1, H_q, 1, D)
         k, v = key.tensor[row : row + 1, :, :n_tokens], value.tensor[row : row + 1, :, :n_tokens]  # (1, H_kv, n, D)
         if row in asking:
-            from kvbench.kernels.attention_stats import decode_attention_with_probs
-
             assert recorder is not None  # rows ask only through a recorder
-
-            with recorder._timed(recorder._decode_step_name()):
-                out, probs = decode_attention_with_probs(q, k, v, scale)  # (1, 1, H_q, D), (1, H_q, n)
+            out, probs = recorder.decode_step(q, k, v, scale)  # (1, 1, H_q, D), (1, H_q, n)
             recorded.append(probs)
         else:
             out = _plain_attention(module, q, k, v, None, scaling, **kwargs)[0]  # (1, 1, H_q, D)

@@ -106,19 +106,12 @@ def _parts(method) -> tuple:
     )
 
 
-def held_sizes(eviction, counts: list[int], evicted: bool, budget, prompt_tokens: int) -> list[int] | None:
-    """Per layer, the size decode-time eviction holds it at; None when it grows (the rule of DecodeEviction's
-    end_compress, methods/decode_eviction.py): what compression kept, or — nothing evicted — an absolute budget
-    at least the prompt (held at the budget once decoding reaches it) or a fraction that rounds to the whole prompt."""
-    if eviction is None or eviction.name == "decoding" or not eviction.evicts_while_decoding():
-        return None
-    if evicted:
-        return counts
-    if not getattr(eviction, "holds_whole_prompt", False) or budget is None or not eviction.has_budget:
-        return None
-    if budget.value == 1.0:
-        return None
-    return [int(budget.value)] * len(counts) if budget.is_tokens else [prompt_tokens] * len(counts)
+def held_sizes(eviction, counts: list[int], budget, prompt_tokens: int) -> list[int] | None:
+    """Per layer, the size decode-time eviction holds it at; None when it grows: DecodeEviction's own rule
+    (`sizes_to_hold`, methods/decode_eviction.py) on the counts compression keeps."""
+    if eviction is None or not eviction.evicts_while_decoding() or not hasattr(eviction, "sizes_to_hold"):
+        return None  # `decoding` keeps its own schedule (decoded_layer_tokens)
+    return eviction.sizes_to_hold(counts, prompt_tokens, budget)
 
 
 def _held_after_decoding(start: int, size: int, every: int, decoded: int, ring: bool) -> int:
@@ -177,7 +170,7 @@ def predict_kv_bytes(
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
-    sizes = held_sizes(eviction, counts, evicted, budget, prompt_tokens)
+    sizes = held_sizes(eviction, counts, budget, prompt_tokens)
     tokens = decoded_layer_tokens(eviction, counts, sizes, appended_tokens, decoded_tokens)
     # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
     stays = (evicted and eviction.evicts_while_decoding()) or sizes is not None

@@ -69,18 +69,21 @@ class DecodeEviction(Method):
 
     def end_compress(self, layers, stats: StatsRecorder, budget: Budget | None):
         cache = super().end_compress(layers, stats, budget)
-        kept = layer_lengths(cache)
-        if any(n < self._n_prompt for n in kept):
-            self._sizes = kept
-        elif not self.holds_whole_prompt or budget is None or not self.has_budget or budget.value == 1.0:
-            self._sizes = None
-        elif budget.is_tokens:  # an absolute budget ≥ the prompt: hold the cache at the budget itself
-            self._sizes = [int(budget.value)] * len(kept)
-        else:  # a fraction that rounds to the whole (short) prompt: hold it there
-            self._sizes = kept
+        self._sizes = self.sizes_to_hold(layer_lengths(cache), self._n_prompt, budget)
         if self._sizes is not None:
             cache = self.start_decoding(cache, stats)
         return cache
+
+    def sizes_to_hold(self, kept: list[int], n_prompt: int, budget: Budget | None) -> list[int] | None:
+        """Each layer's size while decoding, from what compression kept of an n_prompt-token prompt; None: the cache
+        grows. The one rule both `end_compress` and the planner's byte accounting (kvbench.kv_bytes) follow."""
+        if any(n < n_prompt for n in kept):
+            return kept
+        if not self.holds_whole_prompt or budget is None or not self.has_budget or budget.value == 1.0:
+            return None
+        if budget.is_tokens:  # an absolute budget ≥ the prompt: hold the cache at the budget itself
+            return [int(budget.value)] * len(kept)
+        return kept  # a fraction that rounds to the whole (short) prompt: hold it there
 
     def start_decoding(self, cache, stats: StatsRecorder):
         """Called once after compression when the cache will be held; returns the cache to decode from."""
