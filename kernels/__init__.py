@@ -28,13 +28,13 @@ def attention_column_sums(query, key, scaling: float, mask=None, softcap: float 
     """
     if mask is not None or softcap is not None:  # the Triton kernel is causal-only and uncapped
         return attention_column_sums_reference(query, key, scaling, mask, softcap)
-    fast = _fast_module(query, "triton_stats")
+    fast = fast_module(query, "triton_stats")
     if fast:
         return fast.triton_attention_column_sums(query, key, scaling)
     return attention_column_sums_reference(query, key, scaling)
 
 
-def _fast_module(tensor, module: str):
+def fast_module(tensor, module: str):
     """kvbench.kernels.`module` (a Triton kernel module) when `tensor` is on CUDA, triton imports and
     KVBENCH_NO_TRITON != 1; else None (the caller runs the torch reference)."""
     if tensor.is_cuda and importlib.util.find_spec("triton") and os.environ.get("KVBENCH_NO_TRITON") != "1":
@@ -58,13 +58,13 @@ def unpack_dequantize_reference(packed, scale, zero, bits: int, group_size: int,
 
 def quantize_pack(x, bits: int, group_size: int):
     """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize)"""
-    fast = _fast_module(x, "triton_quant")
+    fast = fast_module(x, "triton_quant")
     return fast.triton_quantize_pack(x, bits, group_size) if fast else quantize_pack_reference(x, bits, group_size)
 
 
 def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     """Invert quantize_pack: packed (..., n_groups·W), scale/zero (..., n_groups) -> (..., L) in dtype."""
-    fast = _fast_module(packed, "triton_quant")
+    fast = fast_module(packed, "triton_quant")
     if fast:
         return fast.triton_unpack_dequantize(packed, scale, zero, bits, group_size, dtype)
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
@@ -78,7 +78,7 @@ def kivi_decode_attention(query, *storage, key_bits: int, value_bits: int, group
     """
     from kvbench.kernels.kivi_attention import packed_decode_attention
 
-    fast = _fast_module(query, "triton_kivi")
+    fast = fast_module(query, "triton_kivi")
     attend = fast.triton_kivi_decode_attention if fast else packed_decode_attention
     return attend(
         query, *storage, key_bits=key_bits, value_bits=value_bits, group_size=group_size, scaling=scaling, dead=dead

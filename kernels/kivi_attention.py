@@ -15,9 +15,9 @@ the order (plane, byte) instead of time/channel order. Why: a broadcast shift pr
 more per byte on CPU than these whole-tensor ops. The products are computed in plane order and only their small
 outputs (scores, per-channel sums) are put back in order (`_in_order`, one copy); the packed words are permuted (keys:
 group axis before channels), never the codes. Dead slots (evicted on top of KIVI) get −inf scores. Scores and
-softmax are fp32; the products run in fp32 (`matmul_dtype`), so the result differs from dequantize-then-attend (which
-rounds every dequantized element to the model dtype) by that rounding only. The one large temporary is the codes in
-`matmul_dtype`, at most CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
+softmax are fp32; the products run in fp32, so the result differs from dequantize-then-attend (which rounds every
+dequantized element to the model dtype) by that rounding only. The one large temporary is the codes in fp32, at most
+CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
 """
 
 from __future__ import annotations
@@ -62,9 +62,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, group_size: int, dtype: torch.
 def _in_order(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """Per-group products x (B, H_kv, n, G_q, 8/bits · 4W) in bit-plane order -> (B, H_kv, G_q, n·G) in code order
     (time for keys, channels for values): one copy of a small tensor."""
-    planes = x.unflatten(-1, (8 // bits, -1))  # (B, H_kv, n, G_q, 8/bits, 4W)
-    ordered = planes.permute(0, 1, 3, 2, 5, 4).flatten(-2)  # (B, H_kv, G_q, n, 4W · 8/bits)
-    return ordered[..., :group_size].flatten(-2)  # (B, H_kv, G_q, n·G)
+    return from_planes(x, bits, group_size).transpose(2, 3).flatten(-2)  # (B, H_kv, G_q, n·G)
 
 
 # Quantized slots unpacked at once. The codes' temporary (slots · D · 4 bytes per KV head in fp32) then stays bounded on
@@ -72,7 +70,7 @@ def _in_order(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 CHUNK_SLOTS = 8192
 
 
-def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size, matmul_dtype) -> torch.Tensor:
+def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size) -> torch.Tensor:
     """x (B, H_kv, G_q, D) (scaling folded in) against the quantized keys: (B, H_kv, G_q, N_k·G) fp32."""
     n_key_groups = key_scale.shape[-1]
     grouped = key_packed.unflatten(-1, (n_key_groups, -1))  # (B, H_kv, D, N_k, W)
@@ -81,26 +79,26 @@ def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size, matmul_dty
     for start in range(0, n_key_groups, per_chunk):
         part = slice(start, start + per_chunk)
         words = grouped[:, :, :, part].transpose(2, 3)  # (B, H_kv, n, D, W): groups first
-        codes = unpack_planes(words, bits, matmul_dtype)  # (B, H_kv, n, D, G') in bit-plane order
+        codes = unpack_planes(words, bits, torch.float32)  # (B, H_kv, n, D, G') in bit-plane order
         x_scaled = x.unsqueeze(2) * key_scale[..., part].transpose(2, 3).unsqueeze(3)  # (B, H_kv, n, G_q, D) fp32
         offset = torch.matmul(x, key_zero[..., part].float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, n, G_q, 1)
-        scores = torch.matmul(x_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, n, G_q, G')
+        scores = torch.matmul(x_scaled, codes) + offset  # (B, H_kv, n, G_q, G')
         chunks.append(_in_order(scores, bits, group_size))  # (B, H_kv, G_q, n·G)
     return torch.cat(chunks, dim=-1) if len(chunks) > 1 else chunks[0]
 
 
-def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size, matmul_dtype) -> torch.Tensor:
+def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size) -> torch.Tensor:
     """probs (B, H_kv, G_q, T_v) over the quantized values: Σ_t p_t·v_t, (B, H_kv, G_q, D) fp32."""
     n_values, n_value_groups = value_scale.shape[2:]
     total: torch.Tensor | None = None
     for start in range(0, n_values, CHUNK_SLOTS):
         part = slice(start, start + CHUNK_SLOTS)
         words = value_packed[:, :, part].unflatten(-1, (n_value_groups, -1)).transpose(2, 3)  # (B, H_kv, D/G, t, W)
-        codes = unpack_planes(words, bits, matmul_dtype)  # (B, H_kv, D/G, t, G') in bit-plane order
+        codes = unpack_planes(words, bits, torch.float32)  # (B, H_kv, D/G, t, G') in bit-plane order
         p = probs[..., part]  # (B, H_kv, G_q, t)
         p_scaled = p.unsqueeze(2) * value_scale[:, :, part].permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_kv, D/G, G_q, t)
         offset = torch.matmul(p, value_zero[:, :, part].float()).transpose(2, 3).unsqueeze(-1)  # (B, H_kv, D/G, G_q, 1)
-        sums = torch.matmul(p_scaled.to(matmul_dtype), codes).float() + offset  # (B, H_kv, D/G, G_q, G')
+        sums = torch.matmul(p_scaled, codes) + offset  # (B, H_kv, D/G, G_q, G')
         total = sums if total is None else total.add_(sums)
     assert total is not None  # called with n_values > 0
     return _in_order(total, bits, group_size)  # (B, H_kv, G_q, D)
@@ -121,7 +119,6 @@ def packed_decode_attention(
     group_size: int,
     scaling: float,
     dead: torch.Tensor | None = None,
-    matmul_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """softmax(q·Kᵀ·scaling)·V for one query per sequence over a KIVI layer's storage; returns (B, 1, H_q, D).
 
@@ -137,7 +134,7 @@ def packed_decode_attention(
     n_key_groups = key_scale.shape[-1]  # N_k
     scores = torch.matmul(x, key_residual.float().transpose(2, 3))  # (B, H_kv, G_q, r_k)
     if n_key_groups:
-        quantized = _key_scores(x, key_packed, key_scale, key_zero, key_bits, group_size, matmul_dtype)
+        quantized = _key_scores(x, key_packed, key_scale, key_zero, key_bits, group_size)
         scores = torch.cat([quantized, scores], dim=-1)  # (B, H_kv, G_q, T)
     if dead is not None:
         dead_slots = dead.long().unsqueeze(2).expand(-1, -1, n_group, -1)  # (B, H_kv, G_q, n_dead)
@@ -148,5 +145,5 @@ def packed_decode_attention(
     out = torch.matmul(probs[..., n_values:], value_residual.float())  # (B, H_kv, G_q, D)
     if n_values:
         probs = probs[..., :n_values]  # (B, H_kv, G_q, T_v)
-        out = out + _value_sums(probs, value_packed, value_scale, value_zero, value_bits, group_size, matmul_dtype)
+        out = out + _value_sums(probs, value_packed, value_scale, value_zero, value_bits, group_size)
     return out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)

@@ -98,7 +98,7 @@ def unpack_dequantize(
     """Invert quantize_pack: packed (..., n_groups·W) int32, scale/zero (..., n_groups) -> (..., L) in dtype."""
     _check(bits, group_size, group_size * scale.shape[-1])
     words = words_per_group(bits, group_size)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)  # (P,)
+    shifts = _shifts(bits, packed.device)  # (P,)
     words_ = packed.unflatten(-1, (-1, words)).unsqueeze(-1)  # (..., n_groups, W, 1)
     q = words_ >> shifts  # (..., n_groups, W, P) int32; >> is arithmetic, hence the mask
     q &= 2**bits - 1

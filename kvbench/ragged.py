@@ -95,22 +95,12 @@ class RaggedLayer(CacheLayerMixin):
 def ragged_attention(query: torch.Tensor, key: RaggedKV, value: RaggedKV, scaling: float) -> torch.Tensor:
     """Attention over ragged heads, (B, Q, H_q, D): the Triton decode kernel on CUDA for one query per sequence
     (unless KVBENCH_NO_TRITON=1), the torch reference otherwise."""
-    import importlib.util
-    import os
+    from kvbench.kernels import fast_module
 
-    if (
-        query.is_cuda
-        and query.shape[2] == 1
-        and importlib.util.find_spec("triton")
-        and os.environ.get("KVBENCH_NO_TRITON") != "1"
-    ):
-        from kvbench.kernels import triton_ragged
-
-        if triton_ragged.TRITON_AVAILABLE:
-            out = triton_ragged.triton_ragged_decode(
-                query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads, scaling
-            )  # (B, H_q, D)
-            return out[:, None]  # (B, 1, H_q, D)
+    fast = fast_module(query, "triton_ragged") if query.shape[2] == 1 else None
+    if fast:
+        out = fast.triton_ragged_decode(query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads, scaling)
+        return out[:, None]  # (B, 1, H_q, D) from (B, H_q, D)
     return ragged_attention_reference(query, key, value, scaling)
 
 

@@ -132,7 +132,7 @@ method = build_method("kivi", {**method_defaults("kivi"), **params})
 runs, calls = {}, []
 for path in ("torch", "triton"):
     if path == "triton":  # what the dispatcher does on CUDA, here on CPU tensors under the interpreter
-        kernels._fast_module = lambda tensor, module: triton_kivi if module == "triton_kivi" else None
+        kernels.fast_module = lambda tensor, module: triton_kivi if module == "triton_kivi" else None
         real = triton_kivi.triton_kivi_decode_attention
         triton_kivi.triton_kivi_decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
     gen = engine.run(method, None, prompt, max_new_tokens=6, keep_logits=True)
@@ -187,11 +187,11 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     on_cuda = types.SimpleNamespace(is_cuda=True)  # what the dispatcher reads of a tensor: where it lives
     monkeypatch.setenv("KVBENCH_NO_TRITON", "0")
     assert (
-        kernels._fast_module(on_cuda, "triton_kivi") is triton_kivi
-        and kernels._fast_module(query, "triton_kivi") is None
+        kernels.fast_module(on_cuda, "triton_kivi") is triton_kivi
+        and kernels.fast_module(query, "triton_kivi") is None
     )
     monkeypatch.setenv("KVBENCH_NO_TRITON", "1")
-    assert kernels._fast_module(on_cuda, "triton_kivi") is None
+    assert kernels.fast_module(on_cuda, "triton_kivi") is None
 
 
 def test_bench_gpu_parses_its_kivi_arguments():
