@@ -8,15 +8,6 @@ Per context length: one shared prefill (with the statistics every method needs),
 (shared prefill + compression), decode ms/token over a fixed number of greedy steps (EOS ignored), kv_bytes
 held at the end, peak device memory. Random weights: the timings are real, the generated text is not. `kivi` in
 --methods decodes on the packed groups with the Triton kernel (kernels/triton_kivi.py) on CUDA.
-
-    python scripts/bench_gpu.py --kivi-attention [--lengths 4096 16384 32768] [--kivi-bits 4 2] [--out kivi.csv]
-
-One decode step's attention alone, Llama-3.1-8B shapes (H_q=32, H_kv=8, D=128, bf16), KIVI at kvbench's defaults
-(group 64, residual 64) on random K/V, per context and bit width: the Triton kernel on the packed groups
-(kernels/triton_kivi.py), the torch version (kernels/kivi_attention.py), dequantize-then-sdpa (KIVI's path with
-several queries) and sdpa on the full bf16 cache, in ms (median of --reps), and the kernel's max error against
-dequantize-then-sdpa relative to the largest output (it must agree with the torch version to one bf16 step).
-`--device cpu` with TRITON_INTERPRET=1 runs the same code interpreted: a smoke check, its timings mean nothing.
 """
 
 from __future__ import annotations
@@ -50,16 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--kivi-attention", action="store_true", help="time KIVI decode attention alone (no model)")
-    parser.add_argument("--kivi-bits", type=int, nargs="+", default=[4, 2])
-    parser.add_argument("--reps", type=int, default=50, help="timed calls per kernel (--kivi-attention)")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
-    if args.kivi_attention:
-        return bench_kivi_attention(args)
 
     start = time.perf_counter()
     lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"), args.device, args.dtype)
@@ -105,65 +91,6 @@ def main() -> None:
     if args.out:
         frame.to_csv(args.out, index=False)
 
-
-def _median_ms(fn, reps: int, device: torch.device) -> float:
-    fn()  # compile / warm up
-    times = []
-    for _ in range(reps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
-
-
-def _kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: int) -> dict:
-    """One (context, bits) row of --kivi-attention: ms of each path, and the kernel's error."""
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-    from kvbench.kernels.kivi_attention import packed_decode_attention
-    from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
-    from kvbench.methods.kivi import _TENSORS, KiviLayer
-
-    scale = query.shape[-1] ** -0.5
-    layer = KiviLayer.from_kv(keys[:, :, :-1], values[:, :, :-1], bits, group, residual)
-    view, _ = layer.update(keys[:, :, -1:], values[:, :, -1:])  # the storage one decode step attends to
-    storage = [getattr(view, name) for name in _TENSORS]
-    knobs = dict(key_bits=bits, value_bits=bits, group_size=group, scaling=scale)
-    paths = {
-        "triton_ms": lambda: triton_kivi_decode_attention(query, *storage, **knobs),  # (B, 1, H_q, D)
-        "torch_packed_ms": lambda: packed_decode_attention(query, *storage, **knobs),
-        "dequant_sdpa_ms": lambda: sdpa(query, *view.kv(), scale=scale, enable_gqa=True).transpose(1, 2),
-        "full_sdpa_ms": lambda: sdpa(query, keys, values, scale=scale, enable_gqa=True).transpose(1, 2),
-    }
-    got, exact = paths["triton_ms"]().float(), paths["torch_packed_ms"]().float()
-    assert (got - exact).abs().max() <= 2**-7 * exact.abs().max(), "triton and torch KIVI attention disagree"
-    want = paths["dequant_sdpa_ms"]().float()  # rounds every dequantized element to bf16, then attends in bf16
-    row = dict(context=keys.shape[2], bits=bits, group_size=group, residual_length=residual)
-    row.update({name: _median_ms(fn, reps, query.device) for name, fn in paths.items()})
-    return row | dict(rel_err=((got - want).abs().max() / want.abs().max()).item())
-
-
-def bench_kivi_attention(args: argparse.Namespace) -> None:
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    config = method_config("kivi")
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
-    print(f"{'T':>6} {'bits':>4} {'triton':>8} {'torch':>8} {'deq+sdpa':>9} {'full':>8} {'vs deq':>7} {'vs full':>8} "
-          f"{'err/max':>8}   (ms)", flush=True)  # fmt: skip
-    for length in args.lengths:
-        keys, values = (torch.randn(1, 8, length, 128, device=device, dtype=dtype, generator=gen) for _ in "kv")
-        query = torch.randn(1, 32, 1, 128, device=device, dtype=dtype, generator=gen)  # (B, H_q, 1, D)
-        for bits in args.kivi_bits:
-            r = _kivi_row(query, keys, values, bits, config["group_size"], config["residual_length"], args.reps)
-            rows.append(r)
-            speedup = r["dequant_sdpa_ms"] / r["triton_ms"], r["full_sdpa_ms"] / r["triton_ms"]
-            print(f"{length:>6} {bits:>4} {r['triton_ms']:>8.3f} {r['torch_packed_ms']:>8.3f} "
-                  f"{r['dequant_sdpa_ms']:>9.3f} {r['full_sdpa_ms']:>8.3f} {speedup[0]:>6.2f}x {speedup[1]:>7.2f}x "
-                  f"{r['rel_err']:>8.1e}", flush=True)  # fmt: skip
-    if args.out:
-        pd.DataFrame(rows).to_csv(args.out, index=False)
 
 if __name__ == "__main__":
     main()

@@ -1,30 +1,57 @@
-"""Triton attention-column-sums kernel vs the torch reference on CUDA: agreement and speed.
+"""Triton kernels vs their torch versions on CUDA: agreement and speed.
 
-    python scripts/bench_kernels.py        (needs a CUDA GPU and triton)
+    python scripts/bench_kernels.py                 attention column sums (needs a CUDA GPU and triton)
+    python scripts/bench_kernels.py --kivi [--lengths 4096 16384 32768] [--kivi-bits 4 2] [--out kivi.csv]
 
-Shapes of Llama-3.1-8B (H_q=32, H_kv=8, D=128), bf16; Q=T is H2O's prefill statistic, Q=32 SnapKV's window.
+Shapes of Llama-3.1-8B (H_q=32, H_kv=8, D=128), bf16. Column sums: Q=T is H2O's prefill statistic, Q=32 SnapKV's
+window. --kivi: one decode step's attention alone, KIVI at kvbench's defaults (group 64, residual 64) on random K/V,
+per context and bit width: the Triton kernel on the packed groups (kernels/triton_kivi.py), the torch version
+(kernels/kivi_attention.py), dequantize-then-sdpa (KIVI's path with several queries) and sdpa on the full bf16
+cache, in ms (median of --reps), and the kernel's max error against dequantize-then-sdpa relative to the largest
+output (it must agree with the torch version to one bf16 step). `--device cpu` with TRITON_INTERPRET=1 runs the same
+code interpreted: a smoke check, its timings mean nothing.
 """
 
+from __future__ import annotations
+
+import argparse
 import time
+from functools import partial
 
 import torch
 
-from kvbench.kernels import attention_column_sums
-from kvbench.kernels import attention_column_sums_reference as reference
-from kvbench.kernels.triton_stats import triton_attention_column_sums as triton_sums
+from kvbench.memory import synchronize
 
 
-def timeit(fn, reps: int) -> float:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kivi", action="store_true", help="KIVI decode attention instead of the column sums")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768], help="--kivi contexts")
+    parser.add_argument("--kivi-bits", type=int, nargs="+", default=[4, 2])
+    parser.add_argument("--reps", type=int, default=50, help="timed calls per kernel (--kivi)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="--kivi: write the rows as CSV")
+    return parser.parse_args(argv)
+
+
+def timeit(fn, reps: int, device: torch.device | str = "cuda") -> float:
+    """Median ms of `reps` calls after one warm-up (compilation) call, synchronised on `device`."""
     fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(reps):
+        synchronize(torch.device(device))
+        start = time.perf_counter()
         fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / reps * 1e3
+        synchronize(torch.device(device))
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
-def main() -> None:
+def bench_column_sums() -> None:
+    from kvbench.kernels import attention_column_sums
+    from kvbench.kernels import attention_column_sums_reference as reference
+    from kvbench.kernels.triton_stats import triton_attention_column_sums as triton_sums
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'T':>6} {'Q':>6} {'triton ms':>10} {'torch ms':>10} {'speed-up':>9} {'err/max':>9}")
     for n_keys in (4096, 8192, 16384):
@@ -36,9 +63,68 @@ def main() -> None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             assert torch.equal(attention_column_sums(q, k, scale), got)  # the dispatcher picks Triton on CUDA
             err = ((got - want).abs().max() / want.abs().max()).item()
-            t_triton = timeit(lambda: triton_sums(q, k, scale), 20)
-            t_torch = timeit(lambda: reference(q, k, scale), 3 if n_queries == n_keys else 20)
-            print(f"{n_keys:>6} {n_queries:>6} {t_triton:>10.3f} {t_torch:>10.2f} {t_torch / t_triton:>8.1f}x {err:>9.1e}")
+            t_triton = timeit(partial(triton_sums, q, k, scale), 20)
+            t_torch = timeit(partial(reference, q, k, scale), 3 if n_queries == n_keys else 20)
+            speedup = t_torch / t_triton
+            print(f"{n_keys:>6} {n_queries:>6} {t_triton:>10.3f} {t_torch:>10.2f} {speedup:>8.1f}x {err:>9.1e}")
+
+
+def _kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: int) -> dict:
+    """One (context, bits) row of --kivi: ms of each path, and the kernel's error."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from kvbench.kernels.kivi_attention import packed_decode_attention
+    from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+    from kvbench.methods.kivi import _TENSORS, KiviLayer
+
+    scale = query.shape[-1] ** -0.5
+    layer = KiviLayer.from_kv(keys[:, :, :-1], values[:, :, :-1], bits, group, residual)
+    view, _ = layer.update(keys[:, :, -1:], values[:, :, -1:])  # the storage one decode step attends to
+    storage = [getattr(view, name) for name in _TENSORS]
+    knobs = dict(key_bits=bits, value_bits=bits, group_size=group, scaling=scale)
+    paths = {
+        "triton_ms": lambda: triton_kivi_decode_attention(query, *storage, **knobs),  # (B, 1, H_q, D)
+        "torch_packed_ms": lambda: packed_decode_attention(query, *storage, **knobs),
+        "dequant_sdpa_ms": lambda: sdpa(query, *view.kv(), scale=scale, enable_gqa=True).transpose(1, 2),
+        "full_sdpa_ms": lambda: sdpa(query, keys, values, scale=scale, enable_gqa=True).transpose(1, 2),
+    }
+    got, exact = paths["triton_ms"]().float(), paths["torch_packed_ms"]().float()
+    assert (got - exact).abs().max() <= 2**-7 * exact.abs().max(), "triton and torch KIVI attention disagree"
+    want = paths["dequant_sdpa_ms"]().float()  # rounds every dequantized element to bf16, then attends in bf16
+    row = dict(context=keys.shape[2], bits=bits, group_size=group, residual_length=residual)
+    row.update({name: timeit(fn, reps, query.device) for name, fn in paths.items()})
+    return row | dict(rel_err=((got - want).abs().max() / want.abs().max()).item())
+
+
+def bench_kivi_attention(args: argparse.Namespace) -> None:
+    import pandas as pd
+
+    from kvbench.runner import method_config
+
+    device = torch.device(args.device)
+    config = method_config("kivi")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    print(f"{'T':>6} {'bits':>4} {'triton':>8} {'torch':>8} {'deq+sdpa':>9} {'full':>8} {'vs deq':>7} {'vs full':>8} "
+          f"{'err/max':>8}   (ms)", flush=True)  # fmt: skip
+    for length in args.lengths:
+        shape = (1, 8, length, 128)  # (B, H_kv, T, D)
+        keys, values = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in "kv")
+        query = torch.randn(1, 32, 1, 128, device=device, dtype=torch.bfloat16, generator=gen)  # (B, H_q, 1, D)
+        for bits in args.kivi_bits:
+            r = _kivi_row(query, keys, values, bits, config["group_size"], config["residual_length"], args.reps)
+            rows.append(r)
+            speedup = r["dequant_sdpa_ms"] / r["triton_ms"], r["full_sdpa_ms"] / r["triton_ms"]
+            print(f"{length:>6} {bits:>4} {r['triton_ms']:>8.3f} {r['torch_packed_ms']:>8.3f} "
+                  f"{r['dequant_sdpa_ms']:>9.3f} {r['full_sdpa_ms']:>8.3f} {speedup[0]:>6.2f}x {speedup[1]:>7.2f}x "
+                  f"{r['rel_err']:>8.1e}", flush=True)  # fmt: skip
+    if args.out:
+        pd.DataFrame(rows).to_csv(args.out, index=False)
+
+
+def main() -> None:
+    args = parse_args()
+    bench_kivi_attention(args) if args.kivi else bench_column_sums()
 
 
 if __name__ == "__main__":

@@ -194,17 +194,17 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     assert kernels.fast_module(on_cuda, "triton_kivi") is None
 
 
-def test_bench_gpu_parses_its_kivi_arguments():
-    """scripts/bench_gpu.py imports and parses on a CPU-only machine (the GPU run happens when one is lent)."""
+def test_bench_kernels_parses_its_kivi_arguments():
+    """scripts/bench_kernels.py imports and parses on a CPU-only machine (the GPU run happens when one is lent)."""
     import importlib.util
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    args = bench.parse_args(["--kivi-attention", "--lengths", "4096", "32768", "--kivi-bits", "2", "4"])
-    assert args.kivi_attention and args.lengths == [4096, 32768] and args.kivi_bits == [2, 4]
-    assert not bench.parse_args([]).kivi_attention
+    args = bench.parse_args(["--kivi", "--lengths", "4096", "32768", "--kivi-bits", "2", "4"])
+    assert args.kivi and args.lengths == [4096, 32768] and args.kivi_bits == [2, 4]
+    assert not bench.parse_args([]).kivi
 
 
 def _nvidia_tool(name: str) -> Path:
