@@ -13,7 +13,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from kvbench.aggregate import FULL
+from kvbench.guide import CHANGES_MODEL, PRECISION
+from kvbench.intervals import mean_interval
 from kvbench.report_sections import Section, report_section
+from kvbench.tasks.facts import task_facts
 
 MiB = 2**20
 
@@ -84,33 +88,70 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Se
     )
 
 
+def _keeps_every_token(label: str) -> bool:
+    """Whether a configuration (its variant label, kvbench.aggregate.variant_label: `kivi(bits=2)`,
+    `compose(snapkv+kivi)`) has no token budget: the full cache, quantization, head merging (kvbench.guide's sets)."""
+    name, _, knobs = label.partition("(")
+    parts = knobs.rstrip(")").split("+") if name == "compose" else [name]
+    return all(p in PRECISION | CHANGES_MODEL | {FULL} for p in parts)
+
+
+def _held_MB(pair: pd.DataFrame, side: str) -> float:
+    """Bytes held after the last paired request, each run's last value averaged over runs (as prefix_reuse)."""
+    last = pair.sort_values(f"request_index_{side}").groupby(f"run_id_{side}", sort=False)[f"held_bytes_{side}"]
+    return last.last().mean() / 1e6
+
+
+def compare(per_question: pd.DataFrame, once: pd.DataFrame) -> pd.DataFrame:
+    """Compress once vs per question, paired per request (example_id) within (task, method, budget), `method` the
+    variant label: n, mean score with its 95 % interval in the task's score range, how many requests compress-once
+    answered better / worse, the partial score where the task has one ("" otherwise) and the bytes held after the
+    last paired request. Cells are text, as scripts/compare_reuse.py prints them (the README's tables)."""
+    keys = ["task", "method", "budget"]
+    pairs = per_question.merge(once, on=[*keys, "example_id"], suffixes=("_pq", "_once"))
+    out = []
+    for (task, method, budget), pair in pairs.groupby(keys, sort=False, dropna=False):
+        score_range = task_facts(task).score_range
+        m1, lo1, hi1, _ = mean_interval(pair.score_pq.to_numpy(), score_range)
+        m2, lo2, hi2, _ = mean_interval(pair.score_once.to_numpy(), score_range)
+        row = {
+            "task": task,
+            "method": method,
+            "budget": "–" if _keeps_every_token(method) else f"{budget:g}",
+            "n": len(pair),
+            "score per q.": f"{m1:.3f} ({lo1:.2f}–{hi1:.2f})",
+            "score once": f"{m2:.3f} ({lo2:.2f}–{hi2:.2f})",
+            "once better/worse": f"{(pair.score_once > pair.score_pq).sum()}/{(pair.score_once < pair.score_pq).sum()}",
+            "partial per q. / once": (
+                f"{pair.score_partial_pq.mean():.3f} / {pair.score_partial_once.mean():.3f}"
+                if "score_partial_pq" in pair and pair.score_partial_pq.notna().any()
+                else ""
+            ),
+            "held MB per q. / once": f"{_held_MB(pair, 'pq'):.1f} / {_held_MB(pair, 'once'):.1f}",
+        }
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def prefix_cached(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows run with the prefix cache (both reuse modes): a run without it also writes reuse=per_question."""
+    return rows[_mode(rows) != "no prefix cache"]
+
+
 @report_section("Compress once vs per question", needs=["reuse"])
 def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
-    if rows["reuse"].nunique() < 2:
+    rows = prefix_cached(rows).sort_values("request_index")  # `method` carries the variant (kivi bits=2 and 4 apart)
+    table = compare(rows[rows["reuse"] == "per_question"], rows[rows["reuse"] == "compress_once"])
+    if table.empty:
         return None
-    rows = rows[_mode(rows) != "no prefix cache"]  # both modes with the prefix cache (compress once needs it)
-    rows = rows.sort_values("request_index")  # `method` carries the variant (kivi bits=2 and bits=4 apart)
-    keys = ["task", "method", "budget"]
-    values = ["score"] + (["score_partial"] if "score_partial" in rows and rows["score_partial"].notna().any() else [])
-    per_mode = rows.groupby([*keys, "reuse"], sort=False, dropna=False).agg(
-        n=("score", "size"),
-        **{v: (v, "mean") for v in values},
-        held_MiB=("held_bytes", lambda h: h.iloc[-1] / MiB),  # after the last request: what the workload holds
-    )
-    wide = per_mode.unstack("reuse")
-    if "compress_once" not in wide["n"] or "per_question" not in wide["n"]:
-        return None
-    wide = wide.dropna(subset=[("n", "compress_once"), ("n", "per_question")])
-    table = pd.DataFrame({"task": [k[0] for k in wide.index], "method": [k[1] for k in wide.index]})
-    table["budget"] = [k[2] for k in wide.index]
-    table["n"] = wide[("n", "per_question")].astype(int).to_numpy()
-    for v in [*values, "held_MiB"]:
-        table[f"{v} per_question"] = wide[(v, "per_question")].to_numpy()
-        table[f"{v} compress_once"] = wide[(v, "compress_once")].to_numpy()
+    table = table.loc[:, (table != "").any()]  # no partial score in any task: no column
     note = (
-        "<p>per_question: each prompt compressed with its question (query-aware); compress_once: the shared "
-        "context compressed once without the question, every question answered from it. held_MiB: bytes held "
-        "after the last request (the prefix cache once + every request's own cache).</p>"
+        "<p>Both with the prefix cache, paired per request (example_id). per q. (reuse=per_question): each "
+        "prompt compressed with its question (query-aware); once (reuse=compress_once): the shared context "
+        "compressed once without the question, every question answered from it. score: mean with its 95 % "
+        "interval; once better/worse: requests compress-once answered better / worse; held: bytes held after the "
+        "last paired request (the prefix cache once + every request's own cache), each run's last value averaged "
+        "over runs.</p>"
     )
     table_html, table_md = _table(table)
     return Section(html=note + table_html, markdown=html.unescape(note[3:-4]) + "\n\n" + table_md)

@@ -13,44 +13,18 @@ import sys
 import pandas as pd
 
 from kvbench.aggregate import with_variants
-from kvbench.intervals import mean_interval
+from kvbench.prefix_section import compare, prefix_cached
 from kvbench.results import read_rows
 
 
 def load(path: str, reuse: str) -> pd.DataFrame:
+    """The prefix-cached rows of one reuse mode, `method` the variant label (as the report's rows)."""
     rows = read_rows(path)
     if "reuse" not in rows:
         sys.exit(f"compare_reuse: {path} holds no workload rows (no `reuse` column)")
-    return with_variants(rows[rows.reuse == reuse]).sort_values("request_index")
-
-
-def compare(per_question: pd.DataFrame, once: pd.DataFrame) -> pd.DataFrame:
-    out = []
-    for (task, variant, budget), a in per_question.groupby(["task", "variant", "budget"], sort=False):
-        b = once[(once.task == task) & (once.variant == variant) & (once.budget == budget)]
-        pair = a.merge(b, on="example_id", suffixes=("_pq", "_once"))
-        if not len(pair):
-            continue
-        m1, lo1, hi1, _ = mean_interval(pair.score_pq.to_numpy())
-        m2, lo2, hi2, _ = mean_interval(pair.score_once.to_numpy())
-        last = pair.sort_values("request_index_pq").iloc[-1]  # held after the last paired request
-        row = {
-            "task": task,
-            "method": variant,
-            "budget": "–" if variant.startswith("kivi") or variant == "full" else f"{budget:g}",
-            "n": len(pair),
-            "score per q.": f"{m1:.3f} ({lo1:.2f}–{hi1:.2f})",
-            "score once": f"{m2:.3f} ({lo2:.2f}–{hi2:.2f})",
-            "once better/worse": f"{(pair.score_once > pair.score_pq).sum()}/{(pair.score_once < pair.score_pq).sum()}",
-            "partial per q. / once": (
-                f"{pair.score_partial_pq.mean():.3f} / {pair.score_partial_once.mean():.3f}"
-                if "score_partial_pq" in pair and pair.score_partial_pq.notna().any()
-                else ""
-            ),
-            "held MB per q. / once": f"{last.held_bytes_pq / 1e6:.1f} / {last.held_bytes_once / 1e6:.1f}",
-        }
-        out.append(row)
-    return pd.DataFrame(out)
+    rows = prefix_cached(rows)  # a run without the prefix cache also writes reuse=per_question
+    rows = rows[rows.reuse == reuse]
+    return rows.assign(method=with_variants(rows)["variant"]).sort_values("request_index")
 
 
 def main(argv=None) -> int:

@@ -139,7 +139,7 @@ def test_report_shows_prefix_sections(runs, tmp_path):
     assert any(f.name == "prefix_shared_doc.png" for f in files)
     section = md.split("Compress once vs per question")[1]
     assert "snapkv" in section and "compress_once" in section
-    assert "| held_MiB per_question | held_MiB compress_once |" in section
+    assert "| held MB per q. / once |" in section
     kivi = next(line for line in section.splitlines() if "| kivi" in line)
     assert kivi.split(" | ")[3] == "3"  # n: the 3 requests, each mode
 
@@ -173,8 +173,9 @@ def test_diagnose_on_workloads_per_request(tmp_path):
         return rows.sort_values(["request_index", "method"]).reset_index(drop=True)
 
     plain, cached = diagnosed("plain"), diagnosed("cached", "prefix_cache=true")
-    once, context_only = diagnosed("once", "prefix_cache=true", "reuse=compress_once"), diagnosed(
-        "context_only", "query_aware=false"
+    once, context_only = (
+        diagnosed("once", "prefix_cache=true", "reuse=compress_once"),
+        diagnosed("context_only", "query_aware=false"),
     )
     for rows in (plain, cached, once, context_only):
         assert rows.verdict.map(lambda v: isinstance(v, str)).all() and len(rows) == 2 * 4
