@@ -70,8 +70,8 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
 
 
-def kivi_decode_attention(query, *storage, key_bits: int, value_bits: int, group_size: int, scaling: float, dead=None):
-    """Decode attention of one query on a KIVI layer's packed storage (contract: kivi_attention).
+def kivi_decode_attention(query, storage, scaling: float):
+    """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
     Triton on CUDA (kernels/triton_kivi.py, every bit width: a bits=16 part is simply empty) unless
     KVBENCH_NO_TRITON=1; the torch version otherwise.
@@ -79,10 +79,7 @@ def kivi_decode_attention(query, *storage, key_bits: int, value_bits: int, group
     from kvbench.kernels.kivi_attention import packed_decode_attention
 
     fast = fast_module(query, "triton_kivi")
-    attend = fast.triton_kivi_decode_attention if fast else packed_decode_attention
-    return attend(
-        query, *storage, key_bits=key_bits, value_bits=value_bits, group_size=group_size, scaling=scaling, dead=dead
-    )
+    return (fast.triton_kivi_decode_attention if fast else packed_decode_attention)(query, storage, scaling)
 
 
 __all__ = [

@@ -23,6 +23,7 @@ CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,26 @@ def _in_order(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
 CHUNK_SLOTS = 8192
 
 
+class KiviStorage(NamedTuple):
+    """What attention reads of a KIVI layer (methods/kivi.py KiviLayer.storage); shapes: packed_decode_attention."""
+
+    key_packed: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    key_residual: torch.Tensor
+    value_packed: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    value_residual: torch.Tensor
+    key_bits: int
+    value_bits: int
+    group_size: int
+    dead: torch.Tensor | None = None  # (B, H_kv, n_dead) slots to leave out
+
+
+TENSORS = KiviStorage._fields[:8]  # the layer's tensor attributes, by these names
+
+
 def _key_scores(x, key_packed, key_scale, key_zero, bits, group_size) -> torch.Tensor:
     """x (B, H_kv, G_q, D) (scaling folded in) against the quantized keys: (B, H_kv, G_q, N_k·G) fp32."""
     n_key_groups = key_scale.shape[-1]
@@ -104,22 +125,7 @@ def _value_sums(probs, value_packed, value_scale, value_zero, bits, group_size) 
     return _in_order(total, bits, group_size)  # (B, H_kv, G_q, D)
 
 
-def packed_decode_attention(
-    query: torch.Tensor,
-    key_packed: torch.Tensor,
-    key_scale: torch.Tensor,
-    key_zero: torch.Tensor,
-    key_residual: torch.Tensor,
-    value_packed: torch.Tensor,
-    value_scale: torch.Tensor,
-    value_zero: torch.Tensor,
-    value_residual: torch.Tensor,
-    key_bits: int,
-    value_bits: int,
-    group_size: int,
-    scaling: float,
-    dead: torch.Tensor | None = None,
-) -> torch.Tensor:
+def packed_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: float) -> torch.Tensor:
     """softmax(q·Kᵀ·scaling)·V for one query per sequence over a KIVI layer's storage; returns (B, 1, H_q, D).
 
     query (B, H_q, 1, D); keys: key_packed (B, H_kv, D, N_k·W) int32, key_scale/zero (B, H_kv, D, N_k), then the
@@ -127,6 +133,8 @@ def packed_decode_attention(
     (B, H_kv, T_v, D/G), then value_residual (B, H_kv, r_v, D); N_k·G + r_k = T_v + r_v = T stored slots, in time
     order. dead (B, H_kv, n_dead): slots to leave out. GQA: query head h reads KV head h // (H_q / H_kv).
     """
+    key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero, value_residual = storage[:8]
+    key_bits, value_bits, group_size, dead = storage[8:]
     bsz, n_q_heads, _, head_dim = query.shape  # (B, H_q, 1, D)
     n_kv_heads = key_residual.shape[1]
     n_group = n_q_heads // n_kv_heads

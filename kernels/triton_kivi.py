@@ -29,6 +29,7 @@ import math
 import torch
 
 from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
+from kvbench.kernels.kivi_attention import KiviStorage
 from kvbench.kernels.quantize import words_per_group
 
 # Slots per block: the (G_q, D, BLOCK_T) fp32 product tiles live in registers. Compiled for sm_90 (ptxas, D = 128,
@@ -209,26 +210,17 @@ def _pointer(t: torch.Tensor) -> torch.Tensor:
 
 
 def triton_kivi_decode_attention(
-    query: torch.Tensor,
-    key_packed: torch.Tensor,
-    key_scale: torch.Tensor,
-    key_zero: torch.Tensor,
-    key_residual: torch.Tensor,
-    value_packed: torch.Tensor,
-    value_scale: torch.Tensor,
-    value_zero: torch.Tensor,
-    value_residual: torch.Tensor,
-    key_bits: int,
-    value_bits: int,
-    group_size: int,
-    scaling: float,
-    dead: torch.Tensor | None = None,
-    n_splits: int | None = None,
+    query: torch.Tensor, storage: KiviStorage, scaling: float, n_splits: int | None = None
 ) -> torch.Tensor:
     """kivi_attention.packed_decode_attention in one Triton kernel: query (B, H_q, 1, D) -> (B, 1, H_q, D) in the
     query's dtype. n_splits: slot ranges per (sequence, KV head) merged afterwards; None picks one for the GPU."""
     if not TRITON_AVAILABLE:
         raise RuntimeError("triton is not installed")
+    query = _unit_last(query)
+    key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero, value_residual = (
+        _unit_last(t) for t in storage[:8]
+    )
+    key_bits, value_bits, group_size, dead = storage[8:]
     bsz, n_q_heads, _, head_dim = query.shape  # (B, H_q, 1, D)
     n_kv_heads = key_residual.shape[1]
     group = n_q_heads // n_kv_heads
@@ -240,11 +232,6 @@ def triton_kivi_decode_attention(
     n_blocks = -(-n_slots // block_t)
     splits = n_splits or _n_splits(bsz * n_kv_heads, n_blocks, query.device)
     blocks_per_split = -(-n_blocks // splits)
-    query, key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero, value_residual = (
-        _unit_last(t)
-        for t in (query, key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero,
-                  value_residual)
-    )  # fmt: skip
     if key_scale.stride() != key_zero.stride() or value_scale.stride() != value_zero.stride():
         key_scale, key_zero = key_scale.contiguous(), key_zero.contiguous()  # one set of strides serves both
         value_scale, value_zero = value_scale.contiguous(), value_zero.contiguous()

@@ -46,19 +46,10 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
 from kvbench.kernels import quantize_pack, unpack_dequantize
+from kvbench.kernels.kivi_attention import TENSORS, KiviStorage
 from kvbench.methods.base import METHODS, Method
 
 BITS = (2, 4, 8, 16)
-_TENSORS = (
-    "key_packed",
-    "key_scale",
-    "key_zero",
-    "key_residual",
-    "value_packed",
-    "value_scale",
-    "value_zero",
-    "value_residual",
-)
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +86,7 @@ class KiviLayer(DynamicLayer):
         check_config(self.key_bits, group_size, residual_length, "key_bits")
         check_config(self.value_bits, group_size, residual_length, "value_bits")
         self.group_size, self.residual_length = group_size, residual_length
-        for name in _TENSORS:
+        for name in TENSORS:
             setattr(self, name, None)
         self.dead: torch.Tensor | None = None  # (B, H_kv, n_dead) int32 slots evicted but still stored; None: none
 
@@ -230,16 +221,12 @@ class KiviLayer(DynamicLayer):
         if not (self.key_scale.shape[-1] or self.value_scale.shape[2]):
             return None
 
-        storage = [getattr(self, name) for name in _TENSORS]
-        return kivi_decode_attention(
-            query,
-            *storage,
-            key_bits=self.key_bits,
-            value_bits=self.value_bits,
-            group_size=self.group_size,
-            scaling=scaling,
-            dead=self.dead,
-        )
+        return kivi_decode_attention(query, self.storage(), scaling)
+
+    def storage(self) -> KiviStorage:
+        """The tensors and knobs attention reads (kernels/kivi_attention.py)."""
+        tensors = (getattr(self, name) for name in TENSORS)
+        return KiviStorage(*tensors, self.key_bits, self.value_bits, self.group_size, self.dead)
 
     def n_stored(self) -> int:
         """Stored slots, live or dead."""
@@ -251,7 +238,7 @@ class KiviLayer(DynamicLayer):
         return self.n_stored() - (0 if self.dead is None else self.dead.shape[-1])
 
     def reset(self) -> None:
-        for name in _TENSORS:
+        for name in TENSORS:
             setattr(self, name, None)
         self.dead = None
         super().reset()
@@ -311,7 +298,7 @@ class KiviLayer(DynamicLayer):
 
     def _map(self, fn) -> None:
         if self.is_initialized:
-            for name in _TENSORS:
+            for name in TENSORS:
                 setattr(self, name, fn(getattr(self, name)))
             if self.dead is not None:
                 self.dead = fn(self.dead)

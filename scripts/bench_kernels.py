@@ -75,16 +75,15 @@ def _kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: i
 
     from kvbench.kernels.kivi_attention import packed_decode_attention
     from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
-    from kvbench.methods.kivi import _TENSORS, KiviLayer
+    from kvbench.methods.kivi import KiviLayer
 
     scale = query.shape[-1] ** -0.5
     layer = KiviLayer.from_kv(keys[:, :, :-1], values[:, :, :-1], bits, group, residual)
     view, _ = layer.update(keys[:, :, -1:], values[:, :, -1:])  # the storage one decode step attends to
-    storage = [getattr(view, name) for name in _TENSORS]
-    knobs = dict(key_bits=bits, value_bits=bits, group_size=group, scaling=scale)
+    storage = view.storage()
     paths = {
-        "triton_ms": lambda: triton_kivi_decode_attention(query, *storage, **knobs),  # (B, 1, H_q, D)
-        "torch_packed_ms": lambda: packed_decode_attention(query, *storage, **knobs),
+        "triton_ms": lambda: triton_kivi_decode_attention(query, storage, scale),  # (B, 1, H_q, D)
+        "torch_packed_ms": lambda: packed_decode_attention(query, storage, scale),
         "dequant_sdpa_ms": lambda: sdpa(query, *view.kv(), scale=scale, enable_gqa=True).transpose(1, 2),
         "full_sdpa_ms": lambda: sdpa(query, keys, values, scale=scale, enable_gqa=True).transpose(1, 2),
     }

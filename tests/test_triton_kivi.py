@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kvbench.cache import layer_select
-from kvbench.kernels.kivi_attention import packed_decode_attention
-from kvbench.methods.kivi import _TENSORS, KiviLayer
+from kvbench.kernels.kivi_attention import KiviStorage, packed_decode_attention
+from kvbench.methods.kivi import KiviLayer
 from tests.conftest import run_interpreted
 
 pytest.importorskip("triton")
@@ -38,8 +38,12 @@ IDS = [f"k{c[0]}v{c[1]}-gqa{c[2]}{'-dead' if c[3] else ''}-D{c[4]}g{c[5]}-{str(c
 
 _CHILD = """
 import sys, torch
+from kvbench.kernels.kivi_attention import KiviStorage
 from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
-out = [triton_kivi_decode_attention(q, *storage, **kw) for q, storage, kw in torch.load(sys.argv[1])]
+def call(q, storage, kw):
+    knobs = KiviStorage(*storage, kw["key_bits"], kw["value_bits"], kw["group_size"], kw["dead"])
+    return triton_kivi_decode_attention(q, knobs, kw["scaling"], n_splits=kw["n_splits"])
+out = [call(*case) for case in torch.load(sys.argv[1])]
 torch.save(out, sys.argv[2])
 """
 
@@ -62,7 +66,7 @@ def _case(key_bits, value_bits, group, evicted, head_dim, group_size, residual, 
         assert layer.dead is not None
     view, _ = layer.update(*_kv(1, head_dim, 2, dtype, seed + 1))
     query = torch.randn(2, 2 * group, 1, head_dim, generator=torch.Generator().manual_seed(seed + 2)).to(dtype)
-    storage = tuple(getattr(view, name) for name in _TENSORS)
+    storage = tuple(view.storage()[:8])
     kwargs = dict(key_bits=key_bits, value_bits=value_bits, group_size=group_size, scaling=head_dim**-0.5,
                   dead=view.dead, n_splits=splits)  # fmt: skip
     return query, storage, kwargs
@@ -75,11 +79,19 @@ def _residual_only(dtype=torch.float32):
     assert layer.key_scale.shape[-1] == 0 and layer.value_scale.shape[2] == 0
     query = torch.randn(2, 6, 1, 16, generator=torch.Generator().manual_seed(6)).to(dtype)
     kwargs = dict(key_bits=4, value_bits=4, group_size=8, scaling=0.25, dead=None, n_splits=5)  # 3 empty splits
-    return query, tuple(getattr(layer, name) for name in _TENSORS), kwargs
+    return query, tuple(layer.storage()[:8]), kwargs
+
+
+def _args(storage, kwargs) -> tuple[KiviStorage, float]:
+    """A case's (storage, scaling) as the attention functions take them (the case keeps plain tensors and a dict:
+    the interpreted child process unpickles them)."""
+    return KiviStorage(
+        *storage, kwargs["key_bits"], kwargs["value_bits"], kwargs["group_size"], kwargs["dead"]
+    ), kwargs["scaling"]
 
 
 def _reference(query, storage, kwargs):
-    return packed_decode_attention(query, *storage, **{k: v for k, v in kwargs.items() if k != "n_splits"})
+    return packed_decode_attention(query, *_args(storage, kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +194,14 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     monkeypatch.setattr(triton_kivi, "triton_kivi_decode_attention", lambda *a, **k: calls.append(1))
     for env in ("0", "1"):
         monkeypatch.setenv("KVBENCH_NO_TRITON", env)
-        assert torch.equal(kernels.kivi_decode_attention(query, *storage, **kwargs), _reference(query, storage, kwargs))
+        assert torch.equal(
+            kernels.kivi_decode_attention(query, *_args(storage, kwargs)), _reference(query, storage, kwargs)
+        )
     assert not calls
     on_cuda = types.SimpleNamespace(is_cuda=True)  # what the dispatcher reads of a tensor: where it lives
     monkeypatch.setenv("KVBENCH_NO_TRITON", "0")
     assert (
-        kernels.fast_module(on_cuda, "triton_kivi") is triton_kivi
-        and kernels.fast_module(query, "triton_kivi") is None
+        kernels.fast_module(on_cuda, "triton_kivi") is triton_kivi and kernels.fast_module(query, "triton_kivi") is None
     )
     monkeypatch.setenv("KVBENCH_NO_TRITON", "1")
     assert kernels.fast_module(on_cuda, "triton_kivi") is None
@@ -256,6 +269,6 @@ def test_compiled_kernel_matches_packed_attention_on_cuda():
         query, storage = query.cuda(), tuple(t.cuda() for t in storage)
         kwargs = {**kwargs, "dead": None if kwargs["dead"] is None else kwargs["dead"].cuda()}
         want = _reference(query, storage, kwargs)
-        _assert_matches(triton_kivi_decode_attention(query, *storage, **kwargs), want)
+        _assert_matches(triton_kivi_decode_attention(query, *_args(storage, kwargs), n_splits=kwargs["n_splits"]), want)
         kwargs.pop("n_splits")
-        _assert_matches(kivi_decode_attention(query, *storage, **kwargs), want)  # the dispatch picks the kernel
+        _assert_matches(kivi_decode_attention(query, *_args(storage, kwargs)), want)  # the dispatch picks the kernel
