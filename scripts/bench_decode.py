@@ -15,8 +15,8 @@ here are shared: compare ratios, not absolute numbers across runs). Decoding nev
 from __future__ import annotations
 
 import argparse
-import platform
-from contextlib import contextmanager
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 from omegaconf import OmegaConf
@@ -24,45 +24,31 @@ from omegaconf import OmegaConf
 from kvbench import conf_dir
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
-from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.methods import Budget, build_method
 from kvbench.methods.kivi import KiviLayer
 from kvbench.models import load_model
-
-CONFIGS = [  # (label, method, knobs, budget, packed KIVI attention)
-    ("full", "full", {}, None, True),
-    ("streamingllm 0.5, evict_every=1", "streamingllm", {"evict_every": 1}, 0.5, True),
-    ("streamingllm 0.5, evict_every=K", "streamingllm", {}, 0.5, True),
-    ("streamingllm 0.5, ring", "streamingllm", {"ring": True}, 0.5, True),
-    ("h2o 0.5, evict_every=1", "h2o", {"evict_every": 1}, 0.5, True),
-    ("h2o 0.5, evict_every=K", "h2o", {}, 0.5, True),
-    ("kivi-4, dequantize then attend", "kivi", {"bits": 4}, None, False),
-    ("kivi-4, packed attention", "kivi", {"bits": 4}, None, True),
-]
+from kvbench.results import device_name
 
 
-@contextmanager
+def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, float | None, bool]]:
+    """(label, method, knobs, budget, packed KIVI attention) per row; a label's "=K" is shown as evict_every."""
+    block = {"evict_every": evict_every}
+    kivi = {"bits": 4, "group_size": kivi_group, "residual_length": kivi_group}
+    return [
+        ("full", "full", {}, None, True),
+        ("streamingllm 0.5, evict_every=1", "streamingllm", {"evict_every": 1}, 0.5, True),
+        ("streamingllm 0.5, evict_every=K", "streamingllm", block, 0.5, True),
+        ("streamingllm 0.5, ring", "streamingllm", {"ring": True}, 0.5, True),
+        ("h2o 0.5, evict_every=1", "h2o", {"evict_every": 1}, 0.5, True),
+        ("h2o 0.5, evict_every=K", "h2o", block, 0.5, True),
+        ("kivi-4, dequantize then attend", "kivi", kivi, None, False),
+        ("kivi-4, packed attention", "kivi", kivi, None, True),
+    ]
+
+
 def kivi_path(packed: bool):
     """KIVI's attention on the packed groups, or (packed=False) the dense path it replaced: dequantize, then sdpa."""
-    if packed:
-        yield
-        return
-    real = KiviLayer.attend
-    KiviLayer.attend = lambda self, query, scaling: None  # type: ignore[method-assign]  # None: the dense path
-    try:
-        yield
-    finally:
-        KiviLayer.attend = real  # type: ignore[method-assign]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    return nullcontext() if packed else mock.patch.object(KiviLayer, "attend", lambda *a: None)  # None: dense path
 
 
 def main() -> None:
@@ -79,51 +65,50 @@ def main() -> None:
         "--only", nargs="+", default=None, help="run only the rows whose label contains one of these (full always runs)"
     )
     args = parser.parse_args()
-    configs = [c for c in CONFIGS if c[0] == "full" or args.only is None or any(o in c[0] for o in args.only)]
+    rows = bench_rows(args.evict_every, args.kivi_group)
+    rows = [r for r in rows if r[0] == "full" or args.only is None or any(o in r[0] for o in args.only)]
+    # each row's prefill records what its method asks for; rows asking the same share one prefill per repeat
+    requests = {label: build_method(name, knobs).stats_request() for label, name, knobs, *_ in rows}
+    plain = StatsRequest()
+    distinct = list(dict.fromkeys([plain, *requests.values()]))  # the plain prefill first
+    h2o = next((requests[label] for label, name, *_ in rows if name == "h2o"), None)  # its ratio when an H2O row runs
 
     lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), args.device, args.dtype)
     engine = Engine(lm)
     engine.eos_ids = set()  # always the same number of decode steps
-    print(f"{args.model} {args.dtype} on {cpu_name()}, {torch.get_num_threads()} torch thread(s); shared machine")
+    threads = torch.get_num_threads()
+    print(f"{args.model} {args.dtype} on {device_name(lm.device)}, {threads} torch thread(s); shared machine")
     vocab = min(lm.config.vocab_size, len(lm.tokenizer))
     generator = torch.Generator().manual_seed(0)
-    table = []
+    table: list[tuple[int, str, float, float | None]] = []
     for length in args.lengths:
         ids = torch.randint(vocab, (length,), generator=generator).tolist()
-        prefill_s: dict[str, list[float]] = {"plain": [], "h2o": []}
-        decode_ms: dict[str, list[float]] = {label: [] for label, *_ in configs}
-        with_h2o = any(name == "h2o" for _, name, *_ in configs)  # its prefill (statistics) only when it runs
+        prefill_s: dict[StatsRequest, list[float]] = {request: [] for request in distinct}
+        decode_ms: dict[str, list[float]] = {label: [] for label, *_ in rows}
         for _ in range(args.repeats):
-            plain = engine.prefill(ids, StatsRequest())
-            h2o = engine.prefill(ids, StatsRequest(all_queries=True)) if with_h2o else plain
-            prefill_s["plain"].append(plain.seconds)
-            prefill_s["h2o"].append(h2o.seconds)
-            for label, name, knobs, budget, packed in configs:
-                knobs = {
-                    **method_defaults(name),
-                    **({"evict_every": args.evict_every} if "=K" in label else {}),
-                    **knobs,
-                }
-                if name == "kivi":
-                    knobs.update(group_size=args.kivi_group, residual_length=args.kivi_group)
-                method = build_method(name, knobs)
-                prefill = h2o if name == "h2o" else plain
+            prefills = {request: engine.prefill(ids, request) for request in distinct}
+            for request, prefill in prefills.items():
+                prefill_s[request].append(prefill.seconds)
+            for label, name, knobs, budget, packed in rows:
+                method, prefill = build_method(name, knobs), prefills[requests[label]]
                 with kivi_path(packed):
                     gen = engine.generate(
                         prefill, method, Budget.parse(budget) if budget else None, [], args.decode_tokens + 1
                     )
                 decode_ms[label].append(gen.decode_ms_per_token)
-            del plain, h2o
-        ratio = min(prefill_s["h2o"]) / min(prefill_s["plain"])
+            del prefills
         full = min(decode_ms["full"])
-        print(f"\n{length} tokens: prefill {min(prefill_s['plain']):.2f} s plain", end="", flush=True)
-        print(f", {min(prefill_s['h2o']):.2f} s with H2O's statistics: ×{ratio:.2f}" if with_h2o else "", flush=True)
-        for label, *_ in configs:
+        line, ratio = f"\n{length} tokens: prefill {min(prefill_s[plain]):.2f} s plain", None
+        if h2o is not None:
+            ratio = min(prefill_s[h2o]) / min(prefill_s[plain])
+            line += f", {min(prefill_s[h2o]):.2f} s with H2O's statistics: ×{ratio:.2f}"
+        print(line, flush=True)
+        for label, *_ in rows:
             best = min(decode_ms[label])
             shown = label.replace("=K", f"={args.evict_every}")
             print(f"  {shown:<36} {best:7.1f} ms/token  ×{best / full:.2f} of full", flush=True)
             table.append((length, shown, best, best / full))
-        if with_h2o:
+        if ratio is not None:
             table.append((length, "H2O prefill / plain prefill", ratio, None))
     print("\n| context | configuration | decode ms/token | vs full |\n|---|---|---|---|")
     for length, label, value, vs_full in table:
