@@ -47,10 +47,10 @@ def per_stream(rows: pd.DataFrame) -> pd.DataFrame:
 
 def peak_table(rows: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, task, context_tokens, method, budget), columns = mode → 'delta (absolute)' MiB medians."""
+    if "peak_mem_delta_bytes" not in rows:  # rows from before the column; per_stream reads it
+        rows = rows.assign(peak_mem_delta_bytes=float("nan"))
     frame = per_stream(rows)
     frame = frame.assign(mode=prefill_mode(frame))
-    if "peak_mem_delta_bytes" not in frame:
-        frame = frame.assign(peak_mem_delta_bytes=float("nan"))
     keys = [k for k in ("model", "task", "context_tokens", "method", "budget") if k in frame]
     grouped = frame.groupby([*keys, "mode"], dropna=False)[["peak_mem_delta_bytes", "peak_mem_bytes"]].median()
     cells = grouped.apply(
