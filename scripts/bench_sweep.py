@@ -53,12 +53,29 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         default=None,
-        help='JSON {"label", "seconds", "outputs"} of an older commit\'s shared sweep (same examples and order): '
-        "print today's times against it and how many outputs are identical",
+        help='JSON {"label", "seconds", "outputs", settings} of an older commit\'s shared sweep (same examples and '
+        "order): print today's times against it and how many outputs are identical; refused when its settings "
+        "(model, dtype, lengths, depth, methods, budgets) differ from this run's",
     )
     args = parser.parse_args()
 
     lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"), args.device, args.dtype)
+    # what the outputs depend on: a baseline is compared only with a run of the same settings
+    settings = {
+        "model": args.model,
+        "dtype": str(lm.dtype),
+        "lengths": args.lengths,
+        "depth": args.depth,
+        "methods": args.methods,
+        "budgets": args.budgets,
+    }
+    base = None
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)
+        differ = [f"{k} {base.get(k)} ≠ {v}" for k, v in settings.items() if base.get(k) != v]
+        if differ:
+            raise SystemExit(f"--baseline {args.baseline} was timed with other settings: {'; '.join(differ)}")
     engine = Engine(lm)
     task_cfg = OmegaConf.load(CONF / "task" / "niah.yaml")
     task_cfg.update({"context_lengths": args.lengths, "depths": [args.depth]})
@@ -73,7 +90,7 @@ def main() -> None:
 
     engine.run(build_method("full"), None, examples[0].split(True)[0][:64], max_new_tokens=2)  # warm-up
     start, alone = time.perf_counter(), []
-    if not args.no_separate:
+    if not (args.no_separate or args.save_baseline):
         for ex in examples:
             for method, budget in configs():
                 alone.append(engine.run(method, budget, *ex.split(True), max_new_tokens=ex.max_new_tokens).text)
@@ -86,9 +103,8 @@ def main() -> None:
         for method, _ in todo:
             request = request | method.stats_request()
         prompt, suffix = ex.split(True)
-        start = time.perf_counter()
         prefill = engine.prefill(prompt, request)
-        prefill_s[mode] += time.perf_counter() - start
+        prefill_s[mode] += prefill.seconds  # the prompt's forward pass
         return prefill, suffix
 
     start, shared = time.perf_counter(), []
@@ -98,12 +114,13 @@ def main() -> None:
         for method, budget in todo:
             shared.append(engine.generate(prefill, method, budget, suffix, ex.max_new_tokens).text)
     t_shared = time.perf_counter() - start
-    if args.save_baseline:  # with --no-separate
+    if args.save_baseline:
         import subprocess
 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.save_baseline, "w") as f:
-            json.dump({"label": f"{commit} (shared prefill, one by one)", "seconds": t_shared, "outputs": shared}, f)
+            label = f"{commit} (shared prefill, one by one)"
+            json.dump({"label": label, "seconds": t_shared, "outputs": shared, **settings}, f)
         print(
             f"shared prefill, one by one: {t_shared:.1f} s ({len(shared)} outputs, {lm.dtype}) -> {args.save_baseline}"
         )
@@ -142,9 +159,7 @@ def main() -> None:
         f"compress + decode {after:.2f}× faster)"
         + (f"; vs separate runs {t_alone / t_grid:.2f}× faster" if alone else "")
     )
-    if args.baseline:
-        with open(args.baseline) as f:
-            base = json.load(f)
+    if base is not None:
         auto = grid_rows_as_alone(lm)  # what a default sweep runs: grid_batch=auto batches in float32 only
         default, t_default = (grid, t_grid) if auto else (shared, t_shared)
         print(
