@@ -62,7 +62,7 @@ def configuration(spec: str):
 
 
 def prompt_of(lm, context: int) -> list[int]:
-    text = open(Path(__file__).resolve().parent.parent / "README.md", encoding="utf-8").read()
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     ids = lm.tokenizer(text)["input_ids"]
     while len(ids) < context:
         ids = ids + ids
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
             row_bytes=lambda row: cache_nbytes(cache) // batch,
             max_new_tokens=args.new_tokens,
         )
-        del cache
+        cache = None  # freed before the next measurement (the lambdas above close over the name)
         added = max(0, done.peak - before)
         tokens = args.context + args.new_tokens - 1
         bound = plan_point(arch, hw, method, budget, lm.dtype, tokens, batch, 0.0, limits=False)["decode_s_bound"]
@@ -186,11 +186,15 @@ def main(argv=None) -> int:
         method.bind(lm)
         method.compress(one.kv, one.stats, budget)
         prefill_added = max(0, read_peak(device) - before)
+
+        def estimate(row: dict, batch: int) -> int:
+            """The batch the limit holds at `row`'s measured decode bytes per request."""
+            return (limit - weights - prefill_added) // max(1, row["decode_added_bytes"] // batch)
+
         first = measure(spec, method, budget, one, prefill_added, 1, predicted)
         lo, hi = (1, None) if first["fits"] else (0, 1)
-        per_request = max(1, first["decode_added_bytes"])  # batch 1's measured bytes: the first guess (≤ planner's)
-        guess, tries = min(predicted, (limit - weights - prefill_added) // per_request), 1
-        guess = guess if guess > 1 else predicted
+        # batch 1's measured bytes: the first guess (≤ the planner's); at least 2, the next batch up
+        guess, tries = min(predicted, max(2, estimate(first, 1))), 1
         while hi != lo + 1 and tries < args.max_tries and lo > 0 and guess > lo:
             row = measure(spec, method, budget, one, prefill_added, guess, predicted)
             tries += 1
@@ -201,9 +205,8 @@ def main(argv=None) -> int:
                     break
             else:
                 hi = guess
-            per_request = max(1, row["decode_added_bytes"] // guess)
-            estimate = (limit - weights - prefill_added) // per_request
-            guess = estimate if lo < estimate < (hi or estimate + 1) else (lo + (hi or 2 * lo)) // 2
+            fits = estimate(row, guess)
+            guess = fits if lo < fits < (hi or fits + 1) else (lo + (hi or 2 * lo)) // 2
             guess = min(guess, predicted)
         best = next((r for r in reversed(rows) if r["config"] == spec and r["batch"] == lo), None)
         nan = float("nan")
@@ -259,11 +262,19 @@ def predicted_vs_measured(table: pd.DataFrame, model: str, hardware: str) -> pd.
             ("largest batch within the limit", r["predicted_max_batch"], r["largest_batch"], "requests"),
             ("decode ms per step at that batch", r["decode_ms_bound"], r["decode_ms_per_step"], "ms"),
         ]:
-            out.append({
-                "model": model, "hardware": hardware, "config": r["config"], "context": r["context"],
-                "limit_bytes": r["limit_bytes"], "quantity": quantity, "predicted": predicted, "measured": measured,
-                "unit": unit,
-            })
+            out.append(
+                {
+                    "model": model,
+                    "hardware": hardware,
+                    "config": r["config"],
+                    "context": r["context"],
+                    "limit_bytes": r["limit_bytes"],
+                    "quantity": quantity,
+                    "predicted": predicted,
+                    "measured": measured,
+                    "unit": unit,
+                }
+            )
     return pd.DataFrame(out)
 
 
