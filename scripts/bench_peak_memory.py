@@ -22,18 +22,19 @@ whether its delta fits the cap.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import os
 import sys
 
 os.environ.setdefault("KVBENCH_MMAP_THRESHOLD", "131072")  # before kvbench.memory is imported: peaks = live memory
 
+import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir, inline
 from kvbench.engine import Engine
+from kvbench.guide import markdown
 from kvbench.memory import in_use
 from kvbench.methods import Budget, build_method
 from kvbench.models import load_model
@@ -110,7 +111,7 @@ def main() -> None:
         if args.task == "ppl":
             measure_stream(engine, "full", 1.0, mode, min(args.chunk, 128), ids[:256])
         else:
-            measure(engine, "full", 1.0, mode, args.chunk, ids[:256], 2)
+            measure(engine, "full", 1.0, mode, min(args.chunk, 128), ids[:256], 2)  # chunked: 256 ids in chunks
     loaded = in_use(lm.device)
     what = (
         f"{args.context} text tokens streamed in chunks of {args.chunk} (task=ppl)"
@@ -133,22 +134,18 @@ def main() -> None:
             if args.cap_mib is not None:
                 row["fits_cap"] = row["delta_MiB"] <= args.cap_mib
             rows.append(row)
-            print(
-                "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
-            )
+            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     by = {(r["method"], r["mode"].split()[0]): r for r in rows}
     print(f"\npeak memory over the loaded model (MiB), {args.context} tokens, budget {args.budget}")
-    header = ["method", *args.modes, "kv_MiB"]
-    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
-    for name in args.methods:
-        cells = [f"{by[(name, m)]['delta_MiB']:.0f}" if (name, m) in by else "" for m in args.modes]
-        kv = next(r["kv_MiB"] for r in rows if r["method"] == name)
-        print(f"| {name} | " + " | ".join(cells) + f" | {kv:.1f} |")
+    table = [
+        [name]
+        + [f"{by[(name, m)]['delta_MiB']:.0f}" if (name, m) in by else "" for m in args.modes]
+        + [f"{next(r['kv_MiB'] for r in rows if r['method'] == name):.1f}"]
+        for name in args.methods
+    ]
+    print(markdown(pd.DataFrame(table, columns=["method", *args.modes, "kv_MiB"])))
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        pd.DataFrame(rows).to_csv(args.csv, index=False)
     sys.stdout.flush()
 
 
