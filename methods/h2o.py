@@ -41,7 +41,7 @@ class H2O(DecodeEviction):
     def reset(self) -> None:
         super().reset()
         self._received: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) attention received, summed
-        self._queries: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) queries each key has received
+        self._queries: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) queries each key received (mean)
         self._recent = 0
 
     def stats_request(self) -> StatsRequest:
@@ -60,13 +60,16 @@ class H2O(DecodeEviction):
         n_tokens = received.shape[-1]
         old = self._received.get(layer_idx)
         n_old = 0 if old is None else old.shape[-1]
-        # causal: key i (of T) is seen by the pass's last min(Q, T − i) queries, Q = T − n_old new tokens
-        seen = (n_tokens - torch.arange(n_tokens, device=received.device)).clamp(max=n_tokens - n_old).float()
-        queries = seen.expand_as(received).clone()  # (B, H_kv, T)
         if old is not None:
             received[..., :n_old] += old  # new tokens start from what they received now
-            queries[..., :n_old] += self._queries[layer_idx]
-        self._received[layer_idx], self._queries[layer_idx] = received, queries
+        self._received[layer_idx] = received
+        if self.score == "mean":  # the denominators: only mean reads them
+            # causal: key i (of T) is seen by the pass's last min(Q, T − i) queries, Q = T − n_old new tokens
+            seen = (n_tokens - torch.arange(n_tokens, device=received.device)).clamp(max=n_tokens - n_old).float()
+            queries = seen.expand_as(received).clone()  # (B, H_kv, T)
+            if old is not None:
+                queries[..., :n_old] += self._queries[layer_idx]
+            self._queries[layer_idx] = queries
         return n_tokens
 
     def _ranking(self, layer_idx: int) -> torch.Tensor:
@@ -81,7 +84,8 @@ class H2O(DecodeEviction):
         recent = torch.arange(n_tokens - self._recent, n_tokens, device=ranking.device)
         index = torch.cat([heavy, recent.expand(*ranking.shape[:2], -1)], dim=-1)  # (B, H_kv, n_keep)
         self._received[layer_idx] = self._received[layer_idx].gather(-1, index)
-        self._queries[layer_idx] = self._queries[layer_idx].gather(-1, index)
+        if layer_idx in self._queries:  # score=mean
+            self._queries[layer_idx] = self._queries[layer_idx].gather(-1, index)
         return index
 
     # ---- prefill and decoding ------------------------------------------------------------------------------

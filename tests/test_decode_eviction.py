@@ -168,13 +168,17 @@ def test_streamingllm_blocks_keep_what_per_step_eviction_keeps_at_every_kth_step
         assert all(torch.equal(a, b) for a, b in zip(per_step[step], blocks[step]))
 
 
-def test_h2o_blocks_drop_the_lowest_accumulated_scores_with_every_step_voting():
-    method = build_method("h2o", {"evict_every": 5})
+@pytest.mark.parametrize("score", ["sum", "mean"])
+def test_h2o_blocks_drop_the_lowest_accumulated_scores_with_every_step_voting(score):
+    method = build_method("h2o", {"evict_every": 5, "score": score})
     held = _held_caches(method, Budget.parse(24), 60, 10)
     # the scores follow the held tokens and count every query so far: after 10 steps the recent window's newest
     # token has been seen by 1 query, the oldest kept prompt token by 60 + 10 (mean's denominators)
     assert method._received[0].shape[-1] == held[-1][0].shape[2] == 24
-    assert method._queries[0][0, 0, -1] == 1 and method._queries[0][0, 0, 0] == 70
+    if score == "sum":  # only mean counts the queries
+        assert method._queries == {}
+    else:
+        assert method._queries[0][0, 0, -1] == 1 and method._queries[0][0, 0, 0] == 70
 
 
 @pytest.mark.parametrize("name", ["h2o", "streamingllm"])
