@@ -43,10 +43,12 @@ class Decoding(WrapsScorer):
                 f"decoding: compress_every={self.compress_every} and decode_budget={self.decode_budget} must be ≥ 1"
             )
         self._scorer = build_method(self.scorer, method_defaults(self.scorer))
-        if not getattr(self._scorer, "rescores_while_decoding", True):
-            usable = sorted(name for name in SCORERS if name != self.scorer)
+        # re-scoring a grown cache from later queries' statistics is what re-compressing after a prefill chunk needs
+        if not self._scorer.chunkable():
+            usable = sorted(name for name in SCORERS if not METHODS.get(name).chunk_limit)
             raise KvbenchError(
-                f"decoding: scorer={self.scorer} cannot re-score while decoding; use one of {', '.join(usable)}"
+                f"decoding: scorer={self.scorer} cannot re-score while decoding ({self._scorer.chunk_limit}); "
+                f"use one of {', '.join(usable)}"
             )
         self.reset()
 

@@ -76,7 +76,6 @@ def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_sco
 class KVzip(ScoreEviction):
     # prefill=inline / prefill_chunk cannot serve it: the reconstruction needs the whole prompt's K/V in every layer
     compresses_inline: ClassVar[bool] = False
-    rescores_while_decoding: ClassVar[bool] = False  # its scores need the whole prompt re-read
     chunk_limit: ClassVar[str] = "its reconstruction forward re-reads the whole prefilled prompt"
 
     n_sink: int = 4  # first positions always kept, not repeated
