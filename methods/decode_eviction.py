@@ -89,8 +89,8 @@ class DecodeEviction(Method):
         """Called once after compression when the cache will be held; returns the cache to decode from."""
         return cache
 
-    def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor | None:
-        """Positions (B, H_kv, size) of `layer` (over its size) to keep, sorted ascending; None to keep every token."""
+    def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor:
+        """Positions (B, H_kv, size) of `layer` to keep, sorted ascending; called only when it is over its size."""
         raise NotImplementedError  # abstract: H2O and StreamingLLM implement it
 
     def observe_step(self, layer_idx: int, layer, stats: StatsRecorder) -> None:
@@ -110,19 +110,14 @@ class DecodeEviction(Method):
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         if self._sizes is not None and self.evicts_while_decoding():
-            self._evict(cache, self._sizes, stats, slack=self.evict_every - 1)
-
-    def _evict(self, cache, sizes: list[int], stats: StatsRecorder, slack: int = 0) -> None:
-        """Each layer over its size + `slack` drops to its size; every layer observes the step first."""
-        for layer_idx, (layer, size) in enumerate(zip(cache.layers, sizes)):
-            self._evict_layer(layer_idx, layer, size, stats, slack)
+            for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
+                self._evict_layer(layer_idx, layer, size, stats, slack=self.evict_every - 1)
 
     def _evict_layer(self, layer_idx: int, layer, size: int, stats: StatsRecorder, slack: int = 0) -> None:
+        """The layer observes the step, then drops to its size if it is over its size + `slack`."""
         self.observe_step(layer_idx, layer, stats)
         if layer.get_seq_length() > size + slack:
-            index = self.decode_keep(layer_idx, layer, size, stats)  # (B, H_kv, size) or None
-            if index is not None:
-                layer_select(layer, index)
+            layer_select(layer, self.decode_keep(layer_idx, layer, size, stats))  # (B, H_kv, size)
 
     # streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step
     stream_evicts: ClassVar[bool] = True  # False: every chunk re-selects from all the layer holds (TOVA)

@@ -117,8 +117,5 @@ class StreamingLLM(DecodeEviction):
                 held = sink_and_recent(self._decoded_to, self.start_size, size, keys)[0, 0].tolist()
                 cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
 
-    def decode_keep(self, layer_idx, layer, size, stats):
-        n_tokens = layer.get_seq_length()
-        if n_tokens <= size:
-            return None
-        return sink_and_recent(n_tokens, self.start_size, size, self._like)  # drop the oldest non-sink token(s)
+    def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
+        return sink_and_recent(layer.get_seq_length(), self.start_size, size, self._like)  # drop the oldest non-sink(s)
