@@ -36,7 +36,8 @@ def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Ten
 
     like: any (B, H_kv, ...) tensor on the cache's device."""
     recent = n_keep - start_size
-    index = torch.cat([torch.arange(start_size), torch.arange(n_tokens - recent, n_tokens)]).to(like.device)
+    sinks = torch.arange(start_size, device=like.device)
+    index = torch.cat([sinks, torch.arange(n_tokens - recent, n_tokens, device=like.device)])  # (n_keep,)
     return index.expand(like.shape[0], like.shape[1], -1)  # (B, H_kv, n_keep)
 
 
@@ -114,7 +115,7 @@ class StreamingLLM(DecodeEviction):
             if type(layer) is DynamicLayer and layer.get_seq_length() == size > self.start_size:  # ring from now on
                 keys, values = layer.keys, layer.values
                 assert keys is not None and values is not None  # a layer holding tokens
-                held = sink_and_recent(self._decoded_to, self.start_size, size, keys)[0, 0].tolist()
+                held = [*range(self.start_size), *range(self._decoded_to - size + self.start_size, self._decoded_to)]
                 cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
 
     def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
