@@ -145,7 +145,7 @@ def decoded_layer_tokens(
         return [n + appended + decoded for n in counts]
     # appended tokens (the question, query_aware=false) grow the sizes too (DecodeEviction.on_extend)
     every = getattr(eviction, "evict_every", 1)
-    ring = getattr(eviction, "uses_ring", lambda: False)()
+    ring = getattr(eviction, "ring", False)  # StreamingLLM ring=true: its held layers' one dead slot
     sinks = getattr(eviction, "start_size", 0)  # a ring needs a window beside the sinks
     return [
         _held_after_decoding(n + appended, size + appended, every, decoded, ring and size + appended > sinks)

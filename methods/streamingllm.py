@@ -65,10 +65,6 @@ class StreamingLLM(DecodeEviction):
         super().reset()
         self._decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
 
-    def uses_ring(self) -> bool:
-        """Whether held layers decode in ring buffers (the planner counts their one dead slot: kvbench.kv_bytes)."""
-        return self.ring
-
     def decodes_alone(self) -> bool:
         return self.ring
 
