@@ -64,6 +64,7 @@ class StreamingLLM(DecodeEviction):
     def reset(self) -> None:
         super().reset()
         self._decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
+        self._all_rings = False  # every layer rings: a decode step has nothing left to evict or convert
 
     def decodes_alone(self) -> bool:
         return self.ring
@@ -100,9 +101,11 @@ class StreamingLLM(DecodeEviction):
 
     def on_decode_start(self, cache, position: int) -> None:
         if self.ring and self.held_sizes() is not None:
-            self._decoded_to = position
+            self._decoded_to, self._all_rings = position, False
 
     def on_decode_step(self, cache, stats) -> None:
+        if self._all_rings:
+            return
         super().on_decode_step(cache, stats)  # per-step eviction (a ring layer is never over its size)
         if self._decoded_to is None:
             return
@@ -113,6 +116,7 @@ class StreamingLLM(DecodeEviction):
                 assert keys is not None and values is not None  # a layer holding tokens
                 held = [*range(self.start_size), *range(self._decoded_to - size + self.start_size, self._decoded_to)]
                 cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
+        self._all_rings = all(isinstance(layer, RingLayer) for layer in cache.layers)
 
     def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
         return sink_and_recent(layer.get_seq_length(), self.start_size, size, self._like)  # drop the oldest non-sink(s)
