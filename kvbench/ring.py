@@ -62,7 +62,7 @@ class RingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         """Tokens held: every slot but the one written next (dead or free). The mask size is this + the query."""
-        return len(self.positions) - 1
+        return self.keys.shape[2] - 1
 
     def held_positions(self) -> list[int]:
         """Absolute positions of the held tokens, ascending (what per-step eviction's layer holds, in order)."""
