@@ -12,6 +12,8 @@ mask), and with the logits soft-capped, cap·tanh(s / cap), when the model caps 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 # Query rows (query heads of one KV head × queries) per chunk of scores: the score tile (rows × T fp32, 2 MiB at 4K
@@ -52,11 +54,18 @@ def attention_column_sums(
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
     chunk = max(1, _SCORE_ROWS // group)
     first_query_pos = n_keys - n_queries
+    fused = _fused_kernel(query, mask, softcap)
+    work = torch.empty(torch.get_num_threads() * (bsz * n_q_heads + 1) * n_keys if fused else 0)
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
         n_chunk = q_chunk.shape[3]
         # without a mask, keys after the chunk's last query are all masked: skip them
         visible = n_keys if mask is not None else first_query_pos + start + n_chunk
+        if fused is not None:  # the same steps as below, the elementwise ones and the sums in one C loop per row
+            rows = (q_chunk * (scaling * _LOG2E)).reshape(bsz, n_kv_heads, group * n_chunk, head_dim)
+            scores = torch.matmul(rows.to(product_dtype), keys_t[..., :visible])  # (B, H_kv, G·C, t) log2 units
+            _add_column_sums(fused, scores, out, n_chunk, first_query_pos + start, work)
+            continue
         if softcap is None:  # scaling and log2(e) folded into the (small) query chunk: no pass over the scores
             rows = (q_chunk * (scaling * _LOG2E)).reshape(bsz, n_kv_heads, group * n_chunk, head_dim)
             scores = torch.matmul(rows.to(product_dtype), keys_t[..., :visible]).float()  # (B, H_kv, G·C, t) log2
@@ -79,6 +88,32 @@ def attention_column_sums(
         inv_total.masked_fill_(inv_total.isinf(), 0.0)
         out[..., :visible] += torch.matmul(inv_total.unsqueeze(-2), per_head).squeeze(-2)  # (B, H_kv, G, t)
     return out.reshape(bsz, n_q_heads, n_keys)
+
+
+def _fused_kernel(query: torch.Tensor, mask: torch.Tensor | None, softcap: float | None):
+    """The C kernel (kernels/csrc/softmax_column_sums.c) where it applies — CPU, causal (no model mask), no soft-cap —
+    else None."""
+    if query.device.type != "cpu" or mask is not None or softcap is not None:
+        return None
+    from kvbench.kernels import cpu_ext
+
+    return cpu_ext.load("softmax_column_sums")
+
+
+def _add_column_sums(lib, scores: torch.Tensor, out: torch.Tensor, n_chunk: int, first_pos: int, work) -> None:
+    """out (B, H_kv, G, T)[..., :t] += the causal softmax column sums of a contiguous scores tile (B, H_kv, G·C, t) in
+    log2 units (bf16 or fp32): query c of the chunk sits at key position first_pos + c. work: scratch, ≥ threads ×
+    (B·H_q + 1) × T floats."""
+    from kvbench.kernels.cpu_ext import ptr
+
+    if scores.dtype not in (torch.bfloat16, torch.float32):
+        scores = scores.float()
+    n_heads = out.numel() // out.shape[-1]  # B·H_kv·G
+    lib.softmax_column_sums(
+        ptr(scores), int(scores.dtype == torch.bfloat16), ctypes.c_int64(n_heads), ctypes.c_int64(n_chunk),
+        ctypes.c_int64(scores.shape[-1]), ctypes.c_int64(first_pos), 1, ptr(out), ctypes.c_int64(out.shape[-1]),
+        ptr(work), torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group: int) -> None:

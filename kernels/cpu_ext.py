@@ -1,0 +1,83 @@
+"""C kernels for the CPU, compiled on first use with the machine's C compiler and called through ctypes.
+
+Why C: some CPU paths are a chain of elementwise torch passes over a tile that a single loop does in one (H2O's
+prefill statistics: widen, row max, subtract, exp2, row sum — five passes over every score). Why ctypes and not
+torch.utils.cpp_extension: a plain C file builds in about a second with no torch headers (those take ~40 s) and
+needs no binding code; tensors go in as data pointers, so callers pass contiguous tensors of the stated dtypes.
+
+Built once per source, compiler flags and CPU into KVBENCH_CACHE (default ~/.cache/kvbench)/cpu_ext/, written
+atomically (concurrent first uses are safe). `-march=native`: the library is built for the machine that uses it,
+which is why the CPU's flags are part of the cache key. No compiler, a failed build or KVBENCH_NO_CPU_EXT=1 →
+`load` returns None and the callers run their torch path (a failed build is said once on stderr).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCES = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c11"]
+
+
+def enabled() -> bool:
+    return os.environ.get("KVBENCH_NO_CPU_EXT") != "1"
+
+
+def _cpu_key() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return sys.platform
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench")) / "cpu_ext"
+
+
+def _build(name: str) -> Path | None:
+    source = SOURCES / f"{name}.c"
+    compiler = shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+    if compiler is None:
+        print(f"[kvbench] no C compiler (cc, gcc or $CC): C kernel {name} not built; using torch", file=sys.stderr)
+        return None
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [compiler, *FLAGS, str(source), "-o", str(built), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            error = result.stderr.strip()[:300]
+            print(f"[kvbench] C kernel {name} did not build; using torch: {error}", file=sys.stderr)
+            return None
+        os.replace(built, target)  # atomic: a concurrent builder's identical file is simply replaced
+    return target
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    path = _build(name)
+    return ctypes.CDLL(str(path)) if path else None
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled kernels/csrc/`name`.c, or None (no compiler, failed build, KVBENCH_NO_CPU_EXT=1)."""
+    return _load(name) if enabled() else None
+
+
+def ptr(tensor) -> ctypes.c_void_p:
+    """A tensor's data pointer for a C argument (the caller keeps the tensor alive for the call)."""
+    return ctypes.c_void_p(tensor.data_ptr())

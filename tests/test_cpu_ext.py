@@ -1,0 +1,66 @@
+"""The C CPU kernels (kernels/csrc/, built by kernels/cpu_ext.py) equal their torch paths, and their absence is safe."""
+
+import pytest
+import torch
+
+from kvbench.kernels import attention_column_sums, attention_stats, cpu_ext
+
+needs_cc = pytest.mark.skipif(cpu_ext.load("softmax_column_sums") is None, reason="no C compiler on this machine")
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_column_sums_equal_the_torch_path(monkeypatch, dtype, threads):
+    torch.manual_seed(0)
+    monkeypatch.setattr(attention_stats, "_SCORE_ROWS", 3 * 11)  # several chunks, rows split unevenly over threads
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n_queries in (70, 9, 1):  # the whole prompt, an observation window, one query
+            query = (torch.randn(2, 6, n_queries, 16) * 3).to(dtype)  # (B, H_q, Q, D), GQA group 3
+            key = (torch.randn(2, 2, 70, 16) * 3).to(dtype)  # (B, H_kv, T, D)
+            fused = attention_column_sums(query, key, 0.25)
+            monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+            reference = attention_column_sums(query, key, 0.25)
+            monkeypatch.delenv("KVBENCH_NO_CPU_EXT")
+            torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(fused.sum(-1), torch.full((2, 6), float(n_queries)), rtol=1e-5, atol=0)
+            assert torch.equal(fused, attention_column_sums(query, key, 0.25))  # no dependence on thread timing
+    finally:
+        torch.set_num_threads(previous)
+
+
+@needs_cc
+def test_the_fused_kernel_keeps_fully_masked_rows_and_extreme_scores_finite():
+    query = torch.zeros(1, 1, 4, 4)
+    query[0, 0, 3] = 1e4  # the last query: scores of ±1e4: everything but the row maximum underflows to zero
+    key = torch.randn(1, 1, 4, 4)
+    sums = attention_column_sums(query, key, 1.0)
+    assert torch.isfinite(sums).all()
+    torch.testing.assert_close(sums.sum(-1), torch.tensor([[4.0]]))
+
+
+def test_disabled_or_unbuildable_kernels_fall_back(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+    assert cpu_ext.load("softmax_column_sums") is None
+    monkeypatch.delenv("KVBENCH_NO_CPU_EXT")
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    monkeypatch.setattr(cpu_ext, "SOURCES", tmp_path)
+    if cpu_ext.shutil.which("cc") or cpu_ext.shutil.which("gcc"):
+        assert cpu_ext._build("broken") is None
+        assert "C kernel broken did not build; using torch" in capsys.readouterr().err
+    monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
+    assert cpu_ext._build("broken") is None
+    assert "no C compiler" in capsys.readouterr().err
+    assert not list(tmp_path.glob("cpu_ext/*.so"))  # nothing half-written
+
+
+@needs_cc
+def test_a_built_kernel_is_cached_under_kvbench_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    first = cpu_ext._build("softmax_column_sums")
+    assert first is not None and first.parent == tmp_path / "cpu_ext" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_ext._build("softmax_column_sums") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
