@@ -78,6 +78,21 @@ def load(name: str) -> ctypes.CDLL | None:
     return _load(name) if enabled() else None
 
 
+@functools.cache
+def torch_blas(symbol: str) -> int | None:
+    """The address of a BLAS routine exported by torch's own CPU library (x86 builds link MKL: `sgemm_`,
+    `cblas_gemm_bf16bf16f32`), for kernels that call it per tile; None where this torch has none (then the callers
+    run torch)."""
+    import torch
+
+    for path in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu*")):
+        try:
+            return ctypes.cast(getattr(ctypes.CDLL(str(path)), symbol), ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def ptr(tensor) -> ctypes.c_void_p:
     """A tensor's data pointer for a C argument (the caller keeps the tensor alive for the call)."""
     return ctypes.c_void_p(tensor.data_ptr())

@@ -1,13 +1,13 @@
-/* Column sums of a causal softmax, fused: per row one loop instead of torch's widen / max / subtract / exp2 / sum
- * passes and a matrix-vector product, with the row's exponentials kept in a small buffer instead of a tile in memory.
+/* H2O's prefill statistic, fused on the CPU: for every query head, the column sums of the causal softmax of Q·Kᵀ,
+ * Σ_i softmax_i(j) — without a score tile that torch widens, exponentiates, sums and multiplies in separate passes.
  *
- * scores: n_heads * period rows x cols (row stride cols elements, contiguous), bfloat16 (as uint16) or float32, in
- * log2 units; row r is query c = r % period of head h = r / period. Causal (causal != 0): query c sees the first
- * n_c = min(cols, first_valid + c + 1) columns (its own position is first_valid + c); else all cols.
- *     out[h * out_ld + j] += sum_c 2^(s[r, j] - max_r) / sum_j' 2^(s[r, j'] - max_r)     for j < cols
- * work: n_threads * (n_heads + 1) * cols floats of scratch (per thread: partial sums of the heads it covers, one row).
- * Threads take contiguous blocks of rows; the partial sums are added into out after a barrier, in thread order,
- * so a result does not depend on timing.
+ * Work items are (query head, chunk of `chunk` queries); each computes its scores with one BLAS call (sgemm_ of
+ * torch's own MKL, passed in as a function pointer) into a per-thread float32 tile that stays in cache, then one
+ * loop per row: max, 2^(s - max) into a row buffer with the row's sum, and the row / sum added to the thread's
+ * partial column sums of that head. Items go to threads round-robin in a fixed order and the partials are added up
+ * in thread order after a barrier, so a result depends on the thread count, never on timing. Coarse items, one
+ * parallel region per layer: torch's per-chunk products and passes scaled badly on 2 threads. Inside the parallel
+ * region MKL runs one thread per call.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,72 +35,60 @@ static inline float exp2_nonpositive(float x) {
     return p * scale;
 }
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+typedef void (*sgemm_fortran)(const char *, const char *, const int *, const int *, const int *, const float *,
+                              const float *, const int *, const float *, const int *, const float *, float *,
+                              const int *);
+
+/* scores (rows x cols, row-major, ld cols) = q (rows x dim, ld dim) . kt (dim x cols, ld ld_kt); the BLAS is
+ * column-major, so it computes scoresᵀ (cols x rows) = ktᵀ (cols x dim) . qᵀ (dim x rows) on the same memory */
+static void scores_gemm(sgemm_fortran sgemm, const float *q, const float *kt, int rows, int cols, int dim, int ld_kt,
+                        float *scores) {
+    const float one = 1.0f, zero = 0.0f;
+    sgemm("N", "N", &cols, &rows, &dim, &one, kt, &ld_kt, q, &dim, &zero, scores, &cols);
 }
 
-static inline float row_max_widen(const void *scores, int is_bf16, int64_t offset, int64_t n, float *row,
-                                   const float **source) {
-    float m = -INFINITY;
-    if (is_bf16) { /* widen into the row buffer: the exp loop then reads float32 either way */
-        const uint16_t *h = (const uint16_t *)scores + offset;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++) {
-            row[j] = bf16_to_float(h[j]);
-            m = row[j] > m ? row[j] : m;
-        }
-        *source = row;
-    } else {
-        const float *s = (const float *)scores + offset;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-        *source = s;
-    }
-    return m;
-}
-
-static inline int covers(int64_t first_row, int64_t last_row, int64_t head, int64_t period) {
-    return first_row < last_row && first_row / period <= head && head <= (last_row - 1) / period;
-}
-
-void softmax_column_sums(const void *scores, int is_bf16, int64_t n_heads, int64_t period, int64_t cols,
-                         int64_t first_valid, int causal, float *out, int64_t out_ld, float *work, int n_threads) {
-    int64_t rows = n_heads * period;
+/* q: (n_kv, group, n_queries, dim) float32 contiguous, rows pre-scaled into log2 units;
+ * kt: (n_kv, dim, n_keys) float32 contiguous (keys transposed); query i sits at key position n_keys - n_queries + i.
+ * out: (n_kv, group, n_keys) float32, += the column sums. work: n_threads * (chunk + group * n_kv + 1) * n_keys. */
+void causal_column_sums(const float *q, const float *kt, int64_t n_kv, int64_t group, int64_t n_queries,
+                        int64_t n_keys, int64_t dim, int64_t chunk, sgemm_fortran sgemm, float *out, float *work,
+                        int n_threads) {
+    int64_t n_heads = n_kv * group, n_chunks = (n_queries + chunk - 1) / chunk, first_pos = n_keys - n_queries;
+    int64_t per_thread = (chunk + n_heads + 1) * n_keys;
 #pragma omp parallel num_threads(n_threads)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
-        float *partial = work + t * (n_heads + 1) * cols;  /* (n_heads, cols) */
-        float *row = partial + n_heads * cols;             /* (cols,) */
-        if (r0 < r1) memset(partial + (r0 / period) * cols, 0, ((r1 - 1) / period - r0 / period + 1) * cols * 4);
-        for (int64_t r = r0; r < r1; r++) {
-            int64_t n = causal ? first_valid + r % period + 1 : cols;
-            n = n < cols ? n : cols;
-            const float *s;
-            float m = row_max_widen(scores, is_bf16, r * cols, n, row, &s);
-            if (n == 0 || m == -INFINITY) continue;  /* a fully masked row adds nothing */
-            float total = 0.0f;
+        float *tile = work + t * per_thread, *partial = tile + chunk * n_keys, *row = partial + n_heads * n_keys;
+        memset(partial, 0, n_heads * n_keys * sizeof(float));
+        for (int64_t item = t; item < n_heads * n_chunks; item += nt) { /* chunk-major: causal cost spreads evenly */
+            int64_t c0 = (item / n_heads) * chunk, head = item % n_heads, kv = head / group;
+            int64_t rows = n_queries - c0 < chunk ? n_queries - c0 : chunk, visible = first_pos + c0 + rows;
+            scores_gemm(sgemm, q + (head * n_queries + c0) * dim, kt + kv * dim * n_keys, (int)rows, (int)visible,
+                        (int)dim, (int)n_keys, tile);
+            float *acc = partial + head * n_keys;
+            for (int64_t r = 0; r < rows; r++) {
+                int64_t n = first_pos + c0 + r + 1; /* causal: keys up to the query's own position */
+                const float *s = tile + r * visible;
+                float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+                for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : total)
-            for (int64_t j = 0; j < n; j++) {
-                row[j] = exp2_nonpositive(s[j] - m);
-                total += row[j];
-            }
-            float inv = 1.0f / total, *acc = partial + (r / period) * cols;
+                for (int64_t j = 0; j < n; j++) {
+                    row[j] = exp2_nonpositive(s[j] - m);
+                    total += row[j];
+                }
+                float inv = 1.0f / total;
 #pragma omp simd
-            for (int64_t j = 0; j < n; j++) acc[j] += row[j] * inv;
+                for (int64_t j = 0; j < n; j++) acc[j] += row[j] * inv;
+            }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < n_heads; h++) {
-            float *dst = out + h * out_ld;
             for (int64_t u = 0; u < nt; u++) {
-                if (!covers(rows * u / nt, rows * (u + 1) / nt, h, period)) continue;
-                const float *src = work + u * (n_heads + 1) * cols + h * cols;
+                const float *src = work + u * per_thread + chunk * n_keys + h * n_keys;
 #pragma omp simd
-                for (int64_t j = 0; j < cols; j++) dst[j] += src[j];
+                for (int64_t j = 0; j < n_keys; j++) out[h * n_keys + j] += src[j];
             }
         }
     }
