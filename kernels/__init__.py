@@ -74,12 +74,16 @@ def kivi_decode_attention(query, storage, scaling: float):
     """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
     Triton on CUDA (kernels/triton_kivi.py, every bit width: a bits=16 part is simply empty) unless
-    KVBENCH_NO_TRITON=1; the torch version otherwise.
+    KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_decode_attention.c) unless KVBENCH_NO_CPU_EXT=1
+    or no C compiler; the torch version otherwise.
     """
-    from kvbench.kernels.kivi_attention import packed_decode_attention
+    from kvbench.kernels.kivi_attention import cpu_decode_attention, packed_decode_attention
 
     fast = fast_module(query, "triton_kivi")
-    return (fast.triton_kivi_decode_attention if fast else packed_decode_attention)(query, storage, scaling)
+    if fast:
+        return fast.triton_kivi_decode_attention(query, storage, scaling)
+    out = cpu_decode_attention(query, storage, scaling)
+    return packed_decode_attention(query, storage, scaling) if out is None else out
 
 
 __all__ = [

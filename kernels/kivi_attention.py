@@ -1,4 +1,5 @@
-"""Decode attention straight on KIVI's packed groups: no dequantized copy of the cache (pure torch).
+"""Decode attention straight on KIVI's packed groups: no dequantized copy of the cache (the torch reference, and its
+C version for the CPU: `cpu_decode_attention`, kernels/csrc/kivi_decode_attention.c).
 
 Storage (methods/kivi.py, kernels/quantize.py): keys quantized per channel in groups of G tokens, values per token
 in groups of G channels; k = c·s + z with integer codes c, one (scale s, zero z) per group. For one query x the
@@ -22,6 +23,7 @@ CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from typing import NamedTuple
 
@@ -155,3 +157,41 @@ def packed_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: 
         probs = probs[..., :n_values]  # (B, H_kv, G_q, T_v)
         out = out + _value_sums(probs, value_packed, value_scale, value_zero, value_bits, group_size)
     return out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)
+
+
+def cpu_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: float) -> torch.Tensor | None:
+    """packed_decode_attention in one C call (kernels/csrc/kivi_decode_attention.c: the codes unpacked in registers
+    and L1, never written out), or None where it does not apply: not on the CPU, a model dtype other than fp32 or
+    bf16, no C compiler, KVBENCH_NO_CPU_EXT=1. Same shapes and result (to fp32 summation order); deterministic,
+    whatever the thread count."""
+    from kvbench.kernels import cpu_ext
+
+    dtype = query.dtype
+    if query.device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    floats = (storage.key_scale, storage.key_zero, storage.key_residual, storage.value_scale, storage.value_zero,
+              storage.value_residual)  # fmt: skip
+    if any(t.dtype != dtype for t in floats):
+        return None
+    lib = cpu_ext.load("kivi_decode_attention")
+    if lib is None:
+        return None
+    key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero, value_residual = (
+        t.contiguous() for t in storage[:8]
+    )
+    query, dead = query.contiguous(), storage.dead  # (B, H_q, 1, D): the layout of (B, H_kv, G_q, D)
+    dead = torch.empty(0, dtype=torch.int32) if dead is None else dead.to(torch.int32).contiguous()  # (B, H_kv, n)
+    bsz, n_q_heads, _, head_dim = query.shape
+    n_kv_heads = key_residual.shape[1]
+    out = torch.empty(bsz, 1, n_q_heads, head_dim, dtype=dtype)  # (B, 1, H_q, D): the layout of (B, H_kv, G_q, D)
+    ptr, i64 = cpu_ext.ptr, ctypes.c_int64
+    failed = lib.kivi_decode_attention(
+        ptr(query), ptr(out), int(dtype == torch.bfloat16), ctypes.c_double(scaling), i64(bsz), i64(n_kv_heads),
+        i64(n_q_heads // n_kv_heads), i64(head_dim), i64(storage.group_size),
+        ptr(key_packed), ptr(key_scale), ptr(key_zero), i64(key_scale.shape[-1]), storage.key_bits,
+        ptr(key_residual), i64(key_residual.shape[2]),
+        ptr(value_packed), ptr(value_scale), ptr(value_zero), i64(value_scale.shape[2]), storage.value_bits,
+        ptr(value_residual), i64(value_residual.shape[2]),
+        ptr(dead), i64(dead.shape[-1] if dead.dim() == 3 else 0), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if failed else out

@@ -7,7 +7,8 @@ Per context length, on one random prompt: the prefill time with H2O's statistics
 sums) over the plain prefill's, and the decode ms/token of the full cache, StreamingLLM 0.5 and H2O 0.5 (per-step
 eviction, evict_every=1, the originals; and in blocks, evict_every=K; StreamingLLM also in a ring buffer, ring=true:
 per-step eviction's tokens, no per-step copy) and KIVI-4 (dequantize-then-attend, the
-path before packed attention, and attention on the packed groups). Each figure is the best of `repeats`, the
+path before packed attention, and attention on the packed groups: by the torch version, and by the dispatcher's
+choice — the C kernel on the CPU). Each figure is the best of `repeats`, the
 configurations interleaved within each repeat; ratios are to the full cache measured in this run (the machines
 here are shared: compare ratios, not absolute numbers across runs). Decoding never stops at EOS.
 """
@@ -15,6 +16,7 @@ here are shared: compare ratios, not absolute numbers across runs). Decoding nev
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import nullcontext
 from unittest import mock
 
@@ -30,25 +32,31 @@ from kvbench.models import load_model
 from kvbench.results import device_name
 
 
-def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, float | None, bool]]:
-    """(label, method, knobs, budget, packed KIVI attention) per row; a label's "=K" is shown as evict_every."""
+def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, float | None, str]]:
+    """(label, method, knobs, budget, KIVI attention path: kivi_path) per row; a label's "=K" is shown as
+    evict_every."""
     block = {"evict_every": evict_every}
     kivi = {"bits": 4, "group_size": kivi_group, "residual_length": kivi_group}
     return [
-        ("full", "full", {}, None, True),
-        ("streamingllm 0.5, evict_every=1", "streamingllm", {"evict_every": 1}, 0.5, True),
-        ("streamingllm 0.5, evict_every=K", "streamingllm", block, 0.5, True),
-        ("streamingllm 0.5, ring", "streamingllm", {"ring": True}, 0.5, True),
-        ("h2o 0.5, evict_every=1", "h2o", {"evict_every": 1}, 0.5, True),
-        ("h2o 0.5, evict_every=K", "h2o", block, 0.5, True),
-        ("kivi-4, dequantize then attend", "kivi", kivi, None, False),
-        ("kivi-4, packed attention", "kivi", kivi, None, True),
+        ("full", "full", {}, None, "packed"),
+        ("streamingllm 0.5, evict_every=1", "streamingllm", {"evict_every": 1}, 0.5, "packed"),
+        ("streamingllm 0.5, evict_every=K", "streamingllm", block, 0.5, "packed"),
+        ("streamingllm 0.5, ring", "streamingllm", {"ring": True}, 0.5, "packed"),
+        ("h2o 0.5, evict_every=1", "h2o", {"evict_every": 1}, 0.5, "packed"),
+        ("h2o 0.5, evict_every=K", "h2o", block, 0.5, "packed"),
+        ("kivi-4, dequantize then attend", "kivi", kivi, None, "dense"),
+        ("kivi-4, packed attention, torch", "kivi", kivi, None, "torch"),
+        ("kivi-4, packed attention", "kivi", kivi, None, "packed"),
     ]
 
 
-def kivi_path(packed: bool):
-    """KIVI's attention on the packed groups, or (packed=False) the dense path it replaced: dequantize, then sdpa."""
-    return nullcontext() if packed else mock.patch.object(KiviLayer, "attend", lambda *a: None)  # None: dense path
+def kivi_path(path: str):
+    """KIVI's attention on the packed groups by the dispatcher's choice (path="packed": the C kernel on the CPU), by
+    the torch version (path="torch": C kernels off), or the dense path they replaced (path="dense": dequantize, then
+    sdpa)."""
+    if path == "dense":
+        return mock.patch.object(KiviLayer, "attend", lambda *a: None)  # None: the attention function's dense path
+    return mock.patch.dict(os.environ, {"KVBENCH_NO_CPU_EXT": "1"}) if path == "torch" else nullcontext()
 
 
 def main() -> None:
@@ -89,9 +97,9 @@ def main() -> None:
             prefills = {request: engine.prefill(ids, request) for request in distinct}
             for request, prefill in prefills.items():
                 prefill_s[request].append(prefill.seconds)
-            for label, name, knobs, budget, packed in rows:
+            for label, name, knobs, budget, path in rows:
                 method, prefill = build_method(name, knobs), prefills[requests[label]]
-                with kivi_path(packed):
+                with kivi_path(path):
                     gen = engine.generate(
                         prefill, method, Budget.parse(budget) if budget else None, [], args.decode_tokens + 1
                     )

@@ -183,13 +183,15 @@ def test_merge_of_splits_equals_one_softmax():
 
 
 def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
-    """kivi_decode_attention: the torch version off CUDA (whatever KVBENCH_NO_TRITON says); the Triton module for a
-    CUDA tensor unless KVBENCH_NO_TRITON=1."""
+    """kivi_decode_attention: the torch version off CUDA (whatever KVBENCH_NO_TRITON says; C kernels off here, the CPU's
+    C kernel has its own tests in test_kivi_attention.py); the Triton module for a CUDA tensor unless
+    KVBENCH_NO_TRITON=1."""
     import kvbench.kernels as kernels
     from kvbench.kernels import triton_kivi
 
     query, storage, kwargs = _case(4, 2, 2, True, 16, 8, 16, torch.float32, 1)
     kwargs.pop("n_splits")
+    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
     calls = []
     monkeypatch.setattr(triton_kivi, "triton_kivi_decode_attention", lambda *a, **k: calls.append(1))
     for env in ("0", "1"):
