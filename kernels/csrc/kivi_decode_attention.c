@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#pragma GCC optimize("fp-contract=fast") /* a * b + c as one FMA (-std=c11 turns contraction off) */
+
 #define KEY_BLOCK_TOKENS 256   /* quantized key slots per work item of phase 1 (whole groups) */
 #define VALUE_BLOCK_TOKENS 256 /* quantized value tokens per work item of phase 3 */
 
@@ -104,8 +106,8 @@ static inline void fma_rows(float *acc, int64_t acc_stride, const float *m, int6
  * registers), each code vector used by every row. Other W (odd word counts, W = 1) take the generic path. */
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint32_t v4u __attribute__((vector_size(16)));
-typedef uint32_t v2u __attribute__((vector_size(8)));
+typedef uint64_t v4u64 __attribute__((vector_size(32)));
+typedef uint64_t v2u64 __attribute__((vector_size(16)));
 
 static inline __attribute__((always_inline)) v8f code_vector(const int32_t *words, int64_t j, int64_t W, int bits,
                                                              const int small) {
@@ -116,15 +118,16 @@ static inline __attribute__((always_inline)) v8f code_vector(const int32_t *word
         return __builtin_convertvector((v >> (uint32_t)((8 * j) / W * bits)) & mask, v8f);
     }
     v8u shift;
-    if (small == 4) {
-        v4u w;
+    if (small == 4) { /* the 4 words in both halves: one broadcast load (a shuffle of a loaded v4u goes through memory) */
+        v2u64 w;
         memcpy(&w, words, sizeof w);
-        v = __builtin_shufflevector(w, w, 0, 1, 2, 3, 0, 1, 2, 3);
+        v = (v8u)__builtin_shufflevector(w, w, 0, 1, 0, 1);
     } else {
-        v2u w;
+        uint64_t w;
         memcpy(&w, words, sizeof w);
-        v = __builtin_shufflevector(w, w, 0, 1, 0, 1, 0, 1, 0, 1);
+        v = (v8u)(v4u64){w, w, w, w};
     }
+#pragma GCC unroll 8
     for (int l = 0; l < 8; l++) shift[l] = (uint32_t)((8 * j + l) / small * bits);
     return __builtin_convertvector((v >> shift) & mask, v8f);
 }
@@ -141,8 +144,10 @@ static inline __attribute__((always_inline)) void dot_codes(const int32_t *words
         for (int j = 0; j < J; j++) acc[q][j] = (v8f){0};
     for (int64_t s = 0; s < n_steps; s++) {
         const int32_t *w = words + s * stride;
+#pragma GCC unroll 8 /* fully: the accumulators then live in registers */
         for (int j = 0; j < J; j++) {
             v8f c = code_vector(w, j0 + j, W, bits, small);
+#pragma GCC unroll 3
             for (int q = 0; q < NQ; q++) acc[q][j] += c * mult[q * mult_ld + s];
         }
     }
