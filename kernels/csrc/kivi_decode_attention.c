@@ -216,6 +216,33 @@ typedef struct {
 
 static inline int64_t words_per_group(int bits, int64_t group) { return (group * bits + 31) / 32; }
 
+/* out[i] = data[start + i * stride] as floats, i < n */
+static void load_strided(const void *data, int64_t start, int64_t stride, int64_t n, int is_bf16, float *out) {
+    if (is_bf16) {
+        const uint16_t *h = (const uint16_t *)data + start;
+        for (int64_t i = 0; i < n; i++) out[i] = bf16_to_float(h[i * stride]);
+    } else {
+        const float *f = (const float *)data + start;
+        for (int64_t i = 0; i < n; i++) out[i] = f[i * stride];
+    }
+}
+
+/* A group's scale and zero folded into n_rows rows (queries for keys, probabilities for values), vectorised along the
+ * row: scaled[g][i] = rows[g][i] * scale[i] and offset[g * offset_ld] = sum_i rows[g][i] * zero[i], i < n. */
+static void fold(const float *rows, int64_t rows_ld, int64_t n_rows, const float *scale, const float *zero, int64_t n,
+                 float *scaled, int64_t scaled_ld, float *offset, int64_t offset_ld) {
+    for (int64_t g = 0; g < n_rows; g++) {
+        const float *r = rows + g * rows_ld;
+        float *out = scaled + g * scaled_ld, sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; i++) {
+            out[i] = r[i] * scale[i];
+            sum += r[i] * zero[i];
+        }
+        offset[g * offset_ld] = sum;
+    }
+}
+
 /* x = query * scaling * log2(e) of KV head bh: (G_q, D) floats */
 static void scaled_query(const Problem *pr, int64_t bh, float *x) {
     int64_t n = pr->n_group * pr->dim;
@@ -227,19 +254,14 @@ static void key_block(const Problem *pr, int64_t bh, int64_t n0, int64_t n1) {
     const int64_t G_q = pr->n_group, D = pr->dim, G = pr->group, N = pr->n_key_groups;
     const int bits = pr->key_bits, P = 32 / bits;
     const int64_t W = words_per_group(bits, G), Gp = P * W, row_words = N * W;
-    float x[G_q * D], xs[G_q * D], offset[G_q], codes[Gp], acc[G_q * Gp];
+    float x[G_q * D], xs[G_q * D], scale[D], zero[D], offset[G_q], codes[Gp], acc[G_q * Gp];
     scaled_query(pr, bh, x);
     const int32_t *packed = pr->key_packed + bh * D * row_words;
     for (int64_t n = n0; n < n1; n++) {
-        for (int64_t g = 0; g < G_q; g++) offset[g] = 0.0f;
-        for (int64_t d = 0; d < D; d++) { /* scale and zero folded into the query: (x_gd * s_dn), sum_d x_gd * z_dn */
-            float s = load(pr->key_scale, (bh * D + d) * N + n, pr->is_bf16);
-            float z = load(pr->key_zero, (bh * D + d) * N + n, pr->is_bf16);
-            for (int64_t g = 0; g < G_q; g++) {
-                xs[g * D + d] = x[g * D + d] * s;
-                offset[g] += x[g * D + d] * z;
-            }
-        }
+        /* scale and zero folded into the query: x_gd * s_dn, and sum_d x_gd * z_dn */
+        load_strided(pr->key_scale, bh * D * N + n, N, D, pr->is_bf16, scale);
+        load_strided(pr->key_zero, bh * D * N + n, N, D, pr->is_bf16, zero);
+        fold(x, D, G_q, scale, zero, D, xs, D, offset, 1);
         if (fast_path(W)) {
             dot_group(packed + n * W, row_words, D, xs, D, G_q, acc, Gp, W, bits);
         } else {
@@ -298,20 +320,15 @@ static void value_block(const Problem *pr, int64_t bh, int64_t block, int64_t t0
     const int bits = pr->value_bits, P = 32 / bits;
     const int64_t W = words_per_group(bits, G), Gp = P * W, row_words = M * W;
     float codes[Gp], acc[G_q * M * Gp], offset[G_q * M], ps[G_q * VALUE_BLOCK_TOKENS];
+    float scale[VALUE_BLOCK_TOKENS], zero[VALUE_BLOCK_TOKENS];
     memset(acc, 0, sizeof acc);
-    memset(offset, 0, sizeof offset);
     const float *probs = pr->scores + bh * G_q * pr->slots;
     const int32_t *rows = pr->value_packed + (bh * T_v + t0) * row_words;
     for (int64_t m = 0; m < M; m++) {
-        for (int64_t t = t0; t < t1; t++) {
-            float s = load(pr->value_scale, (bh * T_v + t) * M + m, pr->is_bf16);
-            float z = load(pr->value_zero, (bh * T_v + t) * M + m, pr->is_bf16);
-            for (int64_t g = 0; g < G_q; g++) { /* scale and zero folded into the probability */
-                float p = probs[g * pr->slots + t];
-                ps[g * VALUE_BLOCK_TOKENS + t - t0] = p * s;
-                offset[g * M + m] += p * z;
-            }
-        }
+        /* scale and zero folded into the probabilities: p_gt * s_tm, and sum_t p_gt * z_tm */
+        load_strided(pr->value_scale, (bh * T_v + t0) * M + m, M, t1 - t0, pr->is_bf16, scale);
+        load_strided(pr->value_zero, (bh * T_v + t0) * M + m, M, t1 - t0, pr->is_bf16, zero);
+        fold(probs + t0, pr->slots, G_q, scale, zero, t1 - t0, ps, VALUE_BLOCK_TOKENS, offset + m, M);
         if (fast_path(W)) {
             dot_group(rows + m * W, row_words, t1 - t0, ps, VALUE_BLOCK_TOKENS, G_q, acc + m * Gp, M * Gp, W, bits);
             continue;
