@@ -57,9 +57,17 @@ def unpack_dequantize_reference(packed, scale, zero, bits: int, group_size: int,
 
 
 def quantize_pack(x, bits: int, group_size: int):
-    """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize)"""
+    """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize).
+
+    Triton on CUDA unless KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_quantize.c) unless
+    KVBENCH_NO_CPU_EXT=1 or no C compiler; the torch reference otherwise. All bit for bit the same."""
+    from kvbench.kernels.quantize import cpu_quantize_pack
+
     fast = fast_module(x, "triton_quant")
-    return fast.triton_quantize_pack(x, bits, group_size) if fast else quantize_pack_reference(x, bits, group_size)
+    if fast:
+        return fast.triton_quantize_pack(x, bits, group_size)
+    out = cpu_quantize_pack(x, bits, group_size)
+    return quantize_pack_reference(x, bits, group_size) if out is None else out
 
 
 def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvbench.cache import cache_nbytes, layer_select
-from kvbench.kernels.kivi_attention import unpack_codes, unpack_planes
+from kvbench.kernels.kivi_attention import TENSORS, unpack_codes, unpack_planes
 from kvbench.kernels.quantize import quantize_pack, words_per_group
 from kvbench.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.methods import Budget, build_method, method_defaults
@@ -325,3 +325,37 @@ def test_generation_with_the_c_kernel_equals_the_torch_path(c_kernel, params, ti
     torch_path = tiny_engine.run(method, None, prompt_ids, max_new_tokens=12, keep_logits=True)
     assert with_c.token_ids == torch_path.token_ids
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(with_c.logits, torch_path.logits))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [8, 12, 64])
+def test_c_quantize_pack_is_the_reference_bit_for_bit(c_kernel, bits, dtype, group):
+    """kernels/csrc/kivi_quantize.c (KIVI's per-step quantization on the CPU): the same words, scales and zeros as the
+    torch reference — constant groups, -0.0, magnitudes 1e-3..1e3, a transposed (strided) input, padded groups."""
+    from kvbench.kernels.quantize import cpu_quantize_pack
+
+    g = torch.Generator().manual_seed(bits * group)
+    x = (torch.randn(3, 5, 4 * group, generator=g) * torch.logspace(-3, 3, 4 * group)).to(dtype)  # (..., L)
+    x[0, 0, :group] = 1.5  # a constant group: scale 0, codes 0
+    x[1, 1, group : 2 * group] = -0.0
+    for data in (x, x.transpose(0, 1)):
+        got, want = cpu_quantize_pack(data, bits, group), quantize_pack(data, bits, group)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+    assert got[1][0, 0, 0] == 0  # x[0, 0]'s first group (constant), transposed: scale 0
+
+
+def test_kivi_quantizes_through_the_c_kernel_on_cpu(c_kernel, monkeypatch):
+    """The dispatcher (kvbench.kernels.quantize_pack) runs the C quantization on the CPU, the reference without C."""
+    from kvbench.kernels import quantize
+
+    calls = []
+    real = quantize.cpu_quantize_pack
+    monkeypatch.setattr(quantize, "cpu_quantize_pack", lambda *a: calls.append(1) or real(*a))
+    keys, values = _kv(100)
+    layer = KiviLayer.from_kv(keys, values, 4, 8, 16)  # keys and values quantized at the prefill
+    assert len(calls) == 2
+    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+    reference = KiviLayer.from_kv(keys, values, 4, 8, 16)
+    assert len(calls) == 4  # called, and declined: KVBENCH_NO_CPU_EXT=1
+    assert all(torch.equal(getattr(layer, name), getattr(reference, name)) for name in TENSORS)
