@@ -11,12 +11,14 @@
 # LENGTHS × DEPTHS, report=false, an explicit dtype, a fresh results_dir per run (nothing reused). Knobs (env):
 #   DTYPES="float32 bfloat16"  REPS=2  KVBENCH_THREADS=1  LENGTHS=[1024,2048,4096]  DEPTHS=[0.1,0.5,0.9]
 #   METHODS=[snapkv,pyramidkv,h2o,streamingllm,random]  BUDGETS=[0.25,0.5]  LOCK=/tmp/kvbench-bench.lock
+#   ANALYZE_ONLY=1 (no runs: compare the runs already in OUT_DIR again)
 # Threads: older code (before KVBENCH_THREADS existed) calls torch.set_num_threads(os.cpu_count()) when it loads the
 # model, so both runs go through one launcher that caps torch.set_num_threads at KVBENCH_THREADS and prints the
 # thread count the run ended with (checked below: a run at another count is an error). No kvbench code is changed.
 # Prints per run: wall seconds (whole command), sweep seconds (the examples loop, kvbench's "rows computed ... in N s"),
-# their difference (start-up + model load + writing); then per dtype the new/old ratios of the medians and, per pair,
-# how many rows (example × configuration) agree in prediction and score between old and new, and between repeats.
+# their difference (start-up + model load + writing); then per dtype the new/old ratios of the medians, the sweep split
+# into the plain forward (the full rows' prefill_s) and the rest, and how many rows (example × configuration) agree in
+# prediction and score between old and new (the differing rows listed), and between repeats of each.
 set -euo pipefail
 OLD_PY=$(realpath -s "$1") # -s: a venv's python is a symlink, resolving it leaves the venv
 NEW_PY=$(realpath -s "$2")
@@ -76,6 +78,7 @@ one() { # one timed run: one LABEL PYTHON ROOT DTYPE -> $OUT/LABEL/{log,time,row
 }
 
 for dtype in $DTYPES; do
+  [ -n "${ANALYZE_ONLY:-}" ] && break # ANALYZE_ONLY=1: only the comparison, of the runs already in OUT_DIR
   for rep in $(seq 1 "$REPS"); do
     one "$dtype-old-$rep" "$OLD_PY" "$OLD_ROOT" "$dtype"
     one "$dtype-new-$rep" "$NEW_PY" "$NEW_ROOT" "$dtype"
@@ -102,7 +105,9 @@ def agree(a, b):
     both = a.merge(b, left_index=True, right_index=True, suffixes=("_a", "_b"))
     same = (both.prediction_a == both.prediction_b) & (both.score_a == both.score_b)
     differ = both[~same].reset_index()
-    text = f"{int(same.sum())}/{len(a)} rows agree" + ("" if len(a) == len(b) == len(both) else f" ({len(b)} vs {len(a)} rows, {len(both)} in both)")
+    text = f"{int(same.sum())}/{len(a)} rows agree"
+    if not len(a) == len(b) == len(both):
+        text += f" ({len(a)} vs {len(b)} rows, {len(both)} in both)"
     return text, differ
 
 
@@ -119,6 +124,13 @@ for dtype in dtypes:
         n = statistics.median(seconds(x, what) for x in new)
         pairs = " ".join(f"{seconds(b, what) / seconds(a, what):.2f}" for a, b in zip(old, new))
         print(f"{dtype:8s} {name:5s}: old {o:6.1f} s  new {n:6.1f} s  new/old {n / o:.2f}x (medians; per pair {pairs})")
+    # the plain forward = the full cache's prefill_s (a row's prefill_s = the shared forward + its own statistics and
+    # compression); what the sweep spends besides it: statistics, compression, decoding, rows
+    for side, labels in (("old", old), ("new", new)):
+        forward = [pd.read_parquet(out / x / "rows.parquet").query("method == 'full'").prefill_s.sum() for x in labels]
+        rest = [seconds(x, "sweep") - f for x, f in zip(labels, forward)]
+        print(f"{dtype:8s} {side}: plain forward {statistics.median(forward):6.1f} s, the rest of the sweep "
+              f"{statistics.median(rest):6.1f} s (medians)")
     for a, b in [(old[0], new[0])] + [(x, y) for x, y in zip(old, old[1:])] + [(x, y) for x, y in zip(new, new[1:])]:
         text, differ = agree(a, b)
         print(f"{dtype:8s} {a} vs {b}: {text}")
