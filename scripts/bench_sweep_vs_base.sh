@@ -97,7 +97,7 @@ key = ["example_id", "method", "budget"]
 
 def rows(label):
     frame = pd.read_parquet(out / label / "rows.parquet")
-    return frame.set_index(key)[["prediction", "score"]].sort_index()
+    return frame.set_index(key)[["prediction", "score", "kv_bytes"]].sort_index()
 
 
 def agree(a, b):
@@ -105,9 +105,15 @@ def agree(a, b):
     both = a.merge(b, left_index=True, right_index=True, suffixes=("_a", "_b"))
     same = (both.prediction_a == both.prediction_b) & (both.score_a == both.score_b)
     differ = both[~same].reset_index()
-    text = f"{int(same.sum())}/{len(a)} rows agree"
+    text = f"{int(same.sum())}/{len(a)} rows agree in prediction and score"
     if not len(a) == len(b) == len(both):
         text += f" ({len(a)} vs {len(b)} rows, {len(both)} in both)"
+    bytes_differ = both[both.kv_bytes_a != both.kv_bytes_b]  # the kept tokens (+ the generated ones) differ
+    text += f"; kv_bytes equal in {len(both) - len(bytes_differ)}"
+    if len(bytes_differ):
+        ratio = bytes_differ.kv_bytes_b / bytes_differ.kv_bytes_a
+        per_method = bytes_differ.groupby(level="method").size().to_dict()
+        text += f" (differ: {per_method}, second/first {ratio.min():.4f}..{ratio.max():.4f})"
     return text, differ
 
 
