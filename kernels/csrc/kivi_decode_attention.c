@@ -28,6 +28,7 @@
 
 #define KEY_BLOCK_TOKENS 256   /* quantized key slots per work item of phase 1 (whole groups) */
 #define VALUE_BLOCK_TOKENS 256 /* quantized value tokens per work item of phase 3 */
+#define MIN_CODES_PER_THREAD (64 * 1024) /* ~5 us of work on one core: tiny layers stay on one thread */
 
 /* 2^x for x <= 0 (as softmax_column_sums.c's exp2_nonpositive: Taylor series to degree 7 around rint(x), relative
  * error < 1e-8), but 0 below -126, so dead slots (-inf) get exactly 0 as torch's softmax gives them. */
@@ -397,6 +398,10 @@ int kivi_decode_attention(const void *query, void *out, int is_bf16, double scal
     pr.scores = malloc((size_t)(rows * pr.slots + n_heads * value_blocks * n_group * dim + 1) * sizeof(float));
     if (pr.scores == NULL) return 1;
     pr.partial = pr.scores + rows * pr.slots;
+    /* threads only where each gets enough codes to outweigh its start and the phases' barriers */
+    const int64_t codes = n_heads * dim * (n_key_groups * group + n_values);
+    const int64_t useful = codes / MIN_CODES_PER_THREAD > 1 ? codes / MIN_CODES_PER_THREAD : 1;
+    n_threads = useful < n_threads ? (int)useful : n_threads;
 #pragma omp parallel num_threads(n_threads)
     {
 #pragma omp for schedule(static)

@@ -39,6 +39,7 @@ void kivi_quantize_pack(const void *x, int is_bf16, int64_t rows, int64_t length
     const int64_t n_groups = length / group, per_word = 32 / bits, words = (group + per_word - 1) / per_word;
     const uint32_t levels = (1u << bits) - 1u;
     const float smallest = bits_float(1u); /* 2^-149: the reference's clamp, a constant group then gets q = 0 */
+    if (rows * length < 65536) n_threads = 1; /* one decode step's token: threads would cost more than they save */
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t item = 0; item < rows * n_groups; item++) {
         float v[group];
