@@ -23,7 +23,6 @@ CHUNK_SLOTS slots of them at a time (freed as the layer's attention returns).
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from typing import NamedTuple
 
@@ -159,6 +158,9 @@ def packed_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: 
     return out.reshape(bsz, n_q_heads, 1, head_dim).transpose(1, 2).to(query.dtype)  # (B, 1, H_q, D)
 
 
+_NO_DEAD = torch.empty(0, dtype=torch.int32)  # what the C kernel reads as "no dead slots"
+
+
 def cpu_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: float) -> torch.Tensor | None:
     """packed_decode_attention in one C call (kernels/csrc/kivi_decode_attention.c: the codes unpacked in registers
     and L1, never written out), or None where it does not apply: not on the CPU, a model dtype other than fp32 or
@@ -173,25 +175,24 @@ def cpu_decode_attention(query: torch.Tensor, storage: KiviStorage, scaling: flo
               storage.value_residual)  # fmt: skip
     if any(t.dtype != dtype for t in floats):
         return None
-    lib = cpu_ext.load("kivi_decode_attention")
-    if lib is None:
+    kernel = cpu_ext.function("kivi_decode_attention", "ppidlllllpppliplpppliplpli")
+    if kernel is None:
         return None
     key_packed, key_scale, key_zero, key_residual, value_packed, value_scale, value_zero, value_residual = (
         t.contiguous() for t in storage[:8]
     )
     query, dead = query.contiguous(), storage.dead  # (B, H_q, 1, D): the layout of (B, H_kv, G_q, D)
-    dead = torch.empty(0, dtype=torch.int32) if dead is None else dead.to(torch.int32).contiguous()  # (B, H_kv, n)
+    dead = _NO_DEAD if dead is None else dead.to(torch.int32).contiguous()  # (B, H_kv, n_dead)
     bsz, n_q_heads, _, head_dim = query.shape
     n_kv_heads = key_residual.shape[1]
     out = torch.empty(bsz, 1, n_q_heads, head_dim, dtype=dtype)  # (B, 1, H_q, D): the layout of (B, H_kv, G_q, D)
-    ptr, i64 = cpu_ext.ptr, ctypes.c_int64
-    failed = lib.kivi_decode_attention(
-        ptr(query), ptr(out), int(dtype == torch.bfloat16), ctypes.c_double(scaling), i64(bsz), i64(n_kv_heads),
-        i64(n_q_heads // n_kv_heads), i64(head_dim), i64(storage.group_size),
-        ptr(key_packed), ptr(key_scale), ptr(key_zero), i64(key_scale.shape[-1]), storage.key_bits,
-        ptr(key_residual), i64(key_residual.shape[2]),
-        ptr(value_packed), ptr(value_scale), ptr(value_zero), i64(value_scale.shape[2]), storage.value_bits,
-        ptr(value_residual), i64(value_residual.shape[2]),
-        ptr(dead), i64(dead.shape[-1] if dead.dim() == 3 else 0), torch.get_num_threads(),
+    failed = kernel(
+        query.data_ptr(), out.data_ptr(), dtype == torch.bfloat16, scaling, bsz, n_kv_heads, n_q_heads // n_kv_heads,
+        head_dim, storage.group_size,
+        key_packed.data_ptr(), key_scale.data_ptr(), key_zero.data_ptr(), key_scale.shape[-1], storage.key_bits,
+        key_residual.data_ptr(), key_residual.shape[2],
+        value_packed.data_ptr(), value_scale.data_ptr(), value_zero.data_ptr(), value_scale.shape[2],
+        storage.value_bits, value_residual.data_ptr(), value_residual.shape[2],
+        dead.data_ptr(), dead.shape[-1] if dead.dim() == 3 else 0, torch.get_num_threads(),
     )  # fmt: skip
     return None if failed else out

@@ -21,7 +21,6 @@ Storage layout, for x (..., L) with L = n_groups · group_size:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -96,8 +95,8 @@ def cpu_quantize_pack(x: torch.Tensor, bits: int, group_size: int):
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     _check(bits, group_size, x.shape[-1])
-    lib = cpu_ext.load("kivi_quantize")
-    if lib is None:
+    kernel = cpu_ext.function("kivi_quantize", "pillilpppi")
+    if kernel is None:
         return None
     x = x.contiguous()  # (..., L)
     n_groups = x.shape[-1] // group_size
@@ -105,10 +104,9 @@ def cpu_quantize_pack(x: torch.Tensor, bits: int, group_size: int):
     scale = torch.empty(*x.shape[:-1], n_groups, dtype=x.dtype)  # (..., n_groups)
     zero = torch.empty_like(scale)
     rows = x.numel() // max(1, x.shape[-1])
-    ptr, i64 = cpu_ext.ptr, ctypes.c_int64
-    lib.kivi_quantize_pack(
-        ptr(x), int(x.dtype == torch.bfloat16), i64(rows), i64(x.shape[-1]), bits, i64(group_size), ptr(packed),
-        ptr(scale), ptr(zero), torch.get_num_threads(),
+    kernel(
+        x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[-1], bits, group_size, packed.data_ptr(),
+        scale.data_ptr(), zero.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return packed, scale, zero  # (..., n_groups·W), (..., n_groups) ×2
 

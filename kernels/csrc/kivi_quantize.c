@@ -9,6 +9,7 @@
  * packed: words_per_group = ceil(group * bits / 32) int32 words per group, element j in bits [(j % P) * bits, ...)
  * of word j / P (P = 32 / bits, lowest bits first), padding zero. scale, zero: rows x n_groups in x's dtype.
  * No FMA contraction here (-std=c11 turns it off): x - low, the division and + 0.5 must each round as in torch.
+ * Returns 0.
  */
 #include <math.h>
 #include <omp.h>
@@ -34,8 +35,8 @@ static inline float bits_float(uint32_t bits) {
     return f;
 }
 
-void kivi_quantize_pack(const void *x, int is_bf16, int64_t rows, int64_t length, int bits, int64_t group,
-                        int32_t *packed, void *scale_out, void *zero_out, int n_threads) {
+int kivi_quantize(const void *x, int is_bf16, int64_t rows, int64_t length, int bits, int64_t group, int32_t *packed,
+                  void *scale_out, void *zero_out, int n_threads) {
     const int64_t n_groups = length / group, per_word = 32 / bits, words = (group + per_word - 1) / per_word;
     const uint32_t levels = (1u << bits) - 1u;
     const float smallest = bits_float(1u); /* 2^-149: the reference's clamp, a constant group then gets q = 0 */
@@ -78,4 +79,5 @@ void kivi_quantize_pack(const void *x, int is_bf16, int64_t rows, int64_t length
             ((float *)zero_out)[item] = low;
         }
     }
+    return 0;
 }
