@@ -119,10 +119,10 @@ static inline __attribute__((always_inline)) v8f code_vector(const int32_t *word
         return __builtin_convertvector((v >> (uint32_t)((8 * j) / W * bits)) & mask, v8f);
     }
     v8u shift;
-    if (small == 4) { /* the 4 words in both halves: one broadcast load (a shuffle of a loaded v4u goes through memory) */
+    if (small == 4) { /* the 4 words in both halves: one broadcast load, plain C (no shuffle builtins: gcc < 12) */
         v2u64 w;
         memcpy(&w, words, sizeof w);
-        v = (v8u)__builtin_shufflevector(w, w, 0, 1, 0, 1);
+        v = (v8u)(v4u64){w[0], w[1], w[0], w[1]};
     } else {
         uint64_t w;
         memcpy(&w, words, sizeof w);
