@@ -243,8 +243,9 @@ def _storage(bsz, heads, dim, group, key_bits, value_bits, n_key_groups, key_res
                        values[:, :, n_values:].contiguous(), key_bits, value_bits, group, dead)  # fmt: skip
 
 
-# (dim, group): words per group 1 (generic C path), 2, 3 (generic), 4, 8, 16 across the bit widths; padded groups
-@pytest.mark.parametrize("dim,group", [(16, 8), (48, 12), (48, 16), (64, 32), (64, 64)])
+# (dim, group): words per group 1 (generic C path), 2, 3 (generic), 4, 8, 16, 32 across the bit widths (a group in
+# one or several passes of 8 vectors); padded groups
+@pytest.mark.parametrize("dim,group", [(16, 8), (48, 12), (48, 16), (64, 32), (64, 64), (128, 32), (128, 128)])
 @pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 4), (8, 8), (4, 2), (2, 8)])
 def test_c_kernel_equals_torch_path(c_kernel, dim, group, key_bits, value_bits):
     """B = 2, GQA (3 query heads per KV head), dead slots, key residual present / empty, value residual present / empty,
