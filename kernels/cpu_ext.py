@@ -50,14 +50,16 @@ def _build(name: str) -> Path | None:
     if compiler is None:
         print(f"[kvbench] no C compiler (cc, gcc or $CC): C kernel {name} not built; using torch", file=sys.stderr)
         return None
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, *FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    headers = [header.read_text() for header in sorted(SOURCES.glob("*.h"))]  # included by any kernel
+    text = "\0".join([source.read_text(), *headers, compiler, *FLAGS, _cpu_key()])
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, *FLAGS, str(source), "-o", str(built), "-lm"]
+        command = [compiler, *FLAGS, f"-I{SOURCES}", str(source), "-o", str(built), "-lm"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             error = result.stderr.strip()[:300]
@@ -76,6 +78,13 @@ def _load(name: str) -> ctypes.CDLL | None:
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled kernels/csrc/`name`.c, or None (no compiler, failed build, KVBENCH_NO_CPU_EXT=1)."""
     return _load(name) if enabled() else None
+
+
+def load_all() -> None:
+    """Build (or find built) every kernel now — Engine does this on CPU — so a first build's second never lands
+    inside a timed prefill or decode step."""
+    for source in sorted(SOURCES.glob("*.c")):
+        load(source.stem)
 
 
 @functools.cache

@@ -96,6 +96,10 @@ class Engine:
             # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
+        if lm.device.type == "cpu":  # the C kernels' first build (~1 s each, once per machine) before any timing
+            from kvbench.kernels import cpu_ext
+
+            cpu_ext.load_all()
         params = inspect.signature(lm.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         eos = lm.tokenizer.eos_token_id

@@ -80,3 +80,17 @@ def test_a_built_kernel_is_cached_under_kvbench_cache(monkeypatch, tmp_path):
     assert first is not None and first.parent == tmp_path / "cpu_ext" and first.exists()
     mtime = first.stat().st_mtime_ns
     assert cpu_ext._build("softmax_column_sums") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+
+
+@needs_cc
+def test_the_engine_builds_every_kernel_before_anything_is_timed(monkeypatch, tmp_path, tiny):
+    from kvbench.engine import Engine
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    cpu_ext._load.cache_clear()  # as a new process on a machine without them
+    try:
+        Engine(tiny)
+        built = sorted(path.name.split("-")[0] for path in (tmp_path / "cpu_ext").glob("*.so"))
+        assert built == sorted(path.stem for path in cpu_ext.SOURCES.glob("*.c"))
+    finally:
+        cpu_ext._load.cache_clear()  # the other tests load from the default cache again

@@ -25,39 +25,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvbench_math.h"
+
 #pragma GCC optimize("fp-contract=fast") /* a * b + c as one FMA (-std=c11 turns contraction off) */
 
 #define KEY_BLOCK_TOKENS 256   /* quantized key slots per work item of phase 1 (whole groups) */
 #define VALUE_BLOCK_TOKENS 256 /* quantized value tokens per work item of phase 3 */
 #define MIN_CODES_PER_THREAD (64 * 1024) /* ~5 us of work on one core: tiny layers stay on one thread */
-
-/* 2^x for x <= 0 (as softmax_column_sums.c's exp2_nonpositive: Taylor series to degree 7 around rint(x), relative
- * error < 1e-8), but 0 below -126, so dead slots (-inf) get exactly 0 as torch's softmax gives them. */
-static inline float exp2_nonpositive(float x) {
-    int below = x < -126.0f;
-    x = below ? -126.0f : x;
-    float n = rintf(x);
-    float f = x - n;
-    float p = 1.5252733804059840e-05f;
-    p = p * f + 1.5403530393381606e-04f;
-    p = p * f + 1.3333558146428443e-03f;
-    p = p * f + 9.6181291076284772e-03f;
-    p = p * f + 5.5504108664821580e-02f;
-    p = p * f + 2.4022650695910071e-01f;
-    p = p * f + 6.9314718055994531e-01f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return below ? 0.0f : p * scale;
-}
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
     uint32_t bits;
@@ -303,15 +277,7 @@ static void softmax_row(const Problem *pr, int64_t r) {
         s[first + t] = sum;
     }
     for (int64_t i = 0; i < pr->n_dead; i++) s[pr->dead[bh * pr->n_dead + i]] = -INFINITY;
-    float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < T; t++) m = s[t] > m ? s[t] : m;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < T; t++) {
-        s[t] = exp2_nonpositive(s[t] - m);
-        total += s[t];
-    }
-    float inv = 1.0f / total;
+    float inv = 1.0f / exp2_shifted_row(s, s, T);
 #pragma omp simd
     for (int64_t t = 0; t < T; t++) s[t] *= inv;
 }

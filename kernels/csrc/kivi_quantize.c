@@ -16,12 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
+#include "kvbench_math.h"
 
 static inline uint32_t float_bits(float f) {
     uint32_t bits;

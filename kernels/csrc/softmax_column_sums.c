@@ -14,26 +14,7 @@
 #include <omp.h>
 #include <string.h>
 
-/* 2^x for x <= 0: x = n + f, n = rint(x), |f| <= 1/2; 2^f by its Taylor series to degree 7 (relative error < 1e-8,
- * below float32's rounding), 2^n built in the exponent bits. Clamped at -126 (2^-126 ~ 1e-38: nothing a column sum
- * of probabilities can see), which keeps 2^n a normal float. */
-static inline float exp2_nonpositive(float x) {
-    x = x < -126.0f ? -126.0f : x;
-    float n = rintf(x);
-    float f = x - n;
-    float p = 1.5252733804059840e-05f;      /* ln2^7 / 7! */
-    p = p * f + 1.5403530393381606e-04f;    /* ln2^6 / 6! */
-    p = p * f + 1.3333558146428443e-03f;    /* ln2^5 / 5! */
-    p = p * f + 9.6181291076284772e-03f;    /* ln2^4 / 4! */
-    p = p * f + 5.5504108664821580e-02f;    /* ln2^3 / 3! */
-    p = p * f + 2.4022650695910071e-01f;    /* ln2^2 / 2! */
-    p = p * f + 6.9314718055994531e-01f;    /* ln2 */
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#include "kvbench_math.h"
 
 typedef void (*sgemm_fortran)(const char *, const char *, const int *, const int *, const int *, const float *,
                               const float *, const int *, const float *, const int *, const float *, float *,
@@ -68,15 +49,7 @@ void causal_column_sums(const float *q, const float *kt, int64_t n_kv, int64_t g
             float *acc = partial + head * n_keys;
             for (int64_t r = 0; r < rows; r++) {
                 int64_t n = first_pos + c0 + r + 1; /* causal: keys up to the query's own position */
-                const float *s = tile + r * visible;
-                float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-                for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-#pragma omp simd reduction(+ : total)
-                for (int64_t j = 0; j < n; j++) {
-                    row[j] = exp2_nonpositive(s[j] - m);
-                    total += row[j];
-                }
+                float total = exp2_shifted_row(tile + r * visible, row, n);
                 float inv = 1.0f / total;
 #pragma omp simd
                 for (int64_t j = 0; j < n; j++) acc[j] += row[j] * inv;

@@ -1,0 +1,57 @@
+/* Small numeric pieces the C kernels share (kernels/cpu_ext.py builds each kernel with this folder on the include
+ * path and puts every header's text into its cache key, so a change here rebuilds them all). */
+#ifndef KVBENCH_MATH_H
+#define KVBENCH_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* 2^x for x <= 0: x = n + f, n = rint(x), |f| <= 1/2; 2^f by its Taylor series to degree 7 (relative error < 1e-8,
+ * below float32's rounding), 2^n built in the exponent bits; exactly 0 below -126 (2^-126 ~ 1e-38: what a softmax
+ * can see of it), so -inf scores (masked, dead slots) get 0 as torch's softmax gives them. Vectorises. */
+static inline float exp2_nonpositive(float x) {
+    int below = x < -126.0f;
+    x = below ? -126.0f : x;
+    float n = rintf(x);
+    float f = x - n;
+    float p = 1.5252733804059840e-05f;   /* ln2^7 / 7! */
+    p = p * f + 1.5403530393381606e-04f; /* ln2^6 / 6! */
+    p = p * f + 1.3333558146428443e-03f; /* ln2^5 / 5! */
+    p = p * f + 9.6181291076284772e-03f; /* ln2^4 / 4! */
+    p = p * f + 5.5504108664821580e-02f; /* ln2^3 / 3! */
+    p = p * f + 2.4022650695910071e-01f; /* ln2^2 / 2! */
+    p = p * f + 6.9314718055994531e-01f; /* ln2 */
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return below ? 0.0f : p * scale;
+}
+
+/* dst[j] = 2^(src[j] - max src) for j < n (dst may be src): a softmax row in log2 units, not yet divided by its
+ * sum, which is returned (0, with dst zeroed, when n == 0 or every score is -inf). */
+static inline float exp2_shifted_row(const float *src, float *dst, int64_t n) {
+    float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; j++) m = src[j] > m ? src[j] : m;
+    if (m == -INFINITY) {
+        memset(dst, 0, n * sizeof(float));
+        return 0.0f;
+    }
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; j++) {
+        dst[j] = exp2_nonpositive(src[j] - m);
+        total += dst[j];
+    }
+    return total;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+#endif
