@@ -61,7 +61,7 @@ echo "out: $OUT"
 one() { # one timed run: one LABEL PYTHON ROOT DTYPE -> $OUT/LABEL/{log,time,rows.parquet}
   local label=$1 py=$2 root=$3 dtype=$4 dir=$OUT/$1
   mkdir -p "$dir"
-  (cd "$root" && flock "$LOCK" /usr/bin/time -f "%e" -o "$dir/time" "$py" -c "$LAUNCH" \
+  (cd "$root" && flock "$LOCK" /usr/bin/time -f "%e %P" -o "$dir/time" "$py" -c "$LAUNCH" \
     "grid.method=$METHODS" "grid.budget=$BUDGETS" "task.context_lengths=$LENGTHS" "task.depths=$DEPTHS" \
     "dtype=$dtype" report=false "results_dir=$dir/store" "hydra.run.dir=$dir" >"$dir/log" 2>&1) || {
     tail -5 "$dir/log"
@@ -72,8 +72,10 @@ one() { # one timed run: one LABEL PYTHON ROOT DTYPE -> $OUT/LABEL/{log,time,row
   threads=$(grep -o 'torch threads at exit: [0-9]*' "$dir/log" | grep -o '[0-9]*$')
   sweep=$(grep -o 'reused from the store, in [0-9]* s' "$dir/log" | grep -o '[0-9]* s$' | cut -d' ' -f1)
   [ "$threads" = "$KVBENCH_THREADS" ] || { echo "$label ran $threads torch threads, not $KVBENCH_THREADS"; exit 1; }
-  printf '%-18s wall %7.1f s   sweep %5d s   start-up+load+write %5.1f s   threads %s\n' \
-    "$label" "$(cat "$dir/time")" "$sweep" "$(echo "$(cat "$dir/time") - $sweep" | bc)" "$threads"
+  local wall cpu
+  read -r wall cpu <"$dir/time" # cpu: (user + system) / wall, 100% = one core busy
+  printf '%-18s wall %7.1f s   sweep %5d s   start-up+load+write %5.1f s   threads %s   cpu %s\n' \
+    "$label" "$wall" "$sweep" "$(echo "$wall - $sweep" | bc)" "$threads" "$cpu"
   echo "$sweep" >"$dir/sweep"
 }
 
