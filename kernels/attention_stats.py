@@ -55,7 +55,8 @@ def attention_column_sums(
     chunk = max(1, _SCORE_ROWS // group)
     first_query_pos = n_keys - n_queries
     fused = _fused_kernel(query.device, product_dtype, mask, softcap)
-    if fused is not None:  # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c)
+    # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c); inconsistent shapes: torch says why
+    if fused is not None and n_queries <= n_keys and key.shape[-1] == head_dim:
         # bf16 rows widened after the rounding eager attention does; bf16 × bf16 is exact in fp32, so the fp32
         # product is the bf16 product with fp32 accumulation (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
         rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).float().contiguous()  # (B, H_kv, G, Q, D) log2
@@ -91,9 +92,14 @@ def attention_column_sums(
     return out.reshape(bsz, n_q_heads, n_keys)
 
 
-# Queries per work item of the C kernel (its chunk × T fp32 score tile, 2 MiB at 4K keys, stays in L2/L3). At 4K,
-# one layer, 1 thread: 32 / 64 / 128 / 256 queries 158 / 146 / 142 / 143 ms in fp32 (the torch loop: 200 ms).
-_KERNEL_CHUNK = 128
+# Queries per work item of the C kernel: its (chunk × T) fp32 score tile stays within ~2 MiB (L2/L3), so scratch does
+# not grow with the context. At 4K, one layer, 1 thread: 32 / 64 / 128 / 256 queries 158 / 146 / 142 / 143 ms in fp32
+# (the torch loop: 200 ms).
+_TILE_FLOATS = 2**19
+
+
+def _kernel_chunk(n_keys: int) -> int:
+    return max(16, min(128, _TILE_FLOATS // max(n_keys, 1)))
 
 
 def _fused_kernel(device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None, softcap: float | None):
@@ -114,11 +120,12 @@ def _causal_column_sums(lib, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor
     from kvbench.kernels.cpu_ext import ptr
 
     bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
-    n_keys, threads = keys_t.shape[-1], torch.get_num_threads()
-    work = torch.empty(threads * (_KERNEL_CHUNK + bsz * n_kv_heads * group + 1) * n_keys)
+    n_keys, threads, chunk = keys_t.shape[-1], torch.get_num_threads(), _kernel_chunk(keys_t.shape[-1])
+    # per thread: a score tile, a row, two edge rows; then 2 int64 head ids per thread (4 floats' room, +2 to align)
+    work = torch.empty(threads * ((chunk + 3) * n_keys + 4) + 2, dtype=torch.float32)
     lib.causal_column_sums(
         ptr(rows), ptr(keys_t), ctypes.c_int64(bsz * n_kv_heads), ctypes.c_int64(group),
-        ctypes.c_int64(n_queries), ctypes.c_int64(n_keys), ctypes.c_int64(head_dim), ctypes.c_int64(_KERNEL_CHUNK),
+        ctypes.c_int64(n_queries), ctypes.c_int64(n_keys), ctypes.c_int64(head_dim), ctypes.c_int64(chunk),
         ctypes.c_void_p(gemm), ptr(out), ptr(work), threads,
     )  # fmt: skip
 

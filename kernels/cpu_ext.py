@@ -71,8 +71,12 @@ def _build(name: str) -> Path | None:
 
 @functools.cache
 def _load(name: str) -> ctypes.CDLL | None:
-    path = _build(name)
-    return ctypes.CDLL(str(path)) if path else None
+    try:  # an unwritable cache, a noexec mount, a library this libc cannot load: torch, not a crash
+        path = _build(name)
+        return ctypes.CDLL(str(path)) if path else None
+    except OSError as error:
+        print(f"[kvbench] C kernel {name} not usable ({error}); using torch", file=sys.stderr)
+        return None
 
 
 def load(name: str) -> ctypes.CDLL | None:
@@ -94,6 +98,8 @@ def torch_blas(symbol: str) -> int | None:
     run torch)."""
     import torch
 
+    if not torch.backends.mkl.is_available():  # another BLAS may run its own threads inside the kernels' threads
+        return None
     for path in sorted((Path(torch.__file__).parent / "lib").glob("libtorch_cpu*")):
         try:
             return ctypes.cast(getattr(ctypes.CDLL(str(path)), symbol), ctypes.c_void_p).value

@@ -23,16 +23,17 @@ def _log2_column_sums(rows, key):
 
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_fused_column_sums_meet_their_definition(monkeypatch, dtype, threads):
     torch.manual_seed(0)
-    monkeypatch.setattr(attention_stats, "_KERNEL_CHUNK", 11)  # several work items per head, uneven over threads
+    monkeypatch.setattr(attention_stats, "_kernel_chunk", lambda n_keys: 11)  # threads' ranges split heads
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n_queries in (70, 9, 1):  # the whole prompt, an observation window, one query
-            query = (torch.randn(2, 6, n_queries, 16) * 3).to(dtype)  # (B, H_q, Q, D), GQA group 3
-            key = (torch.randn(2, 2, 70, 16) * 3).to(dtype)  # (B, H_kv, T, D)
+        shapes = [(2, 6, 2, 70), (2, 6, 2, 9), (2, 6, 2, 1), (1, 1, 1, 70)]  # (B, H_q, H_kv, Q): a window, one
+        for bsz, n_q_heads, n_kv_heads, n_queries in shapes:  # query, one head shared by every thread
+            query = (torch.randn(bsz, n_q_heads, n_queries, 16) * 3).to(dtype)  # (B, H_q, Q, D)
+            key = (torch.randn(bsz, n_kv_heads, 70, 16) * 3).to(dtype)  # (B, H_kv, T, D)
             fused = attention_column_sums(query, key, 0.25)
             # in bf16 the scaled query rows are rounded to bf16 (as eager attention's product sees them), then the
             # products are exact in fp32: the definition on those rounded rows
@@ -71,6 +72,38 @@ def test_disabled_or_unbuildable_kernels_fall_back(monkeypatch, tmp_path, capsys
     assert cpu_ext._build("broken") is None
     assert "no C compiler" in capsys.readouterr().err
     assert not list(tmp_path.glob("cpu_ext/*.so"))  # nothing half-written
+
+
+@needs_cc
+def test_inconsistent_shapes_raise_instead_of_reaching_the_kernel():
+    with pytest.raises(RuntimeError):  # more queries than keys: torch's own error, not a read past the keys
+        attention_column_sums(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 4, 16), 0.25)
+
+
+def test_an_unwritable_cache_falls_back_to_torch(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVBENCH_CACHE", str(blocker))  # a file where the cache folder should be
+    monkeypatch.delenv("KVBENCH_NO_CPU_EXT", raising=False)
+    cpu_ext._load.cache_clear()
+    try:
+        assert cpu_ext.load("softmax_column_sums") is None
+        assert "using torch" in capsys.readouterr().err
+    finally:
+        cpu_ext._load.cache_clear()
+
+
+@needs_cc
+def test_editing_a_header_rebuilds_the_kernels(monkeypatch, tmp_path):
+    for source in cpu_ext.SOURCES.iterdir():
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_ext, "SOURCES", tmp_path)
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
+    before = cpu_ext._build("softmax_column_sums")
+    header = tmp_path / "kvbench_math.h"
+    header.write_text(header.read_text() + "\n/* edited */\n")
+    after = cpu_ext._build("softmax_column_sums")
+    assert before is not None and after is not None and before != after
 
 
 @needs_cc
