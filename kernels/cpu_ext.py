@@ -17,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -32,12 +33,15 @@ def enabled() -> bool:
 
 
 def _cpu_key() -> str:
-    """The CPU's model and flags (what -march=native compiles for)."""
+    """What the library is built for: the CPU's model and flags (what -march=native compiles for; on CPUs whose
+    /proc/cpuinfo has neither, the whole file), the architecture and the C library."""
+    machine = [platform.machine(), *platform.libc_ver()]
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return sys.platform
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
+        return "\n".join([sys.platform, *machine])
+    wanted = {line for line in lines if line.startswith(("model name", "flags"))} or set(lines)
+    return "\n".join([*machine, *sorted(wanted)])
 
 
 def _cache_dir() -> Path:
