@@ -12,8 +12,6 @@ mask), and with the logits soft-capped, cap·tanh(s / cap), when the model caps 
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 # Query rows (query heads of one KV head × queries) per chunk of scores: the score tile (rows × T fp32, 2 MiB at 4K
@@ -60,8 +58,8 @@ def attention_column_sums(
         # bf16 rows widened after the rounding eager attention does; bf16 × bf16 is exact in fp32, so the fp32
         # product is the bf16 product with fp32 accumulation (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
         rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).float().contiguous()  # (B, H_kv, G, Q, D) log2
-        lib, sgemm = fused
-        _causal_column_sums(lib, sgemm, rows, keys_t.float(), out)
+        kernel, sgemm = fused
+        _causal_column_sums(kernel, sgemm, rows, keys_t.float(), out)
         return out.reshape(bsz, n_q_heads, n_keys)
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
@@ -103,30 +101,27 @@ def _kernel_chunk(n_keys: int) -> int:
 
 
 def _fused_kernel(device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None, softcap: float | None):
-    """(C library, sgemm_ address) where the C kernel applies — CPU, fp32 or bf16 products, causal (no model mask),
+    """(C kernel, sgemm_ address) where the C kernel applies — CPU, fp32 or bf16 products, causal (no model mask),
     no soft-cap, torch built with MKL — else None."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or mask is not None or softcap is not None:
         return None
     from kvbench.kernels import cpu_ext
 
-    lib = cpu_ext.load("softmax_column_sums")
+    kernel = cpu_ext.function("softmax_column_sums", "ppllllllpppi")
     gemm = cpu_ext.torch_blas("sgemm_")
-    return (lib, gemm) if lib is not None and gemm is not None else None
+    return (kernel, gemm) if kernel is not None and gemm is not None else None
 
 
-def _causal_column_sums(lib, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor, out: torch.Tensor) -> None:
+def _causal_column_sums(kernel, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor, out: torch.Tensor) -> None:
     """out (B, H_kv, G, T) += Σ_i softmax(rows_i · Kᵀ) causal, for rows (B, H_kv, G, Q, D) in log2 units and keys_t
     (B, H_kv, D, T), both fp32 and contiguous."""
-    from kvbench.kernels.cpu_ext import ptr
-
     bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
     n_keys, threads, chunk = keys_t.shape[-1], torch.get_num_threads(), _kernel_chunk(keys_t.shape[-1])
     # per thread: a score tile, a row, two edge rows; then 2 int64 head ids per thread (4 floats' room, +2 to align)
     work = torch.empty(threads * ((chunk + 3) * n_keys + 4) + 2, dtype=torch.float32)
-    lib.causal_column_sums(
-        ptr(rows), ptr(keys_t), ctypes.c_int64(bsz * n_kv_heads), ctypes.c_int64(group),
-        ctypes.c_int64(n_queries), ctypes.c_int64(n_keys), ctypes.c_int64(head_dim), ctypes.c_int64(chunk),
-        ctypes.c_void_p(gemm), ptr(out), ptr(work), threads,
+    kernel(
+        rows.data_ptr(), keys_t.data_ptr(), bsz * n_kv_heads, group, n_queries, n_keys, head_dim, chunk, gemm,
+        out.data_ptr(), work.data_ptr(), threads,
     )  # fmt: skip
 
 

@@ -3,7 +3,8 @@
 Why C: some CPU paths are a chain of elementwise torch passes over a tile that a single loop does in one (H2O's
 prefill statistics: widen, row max, subtract, exp2, row sum — five passes over every score). Why ctypes and not
 torch.utils.cpp_extension: a plain C file builds in about a second with no torch headers (those take ~40 s) and
-needs no binding code; tensors go in as data pointers, so callers pass contiguous tensors of the stated dtypes.
+needs no binding code; tensors go in as data pointers (`function` declares each kernel's argument types), so
+callers pass contiguous tensors of the stated dtypes.
 
 Built once per source, compiler flags and CPU into KVBENCH_CACHE (default ~/.cache/kvbench)/cpu_ext/, written
 atomically (concurrent first uses are safe). `-march=native`: the library is built for the machine that uses it,
@@ -97,9 +98,8 @@ def load_all() -> None:
 
 @functools.cache
 def torch_blas(symbol: str) -> int | None:
-    """The address of a BLAS routine exported by torch's own CPU library (x86 builds link MKL: `sgemm_`,
-    `cblas_gemm_bf16bf16f32`), for kernels that call it per tile; None where this torch has none (then the callers
-    run torch)."""
+    """The address of a BLAS routine exported by torch's own CPU library (x86 builds link MKL, e.g. `sgemm_`), for
+    kernels that call it per tile; None where this torch has none (then the callers run torch)."""
     import torch
 
     if not torch.backends.mkl.is_available():  # another BLAS may run its own threads inside the kernels' threads
@@ -110,11 +110,6 @@ def torch_blas(symbol: str) -> int | None:
         except (OSError, AttributeError):
             continue
     return None
-
-
-def ptr(tensor) -> ctypes.c_void_p:
-    """A tensor's data pointer for a C argument (the caller keeps the tensor alive for the call)."""
-    return ctypes.c_void_p(tensor.data_ptr())
 
 
 _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "d": ctypes.c_double}

@@ -39,8 +39,8 @@ static inline int64_t chunk_cost(int64_t c, int64_t chunk, int64_t n_queries, in
  * kt: (n_kv, dim, n_keys) float32 contiguous (keys transposed); query i sits at key position n_keys - n_queries + i
  * (n_queries <= n_keys). out: (n_kv, group, n_keys) float32, += the column sums.
  * work: n_threads * ((chunk + 3) * n_keys + 4) + 2 floats (per thread: a score tile, a row, two edge rows; then
- * two int64 head ids per thread). */
-void causal_column_sums(const float *q, const float *kt, int64_t n_kv, int64_t group, int64_t n_queries,
+ * two int64 head ids per thread). Returns 0. */
+int softmax_column_sums(const float *q, const float *kt, int64_t n_kv, int64_t group, int64_t n_queries,
                         int64_t n_keys, int64_t dim, int64_t chunk, sgemm_fortran sgemm, float *out, float *work,
                         int n_threads) {
     int64_t n_heads = n_kv * group, n_chunks = (n_queries + chunk - 1) / chunk, first_pos = n_keys - n_queries;
@@ -96,4 +96,5 @@ void causal_column_sums(const float *q, const float *kt, int64_t n_kv, int64_t g
             }
         }
     }
+    return 0;
 }
