@@ -69,3 +69,28 @@ def run_interpreted(child_code: str, inputs, tmp: Path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp / "out.pt")
+
+
+def ppl_window_rows():
+    """Stored rows of one streamed-perplexity text in two windows, for two configurations (snapkv 0.25, prefill
+    shared vs inline): what the report's peak-memory table reads."""
+    import pandas as pd
+
+    mib = 2**20
+    return pd.DataFrame(
+        {
+            "run_id": "r",
+            "model": "m",
+            "task": "ppl",
+            "config_hash": ["a", "a", "b", "b"],
+            "example_id": ["ppl-prose-L2048-s0/w000", "ppl-prose-L2048-s0/w001"] * 2,
+            "window": [0, 1, 0, 1],
+            "context_tokens": [1024, 2048, 1024, 2048],
+            "method": "snapkv",
+            "budget": 0.25,
+            "prefill": ["shared", "shared", "inline", "inline"],
+            "prefill_chunk": None,
+            "peak_mem_delta_bytes": [300 * mib, 310 * mib, 250 * mib, 240 * mib],
+            "peak_mem_bytes": [900 * mib, 950 * mib, 850 * mib, 860 * mib],
+        }
+    )

@@ -151,25 +151,9 @@ def test_report_peak_table_counts_a_stream_once_at_its_peak_over_the_model():
     import pandas as pd
 
     from kvbench.prefill_section import peak_by_prefill, peak_table
+    from tests.conftest import ppl_window_rows
 
-    mib = 2**20
-    windows = pd.DataFrame(
-        {
-            "run_id": "r",
-            "model": "m",
-            "task": "ppl",
-            "config_hash": ["a", "a", "b", "b"],
-            "example_id": ["ppl-prose-L2048-s0/w000", "ppl-prose-L2048-s0/w001"] * 2,
-            "window": [0, 1, 0, 1],
-            "context_tokens": [1024, 2048, 1024, 2048],
-            "method": "snapkv",
-            "budget": 0.25,
-            "prefill": ["shared", "shared", "inline", "inline"],
-            "prefill_chunk": None,
-            "peak_mem_delta_bytes": [300 * mib, 310 * mib, 250 * mib, 240 * mib],
-            "peak_mem_bytes": [900 * mib, 950 * mib, 850 * mib, 860 * mib],
-        }
-    )
+    windows = ppl_window_rows()
     prompt = windows.iloc[:1].assign(task="niah", window=None, example_id="n1", config_hash="c", context_tokens=2048)
     table = peak_table(pd.concat([windows, prompt], ignore_index=True))
     ppl = table[table.task == "ppl"]

@@ -375,21 +375,9 @@ def test_tasks_declare_their_facts_and_the_plots_follow_them(tmp_path, capsys):
 
 def test_peak_by_prefill_reads_streamed_rows_from_before_peak_mem_delta_bytes():
     from kvbench.prefill_section import peak_table
+    from tests.conftest import ppl_window_rows
 
-    mib = 2**20
-    windows = pd.DataFrame(  # ppl windows written before the column existed: the absolute peak alone
-        {
-            "model": "m",
-            "task": "ppl",
-            "config_hash": ["a", "a", "b", "b"],
-            "example_id": ["ppl-prose-L2048-s0/w000", "ppl-prose-L2048-s0/w001"] * 2,
-            "window": [0, 1, 0, 1],
-            "context_tokens": [1024, 2048, 1024, 2048],
-            "method": "snapkv",
-            "budget": 0.25,
-            "prefill": ["shared", "shared", "inline", "inline"],
-            "peak_mem_bytes": [900 * mib, 950 * mib, 850 * mib, 860 * mib],
-        }
-    )
+    # ppl windows written before the column existed: the absolute peak alone
+    windows = ppl_window_rows().drop(columns=["run_id", "prefill_chunk", "peak_mem_delta_bytes"])
     table = peak_table(windows)
     assert table.iloc[0][["shared", "inline"]].tolist() == ["– (950)", "– (860)"]  # one stream each, at its peak
