@@ -97,9 +97,10 @@ class Engine:
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
         if lm.device.type == "cpu":  # the C kernels' first build (~1 s each, once per machine) before any timing
-            from kvbench.kernels import cpu_ext
+            from kvbench.kernels import cpu_ext, decode_linear
 
             cpu_ext.load_all()
+            decode_linear.install(lm.model)  # decode steps row-independent (grids decode as one batch), and faster
         params = inspect.signature(lm.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         eos = lm.tokenizer.eos_token_id

@@ -39,11 +39,13 @@ from transformers.cache_utils import DynamicLayer
 from kvbench.attention import StatsRecorder, StatsRequest
 from kvbench.batched import BatchedGeneration, decode_together
 from kvbench.engine import Compressed, Engine, Generation, Prefill
+from kvbench.kernels import decode_linear
 from kvbench.memory import reset_peak
 from kvbench.methods import Budget, Method
 from kvbench.padded import PaddedKV
 
 MAX_PADDING = 2.0  # a batch's padded bytes ≤ this × its rows' own bytes (+ one row: see `groups`)
+MAX_ROWS = decode_linear.MAX_ROWS  # rows per batch: the row-independent linear kernel takes a step of at most these
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
 
 
@@ -127,21 +129,21 @@ def decodes_in_grid(method: Method, start: Compressed) -> bool:
     )
 
 
-def groups(lengths: list[list[int]]) -> list[list[int]]:
-    """Rows (per-layer lengths each) in batches whose padded bytes stay ≤ MAX_PADDING × their own (a last row that
-    would be alone joins the batch before); longest first."""
+def groups(lengths: list[list[int]], max_rows: int = MAX_ROWS) -> list[list[int]]:
+    """Rows (per-layer lengths each) in batches of at most `max_rows` whose padded bytes stay ≤ MAX_PADDING × their
+    own (a last row that would be alone joins the batch before, if there is room); longest first."""
     order = sorted(range(len(lengths)), key=lambda r: -sum(lengths[r]))
     out: list[list[int]] = []
     for r in order:
-        if out:
+        if out and len(out[-1]) < max_rows:
             trial = out[-1] + [r]
             padded = len(trial) * sum(max(lengths[i][layer] for i in trial) for layer in range(len(lengths[r])))
             if padded <= MAX_PADDING * sum(sum(lengths[i]) for i in trial):
                 out[-1] = trial
                 continue
         out.append([r])
-    if len(out) > 1 and len(out[-1]) == 1:  # a last row alone would cost a decode of its own: it joins the
-        last = out.pop()  # batch before (one more row's worth of padding at most)
+    if len(out) > 1 and len(out[-1]) == 1 and len(out[-2]) < max_rows:  # a last row alone would cost a decode of
+        last = out.pop()  # its own: it joins the batch before (one more row's worth of padding at most)
         out[-1] += last
     return out
 

@@ -280,4 +280,8 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
         hf_logging.disable_progress_bar()
         torch.set_num_threads(int(os.environ.get("KVBENCH_THREADS") or os.cpu_count() or 1))  # launchers set it
         _LOADED[key] = LOADERS.get(cfg.loader)(cfg, dev, dt)
+        if dev.type == "cpu":  # before any row is hashed: whether grids decode as one batch depends on it
+            from kvbench.kernels import decode_linear
+
+            decode_linear.install(_LOADED[key].model)
     return _LOADED[key]

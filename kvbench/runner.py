@@ -107,14 +107,19 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
 
 def grid_batching(cfg: DictConfig, lm) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.grid_decode): grid_batch=auto does
-    in float32, where the rows are identical to one by one (tested); true always; false never."""
+    where the rows are identical to one by one (tested); true always; false never."""
     setting = cfg.get("grid_batch", "auto")
     return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 
 
 def grid_rows_as_alone(lm) -> bool:
-    """float32: a grid row decodes as it does alone (bf16 products round a row by the batch size: grid_decode)."""
-    return str(lm.dtype).removeprefix("torch.") == "float32"
+    """Whether a grid row decodes as it does alone: with the row-independent linear kernel (CPU, float32 or
+    bfloat16: kvbench.kernels.decode_linear) bit for bit; in float32 without it, token for token in every test
+    (MKL's several-row products differ from its one-row product in the last bit); else not (bf16 products round
+    a row by the batch size)."""
+    from kvbench.kernels import decode_linear
+
+    return decode_linear.installed(lm.model) or str(lm.dtype).removeprefix("torch.") == "float32"
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:

@@ -1,12 +1,15 @@
-"""Configurations of one example decoded as one batch (kvbench.grid_decode) give what each gives alone (fp32)."""
+"""Configurations of one example decoded as one batch (kvbench.grid_decode) give what each gives alone."""
 
 import pytest
+from omegaconf import OmegaConf
 
+from kvbench.engine import Engine
 from kvbench.grid_decode import generate_grid, groups
 from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.models import load_model
 from kvbench.results import read_rows
 from kvbench.runner import run
-from tests.conftest import compose_config, tiny_overrides
+from tests.conftest import CONF_DIR, compose_config, tiny_overrides
 
 # (name, knobs, budget, decoded in the grid?)
 GRID = [
@@ -32,8 +35,16 @@ def confs():
     return [(build(n, p), Budget.parse(b) if b else None) for n, p, b, _ in GRID]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
-def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, monkeypatch):
+def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype, monkeypatch):
+    """fp32 and bf16 (the row-independent linear kernel: kernels/decode_linear.py, which the loader installs)."""
+    from kvbench.kernels import decode_linear
+
+    if dtype == "bfloat16":
+        tiny_engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
+    if not decode_linear.installed(tiny_engine.lm.model):
+        pytest.skip("no C compiler: the decode-linear kernel is not built")
     monkeypatch.setattr("kvbench.grid_decode.MAX_PADDING", 100.0)  # every eligible row in one batch
     prompt, question = (prompt_ids[:-suffix], prompt_ids[-suffix:]) if suffix else (prompt_ids, [])
     request = None
@@ -98,24 +109,39 @@ def test_guide_compares_decode_speed_only_between_rows_timed_alone():
     assert pd.isna(table.loc["h2o", "decode_vs_full"])
 
 
-def test_grid_batch_auto_is_float32_only_and_forced_elsewhere_hashes_apart():
+def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_apart():
+    """auto decodes together where rows come out as alone: with the row-independent linear kernel installed in
+    float32 and bfloat16, without it in float32 only; forcing it elsewhere gives its rows a hash of their own."""
     from types import SimpleNamespace
 
     import torch
 
+    from kvbench.kernels import decode_linear
     from kvbench.runner import configurations, grid_batching, hash_configuration
 
-    fp32, bf16 = (SimpleNamespace(dtype=d, device=torch.device("cpu")) for d in (torch.float32, torch.bfloat16))
+    def lm(dtype, kernel: bool):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+        if kernel:
+            assert decode_linear.install(model) == 1
+        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model)
+
+    fp32, bf16 = lm(torch.float32, False), lm(torch.bfloat16, False)
     assert grid_batching({"grid_batch": "auto"}, fp32) and not grid_batching({}, bf16)
     assert grid_batching({"grid_batch": True}, bf16)
     assert not grid_batching({"grid_batch": False}, fp32)
+    assert grid_batching({}, lm(torch.bfloat16, True)) and grid_batching({}, lm(torch.float32, True))
     hashes = {}
     for setting in ("auto", True, False):
-        for lm in (fp32, bf16):
+        for model in (fp32, bf16, lm(torch.bfloat16, True)):
             cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
-            hashes[setting, str(lm.dtype)] = hash_configuration(configurations(cfg)[0], cfg, lm)
-    assert hashes["auto", "torch.float32"] == hashes[True, "torch.float32"] == hashes[False, "torch.float32"]
-    assert hashes["auto", "torch.bfloat16"] == hashes[False, "torch.bfloat16"] != hashes[True, "torch.bfloat16"]
+            kernel = decode_linear.installed(model.model)
+            hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], cfg, model)
+    assert hashes["auto", "torch.float32", False] == hashes[True, "torch.float32", False]
+    assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]
+    assert hashes["auto", "torch.bfloat16", False] == hashes[False, "torch.bfloat16", False]
+    assert hashes["auto", "torch.bfloat16", False] != hashes[True, "torch.bfloat16", False]
+    for setting in ("auto", True, False):  # with the kernel the rows are the rows: one hash
+        assert hashes[setting, "torch.bfloat16", True] == hashes["auto", "torch.bfloat16", False]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

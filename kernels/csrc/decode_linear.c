@@ -1,0 +1,145 @@
+/* y = x Wᵀ for the few rows of a decode step (nn.Linear without bias), float32 or bfloat16, computed so that a row's
+ * result never depends on how many rows the call has or how many threads run it: a grid of configurations decoded
+ * as one batch (kvbench/grid_decode.py) then gets, bit for bit, what each configuration gets decoded alone.
+ * torch's CPU products do not promise that: MKL's float32 gemv (one row) and gemm (several) sum in different orders,
+ * and oneDNN's bfloat16 kernels round a row differently at some row counts.
+ *
+ * x: M x K, w: N x K (nn.Linear's weight), y: M x N, all contiguous, one dtype (is_bf16: bfloat16, else float32).
+ * Every y[m][n] is the same arithmetic whatever M and the thread count: LANES float32 partial sums, lane l holding
+ * fma(x[m][k], w[n][k], ·) over k = l, l + LANES, ... in order, then a fixed halving tree over the lanes, then the
+ * K % LANES tail in order by fma. bfloat16 inputs are widened to float32 (their products are exact in float32) and
+ * the result rounded to bfloat16 once, to nearest even, as torch rounds its float32 accumulators.
+ * Blocking (why it is fast): NB outputs x MB rows of accumulators stay in registers; each weight vector, the bytes a
+ * decode step is bound by, is loaded once per MB rows. Threads split the outputs, never a dot product.
+ * Returns 0, or 1 when scratch memory could not be allocated (then y is untouched).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvbench_math.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define NB 4 /* outputs per block */
+#define MB 4 /* rows per block */
+
+static inline float lanes_sum(const float *partial) {
+    float t[LANES];
+    memcpy(t, partial, sizeof t);
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) t[l] = t[l] + t[l + width];
+    return t[0];
+}
+
+static inline float weight_at(const void *w, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+#ifdef __AVX512F__
+static inline __m512 weight_vector(const void *w, int is_bf16, int64_t i) { /* LANES weights from w[i] */
+    if (is_bf16) {
+        __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_loadu_ps((const float *)w + i);
+}
+#endif
+
+/* out[m0 + i][rows[j]] for i < mb, j < NB: rows[] are the block's weight rows (a last, partial block repeats its
+ * last row; `stored` says how many are real). mb is a constant at each call site (always_inline), so the
+ * accumulators stay in registers; the arithmetic per output is the same for every mb. */
+static inline __attribute__((always_inline)) void block(const float *xf, const void *w, int is_bf16, float *out,
+                                                        int64_t m0, const int mb, const int64_t *rows, int stored,
+                                                        int64_t K, int64_t N) {
+    float partial[MB][NB][LANES];
+    int64_t k = 0;
+#ifdef __AVX512F__
+    __m512 acc[MB][NB];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (; k + LANES <= K; k += LANES) {
+        __m512 wv[NB];
+        for (int j = 0; j < NB; j++) wv[j] = weight_vector(w, is_bf16, rows[j] * K + k);
+        for (int i = 0; i < mb; i++) {
+            __m512 xv = _mm512_loadu_ps(xf + (m0 + i) * K + k);
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NB; j++) _mm512_storeu_ps(partial[i][j], acc[i][j]);
+#else
+    memset(partial, 0, sizeof partial);
+    for (; k + LANES <= K; k += LANES) {
+        float wv[NB][LANES];
+        for (int j = 0; j < NB; j++)
+            for (int l = 0; l < LANES; l++) wv[j][l] = weight_at(w, is_bf16, rows[j] * K + k + l);
+        for (int i = 0; i < mb; i++) {
+            const float *xv = xf + (m0 + i) * K + k;
+            for (int j = 0; j < NB; j++) {
+#pragma omp simd
+                for (int l = 0; l < LANES; l++) partial[i][j][l] = fmaf(xv[l], wv[j][l], partial[i][j][l]);
+            }
+        }
+    }
+#endif
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < stored; j++) {
+            float sum = lanes_sum(partial[i][j]);
+            for (int64_t t = k; t < K; t++) sum = fmaf(xf[(m0 + i) * K + t], weight_at(w, is_bf16, rows[j] * K + t), sum);
+            out[(m0 + i) * N + rows[j]] = sum;
+        }
+}
+
+int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M, int64_t N, int64_t K,
+                  int n_threads) {
+    float *xf = malloc((size_t)(M * K) * sizeof(float)); /* x widened once, not per block */
+    float *yf = is_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
+    if (xf == NULL || yf == NULL) {
+        free(xf);
+        if (is_bf16) free(yf);
+        return 1;
+    }
+    if (is_bf16)
+        for (int64_t e = 0; e < M * K; e++) xf[e] = bf16_to_float(((const uint16_t *)x)[e]);
+    else
+        memcpy(xf, x, (size_t)(M * K) * sizeof(float));
+    const int64_t n_blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        int64_t rows[NB];
+        int stored = 0;
+        for (int j = 0; j < NB; j++) {
+            rows[j] = b * NB + j < N ? b * NB + j : N - 1;
+            stored += b * NB + j < N;
+        }
+        int64_t m0 = 0;
+        for (; m0 + MB <= M; m0 += MB) block(xf, w, is_bf16, yf, m0, MB, rows, stored, K, N);
+        switch (M - m0) { /* the last rows: a constant count each, so their accumulators stay in registers too */
+        case 3: block(xf, w, is_bf16, yf, m0, 3, rows, stored, K, N); break;
+        case 2: block(xf, w, is_bf16, yf, m0, 2, rows, stored, K, N); break;
+        case 1: block(xf, w, is_bf16, yf, m0, 1, rows, stored, K, N); break;
+        default: break;
+        }
+    }
+    if (is_bf16) {
+        for (int64_t e = 0; e < M * N; e++) ((uint16_t *)y)[e] = float_to_bf16(yf[e]);
+        free(yf);
+    }
+    free(xf);
+    return 0;
+}
