@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench import KvbenchError
-from kvbench.kernels import attention_column_sums
+from kvbench.kernels import attention_column_sums, decode_attention
 from kvbench.padded import PaddedKV
 from kvbench.ragged import RaggedKV, ragged_attention
 
@@ -326,6 +326,10 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
     if key.shape[1] == query.shape[1] != getattr(module.config, "num_key_value_heads", key.shape[1]):
         # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
         module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
+    if attention_mask is None and _single_query_ok(query, key, value, kwargs):  # a decode step: the C kernel
+        out = decode_attention.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        if out is not None:
+            return out, None
     if kwargs.get("softcap") is not None:  # sdpa cannot cap logits: the model's own eager attention (Gemma-2)
         n_queries, n_keys = query.shape[2], key.shape[2]
         if attention_mask is None:  # sdpa's mask functions leave plain causal masks to is_causal; eager needs one
@@ -337,6 +341,12 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
             )
         return model_code.eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _single_query_ok(query, key, value, kwargs) -> bool:
+    """Whether kernels/decode_attention.py takes this step (one query per row, CPU, fp32/bf16, no soft cap or
+    sinks): the same kernel for a decode alone and for a grid's rows, whose outputs it keeps row-independent."""
+    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and decode_attention.applies(query, key, value)
 
 
 def _fused_ok(recorder: StatsRecorder | None, kwargs) -> bool:
@@ -354,6 +364,10 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     asking = list(getattr(recorder, "rows", [])) if recorder is not None else []
     lengths = cast(list[int], key.lengths)
+    together = None  # the C kernel's rows, computed in one call (the asking rows get 0 tokens there: no work)
+    if _single_query_ok(query, key.tensor, value.tensor, kwargs):
+        own = [0 if row in asking else n for row, n in enumerate(lengths)]
+        together = decode_attention.attend(query, key.tensor, value.tensor, scale, own)  # (B, 1, H_q, D)
     outputs, recorded = [], []
     for row, n_tokens in enumerate(lengths):
         q = query[row : row + 1]  # (1, H_q, 1, D)
@@ -362,6 +376,8 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
             assert recorder is not None  # rows ask only through a recorder
             out, probs = recorder.decode_step(q, k, v, scale)  # (1, 1, H_q, D), (1, H_q, n)
             recorded.append(probs)
+        elif together is not None:
+            out = together[row : row + 1]  # (1, 1, H_q, D): what the kernel gives this row alone
         else:
             out = _plain_attention(module, q, k, v, None, scaling, **kwargs)[0]  # (1, 1, H_q, D)
         outputs.append(out)

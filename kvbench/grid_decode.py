@@ -1,15 +1,22 @@
-"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: in float32,
-where the rows come out as one by one — in bf16 this CPU's matrix products round a row differently depending on the
-batch size (oneDNN; measured on the bundled model: the MLP's down projection at 10 rows, the whole MLP at 3), and a
-last-bit difference sometimes flips a greedy token).
+"""The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: where the
+rows come out bit for bit as one by one — on the CPU with the C decode kernels, float32 and bfloat16 — and, without
+them, in float32, where they come out token for token in every test).
+
+Why the kernels: torch's CPU products round a row differently depending on the batch's row count (MKL's float32
+one-row and several-row products sum in different orders; oneDNN's bf16 kernels at some row counts — measured on
+the bundled model: the MLP's down projection at 10 rows, the whole MLP at 3 — enough to flip a greedy token in
+bf16). kernels/decode_linear.py (every linear layer, ≤ MAX_ROWS rows) and kernels/decode_attention.py (one query
+per row) compute each row the same way whatever the batch, and a decode alone goes through the same kernels, so a
+grid row is its one-by-one self.
 
 A shared prefill serves every (method, budget) of a grid; each configuration is then compressed on its own, exactly
 as alone (`Engine.compressed`), and the configurations whose caches are plain tensors decode as the rows of one
 batch: one forward per step for all of them instead of one each. Their caches have different lengths (budgets,
 PyramidKV's per-layer counts, decode-time eviction), so each layer stores the rows left-aligned in one
 (B, H_kv, capacity, D) tensor with the pad slots after each row's tokens; the linear layers run on the whole
-batch, the attention row by row over each row's own slots (`PaddedKV`, kvbench.attention._rows_attention) by the
-call a batch-1 decode makes — one masked sdpa over the padded batch rounds differently. Methods that evict while
+batch, the attention over each row's own slots (`PaddedKV`, kvbench.attention._rows_attention): one kernel call
+for all rows, or without the kernel row by row by the call a batch-1 decode makes (one masked sdpa over the padded
+batch rounds differently). Methods that evict while
 decoding (H2O, StreamingLLM, TOVA, decoding) act on their own row: after each step `on_decode_step` runs on a
 batch-1 view of that row with the row's slice of the step's statistics, and what it keeps is written back — so
 every row keeps what it keeps alone.
@@ -18,7 +25,7 @@ Decoded alone instead (automatically, with `Engine.decode`, exactly today's path
 own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
 (StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), and every configuration
 when only one would be in the batch.
-Rows are grouped so padding at most doubles the bytes a batch holds (`MAX_PADDING`).
+Rows are grouped so padding at most doubles the bytes a batch holds (`MAX_PADDING`), at most MAX_ROWS per batch.
 
 Rows decoded together: `batch_size` = the configurations in the batch, `decode_s` = the batch's decode wall time
 until this row finished (`decode_ms_per_token` = the batch's step time: the same for every configuration of the

@@ -8,7 +8,8 @@ sums) over the plain prefill's, and the decode ms/token of the full cache, Strea
 eviction, evict_every=1, the originals; and in blocks, evict_every=K; StreamingLLM also in a ring buffer, ring=true:
 per-step eviction's tokens, no per-step copy) and KIVI-4 (dequantize-then-attend, the
 path before packed attention, and attention on the packed groups: by the torch version, and by the dispatcher's
-choice — the C kernel on the CPU). Each figure is the best of `repeats`, the
+choice — the C kernel on the CPU); and the full cache with torch's products and sdpa in the decode step instead of the
+C decode kernels (what every row paid before them). Each figure is the best of `repeats`, the
 configurations interleaved within each repeat; ratios are to the full cache measured in this run (the machines
 here are shared: compare ratios, not absolute numbers across runs). Decoding never stops at EOS.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from unittest import mock
 
 import torch
@@ -26,6 +27,7 @@ from omegaconf import OmegaConf
 from kvbench import conf_dir
 from kvbench.attention import StatsRequest
 from kvbench.engine import Engine
+from kvbench.kernels import decode_attention, decode_linear
 from kvbench.methods import Budget, build_method
 from kvbench.methods.kivi import KiviLayer
 from kvbench.models import load_model
@@ -39,6 +41,7 @@ def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, 
     kivi = {"bits": 4, "group_size": kivi_group, "residual_length": kivi_group}
     return [
         ("full", "full", {}, None, "packed"),
+        ("full, torch products + sdpa", "full", {}, None, "torch-decode"),
         ("streamingllm 0.5, evict_every=1", "streamingllm", {"evict_every": 1}, 0.5, "packed"),
         ("streamingllm 0.5, evict_every=K", "streamingllm", block, 0.5, "packed"),
         ("streamingllm 0.5, ring", "streamingllm", {"ring": True}, 0.5, "packed"),
@@ -53,7 +56,13 @@ def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, 
 def kivi_path(path: str):
     """KIVI's attention on the packed groups by the dispatcher's choice (path="packed": the C kernel on the CPU), by
     the torch version (path="torch": C kernels off), or the dense path they replaced (path="dense": dequantize, then
-    sdpa)."""
+    sdpa); path="torch-decode": the decode step's linear layers and attention by torch (nn.Linear, sdpa) instead of
+    the C decode kernels (kernels/decode_linear.py, kernels/decode_attention.py), everything else as is."""
+    if path == "torch-decode":
+        stack = ExitStack()
+        for module in (decode_linear, decode_attention):
+            stack.enter_context(mock.patch.object(module, "applies", lambda *a: False))
+        return stack
     if path == "dense":
         return mock.patch.object(KiviLayer, "attend", lambda *a: None)  # None: the attention function's dense path
     return mock.patch.dict(os.environ, {"KVBENCH_NO_CPU_EXT": "1"}) if path == "torch" else nullcontext()

@@ -1,0 +1,185 @@
+/* One decode step's attention — a single query per row and head — over each row's own tokens, float32 or bfloat16,
+ * computed so that a row's output never depends on the other rows or the thread count: a grid of configurations
+ * decoded as one batch (kvbench/grid_decode.py) then gets, bit for bit, what each configuration gets alone.
+ * Why C: torch's CPU sdpa for one query costs ~1 ms per call in bf16 at 4K tokens (it reads K/V at a fraction of
+ * the memory bandwidth), a grid step makes one such call per row and layer, and one call over the padded batch
+ * rounds differently from the per-row calls.
+ *
+ * q: B x H_q x D contiguous; k, v: row b's kv head g token t at base + b * batch_stride + g * head_stride + t * D
+ * (elements; a grid's rows are slices of a longer tensor); lengths[b] tokens per row; out: B x H_q x D contiguous.
+ * Query head h reads kv head h / (H_q / H_kv) (transformers' repeat_kv). All arithmetic in float32 (bf16 widened,
+ * exact), the output rounded once to bf16 to nearest even when is_bf16.
+ * Each row's tokens are cut into chunks that depend only on its own length (≤ MAX_CHUNKS of ≥ MIN_CHUNK tokens);
+ * per (row, kv head, chunk) item: scores s = q·k (fixed-order LANES partial sums over D, a fixed tree), in log2
+ * units (× scale × log2 e), chunk max m_c, p = 2^(s - m_c), sum_c, acc_c = Σ p v in token order; then per row and
+ * head, in chunk order: m = max m_c, out = Σ 2^(m_c - m) acc_c / Σ 2^(m_c - m) sum_c. Items are split among threads,
+ * never a sum. A row with no tokens gets zeros.
+ * Returns 0, or 1 when scratch memory could not be allocated (out untouched).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvbench_math.h"
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#define MIN_CHUNK 256 /* tokens: below this a chunk's fixed costs show */
+#define MAX_CHUNKS 16 /* per row: enough items for the threads at batch 1 */
+#define MAX_GROUP 16  /* query heads per kv head held at once */
+#define MAX_DIM 256
+
+static inline float load_at(const void *p, int is_bf16, int64_t i) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline uint16_t round_bf16(float f) { /* to nearest even, as torch; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* q·k over D in a fixed order (LANES partial sums, a fixed halving tree, then the tail), whatever the caller */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float sum;
+#ifdef __AVX512F__
+    __m512 partial = _mm512_setzero_ps();
+    for (; i + LANES <= n; i += LANES) partial = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), partial);
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(partial), _mm512_extractf32x8_ps(partial, 1));
+    __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+    quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
+    quarter = _mm_add_ss(quarter, _mm_movehdup_ps(quarter));
+    sum = _mm_cvtss_f32(quarter);
+#else
+    float partial[LANES] = {0};
+    for (; i + LANES <= n; i += LANES) {
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) partial[l] = fmaf(a[i + l], b[i + l], partial[l]);
+    }
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) partial[l] = partial[l] + partial[l + width];
+    sum = partial[0];
+#endif
+    for (; i < n; i++) sum = fmaf(a[i], b[i], sum);
+    return sum;
+}
+
+/* n elements of p from element i as float32: a pointer into p itself (float32), or widened into buf (bf16) */
+static inline const float *as_float(const void *p, int is_bf16, int64_t i, int64_t n, float *buf) {
+    if (!is_bf16) return (const float *)p + i;
+    const uint16_t *h = (const uint16_t *)p + i;
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) buf[d] = bf16_to_float(h[d]);
+    return buf;
+}
+
+static inline int64_t chunks_of(int64_t n) { /* depends on the row's own length only */
+    int64_t c = n / MIN_CHUNK;
+    return c < 1 ? 1 : c > MAX_CHUNKS ? MAX_CHUNKS : c;
+}
+
+int decode_attention(const void *q, const void *k, const void *v, void *out, int is_bf16, int64_t B, int64_t H_q,
+                     int64_t H_kv, int64_t D, const int64_t *lengths, int64_t k_batch_stride, int64_t k_head_stride,
+                     int64_t v_batch_stride, int64_t v_head_stride, double scale, int n_threads) {
+    const int64_t G = H_q / H_kv;
+    if (G > MAX_GROUP || D > MAX_DIM || G * H_kv != H_q) return 2; /* the caller checks these first */
+    int64_t *first = malloc((size_t)(B + 1) * sizeof(int64_t)); /* row b's items start at first[b] * H_kv */
+    if (first == NULL) return 1;
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) first[b + 1] = first[b] + chunks_of(lengths[b]);
+    const int64_t n_items = first[B] * H_kv;
+    /* per item: G maxima, G sums, G x D accumulators */
+    float *part = malloc((size_t)n_items * (size_t)(G * (D + 2)) * sizeof(float));
+    if (part == NULL) {
+        free(first);
+        return 1;
+    }
+    const float log2_scale = (float)(scale * 1.4426950408889634);
+    int failed = 0;
+
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+    for (int64_t item = 0; item < n_items; item++) {
+        const int64_t row_chunk = item / H_kv, g = item % H_kv;
+        int64_t b = 0;
+        while (first[b + 1] <= row_chunk) b++;
+        const int64_t c = row_chunk - first[b], n_chunks = first[b + 1] - first[b], n = lengths[b];
+        const int64_t t0 = n * c / n_chunks, t1 = n * (c + 1) / n_chunks;
+        float *maxima = part + item * G * (D + 2), *sums = maxima + G, *acc = sums + G;
+        float qf[MAX_GROUP][MAX_DIM], kf[MAX_DIM], vf[MAX_DIM];
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t d = 0; d < D; d++) qf[i][d] = load_at(q, is_bf16, (b * H_q + g * G + i) * D + d);
+        const int64_t kbase = b * k_batch_stride + g * k_head_stride, vbase = b * v_batch_stride + g * v_head_stride;
+        float *scores = malloc((size_t)(G * (t1 - t0 > 0 ? t1 - t0 : 1)) * sizeof(float));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            const float *kt = as_float(k, is_bf16, kbase + t * D, D, kf);
+            for (int64_t i = 0; i < G; i++) scores[i * (t1 - t0) + t - t0] = dot(qf[i], kt, D) * log2_scale;
+        }
+        for (int64_t i = 0; i < G; i++) {
+            float *p = scores + i * (t1 - t0);
+            float top = -INFINITY;
+            for (int64_t t = 0; t < t1 - t0; t++) top = p[t] > top ? p[t] : top;
+            maxima[i] = top;
+            sums[i] = t1 > t0 ? exp2_shifted_row(p, p, t1 - t0) : 0.0f;
+        }
+        memset(acc, 0, (size_t)(G * D) * sizeof(float));
+        for (int64_t t = t0; t < t1; t++) {
+            const float *vt = as_float(v, is_bf16, vbase + t * D, D, vf);
+            for (int64_t i = 0; i < G; i++) {
+                const float w = scores[i * (t1 - t0) + t - t0];
+                float *a = acc + i * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] = fmaf(w, vt[d], a[d]);
+            }
+        }
+        free(scores);
+    }
+
+    if (!failed) {
+#pragma omp parallel for schedule(static) num_threads(n_threads)
+        for (int64_t bg = 0; bg < B * H_kv; bg++) {
+            const int64_t b = bg / H_kv, g = bg % H_kv, n_chunks = first[b + 1] - first[b];
+            for (int64_t i = 0; i < G; i++) {
+                float top = -INFINITY, total = 0.0f, o[MAX_DIM] = {0};
+                for (int64_t c = 0; c < n_chunks; c++) {
+                    const float m = part[((first[b] + c) * H_kv + g) * G * (D + 2) + i];
+                    top = m > top ? m : top;
+                }
+                for (int64_t c = 0; c < n_chunks; c++) {
+                    const float *maxima = part + ((first[b] + c) * H_kv + g) * G * (D + 2);
+                    const float *acc = maxima + 2 * G + i * D;
+                    const float w = maxima[i] == -INFINITY ? 0.0f : exp2_nonpositive(maxima[i] - top);
+                    total = fmaf(w, maxima[G + i], total);
+                    for (int64_t d = 0; d < D; d++) o[d] = fmaf(w, acc[d], o[d]);
+                }
+                const int64_t at = (b * H_q + g * G + i) * D;
+                for (int64_t d = 0; d < D; d++) {
+                    const float value = total > 0.0f ? o[d] / total : 0.0f;
+                    if (is_bf16)
+                        ((uint16_t *)out)[at + d] = round_bf16(value);
+                    else
+                        ((float *)out)[at + d] = value;
+                }
+            }
+        }
+    }
+    free(part);
+    free(first);
+    return failed;
+}
