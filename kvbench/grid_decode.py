@@ -47,6 +47,7 @@ from kvbench.attention import StatsRecorder, StatsRequest
 from kvbench.batched import BatchedGeneration, decode_together
 from kvbench.engine import Compressed, Engine, Generation, Prefill
 from kvbench.kernels import decode_linear
+from kvbench.kernels.compact import compact_tokens
 from kvbench.memory import reset_peak
 from kvbench.methods import Budget, Method
 from kvbench.padded import PaddedKV
@@ -67,9 +68,10 @@ class GridLayer(DynamicLayer):
         keys = rows[0][0]  # (1, H_kv, T_0, D)
         self.lengths = [k.shape[2] for k, _ in rows]
         shape = (len(rows), keys.shape[1], max(self.lengths) + GROW, keys.shape[3])
-        self.keys, self.values = keys.new_zeros(shape), keys.new_zeros(shape)  # (B, H_kv, capacity, D)
+        self.keys, self.values = keys.new_empty(shape), keys.new_empty(shape)  # (B, H_kv, capacity, D)
         for row, (k, v) in enumerate(rows):
             self.write(row, k, v)
+            self.keys[row, :, k.shape[2] :], self.values[row, :, k.shape[2] :] = 0, 0  # pads: finite for masked sdpa
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
 
     def write(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -107,13 +109,30 @@ class GridLayer(DynamicLayer):
         self.keys, self.values = self.keys[index], self.values[index]  # (B_kept, H_kv, capacity, D)
         self.lengths = [self.lengths[i] for i in keep]
 
-    def row(self, row: int) -> DynamicLayer:
+    def row(self, row: int) -> GridRow:
         """A batch-1 plain layer viewing row `row`'s tokens (no copy)."""
-        layer = DynamicLayer()
-        layer.lazy_initialization(self.keys, self.values)
-        n = self.lengths[row]
-        layer.keys, layer.values = self.keys[row : row + 1, :, :n], self.values[row : row + 1, :, :n]
-        return layer
+        return GridRow(self, row)
+
+
+class GridRow(DynamicLayer):
+    """A batch-1 view of one grid row's tokens (1, H_kv, n, D), for the row's method's decode-time policy. Its
+    evictions (`select`, through cache.layer_select) compact the kept tokens inside the grid's own storage — the
+    very tokens and order a gather gives a row alone — so nothing is copied out and back."""
+
+    def __init__(self, grid: GridLayer, row: int):
+        super().__init__()
+        self.lazy_initialization(grid.keys, grid.values)
+        self.grid, self.row, self.compacted = grid, row, False
+        n = grid.lengths[row]
+        self.keys, self.values = grid.keys[row : row + 1, :, :n], grid.values[row : row + 1, :, :n]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep positions `index` (1, H_kv, N), sorted, in the row's slots [0, N)."""
+        compact_tokens(self.keys, index)
+        compact_tokens(self.values, index)
+        n = index.shape[-1]
+        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]  # (1, H_kv, N, D)
+        self.grid.lengths[self.row], self.compacted = n, True
 
 
 def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
@@ -231,8 +250,8 @@ def decode_grid(
             if i in recorded:
                 own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
             method.on_decode_step(view, own)
-            for grid, layer, old in zip(grids, cast(list[DynamicLayer], view.layers), before):
-                if layer.keys is not old:  # evicted: the kept tokens become the row's slots
+            for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
+                if layer.keys is not old and not layer.compacted:  # replaced otherwise: its tokens become the slots
                     grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
 
     def drop_rows(keep: list[int]) -> None:

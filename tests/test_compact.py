@@ -1,0 +1,50 @@
+"""In-place decode-time eviction (kernels/compact.py): slots [0, N) end up exactly as a gather would make them."""
+
+import pytest
+import torch
+
+from kvbench.kernels import compact
+
+
+def sorted_positions(n_old, n_keep, heads, seed):
+    generator = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(n_old, generator=generator)[:n_keep].sort().values for _ in range(heads)]
+    return torch.stack(rows)[None]  # (1, H, N)
+
+
+CASES = {
+    "none evicted": lambda n, h: torch.arange(n).expand(1, h, n),
+    "first": lambda n, h: torch.arange(1, n).expand(1, h, n - 1),
+    "after the sinks": lambda n, h: torch.cat([torch.arange(4), torch.arange(5, n)]).expand(1, h, n - 1),
+    "last": lambda n, h: torch.arange(n - 1).expand(1, h, n - 1),
+    "per head, many": lambda n, h: sorted_positions(n, n // 3, h, seed=0),
+}
+
+
+@pytest.mark.parametrize("no_c", [False, True], ids=["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_compacting_in_place_equals_a_gather(case, dtype, no_c, monkeypatch):
+    if no_c:
+        monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+    grid = torch.randn(3, 3, 300, 16).to(dtype)  # (B, H, capacity, D): rows are slices, heads strided
+    row = grid[1:2, :, :257]  # (1, H, 257, D) a grid row's view
+    index = CASES[case](257, 3)
+    want = row.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16)).clone()
+    others = grid[[0, 2]].clone()
+    compact.compact_tokens(row, index)
+    assert torch.equal(row[:, :, : index.shape[-1]], want)
+    assert torch.equal(grid[[0, 2]], others)  # the other rows untouched
+
+
+def test_bad_positions_move_nothing():
+    if compact._kernel() is None:
+        pytest.skip("no C compiler")
+    t = torch.randn(1, 2, 10, 4)
+    before = t.clone()
+    for bad in ([[0, 2, 2], [0, 1, 2]], [[0, 1, 10], [0, 1, 2]], [[3, 1, 2], [0, 1, 2]], [[-1, 1, 2], [0, 1, 2]]):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            compact.compact_tokens(t, torch.tensor([bad]))
+        assert torch.equal(t, before)
+    with pytest.raises(ValueError, match="one row"):
+        compact.compact_tokens(torch.randn(2, 2, 10, 4), torch.zeros(2, 2, 3, dtype=torch.int64))
