@@ -55,7 +55,8 @@ TOP_LEVEL: dict[str, Rule] = {
     "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
     "grid_batch": Rule(
         "any",
-        "grid_batch=auto (a grid's configurations decoded together in float32), grid_batch=true or grid_batch=false",
+        "grid_batch=auto (a grid's configurations decoded together where rows stay identical), grid_batch=true or "
+        "grid_batch=false",
         choices=("auto", True, False),
     ),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),

@@ -38,18 +38,6 @@
 #define MAX_GROUP 16  /* query heads per kv head held at once */
 #define MAX_DIM 256
 
-static inline float load_at(const void *p, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline uint16_t round_bf16(float f) { /* to nearest even, as torch; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 /* q·k over D in a fixed order (LANES partial sums, a fixed halving tree, then the tail), whatever the caller */
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
@@ -119,7 +107,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
         float *maxima = part + item * G * (D + 2), *sums = maxima + G, *acc = sums + G;
         float qf[MAX_GROUP][MAX_DIM], kf[MAX_DIM], vf[MAX_DIM];
         for (int64_t i = 0; i < G; i++)
-            for (int64_t d = 0; d < D; d++) qf[i][d] = load_at(q, is_bf16, (b * H_q + g * G + i) * D + d);
+            for (int64_t d = 0; d < D; d++) qf[i][d] = load_float(q, (b * H_q + g * G + i) * D + d, is_bf16);
         const int64_t kbase = b * k_batch_stride + g * k_head_stride, vbase = b * v_batch_stride + g * v_head_stride;
         float *scores = malloc((size_t)(G * (t1 - t0 > 0 ? t1 - t0 : 1)) * sizeof(float));
         if (scores == NULL) {
@@ -172,7 +160,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
                 for (int64_t d = 0; d < D; d++) {
                     const float value = total > 0.0f ? o[d] / total : 0.0f;
                     if (is_bf16)
-                        ((uint16_t *)out)[at + d] = round_bf16(value);
+                        ((uint16_t *)out)[at + d] = float_to_bf16(value);
                     else
                         ((float *)out)[at + d] = value;
                 }

@@ -38,18 +38,6 @@ static inline float lanes_sum(const float *partial) {
     return t[0];
 }
 
-static inline float weight_at(const void *w, int is_bf16, int64_t i) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch; NaN stays NaN */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
 #ifdef __AVX512F__
 static inline __m512 weight_vector(const void *w, int is_bf16, int64_t i) { /* LANES weights from w[i] */
     if (is_bf16) {
@@ -87,8 +75,8 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
     for (; k + LANES <= K; k += LANES) {
         float wv[NB][LANES];
         for (int j = 0; j < NB; j++)
-            for (int l = 0; l < LANES; l++) wv[j][l] = weight_at(w, is_bf16, rows[j] * K + k + l);
-        for (int i = 0; i < mb; i++) {
+            for (int l = 0; l < LANES; l++) wv[j][l] = load_float(w, rows[j] * K + k + l, is_bf16);
+        for (int i = 0; i < mb; i++, is_bf16) {
             const float *xv = xf + (m0 + i) * K + k;
             for (int j = 0; j < NB; j++) {
 #pragma omp simd
@@ -100,7 +88,7 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < stored; j++) {
             float sum = lanes_sum(partial[i][j]);
-            for (int64_t t = k; t < K; t++) sum = fmaf(xf[(m0 + i) * K + t], weight_at(w, is_bf16, rows[j] * K + t), sum);
+            for (int64_t t = k; t < K; t++) sum = fmaf(xf[(m0 + i) * K + t], load_float(w, rows[j] * K + t, is_bf16), sum);
             out[(m0 + i) * N + rows[j]] = sum;
         }
 }

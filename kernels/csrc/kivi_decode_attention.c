@@ -33,17 +33,6 @@
 #define VALUE_BLOCK_TOKENS 256 /* quantized value tokens per work item of phase 3 */
 #define MIN_CODES_PER_THREAD (64 * 1024) /* ~5 us of work on one core: tiny layers stay on one thread */
 
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float load(const void *data, int64_t i, int is_bf16) {
-    return is_bf16 ? bf16_to_float(((const uint16_t *)data)[i]) : ((const float *)data)[i];
-}
-
 /* The W words of one group as floats in bit-plane order: codes[p * W + w] = field p of word w (the generic path, any
  * W; `bits` is a literal at every call, the switch in `unpack`, so the plane loop unrolls). */
 static inline __attribute__((always_inline)) void unpack_bits(const int32_t *words, int64_t W, int bits,
@@ -222,7 +211,7 @@ static void fold(const float *rows, int64_t rows_ld, int64_t n_rows, const float
 /* x = query * scaling * log2(e) of KV head bh: (G_q, D) floats */
 static void scaled_query(const Problem *pr, int64_t bh, float *x) {
     int64_t n = pr->n_group * pr->dim;
-    for (int64_t i = 0; i < n; i++) x[i] = load(pr->query, bh * n + i, pr->is_bf16) * pr->scale;
+    for (int64_t i = 0; i < n; i++) x[i] = load_float(pr->query, bh * n + i, pr->is_bf16) * pr->scale;
 }
 
 /* phase 1: scores of key groups [n0, n1) of KV head bh */

@@ -54,4 +54,18 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* element i of a float32 or bfloat16 array, as float32 */
+static inline float load_float(const void *data, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const uint16_t *)data)[i]) : ((const float *)data)[i];
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds its float32 results; NaN stays NaN */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 #endif
