@@ -29,7 +29,8 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool
     """query (B, H_q, 1, D), key/value (B, H_kv, T, D): whether `attend` can take this step."""
     n_q, n_kv, dim = query.shape[1], key.shape[1], query.shape[-1]
     return (
-        query.device.type == "cpu"
+        query.device.type == key.device.type == value.device.type == "cpu"
+        and n_kv > 0
         and query.shape[2] == 1
         and query.dtype == key.dtype == value.dtype
         and query.dtype in DTYPES

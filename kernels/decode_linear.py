@@ -31,14 +31,23 @@ def _kernel():
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `linear` takes this call (else nn.Linear's own product)."""
     return (
-        bias is None
+        takes_weight(weight, bias)
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
-        and x.dtype in DTYPES
-        and weight.dim() == 2
         and x.shape[-1] == weight.shape[1]
         and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def takes_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """The layer's side of `applies`: what decides whether its decode steps can go through the kernel at all."""
+    return (
+        bias is None
+        and weight.device.type == "cpu"
+        and weight.dtype in DTYPES
+        and weight.dim() == 2
+        and weight.shape[1] > 0
         and weight.is_contiguous()
     )
 
@@ -87,6 +96,12 @@ def install(model: nn.Module) -> int:
 
 
 def installed(model: nn.Module) -> bool:
-    """Whether the model's decode steps are row-independent through the kernel (every linear layer swapped)."""
+    """Whether the model's decode steps are row-independent through the kernel: every linear layer swapped, each
+    one the kernel takes (no bias, float32/bfloat16, on the CPU, contiguous), all of one dtype."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    return bool(linears) and all(isinstance(m, DecodeLinear) for m in linears) and _kernel() is not None
+    return (
+        bool(linears)
+        and all(isinstance(m, DecodeLinear) and takes_weight(m.weight, m.bias) for m in linears)
+        and len({m.weight.dtype for m in linears}) == 1
+        and _kernel() is not None
+    )

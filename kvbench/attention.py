@@ -346,7 +346,14 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
 def _single_query_ok(query, key, value, kwargs) -> bool:
     """Whether kernels/decode_attention.py takes this step (one query per row, CPU, fp32/bf16, no soft cap or
     sinks): the same kernel for a decode alone and for a grid's rows, whose outputs it keeps row-independent."""
-    return kwargs.get("softcap") is None and kwargs.get("s_aux") is None and decode_attention.applies(query, key, value)
+    window = kwargs.get("sliding_window")
+    return (
+        kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and not kwargs.get("dropout")
+        and (window is None or key.shape[2] <= window)  # longer: the model's mask decides, not all the slots
+        and decode_attention.applies(query, key, value)
+    )
 
 
 def _fused_ok(recorder: StatsRecorder | None, kwargs) -> bool:

@@ -117,9 +117,14 @@ def grid_rows_as_alone(lm) -> bool:
     bfloat16: kvbench.kernels.decode_linear) bit for bit; in float32 without it, token for token in every test
     (MKL's several-row products differ from its one-row product in the last bit); else not (bf16 products round
     a row by the batch size)."""
+    return decode_kernels(lm) or str(lm.dtype).removeprefix("torch.") == "float32"
+
+
+def decode_kernels(lm) -> bool:
+    """Whether decode steps run kvbench's C kernels (kernels/decode_linear.py, decode_attention.py)."""
     from kvbench.kernels import decode_linear
 
-    return decode_linear.installed(lm.model) or str(lm.dtype).removeprefix("torch.") == "float32"
+    return decode_linear.installed(lm.model)
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
@@ -143,6 +148,8 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
             # outside float32, decoding configurations together may change a last bit (and a token): apart
             **({"grid_batch": True} if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
+            # the C decode kernels round differently from torch's products and sdpa: their rows are their own
+            **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
         }
     )
 

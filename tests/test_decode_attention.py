@@ -10,8 +10,9 @@ from kvbench.kernels import decode_attention
 
 pytestmark = pytest.mark.skipif(decode_attention._kernel() is None, reason="no C compiler: the kernel is not built")
 
-# (H_q, H_kv, D): the bundled model's GQA; MHA; MQA with a head size that is not a multiple of the vector width
-HEADS = [(9, 3, 64), (4, 4, 16), (8, 1, 24)]
+# (H_q, H_kv, D): the bundled model's GQA; MHA; MQA with a head size that is not a multiple of the vector width;
+# the kernel's bounds (16 query heads per KV head, head size 256)
+HEADS = [(9, 3, 64), (4, 4, 16), (8, 1, 24), (16, 1, 256)]
 LENGTHS = [1, 255, 256, 1000, 4100]  # one chunk, chunk boundaries, 16 chunks of uneven size
 
 
@@ -102,3 +103,24 @@ def test_the_models_decode_steps_use_it_and_generate_as_with_sdpa(tiny_engine, p
     monkeypatch.setattr(decode_attention, "applies", lambda *a: False)
     with_sdpa = tiny_engine.generate(tiny_engine.prefill(prompt_ids, method.stats_request()), method, None, [], 12)
     assert with_kernel.token_ids == with_sdpa.token_ids
+
+
+def test_nan_propagates_and_rows_stay_apart():
+    """A NaN key makes its row's heads NaN, as sdpa does (not a silent zero); the other rows are untouched."""
+    q, k, v = inputs((9, 3, 64), 300, torch.float32, batch=2, seed=2)
+    clean = decode_attention.attend(q, k, v, 0.125)
+    k[0, 1, 17, 5] = float("nan")
+    out = decode_attention.attend(q, k, v, 0.125)
+    assert out[0, 0, 3:6].isnan().all() and not out[0, 0, :3].isnan().any() and not out[0, 0, 6:].isnan().any()
+    assert torch.equal(out[1], clean[1])
+
+
+def test_the_attention_function_keeps_sdpa_for_what_the_kernel_does_not_model(monkeypatch):
+    """Soft-capped logits, attention sinks, dropout and a sliding window shorter than the cache go to torch."""
+    from kvbench.attention import _single_query_ok
+
+    q, k, v = inputs((9, 3, 64), 50, torch.float32)
+    assert _single_query_ok(q, k, v, {})
+    assert _single_query_ok(q, k, v, {"sliding_window": 50, "dropout": 0.0})
+    for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(9)}, {"dropout": 0.1}, {"sliding_window": 49}):
+        assert not _single_query_ok(q, k, v, kwargs), kwargs

@@ -68,7 +68,12 @@ def test_leading_dimensions_and_non_contiguous_inputs():
 def test_install_swaps_plain_linears_and_leaves_the_rest_to_torch():
     model = torch.nn.Sequential(torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(64, 8, bias=True))
     assert decode_linear.install(model) == 2 and decode_linear.install(model) == 2  # idempotent
-    assert decode_linear.installed(model)
+    assert not decode_linear.installed(model)  # the biased layer stays torch's: decode steps are not row-independent
+    assert decode_linear.installed(model[:1])
+    half = copy.deepcopy(model[:1]).half()
+    assert not decode_linear.installed(half)  # float16: torch's
+    mixed = torch.nn.Sequential(copy.deepcopy(model[0]), copy.deepcopy(model[0]).to(torch.bfloat16))
+    assert not decode_linear.installed(mixed)  # two dtypes
     no_bias, biased = model[0], model[1]
     x, _ = inputs(64, 96, decode_linear.MAX_ROWS + 1, torch.float32, seed=3)
     with torch.inference_mode():
@@ -99,3 +104,45 @@ def test_the_loader_installs_it_and_a_decode_step_is_row_independent(tiny):
         together = tiny.model(input_ids=ids).logits  # (B, 1, V)
         alone = torch.cat([tiny.model(input_ids=ids[i : i + 1]).logits for i in range(len(ids))])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("rows", [3, 10])  # oneDNN's bf16 products round a row differently at these counts
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_at_the_bundled_models_shapes_is_row_independent(dtype, rows):
+    """A random Llama with SmolLM2-135M's layer shapes (hidden 576, MLP 1536, 9 query / 3 KV heads of 64; 2 layers):
+    one decode step of 3 or 10 rows over their caches gives each row's logits of its own 1-row step, bit for bit — the
+    linear kernel and the attention kernel together (torch's products fail this: see the fp32 case above)."""
+    from omegaconf import OmegaConf
+    from transformers import DynamicCache
+
+    from kvbench.models import load_model
+    from tests.conftest import CONF_DIR
+
+    cfg = OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml")
+    cfg.name = "tiny-random-smollm-shapes"
+    cfg.architecture.update(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3
+    )
+    cfg.architecture.head_dim = 64
+    lm = load_model(cfg, "cpu", dtype)
+    assert decode_linear.installed(lm.model)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 256, (rows, 40), generator=generator)  # (B, T): one length, so the caches stack
+    last = torch.randint(0, 256, (rows, 1), generator=generator)  # (B, 1): the step's tokens
+    with torch.inference_mode():
+        caches = []
+        for row in prompts:  # each prefilled alone: the prefill's products are torch's and not under test
+            cache = DynamicCache()
+            lm.model(input_ids=row[None], cache=cache, use_cache=True)
+            caches.append(cache)
+        alone = [
+            lm.model(input_ids=last[i : i + 1], cache=copy.deepcopy(c), use_cache=True).logits
+            for i, c in enumerate(caches)
+        ]  # (1, 1, V) each
+        stacked = DynamicCache()
+        for layer in range(len(caches[0].layers)):
+            keys = torch.cat([c.layers[layer].keys for c in caches])  # (B, H_kv, T, D)
+            values = torch.cat([c.layers[layer].values for c in caches])
+            stacked.update(keys, values, layer)
+        together = lm.model(input_ids=last, cache=stacked, use_cache=True).logits  # (B, 1, V)
+    assert torch.equal(together, torch.cat(alone))

@@ -110,8 +110,9 @@ def test_guide_compares_decode_speed_only_between_rows_timed_alone():
 
 
 def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_apart():
-    """auto decodes together where rows come out as alone: with the row-independent linear kernel installed in
-    float32 and bfloat16, without it in float32 only; forcing it elsewhere gives its rows a hash of their own."""
+    """auto decodes together where rows come out as alone: with the row-independent decode kernels in float32 and
+    bfloat16, without them in float32 only; forcing it elsewhere gives its rows a hash of their own, and rows of the
+    kernels hash apart from torch's."""
     from types import SimpleNamespace
 
     import torch
@@ -140,8 +141,16 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]
     assert hashes["auto", "torch.bfloat16", False] == hashes[False, "torch.bfloat16", False]
     assert hashes["auto", "torch.bfloat16", False] != hashes[True, "torch.bfloat16", False]
-    for setting in ("auto", True, False):  # with the kernel the rows are the rows: one hash
-        assert hashes[setting, "torch.bfloat16", True] == hashes["auto", "torch.bfloat16", False]
+    kernel_rows = {hashes[setting, "torch.bfloat16", True] for setting in ("auto", True, False)}
+    assert len(kernel_rows) == 1  # with the kernels a grid row is the one-by-one row: one hash whatever the setting
+    assert kernel_rows.isdisjoint(set(hashes.values()) - kernel_rows)  # ... their own: they round unlike torch's
+
+
+def test_groups_hold_at_most_max_rows():
+    lengths = [[10] * 2] * 40
+    out = groups(lengths, max_rows=16)
+    assert [len(g) for g in out] == [16, 16, 8] and sorted(r for g in out for r in g) == list(range(40))
+    assert [len(g) for g in groups(lengths[:17], max_rows=16)] == [16, 1]  # no room: the last row stays alone
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -13,7 +13,7 @@
  * per (row, kv head, chunk) item: scores s = q·k (fixed-order LANES partial sums over D, a fixed tree), in log2
  * units (× scale × log2 e), chunk max m_c, p = 2^(s - m_c), sum_c, acc_c = Σ p v in token order; then per row and
  * head, in chunk order: m = max m_c, out = Σ 2^(m_c - m) acc_c / Σ 2^(m_c - m) sum_c. Items are split among threads,
- * never a sum. A row with no tokens gets zeros.
+ * never a sum. A row with no tokens gets zeros; a NaN score makes its head's output NaN, as in torch.
  * Returns 0, or 1 when scratch memory could not be allocated (out untouched).
  */
 #include <math.h>
@@ -45,7 +45,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #ifdef __AVX512F__
     __m512 partial = _mm512_setzero_ps();
     for (; i + LANES <= n; i += LANES) partial = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), partial);
-    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(partial), _mm512_extractf32x8_ps(partial, 1));
+    __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(partial), 1)); /* AVX512F only */
+    __m256 half = _mm256_add_ps(_mm512_castps512_ps256(partial), high);
     __m128 quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
     quarter = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter));
     quarter = _mm_add_ss(quarter, _mm_movehdup_ps(quarter));
@@ -119,12 +120,19 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
             const float *kt = as_float(k, is_bf16, kbase + t * D, D, kf);
             for (int64_t i = 0; i < G; i++) scores[i * (t1 - t0) + t - t0] = dot(qf[i], kt, D) * log2_scale;
         }
-        for (int64_t i = 0; i < G; i++) {
+        for (int64_t i = 0; i < G; i++) { /* p = 2^(s - max), summed in a fixed order (not omp's reduction) */
             float *p = scores + i * (t1 - t0);
             float top = -INFINITY;
             for (int64_t t = 0; t < t1 - t0; t++) top = p[t] > top ? p[t] : top;
+            float partial[LANES] = {0};
+            for (int64_t t = 0; t < t1 - t0; t++) {
+                p[t] = exp2_nonpositive(p[t] - top);
+                partial[t % LANES] += p[t];
+            }
+            for (int width = LANES / 2; width >= 1; width /= 2)
+                for (int l = 0; l < width; l++) partial[l] = partial[l] + partial[l + width];
             maxima[i] = top;
-            sums[i] = t1 > t0 ? exp2_shifted_row(p, p, t1 - t0) : 0.0f;
+            sums[i] = partial[0];
         }
         memset(acc, 0, (size_t)(G * D) * sizeof(float));
         for (int64_t t = t0; t < t1; t++) {
@@ -158,7 +166,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
                 }
                 const int64_t at = (b * H_q + g * G + i) * D;
                 for (int64_t d = 0; d < D; d++) {
-                    const float value = total > 0.0f ? o[d] / total : 0.0f;
+                    const float value = lengths[b] > 0 ? o[d] / total : 0.0f; /* NaN scores stay NaN */
                     if (is_bf16)
                         ((uint16_t *)out)[at + d] = float_to_bf16(value);
                     else

@@ -11,7 +11,7 @@
  * the result rounded to bfloat16 once, to nearest even, as torch rounds its float32 accumulators.
  * Blocking (why it is fast): NB outputs x MB rows of accumulators stay in registers; each weight vector, the bytes a
  * decode step is bound by, is loaded once per MB rows. Threads split the outputs, never a dot product.
- * Returns 0, or 1 when scratch memory could not be allocated (then y is untouched).
+ * Returns 0, or 1 when bf16 scratch memory could not be allocated (then y is untouched).
  */
 #include <math.h>
 #include <omp.h>
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
         float wv[NB][LANES];
         for (int j = 0; j < NB; j++)
             for (int l = 0; l < LANES; l++) wv[j][l] = load_float(w, rows[j] * K + k + l, is_bf16);
-        for (int i = 0; i < mb; i++, is_bf16) {
+        for (int i = 0; i < mb; i++) {
             const float *xv = xf + (m0 + i) * K + k;
             for (int j = 0; j < NB; j++) {
 #pragma omp simd
@@ -95,17 +95,12 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
 
 int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M, int64_t N, int64_t K,
                   int n_threads) {
-    float *xf = malloc((size_t)(M * K) * sizeof(float)); /* x widened once, not per block */
-    float *yf = is_bf16 ? malloc((size_t)(M * N) * sizeof(float)) : (float *)y;
-    if (xf == NULL || yf == NULL) {
-        free(xf);
-        if (is_bf16) free(yf);
-        return 1;
-    }
+    float *wide = is_bf16 ? malloc((size_t)(M * K + M * N) * sizeof(float)) : NULL; /* bf16: x widened, y in fp32 */
+    if (is_bf16 && wide == NULL) return 1;
+    const float *xf = is_bf16 ? wide : (const float *)x;
+    float *yf = is_bf16 ? wide + M * K : (float *)y;
     if (is_bf16)
-        for (int64_t e = 0; e < M * K; e++) xf[e] = bf16_to_float(((const uint16_t *)x)[e]);
-    else
-        memcpy(xf, x, (size_t)(M * K) * sizeof(float));
+        for (int64_t e = 0; e < M * K; e++) wide[e] = bf16_to_float(((const uint16_t *)x)[e]);
     const int64_t n_blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t b = 0; b < n_blocks; b++) {
@@ -126,8 +121,7 @@ int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M,
     }
     if (is_bf16) {
         for (int64_t e = 0; e < M * N; e++) ((uint16_t *)y)[e] = float_to_bf16(yf[e]);
-        free(yf);
+        free(wide);
     }
-    free(xf);
     return 0;
 }
