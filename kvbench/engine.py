@@ -22,6 +22,7 @@ from kvbench.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_l
 from kvbench.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.models import LoadedModel
+from kvbench.slots import plain_layers, use_slots
 
 
 @dataclass
@@ -208,6 +209,7 @@ class Engine:
         generated, kept_logits = [token], [logits] if keep_logits else []
         steps, t0 = 0, time.perf_counter()
         method.on_decode_start(cache, position)
+        slots = use_slots(cache, method, self.lm.model)  # evictions in place, appends into spare slots
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
@@ -221,6 +223,8 @@ class Engine:
                 kept_logits.append(logits)
         synchronize(device)
         decode_s = time.perf_counter() - t0
+        if slots:
+            plain_layers(cache)  # exact-size tensors again: kv_bytes counts what a plain cache would hold
         peak = max(start.prefill_peak, read_peak(device))
         return Generation(
             token_ids=generated,
