@@ -119,6 +119,9 @@ class GridRow(DynamicLayer):
     evictions (`select`, through cache.layer_select) compact the kept tokens inside the grid's own storage — the
     very tokens and order a gather gives a row alone — so nothing is copied out and back."""
 
+    keys: torch.Tensor  # (1, H_kv, n, D), a view into the grid's storage
+    values: torch.Tensor
+
     def __init__(self, grid: GridLayer, row: int):
         super().__init__()
         self.lazy_initialization(grid.keys, grid.values)

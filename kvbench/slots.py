@@ -25,6 +25,9 @@ from kvbench.methods import Method
 class SlotLayer(DynamicLayer):
     """keys/values (1, H_kv, n, D): views of the first n slots of a (1, H_kv, capacity, D) buffer."""
 
+    keys: torch.Tensor  # never None once built
+    values: torch.Tensor
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, spare: int):
         super().__init__()
         self.lazy_initialization(keys, values)
