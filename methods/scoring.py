@@ -38,6 +38,12 @@ def pool(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
 
 def top_k_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k highest scores along the last axis, in ascending position order."""
+    n = scores.shape[-1]
+    if k == n - 1 > 0:  # one token dropped (per-step eviction): every position but the lowest, when it is unique
+        lowest = scores.argmin(dim=-1, keepdim=True)  # (..., 1)
+        if bool(((scores == scores.gather(-1, lowest)).sum(-1) == 1).all()):  # else (ties, NaN) topk decides
+            positions = torch.arange(n - 1, device=scores.device)  # (n - 1,)
+            return positions + (positions >= lowest).long()  # (..., n - 1): the lowest skipped
     return scores.topk(k, dim=-1).indices.sort(dim=-1).values
 
 

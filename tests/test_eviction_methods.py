@@ -224,3 +224,20 @@ def test_shared_prefill_charges_each_method_only_its_own_statistics(tiny_engine,
     assert set(prefill.stats.seconds) == {"all", 32}
     assert prefill.stats.seconds_for(StatsRequest()) == 0.0
     assert prefill.stats.seconds_for(request) == sum(prefill.stats.seconds.values())
+
+
+def test_top_k_sorted_dropping_one_is_topk():
+    """The one-token fast path (per-step eviction) returns exactly topk's positions; ties and NaN take topk."""
+    import torch
+
+    from kvbench.methods.scoring import top_k_sorted
+
+    generator = torch.Generator().manual_seed(0)
+    for n in (2, 3, 17, 300):
+        scores = torch.randn(2, 3, n, generator=generator)
+        want = scores.topk(n - 1, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(top_k_sorted(scores, n - 1), want)
+    tied = torch.tensor([[[1.0, 0.5, 2.0, 0.5, 3.0]]])  # two lowest: topk's choice, whatever it is
+    assert torch.equal(top_k_sorted(tied, 4), tied.topk(4, dim=-1).indices.sort(dim=-1).values)
+    with_nan = torch.tensor([[[1.0, float("nan"), 2.0, 0.5]]])
+    assert torch.equal(top_k_sorted(with_nan, 3), with_nan.topk(3, dim=-1).indices.sort(dim=-1).values)
