@@ -32,3 +32,12 @@ def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
             return  # else positions not strictly increasing or outside the cache: torch's gather says which
     kept = tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (1, H, N, D): a copy, then back in place
     tensor[:, :, :n_keep].copy_(kept)
+
+
+def compact_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's eviction in place: keys and values (1, H, T, D) compacted to `index` (1, H, N); returns their
+    views (1, H, N, D) of the kept tokens."""
+    compact_tokens(keys, index)
+    compact_tokens(values, index)
+    n_keep = index.shape[-1]
+    return keys[:, :, :n_keep], values[:, :, :n_keep]

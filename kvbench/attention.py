@@ -377,14 +377,15 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
         together = decode_attention.attend(query, key.tensor, value.tensor, scale, own)  # (B, 1, H_q, D)
     outputs, recorded = [], []
     for row, n_tokens in enumerate(lengths):
+        if together is not None and row not in asking:
+            outputs.append(together[row : row + 1])  # (1, 1, H_q, D): what the kernel gives this row alone
+            continue
         q = query[row : row + 1]  # (1, H_q, 1, D)
         k, v = key.tensor[row : row + 1, :, :n_tokens], value.tensor[row : row + 1, :, :n_tokens]  # (1, H_kv, n, D)
         if row in asking:
             assert recorder is not None  # rows ask only through a recorder
             out, probs = recorder.decode_step(q, k, v, scale)  # (1, 1, H_q, D), (1, H_q, n)
             recorded.append(probs)
-        elif together is not None:
-            out = together[row : row + 1]  # (1, 1, H_q, D): what the kernel gives this row alone
         else:
             out = _plain_attention(module, q, k, v, None, scaling, **kwargs)[0]  # (1, 1, H_q, D)
         outputs.append(out)

@@ -47,7 +47,7 @@ from kvbench.attention import StatsRecorder, StatsRequest
 from kvbench.batched import BatchedGeneration, decode_together
 from kvbench.engine import Compressed, Engine, Generation, Prefill
 from kvbench.kernels import decode_linear
-from kvbench.kernels.compact import compact_tokens
+from kvbench.kernels.compact import compact_kv
 from kvbench.memory import reset_peak
 from kvbench.methods import Budget, Method
 from kvbench.padded import PaddedKV
@@ -131,11 +131,8 @@ class GridRow(DynamicLayer):
 
     def select(self, index: torch.Tensor) -> None:
         """Keep positions `index` (1, H_kv, N), sorted, in the row's slots [0, N)."""
-        compact_tokens(self.keys, index)
-        compact_tokens(self.values, index)
-        n = index.shape[-1]
-        self.keys, self.values = self.keys[:, :, :n], self.values[:, :, :n]  # (1, H_kv, N, D)
-        self.grid.lengths[self.row], self.compacted = n, True
+        self.keys, self.values = compact_kv(self.keys, self.values, index)  # (1, H_kv, N, D)
+        self.grid.lengths[self.row], self.compacted = index.shape[-1], True
 
 
 def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
@@ -233,7 +230,7 @@ def decode_grid(
             merged = merged | methods[row].decode_request()
         return merged
 
-    hooked = {row for row, m in enumerate(methods) if type(m).on_decode_step is not Method.on_decode_step}
+    hooked = {row for row, m in enumerate(methods) if m.acts_on_decode_steps()}
 
     def recorder(step_request, live: list[int]) -> RowsRecorder:
         asking = [i for i, row in enumerate(live) if methods[row].decode_request()]  # batch indices

@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.cache import kv_layer
-from kvbench.kernels.compact import compact_tokens
+from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Method
 
 
@@ -59,8 +59,7 @@ class SlotLayer(DynamicLayer):
 
     def select(self, index: torch.Tensor) -> None:
         """Keep positions `index` (1, H_kv, N), sorted: compacted into slots [0, N) (cache.layer_select calls it)."""
-        compact_tokens(self.keys, index)
-        compact_tokens(self.values, index)
+        compact_kv(self.keys, self.values, index)
         self._hold(index.shape[-1])
 
 
@@ -69,10 +68,8 @@ def use_slots(cache, method: Method, model) -> bool:
     whether it did). Only with the C decode kernels installed, where the layout cannot change a result."""
     from kvbench.kernels import decode_linear
 
-    step = getattr(getattr(method, "on_decode_step", None), "__func__", None)  # wrappers (workload.Reused) delegate
-    hooked = step is not None and step is not Method.on_decode_step
     layers = list(getattr(cache, "layers", []))
-    if not (hooked and not getattr(method, "ring", False) and layers and decode_linear.installed(model)):
+    if not (method.acts_on_decode_steps() and not method.decodes_alone() and layers and decode_linear.installed(model)):
         return False
     if not all(type(layer) is DynamicLayer and layer.keys is not None and layer.keys.shape[0] == 1 for layer in layers):
         return False

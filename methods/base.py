@@ -233,6 +233,10 @@ class Method:
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache)."""
 
+    def acts_on_decode_steps(self) -> bool:
+        """Whether `on_decode_step` does anything (a subclass overrides it): the decode loops then run it per row."""
+        return type(self).on_decode_step is not Method.on_decode_step
+
     def on_decode_start(self, cache, position: int) -> None:
         """Decoding one token per step starts from `cache` (the next token at `position`): Engine.decode and
         batched examples (kvbench.batched) call it; grid batches and diagnose do not."""

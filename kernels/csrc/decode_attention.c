@@ -28,11 +28,6 @@
 #include <immintrin.h>
 #endif
 
-#ifdef __AVX512F__
-#define LANES 16
-#else
-#define LANES 8
-#endif
 #define MIN_CHUNK 256 /* tokens: below this a chunk's fixed costs show */
 #define MAX_CHUNKS 16 /* per row: enough items for the threads at batch 1 */
 #define MAX_GROUP 16  /* query heads per kv head held at once */
@@ -57,9 +52,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #pragma omp simd
         for (int l = 0; l < LANES; l++) partial[l] = fmaf(a[i + l], b[i + l], partial[l]);
     }
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) partial[l] = partial[l] + partial[l + width];
-    sum = partial[0];
+    sum = halving_sum(partial, LANES);
 #endif
     for (; i < n; i++) sum = fmaf(a[i], b[i], sum);
     return sum;
@@ -129,10 +122,8 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
                 p[t] = exp2_nonpositive(p[t] - top);
                 partial[t % LANES] += p[t];
             }
-            for (int width = LANES / 2; width >= 1; width /= 2)
-                for (int l = 0; l < width; l++) partial[l] = partial[l] + partial[l + width];
             maxima[i] = top;
-            sums[i] = partial[0];
+            sums[i] = halving_sum(partial, LANES);
         }
         memset(acc, 0, (size_t)(G * D) * sizeof(float));
         for (int64_t t = t0; t < t1; t++) {

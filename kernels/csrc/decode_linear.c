@@ -23,20 +23,9 @@
 
 #ifdef __AVX512F__
 #include <immintrin.h>
-#define LANES 16
-#else
-#define LANES 8
 #endif
 #define NB 4 /* outputs per block */
 #define MB 4 /* rows per block */
-
-static inline float lanes_sum(const float *partial) {
-    float t[LANES];
-    memcpy(t, partial, sizeof t);
-    for (int width = LANES / 2; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) t[l] = t[l] + t[l + width];
-    return t[0];
-}
 
 #ifdef __AVX512F__
 static inline __m512 weight_vector(const void *w, int is_bf16, int64_t i) { /* LANES weights from w[i] */
@@ -87,7 +76,7 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
 #endif
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < stored; j++) {
-            float sum = lanes_sum(partial[i][j]);
+            float sum = halving_sum(partial[i][j], LANES);
             for (int64_t t = k; t < K; t++) sum = fmaf(xf[(m0 + i) * K + t], load_float(w, rows[j] * K + t, is_bf16), sum);
             out[(m0 + i) * N + rows[j]] = sum;
         }

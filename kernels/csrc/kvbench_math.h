@@ -54,6 +54,21 @@ static inline float bf16_to_float(uint16_t h) {
     return f;
 }
 
+/* float32 lanes of one vector register (what the decode kernels' fixed-order partial sums use) */
+#ifdef __AVX512F__
+#define LANES 16
+#else
+#define LANES 8
+#endif
+
+/* Σ t[0..n) by halving — t[l] += t[l + n/2] for l < n/2, then n/4, ... — n a power of two: one fixed order,
+ * whatever the caller (an OpenMP reduction's order is the compiler's). t is overwritten. */
+static inline float halving_sum(float *t, int n) {
+    for (int width = n / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) t[l] = t[l] + t[l + width];
+    return t[0];
+}
+
 /* element i of a float32 or bfloat16 array, as float32 */
 static inline float load_float(const void *data, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)data)[i]) : ((const float *)data)[i];
