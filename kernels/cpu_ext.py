@@ -115,14 +115,15 @@ def torch_blas(symbol: str) -> int | None:
 _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "d": ctypes.c_double}
 
 
-def function(name: str, signature: str):
-    """kernels/csrc/`name`.c's function `name` with its argument types declared (one letter each: p pointer, i int,
-    l int64, d double; returns int), or None as `load`. Declared types let a call take plain Python ints and floats
-    (tensor.data_ptr() for pointers), converted in C: per call ~half the cost of building ctypes objects."""
+def function(name: str, signature: str, symbol: str | None = None):
+    """kernels/csrc/`name`.c's function `symbol` (default `name`) with its argument types declared (one letter
+    each: p pointer, i int, l int64, d double; returns int), or None as `load`. Declared types let a call take plain
+    Python ints and floats (tensor.data_ptr() for pointers), converted in C: per call ~half the cost of building
+    ctypes objects."""
     lib = load(name)
     if lib is None:
         return None
-    fn = getattr(lib, name)
+    fn = getattr(lib, symbol or name)
     if fn.argtypes is None:
         fn.argtypes, fn.restype = [_C_TYPES[code] for code in signature], ctypes.c_int
     return fn

@@ -21,7 +21,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench import KvbenchError
-from kvbench.kernels import attention_column_sums, decode_attention
+from kvbench.kernels import attention_column_sums, decode_attention, prefill_attention
 from kvbench.padded import PaddedKV
 from kvbench.ragged import RaggedKV, ragged_attention
 
@@ -326,8 +326,13 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
     if key.shape[1] == query.shape[1] != getattr(module.config, "num_key_value_heads", key.shape[1]):
         # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
         module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is None and _single_query_ok(query, key, value, kwargs):  # a decode step: the C kernel
-        out = decode_attention.attend(query, key, value, scaling if scaling is not None else query.shape[-1] ** -0.5)
+        out = decode_attention.attend(query, key, value, scale)
+        if out is not None:
+            return out, None
+    if attention_mask is None and _causal_prefill_ok(module, query, key, value, kwargs):  # a bf16 prompt: C kernel
+        out = prefill_attention.attend(query, key, value, scale)
         if out is not None:
             return out, None
     if kwargs.get("softcap") is not None:  # sdpa cannot cap logits: the model's own eager attention (Gemma-2)
@@ -353,6 +358,22 @@ def _single_query_ok(query, key, value, kwargs) -> bool:
         and not kwargs.get("dropout")
         and (window is None or key.shape[2] <= window)  # longer: the model's mask decides, not all the slots
         and decode_attention.applies(query, key, value)
+    )
+
+
+def _causal_prefill_ok(module, query, key, value, kwargs) -> bool:
+    """Whether kernels/prefill_attention.py takes this call: a whole prompt attending causally to itself (Q = T > 1
+    and no mask: what sdpa runs with is_causal), bf16 on a CPU with AVX512-BF16, no soft cap, sinks, dropout,
+    position bias or sliding window shorter than the prompt."""
+    window = kwargs.get("sliding_window")
+    return (
+        kwargs.get("is_causal", getattr(module, "is_causal", True)) is True
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("dropout")
+        and (window is None or key.shape[2] <= window)
+        and prefill_attention.applies(query, key, value)
     )
 
 

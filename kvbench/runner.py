@@ -127,6 +127,14 @@ def decode_kernels(lm) -> bool:
     return decode_linear.installed(lm.model)
 
 
+def prefill_kernel(lm) -> bool:
+    """Whether prompts' causal attention runs kvbench's C kernel (kernels/prefill_attention.py: bf16 on a CPU with
+    AVX512-BF16) instead of torch's sdpa."""
+    from kvbench.kernels import prefill_attention
+
+    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and prefill_attention.supported(lm.head_dim)
+
+
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
     """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
     selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
@@ -150,6 +158,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **({"grid_batch": True} if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
+            **({"prefill_kernel": "c"} if prefill_kernel(lm) else {}),
         }
     )
 

@@ -1,0 +1,76 @@
+"""Causal attention of a whole bfloat16 prompt on CPUs with AVX512-BF16: kernels/csrc/prefill_attention.c.
+
+Why: on such a CPU torch's flash attention runs bf16 no faster than float32 (~110 GFLOP/s on 2 cores at the
+bundled model's shapes, where its bf16 matrix products reach ~400), and in bf16 the prefill attention is most of a
+long prompt's forward pass. The kernel does torch's arithmetic (bf16 products summed in float32, an online softmax
+in float32 over key chunks, the exponentials rounded to bf16 for P·V, one rounding of the output) with vdpbf16ps
+dot products; its last bits differ from torch's (its own order of additions), so rows computed with it hash apart
+(kvbench/runner.py `prefill_kernel`).
+
+kvbench/attention.py calls `attend` for what it can take — a prefill (Q = T > 1, no mask: is_causal), bf16, CPU,
+head size 64 or 128, no soft cap, sinks, dropout or shorter sliding window — and sdpa does the rest. CPUs without
+AVX512-BF16 (where bf16 itself is slow), KVBENCH_NO_CPU_EXT=1 or no C compiler: sdpa everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_SIGNATURE = "pppp" + "l" * 14 + "dpi"  # q k v out, B H_q H_kv T D, 9 strides, scale work threads
+
+
+def _kernel():
+    from kvbench.kernels import cpu_ext
+
+    return cpu_ext.function("prefill_attention", _SIGNATURE)
+
+
+@functools.cache
+def supported(head_dim: int) -> bool:
+    """Whether the kernel is built for this CPU (AVX512-BF16) and takes this head size."""
+    from kvbench.kernels import cpu_ext
+
+    check = cpu_ext.function("prefill_attention", "l", "prefill_attention_supported")
+    return check is not None and _kernel() is not None and bool(check(head_dim))
+
+
+def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """query (B, H_q, T, D), key/value (B, H_kv, T, D): whether `attend` can take this causal prefill."""
+    n_q, n_kv, n_tokens, dim = query.shape[1], key.shape[1], query.shape[2], query.shape[-1]
+    return (
+        query.device.type == key.device.type == value.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype == torch.bfloat16
+        and n_tokens > 1
+        and key.shape == value.shape
+        and key.shape[0] == query.shape[0]
+        and key.shape[2] == n_tokens
+        and key.shape[-1] == dim
+        and n_kv > 0
+        and n_q % n_kv == 0
+        and all(t.stride(-1) == 1 for t in (query, key, value))
+        and supported(dim)
+    )
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """softmax(q·kᵀ·scale, causal)·v → (B, T, H_q, D), the layout transformers' attention functions return; None
+    if the kernel declined (then the caller runs sdpa)."""
+    from kvbench.kernels import cpu_ext
+
+    batch, n_q, n_tokens, dim = query.shape
+    n_kv, threads = key.shape[1], torch.get_num_threads()
+    size = torch.zeros(1, dtype=torch.int64)
+    cpu_ext.function("prefill_attention", "llllip", "prefill_attention_work_bytes")(
+        batch, n_kv, n_tokens, dim, threads, size.data_ptr()
+    )
+    work = torch.empty(int(size), dtype=torch.uint8)  # K and V repacked for the dot products + each thread's tiles
+    out = torch.empty(batch, n_tokens, n_q, dim, dtype=query.dtype)  # (B, T, H_q, D)
+    status = _kernel()(
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
+        batch, n_q, n_kv, n_tokens, dim,
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],
+        float(scale), work.data_ptr(), threads,
+    )  # fmt: skip
+    return out if status == 0 else None
