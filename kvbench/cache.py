@@ -46,8 +46,9 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
 
 def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
     """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
-    expanded = index.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])  # (B, H_kv, N, D)
-    return keys.gather(2, expanded), values.gather(2, expanded)  # (B, H_kv, N, D) each
+    from kvbench.kernels.compact import gather_tokens
+
+    return gather_tokens(keys, index), gather_tokens(values, index)  # (B, H_kv, N, D) each: the gather's bytes
 
 
 def layer_select(layer, index: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""In-place decode-time eviction (kernels/compact.py): slots [0, N) end up exactly as a gather would make them."""
+"""Keeping tokens by runs (kernels/compact.py): in place, slots [0, N) end up exactly as a gather would make them;
+out of place, the very tensor torch's gather makes."""
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ CASES = {
 def test_compacting_in_place_equals_a_gather(case, dtype, no_c, monkeypatch):
     if no_c:
         monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    elif compact._kernel() is None:
+    elif compact._function("compact_tokens", "plllllpl") is None:
         pytest.skip("no C compiler: the kernel is not built")
     grid = torch.randn(3, 3, 300, 16).to(dtype)  # (B, H, capacity, D): rows are slices, heads strided
     row = grid[1:2, :, :257]  # (1, H, 257, D) a grid row's view
@@ -53,3 +54,25 @@ def test_positions_out_of_order_take_the_gather_and_out_of_range_ones_raise():
     assert torch.equal(t, before)
     with pytest.raises(ValueError, match="one row"):
         compact.compact_tokens(torch.randn(2, 2, 10, 4), torch.zeros(2, 2, 3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("no_c", [False, True], ids=["c", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gathering_by_runs_equals_torchs_gather(dtype, no_c, monkeypatch):
+    """Compression's gather (kvbench.cache.gather_kv): batch rows, strided heads (a slice of a longer tensor), sorted
+    and unsorted positions, repeats, none kept — the same values, shape and contiguity as torch's gather."""
+    if no_c:
+        monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+    elif compact._function("gather_tokens", "pplllllllpl") is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    source = torch.randn(2, 3, 400, 16).to(dtype)[:, :, :300]  # (B, H, T, D), heads 400 tokens apart
+    generator = torch.Generator().manual_seed(1)
+    sorted_index = torch.stack([torch.stack([torch.randperm(300, generator=generator)[:90].sort().values
+                                             for _ in range(3)]) for _ in range(2)])  # fmt: skip
+    for index in (sorted_index, sorted_index.flip(-1), torch.zeros(2, 3, 5, dtype=torch.int64),
+                  torch.arange(300).expand(2, 3, 300), torch.zeros(2, 3, 0, dtype=torch.int64)):  # fmt: skip
+        want = source.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16))  # (B, H, N, D)
+        got = compact.gather_tokens(source, index)
+        assert torch.equal(got, want) and got.shape == want.shape and got.is_contiguous()
+    with pytest.raises(RuntimeError):  # a position outside the cache: torch's gather says so
+        compact.gather_tokens(source, torch.full((2, 3, 4), 300))
