@@ -55,11 +55,14 @@ def attention_column_sums(
     fused = _fused_kernel(query.device, product_dtype, mask, softcap)
     # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c); inconsistent shapes: torch says why
     if fused is not None and n_queries <= n_keys and key.shape[-1] == head_dim:
-        # bf16 rows widened after the rounding eager attention does; bf16 × bf16 is exact in fp32, so the fp32
-        # product is the bf16 product with fp32 accumulation (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
-        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).float().contiguous()  # (B, H_kv, G, Q, D) log2
+        # the scaled query rounded as eager attention rounds it; bf16 × bf16 is exact in fp32, so either path is the
+        # bf16 product with fp32 accumulation: AVX512-BF16 dot products where the CPU has them, else the rows widened
+        # to fp32 for sgemm (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
+        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).contiguous()  # (B, H_kv, G, Q, D) log2
+        if product_dtype == torch.bfloat16 and _causal_column_sums_bf16(rows, key.contiguous(), out):
+            return out.reshape(bsz, n_q_heads, n_keys)
         kernel, sgemm = fused
-        _causal_column_sums(kernel, sgemm, rows, keys_t.float(), out)
+        _causal_column_sums(kernel, sgemm, rows.float(), keys_t.float(), out)
         return out.reshape(bsz, n_q_heads, n_keys)
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
@@ -112,17 +115,47 @@ def _fused_kernel(device: torch.device, dtype: torch.dtype, mask: torch.Tensor |
     return (kernel, gemm) if kernel is not None and gemm is not None else None
 
 
+def _work(n_kv: int, n_keys: int, head_dim: int, chunk: int, threads: int, is_bf16: bool) -> torch.Tensor | None:
+    """The C kernel's scratch (its size from the kernel itself: packed keys, per-thread tiles, head ids)."""
+    from kvbench.kernels import cpu_ext
+
+    size = cpu_ext.function("softmax_column_sums", "lllliip", "softmax_column_sums_work")
+    if size is None:
+        return None
+    floats = torch.zeros(1, dtype=torch.int64)
+    size(n_kv, n_keys, head_dim, chunk, threads, int(is_bf16), floats.data_ptr())
+    return torch.empty(int(floats), dtype=torch.float32)
+
+
 def _causal_column_sums(kernel, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor, out: torch.Tensor) -> None:
     """out (B, H_kv, G, T) += Σ_i softmax(rows_i · Kᵀ) causal, for rows (B, H_kv, G, Q, D) in log2 units and keys_t
     (B, H_kv, D, T), both fp32 and contiguous."""
     bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
     n_keys, threads, chunk = keys_t.shape[-1], torch.get_num_threads(), _kernel_chunk(keys_t.shape[-1])
-    # per thread: a score tile, a row, two edge rows; then 2 int64 head ids per thread (4 floats' room, +2 to align)
-    work = torch.empty(threads * ((chunk + 3) * n_keys + 4) + 2, dtype=torch.float32)
+    work = _work(bsz * n_kv_heads, n_keys, head_dim, chunk, threads, False)
+    assert work is not None  # the kernel is loaded, so is its size function
     kernel(
         rows.data_ptr(), keys_t.data_ptr(), bsz * n_kv_heads, group, n_queries, n_keys, head_dim, chunk, gemm,
         out.data_ptr(), work.data_ptr(), threads,
     )  # fmt: skip
+
+
+def _causal_column_sums_bf16(rows: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> bool:
+    """`_causal_column_sums` for bf16 rows (B, H_kv, G, Q, D) and keys (B, H_kv, T, D), contiguous, by AVX512-BF16
+    dot products; False (nothing added) where this CPU's build has none."""
+    from kvbench.kernels import cpu_ext
+
+    kernel = cpu_ext.function("softmax_column_sums", "ppllllllppi", "softmax_column_sums_bf16")
+    bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
+    n_keys, threads, chunk = keys.shape[2], torch.get_num_threads(), _kernel_chunk(keys.shape[2])
+    work = _work(bsz * n_kv_heads, n_keys, head_dim, chunk, threads, True) if kernel is not None else None
+    if kernel is None or work is None:
+        return False
+    status = kernel(
+        rows.data_ptr(), keys.data_ptr(), bsz * n_kv_heads, group, n_queries, n_keys, head_dim, chunk,
+        out.data_ptr(), work.data_ptr(), threads,
+    )  # fmt: skip
+    return status == 0
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group: int) -> None:

@@ -127,12 +127,14 @@ def decode_kernels(lm) -> bool:
     return decode_linear.installed(lm.model)
 
 
-def prefill_kernel(lm) -> bool:
-    """Whether prompts' causal attention runs kvbench's C kernel (kernels/prefill_attention.py: bf16 on a CPU with
-    AVX512-BF16) instead of torch's sdpa."""
+def bf16_kernels(lm) -> bool:
+    """Whether a bf16 model's prompts run kvbench's AVX512-BF16 C kernels (CPU): the causal attention
+    (kernels/prefill_attention.py, head sizes 64 and 128) instead of sdpa, and H2O's all-query column sums
+    (kernels/attention_stats.py) by dot products instead of widened sgemm — both sum in their own order."""
     from kvbench.kernels import prefill_attention
 
-    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and prefill_attention.supported(lm.head_dim)
+    has_dots = prefill_attention.supported(64)  # the kernels were built with AVX512-BF16
+    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and has_dots
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
@@ -158,7 +160,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **({"grid_batch": True} if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
-            **({"prefill_kernel": "c"} if prefill_kernel(lm) else {}),
+            **({"bf16_kernels": "c"} if bf16_kernels(lm) else {}),
         }
     )
 

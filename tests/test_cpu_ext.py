@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvbench.kernels import attention_column_sums, attention_stats, cpu_ext
+from kvbench.kernels import attention_column_sums, attention_stats, cpu_ext, prefill_attention
 
 needs_cc = pytest.mark.skipif(
     attention_stats._fused_kernel(torch.device("cpu"), torch.float32, None, None) is None,
@@ -46,6 +46,29 @@ def test_fused_column_sums_meet_their_definition(monkeypatch, dtype, threads):
                 monkeypatch.delenv("KVBENCH_NO_CPU_EXT")
     finally:
         torch.set_num_threads(previous)
+
+
+@needs_cc
+@pytest.mark.skipif(not prefill_attention.supported(64), reason="no AVX512-BF16: bf16 rows take the sgemm path")
+def test_bf16_dot_products_give_the_sgemm_paths_sums(monkeypatch):
+    """bf16 inputs on an AVX512-BF16 CPU take the dot-product path (the same exact products, summed in another order):
+    within float32 rounding of the path that widens them for sgemm, at the bundled model's shapes, lengths that are
+    not whole 16-key blocks, a window of queries and chunks that are not whole register tiles."""
+    calls = []
+    bf16_path = attention_stats._causal_column_sums_bf16
+    monkeypatch.setattr(attention_stats, "_causal_column_sums_bf16", lambda *a: calls.append(1) or bf16_path(*a))
+    for n_keys, n_queries, chunk in ((1000, 1000, 128), (333, 32, 13), (17, 17, 16)):
+        monkeypatch.setattr(attention_stats, "_kernel_chunk", lambda n, c=chunk: c)
+        generator = torch.Generator().manual_seed(n_keys)
+        query = torch.randn(1, 9, n_queries, 64, generator=generator).to(torch.bfloat16)  # (B, H_q, Q, D)
+        key = (torch.randn(1, 3, n_keys, 64, generator=generator) * 2).to(torch.bfloat16)  # (B, H_kv, T, D)
+        dots = attention_column_sums(query, key, 0.125)
+        with monkeypatch.context() as m:
+            m.setattr(attention_stats, "_causal_column_sums_bf16", lambda *a: False)
+            widened = attention_column_sums(query, key, 0.125)
+        torch.testing.assert_close(dots, widened, rtol=1e-5, atol=1e-6)
+        assert dots.shape == (1, 9, n_keys)
+    assert len(calls) == 3
 
 
 @needs_cc

@@ -124,7 +124,7 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
         model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
         if kernel:
             assert decode_linear.install(model) == 1
-        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model, head_dim=4)
+        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model)
 
     fp32, bf16 = lm(torch.float32, False), lm(torch.bfloat16, False)
     assert grid_batching({"grid_batch": "auto"}, fp32) and not grid_batching({}, bf16)

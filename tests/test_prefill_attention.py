@@ -103,7 +103,7 @@ def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
     from kvbench.engine import Engine
     from kvbench.methods import build_method
     from kvbench.models import load_model
-    from kvbench.runner import prefill_kernel
+    from kvbench.runner import bf16_kernels
     from tests.conftest import CONF_DIR
 
     cfg = OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml")
@@ -111,7 +111,7 @@ def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
     cfg.architecture.update(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3)
     cfg.architecture.head_dim = 64
     lm = load_model(cfg, "cpu", "bfloat16")
-    assert prefill_kernel(lm)
+    assert bf16_kernels(lm)
     engine, method = Engine(lm), build_method("full", {})
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     calls = []
@@ -128,20 +128,22 @@ def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
     assert torch.equal(with_kernel.kv[0][0], with_sdpa.kv[0][0])  # layer 0's K/V come before any attention
 
 
-def test_rows_computed_with_it_hash_apart():
+def test_rows_computed_with_it_hash_apart(monkeypatch):
     from types import SimpleNamespace
 
-    from kvbench.runner import configurations, hash_configuration, prefill_kernel
+    from kvbench.runner import bf16_kernels, configurations, hash_configuration
     from tests.conftest import compose_config
 
     cfg = compose_config("model=tiny-random")
     conf = configurations(cfg)[0]
     model = torch.nn.Sequential()
 
-    def lm(dtype, head_dim):
-        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model, head_dim=head_dim)
+    def lm(dtype, device="cpu"):
+        return SimpleNamespace(dtype=dtype, device=torch.device(device), model=model)
 
-    assert prefill_kernel(lm(torch.bfloat16, 64)) and prefill_kernel(lm(torch.bfloat16, 128))
-    assert not prefill_kernel(lm(torch.float32, 64)) and not prefill_kernel(lm(torch.bfloat16, 16))
-    with_kernel = hash_configuration(conf, cfg, lm(torch.bfloat16, 64))
-    assert with_kernel != hash_configuration(conf, cfg, lm(torch.bfloat16, 16))
+    assert bf16_kernels(lm(torch.bfloat16)) and not bf16_kernels(lm(torch.float32))
+    assert not bf16_kernels(lm(torch.bfloat16, "meta"))  # CUDA and other devices: torch's kernels
+    with_kernels = hash_configuration(conf, cfg, lm(torch.bfloat16))
+    monkeypatch.setattr(prefill_attention, "supported", lambda head_dim: False)  # a CPU without AVX512-BF16
+    assert not bf16_kernels(lm(torch.bfloat16))
+    assert with_kernels != hash_configuration(conf, cfg, lm(torch.bfloat16))

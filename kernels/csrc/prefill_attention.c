@@ -21,11 +21,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_dot.h"
 #include "kvbench_math.h"
-
-#ifdef __AVX512BF16__
-#include <immintrin.h>
-#endif
 
 #ifndef QB
 #define QB 32  /* queries per work item */
@@ -33,7 +30,6 @@
 #ifndef KC
 #define KC 512 /* keys per online-softmax chunk */
 #endif
-#define RQ 8   /* query rows per Q·Kᵀ register tile (× 32 keys) */
 
 static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -48,7 +44,7 @@ int prefill_attention_work_bytes(int64_t B, int64_t H_kv, int64_t T, int64_t D, 
 }
 
 int prefill_attention_supported(int64_t D) {
-#ifdef __AVX512BF16__
+#ifdef BF16_DOT
     return D == 64 || D == 128;
 #else
     (void)D;
@@ -56,34 +52,7 @@ int prefill_attention_supported(int64_t D) {
 #endif
 }
 
-#ifdef __AVX512BF16__
-static inline int32_t pair_at(const uint16_t *row, int64_t p) { /* bf16 elements 2p, 2p + 1 as one 32-bit word */
-    int32_t word;
-    memcpy(&word, row + 2 * p, sizeof word);
-    return word;
-}
-
-/* S[r][j] = scale · Σ_d q_r[d]·k_j[d] for rows r < RQ (q_rows[r]) and 16·nkb keys from the 16-key block kb of Kp.
- * Kp layout: per 16-key block, per dimension pair p, 16 keys × (d = 2p, 2p + 1) — one vdpbf16ps operand. */
-static inline __attribute__((always_inline)) void qk_tile(const uint16_t *const *q_rows, const uint16_t *Kp,
-                                                          int64_t kb, const int nkb, int64_t D, float scale,
-                                                          float *S, int64_t s_stride) {
-    __m512 acc[RQ][2];
-    for (int r = 0; r < RQ; r++)
-        for (int b = 0; b < nkb; b++) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < D / 2; p++) {
-        __m512bh kv[2];
-        for (int b = 0; b < nkb; b++) kv[b] = (__m512bh)_mm512_loadu_si512(Kp + ((kb + b) * (D / 2) + p) * 32);
-        for (int r = 0; r < RQ; r++) {
-            __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(q_rows[r], p));
-            for (int b = 0; b < nkb; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qv, kv[b]);
-        }
-    }
-    for (int r = 0; r < RQ; r++)
-        for (int b = 0; b < nkb; b++)
-            _mm512_storeu_ps(S + r * s_stride + (kb + b) * 16, _mm512_mul_ps(acc[r][b], _mm512_set1_ps(scale)));
-}
-
+#ifdef BF16_DOT
 /* acc[r][·] += Σ_j P[r][j]·v_j for `rows` rows and `pairs` key pairs; Vp layout: per key pair, per dimension d,
  * (v_2j[d], v_2j+1[d]). nd = D / 16 vectors per row, rows · nd ≤ 24 registers. */
 static inline __attribute__((always_inline)) void pv_tile(const uint16_t *P, const uint16_t *Vp, int64_t pairs,
@@ -130,7 +99,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, u
                       int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b, int64_t v_h, int64_t v_t, double scale,
                       void *work, int n_threads) {
     if (!prefill_attention_supported(D) || H_kv <= 0 || H_q % H_kv != 0 || T <= 0) return 2;
-#ifdef __AVX512BF16__
+#ifdef BF16_DOT
     const int64_t group = H_q / H_kv, per_head = packed_elements(T, D), Tp = round_up(T, KC);
     uint16_t *Kp = (uint16_t *)work, *Vp = Kp + B * H_kv * per_head;
     float *tiles = (float *)(Vp + B * H_kv * per_head);
@@ -140,13 +109,11 @@ int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, u
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t bh = 0; bh < B * H_kv; bh++) {
         const int64_t b = bh / H_kv, h = bh % H_kv;
-        uint16_t *kp = Kp + bh * per_head, *vp = Vp + bh * per_head;
+        uint16_t *vp = Vp + bh * per_head;
+        pack_keys(k + b * k_b + h * k_h, k_t, T, D, Tp, Kp + bh * per_head);
         for (int64_t j = 0; j < Tp; j++) {
-            const uint16_t *kr = k + b * k_b + h * k_h + j * k_t, *vr = v + b * v_b + h * v_h + j * v_t;
-            for (int64_t d = 0; d < D; d++) {
-                kp[((j / 16) * (D / 2) + d / 2) * 32 + (j % 16) * 2 + d % 2] = j < T ? kr[d] : 0;
-                vp[((j / 2) * D + d) * 2 + j % 2] = j < T ? vr[d] : 0;
-            }
+            const uint16_t *vr = v + b * v_b + h * v_h + j * v_t;
+            for (int64_t d = 0; d < D; d++) vp[((j / 2) * D + d) * 2 + j % 2] = j < T ? vr[d] : 0;
         }
     }
 
@@ -162,18 +129,12 @@ int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, u
             const int64_t b = bh / H_q, hq = bh % H_q, h = hq / group, q0 = block * QB;
             const int64_t nq = T - q0 < QB ? T - q0 : QB, n_keys = q0 + nq; /* keys the block's last query sees */
             const uint16_t *kp = Kp + (b * H_kv + h) * per_head, *vp = Vp + (b * H_kv + h) * per_head;
-            const uint16_t *q_rows[QB];
-            for (int64_t i = 0; i < QB; i++) q_rows[i] = q + b * q_b + hq * q_h + (q0 + (i < nq ? i : nq - 1)) * q_t;
+            const uint16_t *q_block = q + b * q_b + hq * q_h + q0 * q_t;
             for (int64_t i = 0; i < nq; i++) m[i] = -INFINITY, l[i] = 0.0f;
             memset(acc, 0, (size_t)(QB * D) * sizeof(float));
             for (int64_t c0 = 0; c0 < n_keys; c0 += KC) {
                 const int64_t cn = n_keys - c0 < KC ? n_keys - c0 : KC, blocks16 = (cn + 15) / 16;
-                for (int64_t r0 = 0; r0 < nq; r0 += RQ) { /* S = Q·Kᵀ over the chunk, 32 keys at a time */
-                    const uint16_t *const *rows = q_rows + r0;
-                    int64_t kb = 0;
-                    for (; kb + 2 <= blocks16; kb += 2) qk_tile(rows, kp + c0 * D, kb, 2, D, log2_scale, S + r0 * KC, KC);
-                    if (kb < blocks16) qk_tile(rows, kp + c0 * D, kb, 1, D, log2_scale, S + r0 * KC, KC);
-                }
+                qk_scores(q_block, q_t, nq, kp + c0 * D, blocks16, D, log2_scale, S, KC); /* S = Q·Kᵀ, log2 */
                 for (int64_t i = 0; i < nq; i++) { /* online softmax: this chunk's exponentials, in log2 units */
                     float *s = S + i * KC;
                     uint16_t *p = P + i * KC;
