@@ -48,22 +48,25 @@ def attention_column_sums(
     # QKᵀ in the model's dtype, as eager attention (and so the H2O and kvpress code reading its weights) computes it:
     # bf16/fp16 products with fp32 accumulation, 2.2× faster than fp32 products on this CPU; softmax and sums in fp32
     product_dtype = key.dtype if key.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T): faster products than Kᵀ views
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
+    # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c), causal and uncapped on the CPU;
+    # inconsistent shapes: torch's loop says why. The scaled query is rounded as eager attention rounds it; bf16 × bf16
+    # is exact in fp32, so both C paths are the bf16 product with fp32 accumulation: AVX512-BF16 dot products where
+    # the CPU has them, else the rows widened to fp32 for sgemm (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
+    whole = mask is None and softcap is None and n_queries <= n_keys and key.shape[-1] == head_dim
+    if whole and query.device.type == "cpu" and product_dtype == torch.bfloat16:
+        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).contiguous()  # (B, H_kv, G, Q, D) log2
+        if _causal_column_sums_bf16(rows, key.contiguous(), out):
+            return out.reshape(bsz, n_q_heads, n_keys)
+    keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T): faster products than Kᵀ views
+    fused = _fused_kernel(query.device, product_dtype, mask, softcap)
+    if fused is not None and whole:
+        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).float().contiguous()  # (B, H_kv, G, Q, D) log2
+        kernel, sgemm = fused
+        _causal_column_sums(kernel, sgemm, rows, keys_t.float(), out)
+        return out.reshape(bsz, n_q_heads, n_keys)
     chunk = max(1, _SCORE_ROWS // group)
     first_query_pos = n_keys - n_queries
-    fused = _fused_kernel(query.device, product_dtype, mask, softcap)
-    # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c); inconsistent shapes: torch says why
-    if fused is not None and n_queries <= n_keys and key.shape[-1] == head_dim:
-        # the scaled query rounded as eager attention rounds it; bf16 × bf16 is exact in fp32, so either path is the
-        # bf16 product with fp32 accumulation: AVX512-BF16 dot products where the CPU has them, else the rows widened
-        # to fp32 for sgemm (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
-        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).contiguous()  # (B, H_kv, G, Q, D) log2
-        if product_dtype == torch.bfloat16 and _causal_column_sums_bf16(rows, key.contiguous(), out):
-            return out.reshape(bsz, n_q_heads, n_keys)
-        kernel, sgemm = fused
-        _causal_column_sums(kernel, sgemm, rows.float(), keys_t.float(), out)
-        return out.reshape(bsz, n_q_heads, n_keys)
     for start in range(0, n_queries, chunk):
         q_chunk = q[:, :, :, start : start + chunk].float()  # (B, H_kv, G, C, D)
         n_chunk = q_chunk.shape[3]

@@ -27,9 +27,16 @@ def _kernel():
     return cpu_ext.function("prefill_attention", _SIGNATURE)
 
 
-@functools.cache
 def supported(head_dim: int) -> bool:
-    """Whether the kernel is built for this CPU (AVX512-BF16) and takes this head size."""
+    """Whether the kernel is built for this CPU (AVX512-BF16), takes this head size, and C kernels are on now
+    (KVBENCH_NO_CPU_EXT may change within a process: benchmarks switch it)."""
+    from kvbench.kernels import cpu_ext
+
+    return cpu_ext.enabled() and _built_for(head_dim)
+
+
+@functools.cache
+def _built_for(head_dim: int) -> bool:
     from kvbench.kernels import cpu_ext
 
     check = cpu_ext.function("prefill_attention", "l", "prefill_attention_supported")
@@ -61,13 +68,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
 
     batch, n_q, n_tokens, dim = query.shape
     n_kv, threads = key.shape[1], torch.get_num_threads()
+    kernel, work_bytes = _kernel(), cpu_ext.function("prefill_attention", "llllip", "prefill_attention_work_bytes")
+    if kernel is None or work_bytes is None:
+        return None
     size = torch.zeros(1, dtype=torch.int64)
-    cpu_ext.function("prefill_attention", "llllip", "prefill_attention_work_bytes")(
-        batch, n_kv, n_tokens, dim, threads, size.data_ptr()
-    )
+    work_bytes(batch, n_kv, n_tokens, dim, threads, size.data_ptr())
     work = torch.empty(int(size), dtype=torch.uint8)  # K and V repacked for the dot products + each thread's tiles
     out = torch.empty(batch, n_tokens, n_q, dim, dtype=query.dtype)  # (B, T, H_q, D)
-    status = _kernel()(
+    status = kernel(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
         batch, n_q, n_kv, n_tokens, dim,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3],

@@ -365,9 +365,9 @@ def _causal_prefill_ok(module, query, key, value, kwargs) -> bool:
     """Whether kernels/prefill_attention.py takes this call: a whole prompt attending causally to itself (Q = T > 1
     and no mask: what sdpa runs with is_causal), bf16 on a CPU with AVX512-BF16, no soft cap, sinks, dropout,
     position bias or sliding window shorter than the prompt."""
-    window = kwargs.get("sliding_window")
+    window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
     return (
-        kwargs.get("is_causal", getattr(module, "is_causal", True)) is True
+        (getattr(module, "is_causal", True) if causal is None else causal) is True  # None: the module's, as sdpa's
         and kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
         and kwargs.get("position_bias") is None

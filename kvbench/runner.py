@@ -133,8 +133,8 @@ def bf16_kernels(lm) -> bool:
     (kernels/attention_stats.py) by dot products instead of widened sgemm — both sum in their own order."""
     from kvbench.kernels import prefill_attention
 
-    has_dots = prefill_attention.supported(64)  # the kernels were built with AVX512-BF16
-    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and has_dots
+    # supported(64): the kernels were built with AVX512-BF16 (asked last: CUDA and fp32 runs build nothing)
+    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and prefill_attention.supported(64)
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:

@@ -74,5 +74,11 @@ def test_gathering_by_runs_equals_torchs_gather(dtype, no_c, monkeypatch):
         want = source.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16))  # (B, H, N, D)
         got = compact.gather_tokens(source, index)
         assert torch.equal(got, want) and got.shape == want.shape and got.is_contiguous()
+    heads = source[:, 1:]  # (B, 2, T, D): a head slice (batch stride ≠ H · head stride)
+    index = sorted_index[:, :2]
+    assert torch.equal(compact.gather_tokens(heads, index), heads.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 16)))
+    one_row = sorted_index[:1]  # (1, H, N) against two rows: torch gathers from the first row only, and so do we
+    want = source.gather(2, one_row.unsqueeze(-1).expand(-1, -1, -1, 16))
+    assert torch.equal(compact.gather_tokens(source, one_row), want)
     with pytest.raises(RuntimeError):  # a position outside the cache: torch's gather says so
         compact.gather_tokens(source, torch.full((2, 3, 4), 300))

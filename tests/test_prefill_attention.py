@@ -52,6 +52,43 @@ def test_as_close_to_float64_as_sdpa(shape):
     assert (out == sdpa).float().mean() > 0.8  # mostly the very bf16 values sdpa gives
 
 
+def test_keys_and_values_inside_a_longer_buffer():
+    """K/V as the cache holds them after growing: slices of longer per-head buffers (head stride ≠ T·D), 2 rows, and
+    K from a (B, T, H, D) layout — the same bits as from contiguous copies."""
+    q, k, v = inputs((2, 9, 3, 300, 64), seed=4)
+    buffer_k = torch.zeros(2, 3, 512, 64, dtype=torch.bfloat16)
+    buffer_v = torch.zeros(2, 3, 512, 64, dtype=torch.bfloat16)
+    buffer_k[:, :, :300], buffer_v[:, :, :300] = k, v
+    sliced_k, sliced_v = buffer_k[:, :, :300], buffer_v[:, :, :300]  # (B, H_kv, T, D) views, head stride 512·D
+    token_major = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H_kv, T, D) over (B, T, H_kv, D) memory
+    want = prefill_attention.attend(q, k, v, 0.125)
+    assert prefill_attention.applies(q, sliced_k, sliced_v) and prefill_attention.applies(q, token_major, v)
+    assert torch.equal(prefill_attention.attend(q, sliced_k, sliced_v, 0.125), want)
+    assert torch.equal(prefill_attention.attend(q, token_major, v, 0.125), want)
+
+
+def test_switching_the_c_kernels_off_mid_process_goes_back_to_sdpa(monkeypatch):
+    """KVBENCH_NO_CPU_EXT=1 set after the kernel was used (benchmarks switch it between runs): nothing takes the
+    kernel any more, a call that still reaches it gets None (sdpa), and bf16 rows lose the kernels' hash key."""
+    from types import SimpleNamespace
+
+    from kvbench.attention import _plain_attention
+    from kvbench.runner import bf16_kernels
+
+    q, k, v = inputs((1, 9, 3, 50, 64))
+    lm = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), model=torch.nn.Sequential())
+    assert prefill_attention.applies(q, k, v) and bf16_kernels(lm)
+    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
+    assert not prefill_attention.applies(q, k, v) and not bf16_kernels(lm)
+    assert prefill_attention.attend(q, k, v, 0.125) is None
+    module = torch.nn.Module()  # an attention module as the model's: 3 query heads per KV head, causal
+    module.num_key_value_groups, module.is_causal = 3, True
+    module.config = SimpleNamespace(num_key_value_heads=3)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True).transpose(1, 2)
+    out, _ = _plain_attention(module, q, k, v, None, 0.125)
+    torch.testing.assert_close(out, sdpa, rtol=0, atol=0)
+
+
 def test_the_same_bits_at_any_thread_count():
     q, k, v = inputs((1, 9, 3, 700, 64), seed=1)
     before = torch.get_num_threads()

@@ -6,9 +6,11 @@
  * The arithmetic is torch's flash attention's for bf16 (aten FlashAttentionKernel.cpp): Q·Kᵀ of bf16 inputs summed in
  * float32, scaled in float32; an online softmax over chunks of KC keys (running max, float32 exponentials and sums,
  * the partial output rescaled when the max grows); the exponentials rounded to bf16 for the P·V product, summed in
- * float32; the output divided by the float32 sum and rounded to bf16 once. The order of additions and the chunk
- * sizes are this kernel's (vdpbf16ps pairs, 16-key blocks), so results differ from torch's in the last bits —
- * kvbench rows computed with it carry their own hash key (kvbench/runner.py).
+ * float32; the output divided by the float32 sum and rounded to bf16 once. This kernel's own: the order of additions
+ * and the chunk sizes (vdpbf16ps pairs, 16-key blocks), the scale folded with log2(e) into one float32 constant and
+ * 2^x (kvbench_math.h's polynomial, exactly 0 below 2^-126) for e^x, and vdpbf16ps / vcvtneps2bf16 treating denormals
+ * as zero — so results differ from torch's in the last bits, and kvbench rows computed with it carry their own hash
+ * key (kvbench/runner.py).
  *
  * q: (B, H_q, Q, D) at strides (q_b, q_h, q_t) in elements, D contiguous; k, v: (B, H_kv, T, D) at (k_b, k_h, k_t),
  * (v_b, v_h, v_t); out: (B, Q, H_q, D) contiguous — transformers' attention output layout. Q == T (query i sees keys
@@ -24,11 +26,10 @@
 #include "bf16_dot.h"
 #include "kvbench_math.h"
 
-#ifndef QB
 #define QB 32  /* queries per work item */
-#endif
-#ifndef KC
 #define KC 512 /* keys per online-softmax chunk */
+#ifdef BF16_DOT
+_Static_assert(QB % RQ == 0 && KC % 32 == 0, "S holds whole register tiles of rows and whole 16-key blocks of pairs");
 #endif
 
 static int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
@@ -112,8 +113,8 @@ int prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, u
         uint16_t *vp = Vp + bh * per_head;
         pack_keys(k + b * k_b + h * k_h, k_t, T, D, Tp, Kp + bh * per_head);
         for (int64_t j = 0; j < Tp; j++) {
-            const uint16_t *vr = v + b * v_b + h * v_h + j * v_t;
-            for (int64_t d = 0; d < D; d++) vp[((j / 2) * D + d) * 2 + j % 2] = j < T ? vr[d] : 0;
+            const uint16_t *vr = j < T ? v + b * v_b + h * v_h + j * v_t : NULL;
+            for (int64_t d = 0; d < D; d++) vp[((j / 2) * D + d) * 2 + j % 2] = vr != NULL ? vr[d] : 0;
         }
     }
 

@@ -60,9 +60,11 @@ static inline int64_t chunk_cost(int64_t c, int64_t chunk, int64_t n_queries, in
     return rows * (first_pos + c0 + rows);
 }
 
-/* per thread: a score tile (chunk rounded up to whole register tiles × keys rounded up to 16), a row, two edge rows */
+/* per thread: a score tile (chunk rounded up to whole register tiles × keys rounded up to 16), a row, two edge rows;
+ * rounded up to 16 floats, so every thread's tile starts 64-byte aligned (work is): MKL's sgemm rounds a product
+ * differently at other alignments, and a chunk's scores must not depend on which thread computes them */
 static int64_t per_thread_floats(int64_t chunk, int64_t n_keys) {
-    return ((chunk + 7) / 8 * 8) * round16(n_keys) + 3 * n_keys;
+    return round16(((chunk + 7) / 8 * 8) * round16(n_keys) + 3 * n_keys);
 }
 
 /* *floats = the work buffer (floats) for these shapes: bf16 packed keys first when is_bf16, then each thread's
@@ -149,7 +151,8 @@ int softmax_column_sums_bf16(const uint16_t *q, const uint16_t *k, int64_t n_kv,
                              int64_t n_keys, int64_t dim, int64_t chunk, float *out, float *work, int n_threads) {
 #ifdef BF16_DOT
     if (dim % 2 != 0) return 2;
-    const int64_t padded = round16(n_keys), packed_floats = n_kv * padded * dim / 2; /* even: int64 ids stay aligned */
+    /* a multiple of 16 floats (padded and dim even): the threads' tiles after it stay 64-byte aligned */
+    const int64_t padded = round16(n_keys), packed_floats = n_kv * padded * dim / 2;
     uint16_t *kp = (uint16_t *)work;
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t kv = 0; kv < n_kv; kv++) pack_keys(k + kv * n_keys * dim, dim, n_keys, dim, padded, kp + kv * padded * dim);
