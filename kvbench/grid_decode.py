@@ -25,7 +25,9 @@ Decoded alone instead (automatically, with `Engine.decode`, exactly today's path
 own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
 (StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), and every configuration
 when only one would be in the batch.
-Rows are grouped so padding at most doubles the bytes a batch holds (`MAX_PADDING`), at most MAX_ROWS per batch.
+Rows are grouped so padding at most doubles the bytes a batch holds (`grid_padding`, default MAX_PADDING = 2), at
+most MAX_ROWS per batch. Pads cost memory, never compute (each row attends over its own slots): a larger
+`grid_padding` puts more configurations in one batch — fewer steps, more memory (README "Grid decoding").
 
 Rows decoded together: `batch_size` = the configurations in the batch, `decode_s` = the batch's decode wall time
 until this row finished (`decode_ms_per_token` = the batch's step time: the same for every configuration of the
@@ -52,7 +54,7 @@ from kvbench.memory import reset_peak
 from kvbench.methods import Budget, Method
 from kvbench.padded import PaddedKV
 
-MAX_PADDING = 2.0  # a batch's padded bytes ≤ this × its rows' own bytes (+ one row: see `groups`)
+MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
 MAX_ROWS = decode_linear.MAX_ROWS  # rows per batch: the row-independent linear kernel takes a step of at most these
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
 
@@ -155,16 +157,17 @@ def decodes_in_grid(method: Method, start: Compressed) -> bool:
     )
 
 
-def groups(lengths: list[list[int]], max_rows: int = MAX_ROWS) -> list[list[int]]:
-    """Rows (per-layer lengths each) in batches of at most `max_rows` whose padded bytes stay ≤ MAX_PADDING × their
-    own (a last row that would be alone joins the batch before, if there is room); longest first."""
+def groups(lengths: list[list[int]], max_rows: int = MAX_ROWS, max_padding: float = MAX_PADDING) -> list[list[int]]:
+    """Rows (per-layer lengths each) in batches of at most `max_rows` whose padded bytes stay ≤ max_padding × their
+    own (a last row that would be alone joins the batch before, if there is room); longest first. Padding costs
+    memory only: every row attends over its own slots."""
     order = sorted(range(len(lengths)), key=lambda r: -sum(lengths[r]))
     out: list[list[int]] = []
     for r in order:
         if out and len(out[-1]) < max_rows:
             trial = out[-1] + [r]
             padded = len(trial) * sum(max(lengths[i][layer] for i in trial) for layer in range(len(lengths[r])))
-            if padded <= MAX_PADDING * sum(sum(lengths[i]) for i in trial):
+            if padded <= max_padding * sum(sum(lengths[i]) for i in trial):
                 out[-1] = trial
                 continue
         out.append([r])
@@ -301,8 +304,10 @@ def generate_grid(
     suffix_ids: list[int],
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
+    max_padding: float = MAX_PADDING,
 ) -> list[Generation]:
-    """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together; in order."""
+    """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
+    padded bytes stay ≤ max_padding × their own: `groups`); in order."""
     device = engine.lm.device
     base = reset_peak(device)
 
@@ -332,7 +337,7 @@ def generate_grid(
             start.cache = None
     if len(together) > 1:
         lengths = [[layer.keys.shape[2] for layer in starts[i].cache.layers] for i in together]
-        for group in groups(lengths):
+        for group in groups(lengths, max_padding=max_padding):
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below

@@ -120,6 +120,12 @@ def grid_rows_as_alone(lm) -> bool:
     return decode_kernels(lm) or str(lm.dtype).removeprefix("torch.") == "float32"
 
 
+def forced_grid_keys(cfg: DictConfig) -> dict:
+    """Hash keys of rows grid-batched where rows depend on their batch: the setting, and a non-default padding."""
+    padding = float(cfg.get("grid_padding", 2.0))
+    return {"grid_batch": True, **({"grid_padding": padding} if padding != 2.0 else {})}
+
+
 def decode_kernels(lm) -> bool:
     """Whether decode steps run kvbench's C kernels (kernels/decode_linear.py, decode_attention.py)."""
     from kvbench.kernels import decode_linear
@@ -156,8 +162,9 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **workload.hash_keys(cfg),
             **inline.hash_keys(cfg),
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
-            # outside float32, decoding configurations together may change a last bit (and a token): apart
-            **({"grid_batch": True} if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
+            # outside float32, decoding configurations together may change a last bit (and a token), and which rows
+            # share a batch (grid_padding) with it: apart
+            **(forced_grid_keys(cfg) if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
             **({"bf16_kernels": "c"} if bf16_kernels(lm) else {}),
@@ -224,6 +231,7 @@ def generation_rows(
     prefill=None,
     inline_chunk: tuple[str, int | None] = ("shared", None),
     grid_batch: bool = False,
+    grid_padding: float = 2.0,
 ) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
@@ -232,7 +240,8 @@ def generation_rows(
     the shared one (the prefix cache: kvbench.workload). `inline_chunk` = (prefill, prefill_chunk): with
     prefill=inline every configuration prefills on its own, compressing inside the forward pass (kvbench.inline).
     grid_batch: the configurations sharing the prefill decode together where their caches allow
-    (kvbench.grid_decode); rows are the same, timings the batch's."""
+    (kvbench.grid_decode), in batches holding at most grid_padding × their own cache bytes; rows are the same,
+    timings the batch's."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = inline_chunk
     shared = [c for c in todo if c.method.shares_prefill and mode == "shared"]
@@ -245,7 +254,7 @@ def generation_rows(
         from kvbench.grid_decode import generate_grid  # configurations of this example decoded as one batch
 
         confs = [(c.method, c.budget) for c in shared]
-        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop)
+        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, grid_padding)
         together = {id(c): gen for c, gen in zip(shared, gens)}
     for c in todo:
         if id(c) in together:
@@ -422,7 +431,10 @@ class ExampleWork:
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
             grid_batch = grid_batching(self.cfg, self.lm)
-            new = generation_rows(*args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch)
+            padding = float(self.cfg.get("grid_padding", 2.0))
+            new = generation_rows(
+                *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
+            )
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 
     def todo(self, ex: Example) -> list[Configuration]:

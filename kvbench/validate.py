@@ -59,6 +59,11 @@ TOP_LEVEL: dict[str, Rule] = {
         "grid_batch=false",
         choices=("auto", True, False),
     ),
+    "grid_padding": Rule(
+        "float",
+        "grid_padding=2 (a grid batch may hold up to this × its rows' own cache bytes, pads included; ≥ 1)",
+        min=1,
+    ),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
     "grid.method": Rule(
         "list",

@@ -3,6 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
+from kvbench import KvbenchError
 from kvbench.engine import Engine
 from kvbench.grid_decode import generate_grid, groups
 from kvbench.methods import Budget, build_method, method_defaults
@@ -37,7 +38,7 @@ def confs():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
-def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype, monkeypatch):
+def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
     """fp32 and bf16 (the row-independent linear kernel: kernels/decode_linear.py, which the loader installs)."""
     from kvbench.kernels import decode_linear
 
@@ -45,13 +46,12 @@ def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype, monk
         tiny_engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
     if not decode_linear.installed(tiny_engine.lm.model):
         pytest.skip("no C compiler: the decode-linear kernel is not built")
-    monkeypatch.setattr("kvbench.grid_decode.MAX_PADDING", 100.0)  # every eligible row in one batch
     prompt, question = (prompt_ids[:-suffix], prompt_ids[-suffix:]) if suffix else (prompt_ids, [])
     request = None
     for method, _ in confs():
         request = method.stats_request() if request is None else request | method.stats_request()
     prefill = tiny_engine.prefill(prompt, request)
-    together = generate_grid(tiny_engine, prefill, confs(), question, max_new_tokens=10)
+    together = generate_grid(tiny_engine, prefill, confs(), question, max_new_tokens=10, max_padding=100.0)  # 1 batch
     alone = [tiny_engine.generate(prefill, m, b, question, max_new_tokens=10) for m, b in confs()]
     for (name, _, budget, in_grid), got, want in zip(GRID, together, alone):
         label = f"{name} {budget}"
@@ -72,6 +72,8 @@ def test_padding_bounds_the_groups():
         assert padded <= 2.0 * sum(sum(lengths[r]) for r in g)
     assert out == [[0, 1, 2, 3, 4], [5, 6, 7]]  # 5 × 100 = 2 × 250; one more row of 10 would pass 2×
     assert groups(lengths[:6]) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
+    assert groups(lengths, max_padding=4.0) == [list(range(8))]  # 8 × 100 = 2.86 × 280: one batch (grid_padding=4)
+    assert groups(lengths, max_padding=1.0) == [[0], [1, 2], [3, 4], [5, 6, 7]]  # no pads: equal lengths only
 
 
 def test_runner_grid_batch_switch(tmp_path):
@@ -91,6 +93,15 @@ def test_runner_grid_batch_switch(tmp_path):
     assert set(a[a.method == "kivi"].batch_size) == {1}  # decoded alone
     assert (a[a.method.isin(["snapkv", "h2o", "streamingllm"])].batch_size > 1).all()
     assert len(read_rows(tmp_path / "on" / "store")) == len(a)
+    no_pads = run(
+        compose_config(*tiny_overrides(tmp_path / "pads", *grid, "grid_padding=1")),
+        output_dir=tmp_path / "pads" / "out",
+    ).sort_values(key).reset_index(drop=True)
+    assert no_pads[same].equals(a[same])  # grid_padding changes the batches, never the rows
+    in_grid = a.method.isin(["snapkv", "h2o", "streamingllm"])
+    assert no_pads[in_grid].batch_size.max() < a[in_grid].batch_size.max()
+    with pytest.raises(KvbenchError, match="grid_padding=2"):
+        run(compose_config(*tiny_overrides(tmp_path / "bad", "grid_padding=0.5")), output_dir=tmp_path / "bad")
 
 
 def test_guide_compares_decode_speed_only_between_rows_timed_alone():
