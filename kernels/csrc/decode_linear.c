@@ -37,29 +37,40 @@ static inline __m512 weight_vector(const void *w, int is_bf16, int64_t i) { /* L
 }
 #endif
 
+/* out[m][n] = the lane sum, then the K % LANES tail from k on, in order by fma */
+static inline void finish(const float *xf, const void *w, int is_bf16, float *out, int64_t m, int64_t n, int64_t k,
+                          int64_t K, int64_t N, float sum) {
+    for (int64_t t = k; t < K; t++) sum = fmaf(xf[m * K + t], load_float(w, n * K + t, is_bf16), sum);
+    out[m * N + n] = sum;
+}
+
 /* out[m0 + i][rows[j]] for i < mb, j < NB: rows[] are the block's weight rows (a last, partial block repeats its
  * last row; `stored` says how many are real). mb is a constant at each call site (always_inline), so the
  * accumulators stay in registers; the arithmetic per output is the same for every mb. */
 static inline __attribute__((always_inline)) void block(const float *xf, const void *w, int is_bf16, float *out,
                                                         int64_t m0, const int mb, const int64_t *rows, int stored,
                                                         int64_t K, int64_t N) {
-    float partial[MB][NB][LANES];
     int64_t k = 0;
 #ifdef __AVX512F__
     __m512 acc[MB][NB];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const int64_t elem = is_bf16 ? 2 : 4;
     for (; k + LANES <= K; k += LANES) {
         __m512 wv[NB];
         for (int j = 0; j < NB; j++) wv[j] = weight_vector(w, is_bf16, rows[j] * K + k);
+        if (m0 == 0) /* while the first rows stream this block's weights, fetch the next block's into cache */
+            for (int j = 0; j < NB; j++)
+                _mm_prefetch((const char *)w + ((rows[j] + NB < N ? rows[j] + NB : N - 1) * K + k) * elem, _MM_HINT_T0);
         for (int i = 0; i < mb; i++) {
             __m512 xv = _mm512_loadu_ps(xf + (m0 + i) * K + k);
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
-    for (int i = 0; i < mb; i++)
-        for (int j = 0; j < NB; j++) _mm512_storeu_ps(partial[i][j], acc[i][j]);
+    for (int i = 0; i < mb; i++) /* the lane tree in registers: the same additions as halving_sum, in its order */
+        for (int j = 0; j < stored; j++) finish(xf, w, is_bf16, out, m0 + i, rows[j], k, K, N, halving_sum16(acc[i][j]));
 #else
+    float partial[MB][NB][LANES];
     memset(partial, 0, sizeof partial);
     for (; k + LANES <= K; k += LANES) {
         float wv[NB][LANES];
@@ -73,13 +84,10 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
             }
         }
     }
-#endif
     for (int i = 0; i < mb; i++)
-        for (int j = 0; j < stored; j++) {
-            float sum = halving_sum(partial[i][j], LANES);
-            for (int64_t t = k; t < K; t++) sum = fmaf(xf[(m0 + i) * K + t], load_float(w, rows[j] * K + t, is_bf16), sum);
-            out[(m0 + i) * N + rows[j]] = sum;
-        }
+        for (int j = 0; j < stored; j++)
+            finish(xf, w, is_bf16, out, m0 + i, rows[j], k, K, N, halving_sum(partial[i][j], LANES));
+#endif
 }
 
 int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M, int64_t N, int64_t K,

@@ -69,6 +69,19 @@ static inline float halving_sum(float *t, int n) {
     return t[0];
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* halving_sum of the 16 lanes of v without leaving registers: lanes l + 8, then l + 4, l + 2, l + 1 — the same
+ * additions of the same operands as halving_sum (a + b is b + a exactly), so the same bits */
+static inline float halving_sum16(__m512 v) {
+    const __m256 lo = _mm512_castps512_ps256(v), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
 /* element i of a float32 or bfloat16 array, as float32 */
 static inline float load_float(const void *data, int64_t i, int is_bf16) {
     return is_bf16 ? bf16_to_float(((const uint16_t *)data)[i]) : ((const float *)data)[i];
