@@ -117,8 +117,16 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
             float *p = scores + i * (t1 - t0);
             float top = -INFINITY;
             for (int64_t t = 0; t < t1 - t0; t++) top = p[t] > top ? p[t] : top;
-            float partial[LANES] = {0};
-            for (int64_t t = 0; t < t1 - t0; t++) {
+            float partial[LANES] = {0}; /* lane l sums p[l], p[l + LANES], ... in order: whole vectors, then the tail */
+            int64_t t = 0;
+            for (; t + LANES <= t1 - t0; t += LANES) {
+#pragma omp simd
+                for (int l = 0; l < LANES; l++) {
+                    p[t + l] = exp2_nonpositive(p[t + l] - top);
+                    partial[l] += p[t + l];
+                }
+            }
+            for (; t < t1 - t0; t++) {
                 p[t] = exp2_nonpositive(p[t] - top);
                 partial[t % LANES] += p[t];
             }
