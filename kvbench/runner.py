@@ -25,6 +25,7 @@ from kvbench.attention import StatsRequest
 from kvbench.batched import batch_columns
 from kvbench.claims import Claims
 from kvbench.engine import Engine, Generation
+from kvbench.grid_decode import MAX_PADDING
 from kvbench.methods import Budget, Method, build_method, method_defaults
 from kvbench.models import load_model
 from kvbench.results import (
@@ -122,8 +123,8 @@ def grid_rows_as_alone(lm) -> bool:
 
 def forced_grid_keys(cfg: DictConfig) -> dict:
     """Hash keys of rows grid-batched where rows depend on their batch: the setting, and a non-default padding."""
-    padding = float(cfg.get("grid_padding", 2.0))
-    return {"grid_batch": True, **({"grid_padding": padding} if padding != 2.0 else {})}
+    padding = float(cfg.get("grid_padding", MAX_PADDING))
+    return {"grid_batch": True, **({"grid_padding": padding} if padding != MAX_PADDING else {})}
 
 
 def decode_kernels(lm) -> bool:
@@ -231,7 +232,7 @@ def generation_rows(
     prefill=None,
     inline_chunk: tuple[str, int | None] = ("shared", None),
     grid_batch: bool = False,
-    grid_padding: float = 2.0,
+    grid_padding: float = MAX_PADDING,
 ) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
@@ -431,7 +432,7 @@ class ExampleWork:
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
             grid_batch = grid_batching(self.cfg, self.lm)
-            padding = float(self.cfg.get("grid_padding", 2.0))
+            padding = float(self.cfg.get("grid_padding", MAX_PADDING))
             new = generation_rows(
                 *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
             )

@@ -61,7 +61,7 @@ TOP_LEVEL: dict[str, Rule] = {
     ),
     "grid_padding": Rule(
         "float",
-        "grid_padding=2 (a grid batch may hold up to this × its rows' own cache bytes, pads included; ≥ 1)",
+        "grid_padding=2 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
         min=1,
     ),
     "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),

@@ -74,6 +74,7 @@ def test_padding_bounds_the_groups():
     assert groups(lengths[:6]) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
     assert groups(lengths, max_padding=4.0) == [list(range(8))]  # 8 × 100 = 2.86 × 280: one batch (grid_padding=4)
     assert groups(lengths, max_padding=1.0) == [[0], [1, 2], [3, 4], [5, 6, 7]]  # no pads: equal lengths only
+    assert groups([[100], [100], [10]], max_padding=1.0) == [[0, 1, 2]]  # but a last row alone joins (+ one row)
 
 
 def test_runner_grid_batch_switch(tmp_path):
