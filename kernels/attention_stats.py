@@ -54,17 +54,17 @@ def attention_column_sums(
     # is exact in fp32, so both C paths are the bf16 product with fp32 accumulation: AVX512-BF16 dot products where
     # the CPU has them, else the rows widened to fp32 for sgemm (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
     whole = mask is None and softcap is None and n_queries <= n_keys and key.shape[-1] == head_dim
-    if whole and query.device.type == "cpu" and product_dtype == torch.bfloat16:
+    if whole and query.device.type == "cpu":
         rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).contiguous()  # (B, H_kv, G, Q, D) log2
-        if _causal_column_sums_bf16(rows, key.contiguous(), out):
+        if product_dtype == torch.bfloat16 and _causal_column_sums_bf16(rows, key.contiguous(), out):
+            return out.reshape(bsz, n_q_heads, n_keys)
+        fused = _fused_kernel(query.device, product_dtype, mask, softcap)
+        if fused is not None:
+            keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T)
+            kernel, sgemm = fused
+            _causal_column_sums(kernel, sgemm, rows.float(), keys_t.float(), out)
             return out.reshape(bsz, n_q_heads, n_keys)
     keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T): faster products than Kᵀ views
-    fused = _fused_kernel(query.device, product_dtype, mask, softcap)
-    if fused is not None and whole:
-        rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).float().contiguous()  # (B, H_kv, G, Q, D) log2
-        kernel, sgemm = fused
-        _causal_column_sums(kernel, sgemm, rows, keys_t.float(), out)
-        return out.reshape(bsz, n_q_heads, n_keys)
     chunk = max(1, _SCORE_ROWS // group)
     first_query_pos = n_keys - n_queries
     for start in range(0, n_queries, chunk):
@@ -122,12 +122,8 @@ def _work(n_kv: int, n_keys: int, head_dim: int, chunk: int, threads: int, is_bf
     """The C kernel's scratch (its size from the kernel itself: packed keys, per-thread tiles, head ids)."""
     from kvbench.kernels import cpu_ext
 
-    size = cpu_ext.function("softmax_column_sums", "lllliip", "softmax_column_sums_work")
-    if size is None:
-        return None
-    floats = torch.zeros(1, dtype=torch.int64)
-    size(n_kv, n_keys, head_dim, chunk, threads, int(is_bf16), floats.data_ptr())
-    return torch.empty(int(floats), dtype=torch.float32)
+    sizes = ("softmax_column_sums", "lllliip", "softmax_column_sums_work")
+    return cpu_ext.scratch(*sizes, (n_kv, n_keys, head_dim, chunk, threads, int(is_bf16)), torch.float32)
 
 
 def _causal_column_sums(kernel, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor, out: torch.Tensor) -> None:

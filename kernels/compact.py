@@ -18,14 +18,18 @@ def _function(symbol: str, signature: str):
     return cpu_ext.function("compact_tokens", signature, symbol)
 
 
+def _by_runs(tensor: torch.Tensor) -> bool:
+    """Whether the C kernels can copy this tensor's tokens (CPU, each token's D values contiguous, tokens D apart)."""
+    return tensor.device.type == "cpu" and tensor.stride(-1) == 1 and tensor.stride(2) == tensor.shape[-1]
+
+
 def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
     """Keep positions `index` (1, H, N) of `tensor` (1, H, T, D), in its slots [0, N)."""
     batch, heads, n_old, dim = tensor.shape
     n_keep = index.shape[-1]
     if index.shape != (batch, heads, n_keep) or batch != 1:
         raise ValueError(f"index {tuple(index.shape)} does not select tokens of one row of {tuple(tensor.shape)}")
-    plain = tensor.device.type == "cpu" and tensor.stride(-1) == 1 and tensor.stride(2) == dim
-    kernel = _function("compact_tokens", "plllllpl") if plain else None
+    kernel = _function("compact_tokens", "plllllpl") if _by_runs(tensor) else None
     if kernel is not None:
         positions = index.to(torch.int64).contiguous()  # (1, H, N)
         status = kernel(
@@ -40,9 +44,7 @@ def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor."""
     batch, heads, n_old, dim = tensor.shape
-    kernel = None
-    if tensor.device.type == "cpu" and tensor.stride(-1) == 1 and tensor.stride(2) == dim and index.dim() == 3:
-        kernel = _function("gather_tokens", "pplllllllpl")
+    kernel = _function("gather_tokens", "pplllllllpl") if _by_runs(tensor) and index.dim() == 3 else None
     if kernel is not None and index.shape[:2] == (batch, heads):
         positions = index.to(torch.int64).contiguous()  # (B, H, N)
         out = tensor.new_empty(batch, heads, index.shape[-1], dim)  # (B, H, N, D)

@@ -96,6 +96,19 @@ def load_all() -> None:
         load(source.stem)
 
 
+def scratch(name: str, signature: str, symbol: str, args: tuple, dtype):
+    """A kernel's work buffer, sized by the kernel itself: `symbol` of kernels/csrc/`name`.c takes `args` and writes
+    the element count (of `dtype`) through its last, pointer argument. None where the kernel is not loaded."""
+    import torch
+
+    size_of = function(name, signature, symbol)
+    if size_of is None:
+        return None
+    count = torch.zeros(1, dtype=torch.int64)
+    size_of(*args, count.data_ptr())
+    return torch.empty(int(count), dtype=dtype)
+
+
 @functools.cache
 def torch_blas(symbol: str) -> int | None:
     """The address of a BLAS routine exported by torch's own CPU library (x86 builds link MKL, e.g. `sgemm_`), for

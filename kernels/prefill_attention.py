@@ -68,12 +68,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
 
     batch, n_q, n_tokens, dim = query.shape
     n_kv, threads = key.shape[1], torch.get_num_threads()
-    kernel, work_bytes = _kernel(), cpu_ext.function("prefill_attention", "llllip", "prefill_attention_work_bytes")
-    if kernel is None or work_bytes is None:
+    sizes = ("prefill_attention", "llllip", "prefill_attention_work_bytes")
+    kernel, work = _kernel(), cpu_ext.scratch(*sizes, (batch, n_kv, n_tokens, dim, threads), torch.uint8)
+    if kernel is None or work is None:  # work: K and V repacked for the dot products + each thread's tiles
         return None
-    size = torch.zeros(1, dtype=torch.int64)
-    work_bytes(batch, n_kv, n_tokens, dim, threads, size.data_ptr())
-    work = torch.empty(int(size), dtype=torch.uint8)  # K and V repacked for the dot products + each thread's tiles
     out = torch.empty(batch, n_tokens, n_q, dim, dtype=query.dtype)  # (B, T, H_q, D)
     status = kernel(
         query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
