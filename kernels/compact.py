@@ -2,9 +2,9 @@
 
 `compact_tokens(t, index)` leaves in slots [0, N) of t (1, H, T, D) exactly what `t.gather(2, index)` would give
 (positions sorted ascending), without a new tensor; the caller then views t[:, :, :N]. Used for the rows of a grid
-(kvbench/grid_decode.py), whose caches are slots of one batch tensor.
+(kvbench/engine/grid_decode.py), whose caches are slots of one batch tensor.
 `gather_tokens(t, index)` is `t.gather(2, index)` (B, H, N, D) as a new tensor, copied by runs instead of through a
-per-element index: compression (kvbench/cache.py `gather_kv`).
+per-element index: compression (kvbench/model/cache.py `gather_kv`).
 """
 
 from __future__ import annotations

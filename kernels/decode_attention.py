@@ -1,11 +1,11 @@
 """One decode step's attention (a single query per row) on the CPU: kernels/csrc/decode_attention.c.
 
 Why: each row's output is the same bits whatever the other rows and the thread count (the contract is in the C
-file's header), so a grid of configurations decoded as one batch (kvbench/grid_decode.py) attends in one call per
+file's header), so a grid of configurations decoded as one batch (kvbench/engine/grid_decode.py) attends in one call per
 layer and still gets what each configuration gets alone; and torch's CPU sdpa for one query is slow in bf16 (~10×
 this kernel at 1K–4K tokens on the bundled model's shapes, ~1.5× in fp32: the README's decode table).
 
-kvbench/attention.py calls `attend` for the steps it can take — one query, no mask, no soft cap or sinks, CPU,
+kvbench/model/attention.py calls `attend` for the steps it can take — one query, no mask, no soft cap or sinks, CPU,
 float32/bfloat16, K/V with contiguous tokens — single decodes and grid steps alike; everything else stays sdpa.
 KVBENCH_NO_CPU_EXT=1 (or no C compiler) → sdpa everywhere.
 """

@@ -1,6 +1,6 @@
 """The model's linear layers for the few rows of a decode step, on the CPU: kernels/csrc/decode_linear.c.
 
-Why: a grid of configurations decodes as one batch (kvbench/grid_decode.py) only if each row comes out as it does
+Why: a grid of configurations decodes as one batch (kvbench/engine/grid_decode.py) only if each row comes out as it does
 decoded alone, and torch's CPU products round a row by the batch's row count (MKL's float32 one-row gemv and
 several-row gemm sum in different orders; oneDNN's bfloat16 kernels at some row counts). The C kernel computes every
 output the same way whatever the row count and thread count (its contract is in its header), so in a decode step

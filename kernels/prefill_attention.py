@@ -5,9 +5,9 @@ bundled model's shapes, where its bf16 matrix products reach ~400), and in bf16 
 long prompt's forward pass. The kernel does torch's arithmetic (bf16 products summed in float32, an online softmax
 in float32 over key chunks, the exponentials rounded to bf16 for P·V, one rounding of the output) with vdpbf16ps
 dot products; its last bits differ from torch's (its own order of additions), so rows computed with it hash apart
-(kvbench/runner.py `bf16_kernels`).
+(kvbench/run/runner.py `bf16_kernels`).
 
-kvbench/attention.py calls `attend` for what it can take — a prefill (Q = T > 1, no mask: is_causal), bf16, CPU,
+kvbench/model/attention.py calls `attend` for what it can take — a prefill (Q = T > 1, no mask: is_causal), bf16, CPU,
 head size 64 or 128, no soft cap, sinks, dropout or shorter sliding window — and sdpa does the rest. CPUs without
 AVX512-BF16 (where bf16 itself is slow), KVBENCH_NO_CPU_EXT=1 or no C compiler: sdpa everywhere.
 """

@@ -1,10 +1,10 @@
-"""Triton decode attention over ragged KV heads (kvbench.ragged's flat layout), one query per sequence.
+"""Triton decode attention over ragged KV heads (kvbench.model.ragged's flat layout), one query per sequence.
 
 Layout: flat keys/values (Σ T_s, D) with segment s = b·H_kv + h holding rows [start_s, start_s + T_s); query
 (B, H_q, D) for the single new position; query head h·G + g reads segment b·H_kv + h. One program per
 (segment, query head of its group): an online softmax over the segment's keys in blocks of BLOCK_K rows, fp32
 maths, scores in log2 units (exp2). Output (B, H_q, D) in the query's dtype. Same contract as
-kvbench.ragged.ragged_attention_reference for Q = 1; tested against it under TRITON_INTERPRET=1.
+kvbench.model.ragged.ragged_attention_reference for Q = 1; tested against it under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

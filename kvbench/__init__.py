@@ -17,3 +17,17 @@ def conf_dir():
     from importlib.resources import files
 
     return Path(str(files("kvbench.conf")))
+
+
+def cache_root():
+    """$KVBENCH_CACHE (default ~/.cache/kvbench), checked to be a writable directory before any slow work."""
+    import os
+    from pathlib import Path
+
+    root = Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench")).expanduser()
+    if root.exists() and not root.is_dir():
+        raise KvbenchError(
+            f"KVBENCH_CACHE={root} is a file, not a directory; point KVBENCH_CACHE at a directory "
+            "(or unset it for ~/.cache/kvbench)"
+        )
+    return root

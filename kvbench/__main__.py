@@ -16,6 +16,18 @@ from kvbench import KvbenchError, conf_dir
 FAILED_JOBS: list[str] = []  # multirun: "job N (overrides): message" for each job whose input was bad
 
 
+def launch(cfg: DictConfig, output_dir: str | None = None):
+    """The launcher picks where the run's examples go: this process (launcher=local) or Ray workers, each running
+    `kvbench.run.runner.run` on its shard (launcher=ray; the driver gathers them)."""
+    if (cfg.get("launcher") or {}).get("name", "local") == "ray" and (cfg.launcher.get("shard") is None):
+        from kvbench.integrations.ray_launcher import run_ray
+
+        return run_ray(cfg, output_dir)
+    from kvbench.run.runner import run
+
+    return run(cfg, output_dir)
+
+
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -23,9 +35,7 @@ def _main(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     try:
-        from kvbench.runner import run
-
-        run(cfg, output_dir=hydra_cfg.runtime.output_dir)
+        launch(cfg, output_dir=hydra_cfg.runtime.output_dir)
     except KvbenchError as error:
         print(f"kvbench: error: {error}", file=sys.stderr)
         if hydra_cfg.mode != RunMode.MULTIRUN:

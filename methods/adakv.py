@@ -7,7 +7,7 @@ head (kvpress's default 0.2). Layer budgets come from the scorer (PyramidKV's py
 `scorer=snapkv` is the paper's Ada-SnapKV and `scorer=pyramidkv` its Ada-Pyramid.
 
 kvpress only masks the evicted entries (the cache keeps its full size); here each layer is stored ragged and
-physically (kvbench.ragged: flat (Σ T_h, D) keys and values), so the measured kv_bytes equal the budget exactly.
+physically (kvbench.model.ragged: flat (Σ T_h, D) keys and values), so the measured kv_bytes equal the budget exactly.
 Decode tokens are appended to every head; there is no decode-time eviction.
 """
 
@@ -21,7 +21,7 @@ from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, build_method, method_defaults
 from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
 from kvbench.methods.scoring import check_choice
-from kvbench.ragged import RaggedLayer
+from kvbench.model.ragged import RaggedLayer
 
 
 def adaptive_keep(scores: torch.Tensor, n_keep: int, alpha_safeguard: float) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The method interface.
 
 A method is a small dataclass whose fields are its knobs, with their defaults (conf/method/<name>.yaml repeats them
-for Hydra; tests/test_methods.py checks that the two agree for every registered method). Every module in methods/
-is imported by methods/__init__.py, so a new file with `@METHODS.register("name")` is all it takes. The engine
+for Hydra; tests/methods/test_methods.py checks that the two agree for every registered method). Every module in
+methods/ is imported by methods/__init__.py, so a new file with `@METHODS.register("name")` is all it takes. The engine
 drives a method through these hooks, each with a working default, so a method overrides only what it changes:
 
 prefill and selection
@@ -17,7 +17,7 @@ prefill and selection
 - `begin_compress(T, L, budget)`      forget the last example, fix each layer's count for the whole prompt
 - `compress_layer(l, K, V, stats)`    one layer's cache layer: `keep_indices` gathered by default; quantized
                                       caches build their own layers here. prefill=inline calls it inside the
-                                      forward pass right after layer l's attention (kvbench/inline.py), and
+                                      forward pass right after layer l's attention (kvbench/engine/inline.py), and
                                       prefill_chunk again after every chunk with what the layer then holds
 - `observe_layer(l, K, stats)`        a layer kept whole: methods accumulating scores (H2O) add this pass's
 - `end_compress(layers, stats, budget)`  the cache holding the layers; decode-time state is set up here
@@ -51,9 +51,9 @@ import torch
 from transformers import DynamicCache
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRecorder, StatsRequest
-from kvbench.cache import KV, gather_kv, kv_layer
-from kvbench.registry import Registry, build_dataclass
+from kvbench.config.registry import Registry, build_dataclass
+from kvbench.model.attention import StatsRecorder, StatsRequest
+from kvbench.model.cache import KV, gather_kv, kv_layer
 
 METHODS = Registry("method")
 
@@ -124,7 +124,7 @@ class Method:
 
     def layer_keep_counts(self, n_prompt: int, n_layers: int, budget: Budget | None) -> list[int] | None:
         """Prompt tokens each layer keeps under `budget`; None when nothing is evicted. The one rule both
-        `compress` and the planner's byte accounting (kvbench.kv_bytes) follow."""
+        `compress` and the planner's byte accounting (kvbench.model.kv_bytes) follow."""
         if budget is None or not self.has_budget:
             return None
         n_keep = budget.tokens(n_prompt)
@@ -146,7 +146,7 @@ class Method:
     def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
         """The cache to decode from, after the whole prefill (`prefill=shared`): `begin_compress`, then
         `compress_layer` for each layer, then `end_compress` — the same calls `prefill=inline` makes inside the
-        forward pass, one layer at a time (kvbench.inline)."""
+        forward pass, one layer at a time (kvbench.engine.inline)."""
         self.begin_compress(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
         layers = [self.compress_layer(i, keys, values, stats) for i, (keys, values) in enumerate(prefill_kv)]
         return self.end_compress(layers, stats, budget)
@@ -154,8 +154,8 @@ class Method:
     def begin_compress(self, n_prompt: int, n_layers: int, budget: Budget | None) -> None:
         """Before the first layer: forget the last example, fix each layer's kept count for the whole prompt.
 
-        Records `kept_positions` (kvbench.diagnose): per layer the (B, H_kv, N) prompt positions kept, None where a
-        layer keeps every token."""
+        Records `kept_positions` (kvbench.guide.diagnose): per layer the (B, H_kv, N) prompt positions kept, None
+        where a layer keeps every token."""
         self.reset()
         self.kept_positions: list[torch.Tensor | None] = [None] * n_layers
         self._keep_counts = self.layer_keep_counts(n_prompt, n_layers, budget)
@@ -239,7 +239,7 @@ class Method:
 
     def on_decode_start(self, cache, position: int) -> None:
         """Decoding one token per step starts from `cache` (the next token at `position`): Engine.decode and
-        batched examples (kvbench.batched) call it; grid batches and diagnose do not."""
+        batched examples (kvbench.engine.batched) call it; grid batches and diagnose do not."""
 
     def decodes_alone(self) -> bool:
         """Whether decoding needs Engine.decode's own loop (StreamingLLM's ring layers): never a grid row."""
@@ -249,7 +249,7 @@ class Method:
     def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
         """Streaming (perplexity): bound the cache after a whole chunk's forward; returns the cache to continue with.
         `begin_stream`, `stream_layer` per layer, `end_stream`: the calls ppl with prefill=inline makes one layer at a
-        time inside the forward (kvbench.streaming), so both bound every layer identically."""
+        time inside the forward (kvbench.engine.streaming), so both bound every layer identically."""
         self.begin_stream(cache.layers[0].get_seq_length(), len(cache.layers), budget, first)
         layers = [self.stream_layer(i, layer, stats) for i, layer in enumerate(cache.layers)]
         cache.layers[:] = layers

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
-from kvbench.cache import kv_layer
 from kvbench.methods.base import METHODS, Method, build_method, method_defaults
+from kvbench.model.attention import StatsRequest
+from kvbench.model.cache import kv_layer
 
 FAMILY_ORDER = ("structure", "eviction", "precision")
 

@@ -30,9 +30,9 @@ from typing import ClassVar
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRecorder
-from kvbench.cache import layer_lengths, layer_select
 from kvbench.methods.base import Budget, Method
+from kvbench.model.attention import StatsRecorder
+from kvbench.model.cache import layer_lengths, layer_select
 
 
 @dataclass
@@ -76,7 +76,7 @@ class DecodeEviction(Method):
 
     def sizes_to_hold(self, kept: list[int], n_prompt: int, budget: Budget | None) -> list[int] | None:
         """Each layer's size while decoding, from what compression kept of an n_prompt-token prompt; None: the cache
-        grows. The one rule both `end_compress` and the planner's byte accounting (kvbench.kv_bytes) follow."""
+        grows. The one rule both `end_compress` and the planner's byte accounting (kvbench.model.kv_bytes) follow."""
         if any(n < n_prompt for n in kept):
             return kept
         if not self.holds_whole_prompt or budget is None or not self.has_budget or budget.value == 1.0:

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import QueryMoments, StatsRecorder, StatsRequest
-from kvbench.cache import layer_select
 from kvbench.methods.base import METHODS, build_method, method_defaults
 from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
 from kvbench.methods.scoring import check_choice, top_k_sorted
+from kvbench.model.attention import QueryMoments, StatsRecorder, StatsRequest
+from kvbench.model.cache import layer_select
 
 
 @METHODS.register("decoding")

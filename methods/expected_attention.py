@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
 from kvbench.methods.base import METHODS
 from kvbench.methods.scorer import ScoreEviction
-from kvbench.rope import rotate_half
+from kvbench.model.attention import StatsRequest
+from kvbench.model.rope import rotate_half
 
 
 @METHODS.register("expected_attention")

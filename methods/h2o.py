@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
 from kvbench.methods.base import METHODS
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.methods.scoring import check_choice, per_kv_head, top_k_sorted
+from kvbench.model.attention import StatsRequest
 
 
 @METHODS.register("h2o")

@@ -5,7 +5,7 @@ The prefill attends to full-precision K/V (as in KIVI); `compress` then stores e
 exactly as KIVI's LlamaAttention_KIVI splits the prefill, and decoding follows its flush rules. Quantization is
 asymmetric min/max with bit packing (kernels/quantize.py: contract and word layout; Triton on CUDA).
 
-Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.cache.cache_nbytes counts it:
+Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.model.cache.cache_nbytes counts it:
 - keys, quantized PER CHANNEL (K has outlier channels): for each channel, groups of G = group_size consecutive
   tokens along time, i.e. the keys transposed to (B, H_kv, D, T_q) are quantized along their last axis:
     key_packed (B, H_kv, D, T_q/G·W) int32,  key_scale, key_zero (B, H_kv, D, T_q/G) in the model dtype;

@@ -29,7 +29,7 @@ import torch
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS
 from kvbench.methods.scorer import ScoreEviction
-from kvbench.rope import rotate_half
+from kvbench.model.rope import rotate_half
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -129,8 +129,7 @@ class KVzip(ScoreEviction):
         not modified: the cache appends into new ones). Returns per layer (1, H_kv, stop − start)."""
         from transformers import DynamicCache
 
-        from kvbench.cache import kv_layer
-        from kvbench.engine import Engine
+        from kvbench.model.cache import kv_layer
 
         n_prompt = kv[0][0].shape[2]
         start, stop = span
@@ -154,7 +153,7 @@ class KVzip(ScoreEviction):
         layers = lm.model.model.layers
         hooks = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in layers]
         try:
-            Engine(lm).forward(repeat_ids, list(range(n_prompt, n_prompt + len(repeat_ids))), cache)
+            lm.forward(repeat_ids, list(range(n_prompt, n_prompt + len(repeat_ids))), cache)
         finally:
             for handle in hooks:
                 handle.remove()

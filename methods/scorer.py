@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
 from kvbench.methods.base import Method
 from kvbench.methods.scoring import top_k_sorted
+from kvbench.model.attention import StatsRequest
 
 
 @dataclass

@@ -19,11 +19,11 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from kvbench import KvbenchError
-from kvbench.attention import StatsRequest
-from kvbench.cache import kv_layer
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Method
 from kvbench.methods.scoring import check_choice, per_kv_head, pool, top_k_sorted
-from kvbench.registry import knob
+from kvbench.model.attention import StatsRequest
+from kvbench.model.cache import kv_layer
 
 
 @METHODS.register("snapkv")

@@ -6,11 +6,11 @@ as the original does, at every decode step so the cache stays a constant size (m
 Positions: `absolute` (default; as kvpress and KVCache-Factory) keeps each token's original RoPE position;
 `rolling` is the original mit-han-lab code's scheme: positions are counted inside the cache (sinks 0..s−1,
 then the recent tokens contiguously), which is what lets it stream past the trained context. The original
-stores pre-RoPE keys and rotates on read; here the cache layers (kvbench.rope.RollingLayer) store each key as
+stores pre-RoPE keys and rotates on read; here the cache layers (kvbench.model.rope.RollingLayer) store each key as
 the model rotated it and rotate it on read to its slot, so keys never drift however long the stream.
 
 `ring=true` (positions=absolute, evict_every=1): once a layer is at its size while decoding, it moves into a ring
-buffer (kvbench.ring.RingLayer) whose decode step writes the new token in place over the token per-step eviction
+buffer (kvbench.model.ring.RingLayer) whose decode step writes the new token in place over the token per-step eviction
 drops next: the same tokens attended at every step, no per-step copy of the layer; the layer holds size + 1 tokens.
 Decoding one by one (`Engine.decode`) and batched examples (`batch_size`, unpadded rows) ring their plain tensor
 layers; grids decode such rows alone; paged (prefix-cache) layers and `diagnose` keep per-step eviction.
@@ -27,8 +27,8 @@ from kvbench import KvbenchError
 from kvbench.methods.base import METHODS
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.methods.scoring import check_choice
-from kvbench.ring import RingLayer
-from kvbench.rope import RollingLayer, inv_freq_of
+from kvbench.model.ring import RingLayer
+from kvbench.model.rope import RollingLayer, inv_freq_of
 
 
 def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Tensor) -> torch.Tensor:

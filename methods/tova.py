@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.attention import StatsRequest
 from kvbench.methods.base import METHODS
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.methods.scorer import ScoreEviction
 from kvbench.methods.scoring import top_k_sorted
+from kvbench.model.attention import StatsRequest
 
 
 @METHODS.register("tova")

@@ -25,13 +25,13 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir
-from kvbench.attention import StatsRequest
-from kvbench.engine import Engine
+from kvbench.engine.engine import Engine
 from kvbench.kernels import decode_attention, decode_linear
 from kvbench.methods import Budget, build_method
 from kvbench.methods.kivi import KiviLayer
-from kvbench.models import load_model
-from kvbench.results import device_name
+from kvbench.model.attention import StatsRequest
+from kvbench.model.load import load_model
+from kvbench.store.results import device_name
 
 
 def bench_rows(evict_every: int, kivi_group: int) -> list[tuple[str, str, dict, float | None, str]]:

@@ -17,9 +17,9 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from kvbench import conf_dir
-from kvbench.engine import Engine
-from kvbench.memory import synchronize
-from kvbench.models import load_model
+from kvbench.engine.engine import Engine
+from kvbench.engine.memory import synchronize
+from kvbench.model.load import load_model
 
 CONF = conf_dir() / "model"
 
@@ -61,13 +61,23 @@ def main() -> None:
             runs = [time_once(engine, ids, args.decode_tokens) for _ in range(args.repeats)]
             prefill, decode = min(r[0] for r in runs), min(r[1] for r in runs)
             results[dtype, length] = (length / prefill, 1000 * decode)
-            print(f"{args.model} {dtype:>8} {length:>6} tokens: prefill {length / prefill:8.0f} tok/s "
-                  f"({prefill:6.2f} s), decode {1000 * decode:7.1f} ms/token", flush=True)
-    print("\n| context | " + " | ".join(f"prefill tok/s {d}" for d in args.dtypes) + " | "
-          + " | ".join(f"decode ms/token {d}" for d in args.dtypes) + " |")
+            print(
+                f"{args.model} {dtype:>8} {length:>6} tokens: prefill {length / prefill:8.0f} tok/s "
+                f"({prefill:6.2f} s), decode {1000 * decode:7.1f} ms/token",
+                flush=True,
+            )
+    print(
+        "\n| context | "
+        + " | ".join(f"prefill tok/s {d}" for d in args.dtypes)
+        + " | "
+        + " | ".join(f"decode ms/token {d}" for d in args.dtypes)
+        + " |"
+    )
     print("|---" * (1 + 2 * len(args.dtypes)) + "|")
     for length in args.lengths:
-        cells = [f"{results[d, length][0]:.0f}" for d in args.dtypes] + [f"{results[d, length][1]:.1f}" for d in args.dtypes]
+        cells = [f"{results[d, length][0]:.0f}" for d in args.dtypes] + [
+            f"{results[d, length][1]:.1f}" for d in args.dtypes
+        ]
         print(f"| {length} | " + " | ".join(cells) + " |")
     if {"bfloat16", "float32"} <= set(args.dtypes):
         for length in args.lengths:

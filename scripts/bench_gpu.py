@@ -21,12 +21,12 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from kvbench import conf_dir
-from kvbench.attention import StatsRequest
-from kvbench.engine import Engine
-from kvbench.memory import read_peak, reset_peak, synchronize
+from kvbench.engine.engine import Engine
+from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, build_method
-from kvbench.models import load_model
-from kvbench.runner import method_config
+from kvbench.model.attention import StatsRequest
+from kvbench.model.load import load_model
+from kvbench.run.configuration import method_config
 
 CONF = conf_dir()
 
@@ -49,8 +49,11 @@ def main() -> None:
 
     start = time.perf_counter()
     lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"), args.device, args.dtype)
-    print(f"loaded {args.model} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f} B params) on "
-          f"{lm.device} in {time.perf_counter() - start:.1f} s", flush=True)
+    print(
+        f"loaded {args.model} ({sum(p.numel() for p in lm.model.parameters()) / 1e9:.2f} B params) on "
+        f"{lm.device} in {time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     engine = Engine(lm)
     engine.eos_ids = set()  # fixed-length decodes: random weights may emit EOS anywhere
     methods = [build_method(n, {k: v for k, v in method_config(n).items() if k != "name"}) for n in args.methods]
@@ -75,15 +78,28 @@ def main() -> None:
         for method in methods:
             budget = Budget.parse(args.budget) if method.has_budget else None
             out = engine.generate(prefill, method, budget, [], args.decode_tokens)
-            rows.append(dict(model=args.model, context=length, method=method.name,
-                             budget=budget.value if budget else 1.0, prefill_plain_s=plain_s,
-                             prefill_with_stats_s=prefill.seconds, prefill_s=out.prefill_s,
-                             decode_ms_per_token=out.decode_ms_per_token, kv_bytes=out.kv_bytes,
-                             kv_ratio=out.kv_ratio, peak_mem_gib=out.peak_mem_bytes / 2**30,
-                             plain_prefill_peak_gib=plain_peak / 2**30))
-            print(f"{length:>6} {method.name:>12}: prefill {out.prefill_s:6.3f} s (plain {plain_s:.3f}, with stats "
-                  f"{prefill.seconds:.3f}), decode {out.decode_ms_per_token:6.2f} ms/token, kv {out.kv_bytes / 2**20:8.1f}"
-                  f" MiB (ratio {out.kv_ratio:.3f}), peak {out.peak_mem_bytes / 2**30:6.2f} GiB", flush=True)
+            rows.append(
+                dict(
+                    model=args.model,
+                    context=length,
+                    method=method.name,
+                    budget=budget.value if budget else 1.0,
+                    prefill_plain_s=plain_s,
+                    prefill_with_stats_s=prefill.seconds,
+                    prefill_s=out.prefill_s,
+                    decode_ms_per_token=out.decode_ms_per_token,
+                    kv_bytes=out.kv_bytes,
+                    kv_ratio=out.kv_ratio,
+                    peak_mem_gib=out.peak_mem_bytes / 2**30,
+                    plain_prefill_peak_gib=plain_peak / 2**30,
+                )
+            )
+            print(
+                f"{length:>6} {method.name:>12}: prefill {out.prefill_s:6.3f} s (plain {plain_s:.3f}, with stats "
+                f"{prefill.seconds:.3f}), decode {out.decode_ms_per_token:6.2f} ms/token, kv {out.kv_bytes / 2**20:8.1f}"
+                f" MiB (ratio {out.kv_ratio:.3f}), peak {out.peak_mem_bytes / 2**30:6.2f} GiB",
+                flush=True,
+            )
         del prefill
         torch.cuda.empty_cache() if lm.device.type == "cuda" else None
     frame = pd.DataFrame(rows)

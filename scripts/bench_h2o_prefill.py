@@ -18,11 +18,11 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir
-from kvbench.attention import StatsRequest
-from kvbench.engine import Engine
+from kvbench.engine.engine import Engine
 from kvbench.methods import build_method
-from kvbench.models import load_model
-from kvbench.results import device_name
+from kvbench.model.attention import StatsRequest
+from kvbench.model.load import load_model
+from kvbench.store.results import device_name
 
 PATHS = {"plain": None, "h2o, C kernel": "0", "h2o, torch loop": "1"}  # label -> KVBENCH_NO_CPU_EXT
 

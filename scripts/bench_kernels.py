@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from kvbench.memory import synchronize
+from kvbench.engine.memory import synchronize
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,7 +98,7 @@ def _kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: i
 def bench_kivi_attention(args: argparse.Namespace) -> None:
     import pandas as pd
 
-    from kvbench.runner import method_config
+    from kvbench.run.configuration import method_config
 
     device = torch.device(args.device)
     config = method_config("kivi")

@@ -5,16 +5,16 @@
         [--modes shared inline chunked] [--new-tokens 8] [--cap-mib N] [--csv PATH] [--task prompt|ppl]
 
 `--task ppl` streams `context` tokens through a bounded cache in chunks of `chunk` as task=ppl does
-(kvbench.streaming; the budget is a fraction of the whole text), modes `shared` (every layer bounded after each
+(kvbench.engine.streaming; the budget is a fraction of the whole text), modes `shared` (every layer bounded after each
 chunk's forward) and `inline` (each layer bounded right after its attention); a row's peak is its largest window's,
 its delta that peak over the memory in use when the stream started (the loaded model: the bounded cache counts).
 
 Each configuration prefills the same prompt (seeded random token ids: memory does not depend on the text) and
 decodes `new-tokens` greedily through the engine the runner uses; `shared` is the whole-prompt prefill then
 compression (what a grid shares), `inline` compresses each layer inside the forward pass, `chunked` is inline with
-`prefill_chunk`. Peak memory as kvbench.memory measures it: CPU peak RSS (VmHWM reset per configuration, after
+`prefill_chunk`. Peak memory as kvbench.engine.memory measures it: CPU peak RSS (VmHWM reset per configuration, after
 malloc_trim) and its delta over the memory in use when the configuration started (the loaded model); CUDA max
-allocated. glibc's mmap threshold is fixed at 128 KiB here (KVBENCH_MMAP_THRESHOLD, see kvbench/memory.py), so
+allocated. glibc's mmap threshold is fixed at 128 KiB here (KVBENCH_MMAP_THRESHOLD, see kvbench/engine/memory.py), so
 freed tensors leave the resident set at once and the peak follows live memory. With --cap-mib each row says
 whether its delta fits the cap.
 """
@@ -26,19 +26,22 @@ import gc
 import os
 import sys
 
-os.environ.setdefault("KVBENCH_MMAP_THRESHOLD", "131072")  # before kvbench.memory is imported: peaks = live memory
+os.environ.setdefault(
+    "KVBENCH_MMAP_THRESHOLD", "131072"
+)  # before kvbench.engine.memory is imported: peaks = live memory
 
 import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
-from kvbench import conf_dir, inline
-from kvbench.engine import Engine
-from kvbench.guide import markdown
-from kvbench.memory import in_use
+from kvbench import conf_dir
+from kvbench.engine import inline
+from kvbench.engine.engine import Engine
+from kvbench.engine.memory import in_use
+from kvbench.engine.streaming import stream_budget, stream_perplexity
+from kvbench.guide.selection import markdown
 from kvbench.methods import Budget, build_method
-from kvbench.models import load_model
-from kvbench.streaming import stream_budget, stream_perplexity
+from kvbench.model.load import load_model
 
 MIB = 2**20
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from kvbench.runner import run
+from kvbench.run.runner import run
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 WORKLOADS = ("shared_doc", "shared_doc_qa", "multiturn")

@@ -9,7 +9,7 @@
 Separate = what separate runs do: prefill + compress + decode for each (method, budget). Shared = one prefill per
 example with the union of the statistics, then compress + decode per configuration, one at a time
 (grid_batch=false). Grid = shared prefill, each configuration compressed alone, then decoded together as one
-batch (grid_batch=true, kvbench.grid_decode). Same examples, one process; checks the outputs are identical and
+batch (grid_batch=true, kvbench.engine.grid_decode). Same examples, one process; checks the outputs are identical and
 prints the wall times and speed-ups. --baseline: the same shared sweep timed on an older commit (its outputs and
 seconds as JSON); prints today's default path (grid in float32, where grid_batch=auto batches; else one by one)
 against it.
@@ -24,11 +24,11 @@ import time
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir
-from kvbench.attention import StatsRequest
-from kvbench.engine import Engine
+from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
-from kvbench.models import load_model
-from kvbench.runner import method_config
+from kvbench.model.attention import StatsRequest
+from kvbench.model.load import load_model
+from kvbench.run.configuration import method_config
 from kvbench.tasks import build_task
 
 CONF = conf_dir()
@@ -126,8 +126,8 @@ def main() -> None:
         )
         return
 
-    from kvbench.grid_decode import generate_grid
-    from kvbench.runner import grid_rows_as_alone
+    from kvbench.engine.grid_decode import generate_grid
+    from kvbench.run.config_hash import grid_rows_as_alone
 
     start, grid, batched = time.perf_counter(), [], 0
     for ex in examples:

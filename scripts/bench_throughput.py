@@ -36,17 +36,17 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvbench.attention import StatsRecorder
-from kvbench.batched import decode_together, prefill_batch
-from kvbench.cache import cache_nbytes
-from kvbench.engine import Engine, Prefill
-from kvbench.kv_bytes import KVShape, predict_kv_bytes
-from kvbench.memory import read_peak, reset_peak
+from kvbench.engine.batched import decode_together, prefill_batch
+from kvbench.engine.engine import Engine, Prefill
+from kvbench.engine.memory import read_peak, reset_peak
 from kvbench.methods import Budget, build_method, method_defaults
-from kvbench.models import load_model
-from kvbench.plan_hardware import GIB, build_hardware
-from kvbench.plan_model import arch_of, max_batch, plan_point
-from kvbench.results import write_csv
+from kvbench.model.attention import StatsRecorder
+from kvbench.model.cache import cache_nbytes
+from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
+from kvbench.model.load import load_model
+from kvbench.plan.hardware import GIB, build_hardware
+from kvbench.plan.model import arch_of, max_batch, plan_point
+from kvbench.store.results import write_csv
 
 
 def configuration(spec: str):
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
 
 
 def predicted_vs_measured(table: pd.DataFrame, model: str, hardware: str) -> pd.DataFrame:
-    """Long format for the report (kvbench.predicted_section): one row per configuration × quantity."""
+    """Long format for the report (kvbench.report.sections.predicted): one row per configuration × quantity."""
     out = []
     for r in table.to_dict("records"):
         for quantity, predicted, measured, unit in [

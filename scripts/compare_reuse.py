@@ -12,9 +12,9 @@ import sys
 
 import pandas as pd
 
-from kvbench.aggregate import with_variants
-from kvbench.prefix_section import compare, prefix_cached
-from kvbench.results import read_rows
+from kvbench.report.sections.prefix import compare, prefix_cached
+from kvbench.store.aggregate import with_variants
+from kvbench.store.results import read_rows
 
 
 def load(path: str, reuse: str) -> pd.DataFrame:

@@ -3,7 +3,7 @@
     python scripts/diagnose_evidence.py RESULTS_DIR [--method snapkv] [--budget 0.1]
 
 Per diagnosed row with evidence: the verdict, the answer and prediction, then one line per layer with one 0/1 mask
-per KV head (1 = that evidence token was still in the cache at the first decode step; kvbench.diagnose_run's
+per KV head (1 = that evidence token was still in the cache at the first decode step; kvbench.guide.diagnose_run's
 `evidence_kept`). Layers that kept all evidence in every head are summarised on one line. Reads rows only.
 """
 
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvbench.aggregate import load_rows
-from kvbench.diagnose_run import read_side_tables
+from kvbench.guide.diagnose_run import read_side_tables
+from kvbench.store.aggregate import load_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,10 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         heads = side[(side.config_hash == row.config_hash) & (side.example_id == row.example_id)]
         if heads.empty or not heads["evidence_kept"].astype(bool).any():
             continue
-        print(f"\n{row.method} @{row.budget:g}  {row.example_id}  verdict: {row.verdict}  score {row.score:g}  "
-              f"answer {json.loads(row.answers)[0]!r}  prediction {row.prediction.strip()[:30]!r}")
-        print(f"  mass_recall {row.mass_recall:.3f}  evidence_retention {row.evidence_retention:.3f}  "
-              f"kl_mean {row.kl_mean:.3f}  first divergence at step {row.first_divergence_step}")
+        print(
+            f"\n{row.method} @{row.budget:g}  {row.example_id}  verdict: {row.verdict}  score {row.score:g}  "
+            f"answer {json.loads(row.answers)[0]!r}  prediction {row.prediction.strip()[:30]!r}"
+        )
+        print(
+            f"  mass_recall {row.mass_recall:.3f}  evidence_retention {row.evidence_retention:.3f}  "
+            f"kl_mean {row.kl_mean:.3f}  first divergence at step {row.first_divergence_step}"
+        )
         whole = []
         for layer, g in heads.groupby("layer", sort=True):
             masks = list(g.sort_values("kv_head")["evidence_kept"])

@@ -27,10 +27,10 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir
-from kvbench.engine import Engine
+from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.methods.scoring import top_k_sorted
-from kvbench.models import load_model
+from kvbench.model.load import load_model
 from kvbench.tasks import build_task
 
 SINKS = 4
@@ -89,10 +89,16 @@ def analyse(ex, prefill, methods: dict, budget: Budget, tokenizer) -> dict:
         mass += torch.zeros(5).index_add_(0, region, columns.cpu()) / columns.sum().cpu()
     mass /= n_layers
     sizes = torch.bincount(region, minlength=5).float()
-    out = {"example_id": ex.example_id, "tokens": n_tokens, "needle": [start, end], "recent": recent,
-           "mass_share": dict(zip(names, mass.tolist())),
-           "mass_per_token_vs_haystack": dict(zip(names, (mass / sizes / (mass[4] / sizes[4])).tolist())),
-           "needle_kept": {}, "heavy_in_first_tenth": {}}
+    out = {
+        "example_id": ex.example_id,
+        "tokens": n_tokens,
+        "needle": [start, end],
+        "recent": recent,
+        "mass_share": dict(zip(names, mass.tolist())),
+        "mass_per_token_vs_haystack": dict(zip(names, (mass / sizes / (mass[4] / sizes[4])).tolist())),
+        "needle_kept": {},
+        "heavy_in_first_tenth": {},
+    }
     for label in [*methods, "original"]:
         needle, early = [], []
         for layer in range(n_layers):
@@ -143,13 +149,15 @@ def main(argv=None) -> None:
         prefill = engine.prefill(prompt, request)
         row = analyse(ex, prefill, methods, budget, lm.tokenizer)
         if not report:  # one prompt's kept positions, kvbench vs the original
-            row["jaccard_h2o_vs_original"] = overlap_with_original(prefill, methods["h2o (sum)"],
-                                                                   budget.tokens(prefill.n_tokens), lm.n_q_heads // lm.n_kv_heads)
+            row["jaccard_h2o_vs_original"] = overlap_with_original(
+                prefill, methods["h2o (sum)"], budget.tokens(prefill.n_tokens), lm.n_q_heads // lm.n_kv_heads
+            )
         if not args.no_decode:
             row["score"] = {}
             for label, method in [*methods.items(), ("full", build_method("full"))]:
-                gen = engine.generate(prefill, method, None if label == "full" else budget, suffix, ex.max_new_tokens,
-                                      ex.stop)
+                gen = engine.generate(
+                    prefill, method, None if label == "full" else budget, suffix, ex.max_new_tokens, ex.stop
+                )
                 row["score"][label] = task.score(gen.text, ex)
         report.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -164,35 +172,51 @@ def print_tables(report: list[dict], args, lm, seconds: float) -> None:
     def mean(get):
         return sum(get(r) for r in report) / n
 
-    print(f"{lm.name}, {n} NIAH prompts ({'/'.join(map(str, args.lengths))} tokens × depths "
-          f"{'/'.join(map(str, args.depths))}), budget {args.budget}, {seconds:.0f} s")
+    print(
+        f"{lm.name}, {n} NIAH prompts ({'/'.join(map(str, args.lengths))} tokens × depths "
+        f"{'/'.join(map(str, args.depths))}), budget {args.budget}, {seconds:.0f} s"
+    )
     print("\naccumulated attention (all queries, all layers), share of the mass and mass per token ÷ haystack's:")
     print(f"{'region':<10}{'share':>8}{'per token':>11}")
     for region in report[0]["mass_share"]:
-        print(f"{region:<10}{mean(lambda r: r['mass_share'][region]):>8.3f}"
-              f"{mean(lambda r: r['mass_per_token_vs_haystack'][region]):>11.2f}")
+        print(
+            f"{region:<10}{mean(lambda r: r['mass_share'][region]):>8.3f}"
+            f"{mean(lambda r: r['mass_per_token_vs_haystack'][region]):>11.2f}"
+        )
     labels = list(report[0]["needle_kept"])
     print("\nselection at the budget (mean over prompts, layers, heads):")
-    print(f"{'selection':<12}{'needle kept':>12}{'heavy in first 10 %':>21}" + ("" if "score" not in report[0] else
-                                                                            f"{'exact':>8}{'partial':>9}"))
+    print(
+        f"{'selection':<12}{'needle kept':>12}{'heavy in first 10 %':>21}"
+        + ("" if "score" not in report[0] else f"{'exact':>8}{'partial':>9}")
+    )
     for label in labels:
-        line = f"{label:<12}{mean(lambda r: r['needle_kept'][label]):>12.3f}" \
-               f"{mean(lambda r: r['heavy_in_first_tenth'][label]):>21.3f}"
+        line = (
+            f"{label:<12}{mean(lambda r: r['needle_kept'][label]):>12.3f}"
+            f"{mean(lambda r: r['heavy_in_first_tenth'][label]):>21.3f}"
+        )
         if "score" in report[0] and label in report[0]["score"]:
-            line += f"{mean(lambda r: r['score'][label]['score']):>8.2f}" \
-                    f"{mean(lambda r: r['score'][label]['score_partial']):>9.2f}"
+            line += (
+                f"{mean(lambda r: r['score'][label]['score']):>8.2f}"
+                f"{mean(lambda r: r['score'][label]['score_partial']):>9.2f}"
+            )
         print(line)
     if "score" in report[0]:
-        print(f"{'full':<12}{'':>33}{mean(lambda r: r['score']['full']['score']):>8.2f}"
-              f"{mean(lambda r: r['score']['full']['score_partial']):>9.2f}")
+        print(
+            f"{'full':<12}{'':>33}{mean(lambda r: r['score']['full']['score']):>8.2f}"
+            f"{mean(lambda r: r['score']['full']['score_partial']):>9.2f}"
+        )
     print("\nper prompt, needle kept by h2o (sum) / h2o (mean) / original / snapkv:")
     for r in report:
         kept = r["needle_kept"]
-        print(f"  {r['example_id']:<34} " + " / ".join(f"{kept[k]:.2f}" for k in ("h2o (sum)", "h2o (mean)",
-                                                                                  "original", "snapkv")))
+        print(
+            f"  {r['example_id']:<34} "
+            + " / ".join(f"{kept[k]:.2f}" for k in ("h2o (sum)", "h2o (mean)", "original", "snapkv"))
+        )
     first = report[0]
-    print(f"\n{first['example_id']}: kvbench h2o (per KV head, group sum) vs the original (per query head): "
-          f"Jaccard overlap of kept positions {first['jaccard_h2o_vs_original']:.2f}")
+    print(
+        f"\n{first['example_id']}: kvbench h2o (per KV head, group sum) vs the original (per query head): "
+        f"Jaccard overlap of kept positions {first['jaccard_h2o_vs_original']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from kvbench.lm_eval_model import from_model_args
-    from kvbench.models import cache_root
+    from kvbench.integrations.lm_eval_model import from_model_args
+    from kvbench import cache_root
 
     path = str(cache_root() / "smollm2-135m")
     names = args.tasks.split(",")
@@ -45,8 +45,10 @@ def main() -> None:
     kv, kv_s = evaluate(from_model_args({"pretrained": path, "dtype": "float32", "device": "cpu"}))
     for name in names:
         metrics = [k for k in hf["results"][name] if "," in k and "stderr" not in k]
-        print(f"{name}: " + ", ".join(f"{m} hf {hf['results'][name][m]:.4f} kvbench {kv['results'][name][m]:.4f}"
-                                      for m in metrics))
+        print(
+            f"{name}: "
+            + ", ".join(f"{m} hf {hf['results'][name][m]:.4f} kvbench {kv['results'][name][m]:.4f}" for m in metrics)
+        )
         same, n, worst = 0, 0, 0.0
         for a, b in zip(hf["samples"][name], kv["samples"][name], strict=True):
             for ra, rb in zip(a["resps"], b["resps"], strict=True):

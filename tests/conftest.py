@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.engine import Engine
-from kvbench.models import load_model
+from kvbench.engine.engine import Engine
+from kvbench.model.load import load_model
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -20,8 +20,17 @@ def compose_config(*overrides: str):
 
 
 def tiny_overrides(tmp_path: Path, *extra: str) -> list[str]:
-    return ["model=tiny-random", "device=cpu", "dtype=float32", f"results_dir={tmp_path / 'store'}", "report=false",
-            "task.context_lengths=[700,1000]", "task.depths=[0.2,0.8]", "task.max_new_tokens=6", *extra]
+    return [
+        "model=tiny-random",
+        "device=cpu",
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+        "task.context_lengths=[700,1000]",
+        "task.depths=[0.2,0.8]",
+        "task.max_new_tokens=6",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -43,7 +52,7 @@ def eager_attentions(lm, ids: list[int]) -> tuple:
     """Every layer's attention weights (B, H_q, T, T) from transformers' eager attention: the reference."""
     import torch
 
-    from kvbench.attention import register
+    from kvbench.model.attention import register
 
     lm.model.set_attn_implementation("eager")
     try:
@@ -65,8 +74,13 @@ def run_interpreted(child_code: str, inputs, tmp: Path):
 
     torch.save(inputs, tmp / "in.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", child_code, tmp / "in.pt", tmp / "out.pt"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", child_code, tmp / "in.pt", tmp / "out.pt"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(tmp / "out.pt")
 

@@ -10,7 +10,7 @@
  * and the chunk sizes (vdpbf16ps pairs, 16-key blocks), the scale folded with log2(e) into one float32 constant and
  * 2^x (kvbench_math.h's polynomial, exactly 0 below 2^-126) for e^x, and vdpbf16ps / vcvtneps2bf16 treating denormals
  * as zero — so results differ from torch's in the last bits, and kvbench rows computed with it carry their own hash
- * key (kvbench/runner.py).
+ * key (kvbench/run/runner.py).
  *
  * q: (B, H_q, Q, D) at strides (q_b, q_h, q_t) in elements, D contiguous; k, v: (B, H_kv, T, D) at (k_b, k_h, k_t),
  * (v_b, v_h, v_t); out: (B, Q, H_q, D) contiguous — transformers' attention output layout. Q == T (query i sees keys

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvbench import KvbenchError
-from kvbench.registry import Registry
+from kvbench.config.registry import Registry
 from kvbench.tasks.facts import TaskFacts
 
 TASKS = Registry("task")
@@ -30,7 +30,7 @@ class Example:
     subset: str = ""
     stop: tuple[str, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # task-specific columns (e.g. NIAH depth)
-    # strings in the prompt the answer depends on (NIAH: the needle's value); kvbench.diagnose locates their
+    # strings in the prompt the answer depends on (NIAH: the needle's value); kvbench.guide.diagnose locates their
     # tokens. Empty where the task does not know its evidence (LongBench, RULER's aggregation tasks)
     evidence: tuple[str, ...] = ()
 
@@ -53,10 +53,10 @@ class Task:
     # task keys that select examples rather than change them (a grid of lengths, subsets): left out of config_hash,
     # so rows are reused across runs that select differently; every other key is part of the hash
     selection_keys: ClassVar[frozenset[str]] = frozenset()
-    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.validate.Rule, where the yaml default's type is not enough
+    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.config.validate.Rule, where the yaml default's type is not enough
     streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
     facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)
-    workload = False  # True: examples are requests sharing prefixes, run in order (kvbench.workload)
+    workload = False  # True: examples are requests sharing prefixes, run in order (kvbench.run.workload)
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it
@@ -65,7 +65,7 @@ class Task:
     @classmethod
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
-        and ranges come from `knobs` and the yaml defaults (kvbench.validate), this adds the rest."""
+        and ranges come from `knobs` and the yaml defaults (kvbench.config.validate), this adds the rest."""
 
     def examples(self) -> list[Example]:
         raise NotImplementedError  # abstract: every registered task implements it

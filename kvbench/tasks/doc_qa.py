@@ -5,7 +5,7 @@ reference's English prose) holds `questions` facts about fictional towns, societ
 when a bridge was completed, which river a town lies on — each in a paragraph of its own at evenly spread depths.
 Every request asks one of them in LongBench's `multifieldqa_en` prompt (THUDM/LongBench config/dataset2prompt.json,
 verbatim, with the chat template as pred.py applies it) and is scored with that subset's official metric, token F1
-(`qa_f1_score`, kvbench.metrics = THUDM's metrics.py), so partial answers ("the Marrow River" for "Marrow
+(`qa_f1_score`, kvbench.tasks.metrics = THUDM's metrics.py), so partial answers ("the Marrow River" for "Marrow
 River" scores 1.0 after normalisation, "Ada" for "Ada Fenwick" 0.67) are measured, not counted wrong.
 
 Each fact's subject is unique in its document and every answer differs, so a question has exactly one answer in
@@ -18,12 +18,12 @@ from __future__ import annotations
 import random
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example
 from kvbench.tasks.haystack import HAYSTACKS, check_files
 from kvbench.tasks.longbench import score_prediction
 from kvbench.tasks.longbench.config import PROMPTS, subset_spec
 from kvbench.tasks.workloads import MARK, Fact, SharedPrefixTask, chat_split
-from kvbench.validate import Rule
 
 SUBSET = "multifieldqa_en"  # LongBench's single-document QA template and metric (qa_f1_score), English
 

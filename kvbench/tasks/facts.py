@@ -9,7 +9,7 @@ Each task class states its facts next to its metric, as a class attribute:
 
 Readers call `task_facts(row["task"])`. It imports kvbench.tasks (importing a task module registers it), so
 task modules import torch or transformers only inside the functions that need them: `python -m kvbench.report`
-stays torch-free (tests/test_report.py checks it). Rows of a task that is not registered (an older store, a
+stays torch-free (tests/report/test_report.py checks it). Rows of a task that is not registered (an older store, a
 plugin that is not installed) get the defaults: higher is better, scores in [0, 1], no task-specific plots.
 """
 

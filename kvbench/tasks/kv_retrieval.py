@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 import uuid
 
-from kvbench.metrics import partial_match, string_match
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
+from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.prompts import PromptBuilder, encode
-from kvbench.validate import Rule
 
 INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below."
 

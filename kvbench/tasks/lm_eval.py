@@ -4,7 +4,7 @@
     python -m kvbench task=lm_eval 'task.tasks=[longbench_hotpotqa]' grid.method=[snapkv,kivi] grid.budget=[0.25]
 
 One example per lm-eval document. Its requests (every choice of a multiple-choice question, a generation, a
-rolling text) go through kvbench.lm_eval_model for every configuration at once (one prefill per distinct
+rolling text) go through kvbench.integrations.lm_eval_model for every configuration at once (one prefill per distinct
 context), lm-eval's own filters and `process_results` score them, and each (filter, metric) becomes one row:
 `metric` is lm-eval's key ("acc,none", "exact_match,strict-match"), `subset` is "<lm-eval task>/<metric key>"
 (so the report never averages two metrics), `score` is the metric's aggregation over this one document (the
@@ -20,9 +20,9 @@ import math
 from pathlib import Path
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.validate import Rule
 
 
 @TASKS.register("lm_eval")
@@ -142,9 +142,9 @@ class LmEvalTask(Task):
 
     # ---- rows (called by the runner instead of its own generation loop) ---------------------------------
     def compute_rows(self, engine, todo: list, ex: Example, common: dict, lm) -> list[dict]:
-        from kvbench.engine import Engine
-        from kvbench.lm_eval_model import KvbenchLM
-        from kvbench.runner import row_for
+        from kvbench.engine.engine import Engine
+        from kvbench.integrations.lm_eval_model import KvbenchLM
+        from kvbench.store.results import row_for
 
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(lm)  # its own: KvbenchLM stops at `hf`'s EOS ids

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvbench import KvbenchError
-from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
+from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.niah import ADJECTIVES, NOUNS
 from kvbench.tasks.prompts import chat_text
 from kvbench.tasks.prompts import encode as encode_text

@@ -11,12 +11,12 @@ import random
 import uuid
 
 from kvbench import KvbenchError
-from kvbench.metrics import partial_match, string_match
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences, sentence_files
+from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.prompts import PromptBuilder, encode
-from kvbench.validate import Rule
 
 ADJECTIVES = (
     "amber ancient bitter brave bright calm clever cold crimson curious damp eager early faint fancy "

@@ -12,10 +12,10 @@ import math
 import random
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
 from kvbench.tasks.haystack import check_files, load_sentences, sentence_files
-from kvbench.validate import Rule
 
 
 @TASKS.register("ppl")
@@ -76,4 +76,4 @@ class Perplexity(Task):
         return [f"{example.example_id}/w{k:03d}" for k in range(n_windows)]
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
-        raise KvbenchError("task ppl is scored per window by kvbench.streaming, not from generated text")
+        raise KvbenchError("task ppl is scored per window by kvbench.engine.streaming, not from generated text")

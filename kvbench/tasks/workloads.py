@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
-from kvbench.metrics import partial_match, string_match
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.haystack import load_sentences, sentence_files
+from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.niah import ADJECTIVES, NOUNS, VALUE_NAMES, fill_haystack, random_value
 
 MARK = "\x00DOCUMENT\x00"

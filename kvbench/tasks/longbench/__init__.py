@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 
 from kvbench import KvbenchError
-from kvbench.metrics import LONGBENCH_METRICS
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.longbench.config import (
     E_SUBSETS,
@@ -38,7 +38,7 @@ from kvbench.tasks.longbench.config import (
     length_bucket,
     subset_spec,
 )
-from kvbench.validate import Rule
+from kvbench.tasks.metrics import LONGBENCH_METRICS
 
 # the official data (what pred.py's `load_dataset('THUDM/LongBench', ...)` reads): JSONL files in LongBench's schema
 DATA_REPO, DATA_ARCHIVE = "THUDM/LongBench", "data.zip"
@@ -126,7 +126,7 @@ def data_dir(cfg) -> Path:
 
 def official_data_dir() -> Path:
     """Download the official data.zip once (Hugging Face hub) and unpack it into the kvbench cache."""
-    from kvbench.models import cache_root
+    from kvbench import cache_root
 
     target = cache_root() / "longbench" / "data"
     if any(target.glob("*.jsonl")):

@@ -127,7 +127,7 @@ class SubsetSpec:
     base: str  # the LongBench subset whose definitions apply (`qasper`)
     prompt: str
     max_new_tokens: int
-    metric: str  # a function name in kvbench.metrics (LONGBENCH_METRICS)
+    metric: str  # a function name in kvbench.tasks.metrics (LONGBENCH_METRICS)
     language: str  # en | zh | code
     scenario: str  # one of SCENARIOS
     chat_template: bool

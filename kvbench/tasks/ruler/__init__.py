@@ -14,15 +14,15 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvbench import KvbenchError
-from kvbench.metrics import string_match_all
+from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
+from kvbench.tasks.metrics import string_match_all
 from kvbench.tasks.prompts import encode
 from kvbench.tasks.ruler.aggregation import cwe_draft, fwe_draft
 from kvbench.tasks.ruler.draft import Draft, fit
 from kvbench.tasks.ruler.niah import VARIANTS, niah_draft
 from kvbench.tasks.ruler.vt import vt_draft
-from kvbench.validate import Rule
 
 
 @dataclass(frozen=True)

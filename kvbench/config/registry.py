@@ -1,0 +1,69 @@
+"""Name → class registries behind a decorator (methods, tasks, model loaders), as in lm-evaluation-harness."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kvbench import KvbenchError
+
+
+class Registry:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Any] = {}
+
+    def register(self, name: str) -> Callable[[Any], Any]:
+        def wrap(obj: Any) -> Any:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._entries[name] = obj
+            obj.name = name
+            return obj
+
+        return wrap
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def get(self, name: str) -> Any:
+        if name not in self._entries:
+            raise KvbenchError(f"unknown {self.kind} {name!r}; valid {self.kind}s: {', '.join(self.names())}")
+        return self._entries[name]
+
+
+def build_dataclass(cls: type, params: dict, what: str) -> Any:
+    """Instantiate a dataclass from config params, naming the valid fields when one is unknown."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise KvbenchError(
+            f"{what} has no parameter {', '.join(map(repr, unknown))}; valid parameters: "
+            f"{', '.join(sorted(fields)) or '(none)'}"
+        )
+    try:
+        return cls(**params)
+    except (TypeError, ValueError, AttributeError) as error:  # a knob of the wrong shape that slipped past validate
+        raise KvbenchError(f"{what}: {error}; check its parameters against its conf yaml") from None
+
+
+def knob(
+    default: Any = dataclasses.MISSING,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple = (),
+    **field_kwargs: Any,
+) -> Any:
+    """A dataclass field with the range kvbench.config.validate checks before the model loads, e.g.
+    `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
+    a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf."""
+    metadata: dict[str, Any] = {}
+    if min is not None:
+        metadata["min"] = min
+    if max is not None:
+        metadata["max"] = max
+    if choices:
+        metadata["choices"] = tuple(choices)
+    return dataclasses.field(default=default, metadata=metadata, **field_kwargs)

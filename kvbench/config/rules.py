@@ -1,0 +1,127 @@
+"""Declarative validation: a `Rule` says what a value may be; `check_value` raises one `KvbenchError` line naming
+the key, the bad value, what is wrong and the fix. Used by the whole-input check (kvbench.config.validate) and by
+tasks declaring their knobs. Importable without torch."""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from kvbench import KvbenchError
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value may be. `kind`: int | float | bool | str | list | dict | budget | any."""
+
+    kind: str
+    fix: str = ""  # a good value to show, e.g. "limit=10 (at most 10 examples) or limit=null (all)"
+    nullable: bool = False
+    min: float | None = None
+    max: float | None = None
+    choices: tuple = ()
+    item: Rule | None = None  # the rule every list item follows
+    non_empty: bool = False  # lists: [] is an error (it would silently mean "the default")
+
+
+BOOL_FIX = "true or false"
+
+
+def _show(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return f"[{','.join(map(_show, value))}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _problem(value: Any, rule: Rule) -> str | None:
+    """What is wrong with `value` under `rule`, or None."""
+    if value is None:
+        return None if rule.nullable or rule.kind == "any" else "must be set (null is not allowed)"
+    kind = rule.kind
+    if kind == "bool":
+        return None if isinstance(value, bool) else "is not a boolean"
+    if kind in ("int", "float", "budget"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "is not a number"
+        if kind == "int" and not float(value).is_integer():
+            return "is not an integer"
+        if isinstance(value, float) and not math.isfinite(value):
+            return "is not a finite number"
+        if kind == "budget":
+            if value <= 0:
+                return "must be > 0"
+            if value > 1 and not float(value).is_integer():
+                return "is above 1, so a token count, and must be an integer"
+    elif kind == "str":
+        if not isinstance(value, str) or not value:
+            return "is not a non-empty string"
+    elif kind == "list":
+        if not isinstance(value, (list, tuple)):
+            return "is not a list"
+        if rule.non_empty and not value:
+            return "is an empty list"
+        for i, item in enumerate(value):
+            problem = _problem(item, rule.item) if rule.item else None
+            if problem:
+                return f"item {i} ({_show(item)}) {problem}"
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            return "is not a mapping"
+    elif kind != "any":
+        raise ValueError(f"unknown Rule kind {kind!r}")
+    if rule.min is not None and isinstance(value, (int, float)) and value < rule.min:
+        return f"must be ≥ {rule.min:g}"
+    if rule.max is not None and isinstance(value, (int, float)) and value > rule.max:
+        return f"must be ≤ {rule.max:g}"
+    if rule.choices and value not in rule.choices:
+        return f"is not one of {', '.join(map(_show, rule.choices))}"
+    return None
+
+
+def check_value(key: str, value: Any, rule: Rule) -> None:
+    """Raise one line naming `key`, the bad value, what is wrong and the fix."""
+    problem = _problem(value, rule)
+    if problem:
+        raise KvbenchError(f"{key}={_show(value)} {problem}; use {rule.fix or 'a valid value'}")
+
+
+def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping) -> Rule:
+    """The Rule a dataclass field's annotation (and `knob()` metadata) implies; `example` shows a good value."""
+    nullable = False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        nullable = len(args) < len(typing.get_args(annotation))
+        annotation = args[0] if len(args) == 1 else Any
+        origin = typing.get_origin(annotation)
+    choices = tuple(metadata.get("choices", ()))
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        annotation = type(choices[0])
+    base = origin or annotation
+    kind = {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "list", dict: "dict"}.get(
+        base, "any"
+    )
+    item = None
+    if kind == "list" and typing.get_args(annotation):
+        inner = typing.get_args(annotation)[0]
+        item = rule_from_annotation(inner, example, {}) if inner is not Ellipsis else None
+    low = metadata.get("min", 0 if kind in ("int", "float") else None)
+    return Rule(kind, example, nullable=nullable, min=low, max=metadata.get("max"), choices=choices, item=item)
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers, interpolations resolved (a non-config value as it is)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

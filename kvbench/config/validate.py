@@ -1,0 +1,251 @@
+"""Check the whole configuration before anything heavy runs (model load, baseline): every top-level key, method
+knob, grid entry and task knob, each bad value → one `KvbenchError` line naming the fix (exit 2).
+
+Declarative, so a new key is one line:
+- a top-level key: one `Rule` in `TOP_LEVEL` below (a test fails when conf/config.yaml has a key not listed);
+- a method knob: its dataclass field's annotation (`int`, `float`, `bool`, `str`, `list[str]`, `dict`, `X | None`,
+  `Literal[...]`) is the type; numbers are ≥ 0 unless the field says otherwise with
+  `knob(default, min=..., max=..., choices=...)` (kvbench.config.registry); the method's `__post_init__` adds its own
+  checks;
+- a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
+
+Importable without torch (tasks declare their `knobs` with `Rule`).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import MISSING, fields
+from typing import Any
+
+from kvbench import KvbenchError
+from kvbench.config.rules import Rule, _show, check_value, plain, rule_from_annotation
+
+DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+
+# ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
+TOP_LEVEL: dict[str, Rule] = {
+    "budget": Rule(
+        "budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True
+    ),
+    "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
+    "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
+    "seed": Rule("int", "seed=0 (any integer)"),
+    "device": Rule("str", "device=auto, device=cpu or device=cuda (cuda:N)"),
+    "dtype": Rule("str", "dtype=auto (native bf16 else fp32), bfloat16, float16 or float32", choices=DTYPE_CHOICES),
+    "results_dir": Rule("str", "results_dir=PATH (a directory for the results store)"),
+    "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
+    "report": Rule("bool", "report=true or report=false"),
+    "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
+    "grid_batch": Rule(
+        "any",
+        "grid_batch=auto (a grid's configurations decoded together where rows stay identical), grid_batch=true or "
+        "grid_batch=false",
+        choices=("auto", True, False),
+    ),
+    "grid_padding": Rule(
+        "float",
+        "grid_padding=2 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
+        min=1,
+    ),
+    "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
+    "grid.method": Rule(
+        "list",
+        "grid.method=[snapkv,h2o] (a list; null: the selected method)",
+        nullable=True,
+        non_empty=True,
+        item=Rule("any"),
+    ),
+    "grid.budget": Rule(
+        "list",
+        "grid.budget=[0.25,0.5] (a list; null: budget)",
+        nullable=True,
+        non_empty=True,
+        item=Rule("budget", "budget fractions in (0, 1] or token counts"),
+    ),
+    "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
+    "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/guide/verdict.py)"),
+    **{
+        f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/guide/verdict.py)", min=0)
+        for name in (
+            "full_fails_below",
+            "score_tolerance",
+            "kl_tolerance",
+            "evicted_tolerance",
+            "recall_high",
+            "recall_low",
+            "evidence_retention_min",
+            "evidence_mass_min",
+        )
+    },
+    "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
+    "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
+    "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
+    "reuse": Rule("str", "reuse=per_question or reuse=compress_once", choices=("per_question", "compress_once")),
+    "prefill": Rule(
+        "str",
+        "prefill=shared (compress after the whole prefill; grids share it) or prefill=inline (each layer "
+        "compressed inside the forward pass)",
+        choices=("shared", "inline"),
+    ),
+    "prefill_chunk": Rule(
+        "int",
+        "prefill_chunk=1024 (tokens per chunk, with prefill=inline) or prefill_chunk=null (whole prompt)",
+        nullable=True,
+        min=1,
+    ),
+}
+# the `launcher` group's keys (conf/launcher/*.yaml); checked when present
+LAUNCHER: dict[str, Rule] = {
+    "launcher.name": Rule("str", "launcher=local or launcher=ray", choices=("local", "ray")),
+    "launcher.workers": Rule("int", "launcher.workers=2 (shards in flight at once)", min=1),
+    "launcher.address": Rule(
+        "str", "launcher.address=auto (or ray://head:10001); null starts a local cluster", nullable=True
+    ),
+    "launcher.num_cpus": Rule("float", "launcher.num_cpus=1 (CPUs per worker, > 0)", min=0.01),
+    "launcher.num_gpus": Rule("float", "launcher.num_gpus=0 (GPUs per worker, e.g. 1)", min=0),
+    "launcher.shards": Rule("int", "launcher.shards=8, or null for 4 × workers", nullable=True, min=1),
+    "launcher.max_retries": Rule("int", "launcher.max_retries=3 (retries of a shard whose worker died)", min=0),
+}
+# keys that are Hydra's, not the job's (config groups, conf/<group>/, are checked by their own code)
+NOT_JOB_KEYS = {"defaults", "hydra"}
+
+
+# ---- method knobs, from the dataclass annotations -------------------------------------------------------------
+def check_method_params(where: str, cls: type, params: dict, example=None) -> None:
+    """Type/range of each given knob of a method dataclass (unknown knobs: build_dataclass names the valid ones).
+    `example(knob, shown_default)` writes a good value the way the user gives it (default: method.knob=value)."""
+    example = example or (lambda name, shown: f"{where}.{name}={shown}")
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if not f.init or f.name not in params:
+            continue
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else None)
+        )
+        rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
+        check_value(f"{where}.{f.name}", params[f.name], rule)
+
+
+def method_class(where: str, name: Any) -> type:
+    from kvbench.methods import METHODS
+
+    if not isinstance(name, str):
+        raise KvbenchError(
+            f"{where}: method name {_show(name)} is not a string; valid methods: {', '.join(METHODS.names())}"
+        )
+    return METHODS.get(name)
+
+
+def check_grid_entry(index: int, entry: Any) -> None:
+    from kvbench.methods import build_method, method_defaults
+
+    where = f"grid.method[{index}]"
+    if not isinstance(entry, dict):
+        method_class(where, entry)
+        build_method(entry, method_defaults(entry))
+        return
+    if "name" not in entry:
+        raise KvbenchError(f"{where}={_show(entry)} has no `name`; use e.g. 'grid.method=[{{name: kivi, bits: 2}}]'")
+    name = entry["name"]
+    params = {k: v for k, v in entry.items() if k != "name"}
+    check_method_params(
+        where,
+        method_class(where, name),
+        params,
+        lambda knob, shown: f"'grid.method=[{{name: {name}, {knob}: {shown}}}]'",
+    )
+    build_method(name, {**method_defaults(name), **params})  # the method's own __post_init__ checks
+
+
+# ---- task knobs -----------------------------------------------------------------------------------------------
+def task_rule(task_name: str, key: str, default: Any, declared: dict[str, Rule]) -> Rule | None:
+    """A task knob's rule: the task class's declared `knobs`, else the type of its yaml default (None: any)."""
+    if key in declared:
+        return declared[key]
+    kinds = {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}
+    kind = kinds.get(type(default))
+    if kind is None:
+        return None
+    shown = f"[{','.join(map(str, default))}]" if isinstance(default, list) else _show(default)
+    fix = f"task.{key}={shown} (conf/task/{task_name}.yaml)"
+    item = None
+    if kind == "list" and default and type(default[0]) in (int, float, str):
+        item = Rule(kinds[type(default[0])], fix, min=0 if type(default[0]) in (int, float) else None)
+    return Rule(kind, fix, min=0 if kind in ("int", "float") else None, item=item)
+
+
+def check_task(task_cfg: dict) -> None:
+    from kvbench import conf_dir
+    from kvbench.tasks import TASKS
+
+    name = str(task_cfg.get("name"))
+    cls = TASKS.get(name)
+    declared: dict[str, Rule] = dict(getattr(cls, "knobs", {}) or {})
+    path = conf_dir() / "task" / f"{name}.yaml"
+    defaults: dict = {}
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        defaults = plain(OmegaConf.load(path))
+    for key, value in task_cfg.items():
+        if key == "name":
+            continue
+        rule = task_rule(name, key, defaults.get(key), declared)
+        if rule is not None:
+            check_value(f"task.{key}", value, rule)
+    cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
+
+
+# ---- the whole configuration ----------------------------------------------------------------------------------
+def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def check_known_keys(config: dict) -> None:
+    """A key added with `+key=...` that kvbench does not know (a typo: `+limt=5`) is an error, not ignored."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+
+    root = conf_dir()
+    known = set(NOT_JOB_KEYS) | {key.split(".")[0] for key in TOP_LEVEL}
+    known |= {p.name for p in root.iterdir() if p.is_dir()} | set(OmegaConf.load(root / "config.yaml"))
+    for key in config:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {close[0]}=...? " if close else ""
+            raise KvbenchError(f"{key} is not a kvbench setting; {hint}the settings are listed in conf/config.yaml")
+
+
+def check_config(cfg) -> None:
+    """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
+    try:
+        config: dict = dict(plain(cfg))
+    except Exception as error:  # an interpolation that does not resolve
+        raise KvbenchError(
+            f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} reference it names"
+        ) from None
+    check_known_keys(config)
+    for key, rule in {**TOP_LEVEL, **LAUNCHER}.items():
+        present, value = _lookup(config, key)
+        if present:
+            check_value(key, value, rule)
+    from kvbench.methods import build_method
+
+    method = config.get("method") or {}
+    params = {k: v for k, v in method.items() if k != "name"}
+    check_method_params("method", method_class("method", method.get("name")), params)
+    build_method(method["name"], params)  # the method's own __post_init__ checks
+    for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
+        check_grid_entry(index, entry)
+    check_task(config.get("task") or {})

@@ -1,0 +1,283 @@
+"""Prefill once, compress, decode greedily; measure time, cache bytes and peak memory.
+
+A prefill's K/V and statistics do not depend on the compression method (each layer's prefill attention sees its
+full K/V), so one `Prefill` can serve many (method, budget) configurations: `generate` never modifies it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.engine.slots import plain_layers, use_slots
+from kvbench.methods import Budget, Method
+from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
+from kvbench.model.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
+from kvbench.model.load import LoadedModel
+
+
+@dataclass
+class Prefill:
+    kv: list[KV]  # per layer (B, H_kv, T, D), the whole prompt
+    stats: StatsRecorder
+    last_logits: torch.Tensor  # (V,) at the last prompt token
+    seconds: float
+    peak_mem_bytes: int
+    # prefix caching (kvbench.run.workload): called with each configuration's compressed cache before decoding
+    adopt: Callable | None = None
+    baseline_bytes: int = 0  # memory in use when the prefill started (kvbench.engine.memory): deltas are over it
+    # prefill=inline (kvbench.engine.inline): the cache was compressed inside the forward pass; `kv` is then empty
+    compressed: object | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.kv[0][0].shape[2] if self.kv else self.prompt_tokens
+
+    def seconds_for(self, method: Method) -> float:
+        """Prefill time charged to `method`: a shared prefill recorded every method's statistics, this one pays
+        only for its own."""
+        others = sum(self.stats.seconds.values()) - self.stats.seconds_for(method.stats_request())
+        return self.seconds - others
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    context_tokens: int
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    kv_bytes: int
+    kv_bytes_full: int  # the original model's uncompressed cache at the same token count
+    kv_bytes_mha: int  # the same with one KV head per query head (what GQA/MQA already saved)
+    peak_mem_bytes: int
+    logits: list[torch.Tensor] = field(default_factory=list)
+    peak_mem_delta_bytes: int | None = None  # peak over the memory in use before the prefill (None: not measured)
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def kv_ratio(self) -> float:
+        return self.kv_bytes / self.kv_bytes_full
+
+
+@dataclass
+class Compressed:
+    """A configuration's compressed cache (suffix appended) and where decoding starts (Engine.compressed)."""
+
+    cache: Any  # a transformers Cache; None once a grid batch has copied it
+    logits: torch.Tensor  # (V,) for the first generated token
+    position: int  # absolute position of the next token
+    prompt_tokens: int
+    suffix_tokens: int
+    prefill_s: float  # the prefill's share charged to this method + compression + suffix
+    prefill_peak: int  # peak memory of the prefill and of this compression
+    baseline_bytes: int = 0  # memory in use when the prefill started (peak_mem_delta_bytes is over it)
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, full_kv_heads: int | None = None):
+        self.lm = lm
+        # kv_bytes_full always refers to the original model (head merging runs on a converted copy)
+        self.full_kv_heads = full_kv_heads or lm.n_kv_heads
+        if lm.device.type == "cuda" and os.environ.get("KVBENCH_CUDNN_SDPA") != "1":
+            # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
+            # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        if lm.device.type == "cpu":  # the C kernels' first build (~1 s each, once per machine) before any timing
+            from kvbench.kernels import cpu_ext, decode_linear
+
+            cpu_ext.load_all()
+            decode_linear.install(lm.model)  # decode steps row-independent (grids decode as one batch), and faster
+        eos = lm.tokenizer.eos_token_id
+        chat_ends = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+        vocab = lm.tokenizer.get_vocab()
+        self.eos_ids = {eos} | {lm.tokenizer.convert_tokens_to_ids(t) for t in chat_ends if t in vocab}
+
+    # ---- forward ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self, ids: list[int], positions: list[int], cache, all_logits: bool = False, fp32: bool = True
+    ) -> torch.Tensor:
+        """The model's forward on `ids` at `positions`, appending to `cache` (kvbench.model.load.LoadedModel)."""
+        return self.lm.forward(ids, positions, cache, all_logits, fp32)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], request: StatsRequest, cache=None, position: int = 0) -> Prefill:
+        """Forward the whole prompt once, recording the statistics `request` asks for. With a `cache` already
+        holding `position` tokens (a reused prefix), `ids` are the rest of the prompt, at positions from there."""
+        from transformers import DynamicCache
+
+        device = self.lm.device
+        cache = cache if cache is not None else DynamicCache()
+        baseline = reset_peak(device)
+        synchronize(device)
+        start = time.perf_counter()
+        with recording(request) as stats:
+            logits = self.forward(ids, list(range(position, position + len(ids))), cache)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        self._check_recorded(request, stats, len(cache.layers))
+        kv = cache_kv(cache)
+        if position == 0:  # the whole prompt: methods that re-read it (kvzip) find it with the statistics
+            stats.prompt = PromptSource(self.lm, list(ids), kv)
+        return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
+
+    def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
+        recorded = [len(stats.all_queries)] if request.all_queries else []
+        recorded += [len(stats.window.get(w, {})) for w in request.windows]
+        if any(n != n_layers for n in recorded):
+            raise KvbenchError(
+                f"this method needs attention statistics, but {type(self.lm.model).__name__}'s attention did not "
+                f"report them; supported: models whose attention goes through transformers' AttentionInterface "
+                f"with one KV cache layer per decoder layer (Llama, Mistral, Qwen2/3, Gemma, Phi-3 and similar)"
+            )
+
+    # ---- one configuration --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prefill: Prefill,
+        method: Method,
+        budget: Budget | None,
+        suffix_ids: list[int],
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
+        """Compress `prefill` with `method`, feed `suffix_ids` uncompressed, then decode greedily."""
+        start = self.compressed(prefill, method, budget, suffix_ids)
+        return self.decode(start, method, max_new_tokens, stop, keep_logits)
+
+    @torch.inference_mode()
+    def compressed(self, prefill: Prefill, method: Method, budget: Budget | None, suffix_ids: list[int]) -> Compressed:
+        """The first half of `generate`: compress, append the suffix; the cache and logits decoding starts from."""
+        device = self.lm.device
+        reset_peak(device)
+        start = time.perf_counter()
+        method.bind(self.lm)
+        cache = prefill.compressed  # prefill=inline: compressed inside the forward pass
+        if cache is None:
+            cache = method.compress(prefill.kv, prefill.stats, budget)
+        if prefill.adopt is not None:
+            cache = prefill.adopt(cache)
+        logits, position = prefill.last_logits, prefill.n_tokens
+        if suffix_ids:
+            logits = self._extend(cache, method, suffix_ids, position)
+            position += len(suffix_ids)
+        synchronize(device)
+        prefill_s = prefill.seconds_for(method) + time.perf_counter() - start
+        peak = max(prefill.peak_mem_bytes, read_peak(device))
+        suffix = position - prefill.n_tokens
+        return Compressed(cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes)
+
+    @torch.inference_mode()
+    def decode(
+        self, start: Compressed, method: Method, max_new_tokens: int, stop: tuple[str, ...] = (), keep_logits=False
+    ) -> Generation:
+        """The second half of `generate`: greedy decoding of one configuration from its compressed cache."""
+        device, tokenizer = self.lm.device, self.lm.tokenizer
+        cache, logits, position = start.cache, start.logits, start.position
+        token = int(logits.argmax())
+        generated, kept_logits = [token], [logits] if keep_logits else []
+        steps, t0 = 0, time.perf_counter()
+        method.on_decode_start(cache, position)
+        slots = use_slots(cache, method, self.lm.model)  # evictions in place, appends into spare slots
+        while len(generated) < max_new_tokens and token not in self.eos_ids:
+            if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
+                break
+            with recording(method.decode_request()) as stats:
+                logits = self.forward([token], [method.position(position, cache)], cache)[-1]
+            method.on_decode_step(cache, stats)
+            position, steps = position + 1, steps + 1
+            token = int(logits.argmax())
+            generated.append(token)
+            if keep_logits:
+                kept_logits.append(logits)
+        synchronize(device)
+        decode_s = time.perf_counter() - t0
+        if slots:
+            plain_layers(cache)  # exact-size tensors again: kv_bytes counts what a plain cache would hold
+        peak = max(start.prefill_peak, read_peak(device))
+        return Generation(
+            token_ids=generated,
+            text=self.answer_text(generated, stop),
+            context_tokens=start.position,
+            prefill_s=start.prefill_s,
+            decode_s=decode_s,
+            decode_steps=steps,
+            kv_bytes=cache_nbytes(cache),
+            kv_bytes_full=self.full_bytes(start.position + steps, self.full_kv_heads),
+            kv_bytes_mha=self.full_bytes(start.position + steps, self.lm.n_q_heads),
+            peak_mem_bytes=peak,
+            logits=kept_logits,
+            peak_mem_delta_bytes=peak - start.baseline_bytes,
+        )
+
+    def full_bytes(self, tokens: int, kv_heads: int) -> int:
+        """The uncompressed cache of `tokens` tokens with `kv_heads` KV heads (the kv_bytes_full / _mha columns)."""
+        return full_cache_nbytes(self.lm.n_layers, kv_heads, self.lm.head_dim, tokens, self.lm.dtype)
+
+    def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:
+        """Append `ids` after compression (the question when query_aware=false; a scored continuation);
+        returns the last logits (V,), or with all_logits every position's (len(ids), V).
+
+        One forward when every layer holds the same number of tokens; token by token otherwise, because
+        transformers builds a single causal mask from the first layer's length.
+        """
+        method.on_extend(len(ids))  # the appended question is not part of the compressed budget
+        one_forward = len(set(layer_lengths(cache))) == 1 and not getattr(method, "extends_token_by_token", False)
+        chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
+        outputs = []
+        for chunk in chunks:
+            base = method.position(position, cache)  # rolling positions count inside the cache
+            positions = [base + i for i in range(len(chunk))]
+            with recording(method.decode_request()) as stats:
+                outputs.append(self.forward(chunk, positions, cache, all_logits=all_logits))  # (len(chunk) or 1, V)
+            method.on_decode_step(cache, stats)
+            position += len(chunk)
+        return torch.cat(outputs) if all_logits else outputs[-1][-1]
+
+    def answer_text(self, token_ids: list[int], stop: tuple[str, ...]) -> str:
+        """The generated ids as text: end-of-turn ids dropped, cut before the first stop string (each in turn)."""
+        kept = [t for t in token_ids if t not in self.eos_ids]
+        text = cast(str, self.lm.tokenizer.decode(kept, skip_special_tokens=True))  # one sequence → one string
+        for s in stop:
+            text = text.split(s)[0] if s in text else text
+        return text
+
+    def prepared(self, method: Method) -> Engine:
+        """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""
+        key = (method.name, json.dumps(method.params(), sort_keys=True, default=str))
+        cache = self.__dict__.setdefault("_prepared", {})
+        if key not in cache:
+            model = method.prepare_model(self.lm.model)
+            cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_kv_heads)
+        return cache[key]
+
+    def run(
+        self,
+        method: Method,
+        budget: Budget | None,
+        prompt_ids: list[int],
+        suffix_ids: Sequence[int] = (),
+        max_new_tokens: int = 32,
+        stop: tuple[str, ...] = (),
+        keep_logits: bool = False,
+    ) -> Generation:
+        """Prefill + generate for a single configuration."""
+        engine = self.prepared(method)
+        prefill = engine.prefill(list(prompt_ids), method.stats_request())
+        return engine.generate(prefill, method, budget, list(suffix_ids), max_new_tokens, stop, keep_logits)

@@ -1,0 +1,176 @@
+"""`prefill=inline` and `prefill_chunk`: compress each layer inside the forward pass, chunk by chunk.
+
+`prefill=shared` (the default, and what grids share) forwards the whole prompt, keeps every layer's K/V, then
+compresses: the peak holds the whole uncompressed cache. `prefill=inline` runs one prefill per configuration and
+compresses layer l right after layer l's attention (kvbench.model.attention.after_each_layer), with the statistics that
+attention call just recorded: the method's `begin_compress`, then `compress_layer` per layer as it is produced, then
+`end_compress` — the same three calls `Method.compress` makes after a shared prefill, so both keep the same entries
+(tests/engine/test_inline.py, every registered method). At most one layer's uncompressed K/V exists at a time;
+quantization methods quantize each layer as it is produced.
+
+`prefill_chunk=N` feeds the prompt N tokens at a time, each chunk at its absolute positions after what the cache
+keeps (the method's `position`, as decoding does). After each chunk every layer is compressed again to its count for
+the *whole* prompt (`layer_keep_counts` of the full prompt length), with that chunk's statistics over everything the
+layer holds: which queries vote is the method's rule applied to the chunk's queries (SnapKV/PyramidKV: the chunk's
+last `window_size` queries, so the last chunk's window is the prompt's last tokens — the question when
+query_aware; H2O: every query, added to the scores the kept tokens received before; TOVA: the chunk's last query;
+StreamingLLM: sinks + the most recent tokens, no votes; Expected Attention: the chunk's queries). Methods without a
+budget (KIVI, hf-quant) quantize the first chunk as it is produced and later chunks as they land in their layers.
+Peak memory is then weights + the budget's cache + one chunk's activations and one layer's chunk K/V.
+
+task=ppl with prefill=inline streams its text through the same per-layer hook (`forward_per_layer`): each layer is
+bounded by the method's `stream_layer` right after its attention (kvbench.engine.streaming); its `task.chunk` is the
+chunk.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from omegaconf import DictConfig
+
+from kvbench import KvbenchError
+from kvbench.engine.engine import Engine, Prefill
+from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.methods import Budget, Method
+from kvbench.model.attention import StatsRecorder, after_each_layer, recording
+
+PREFILL_MODES = ("shared", "inline")
+
+
+def settings(cfg: DictConfig) -> tuple[str, int | None]:
+    """(prefill, prefill_chunk) of a run."""
+    chunk = cfg.get("prefill_chunk")
+    return str(cfg.get("prefill") or "shared"), None if chunk is None else int(chunk)
+
+
+def row_keys(cfg: DictConfig) -> dict:
+    """The columns every row of a run records about its prefill."""
+    mode, chunk = settings(cfg)
+    return {"prefill": mode, "prefill_chunk": chunk}
+
+
+def hash_keys(cfg: DictConfig) -> dict:
+    """Config-hash keys: an inline or chunked prefill is measured apart from a shared one (its peak memory, and a
+    chunked prefill's kept entries, differ)."""
+    mode, chunk = settings(cfg)
+    return {} if mode == "shared" else {"prefill": mode, **({"prefill_chunk": chunk} if chunk else {})}
+
+
+def check(cfg: DictConfig, methods: list[Method], task) -> None:
+    """What `prefill`/`prefill_chunk` combine with, before the model loads (one line naming the fix)."""
+    mode, chunk = settings(cfg)
+    if chunk is not None and mode != "inline":
+        raise KvbenchError(
+            f"prefill_chunk={chunk} compresses each chunk as it lands, which needs prefill=inline "
+            "(a shared prefill keeps the whole prompt); add prefill=inline or drop prefill_chunk"
+        )
+    if mode != "inline":
+        return
+    if chunk is not None and task.streaming:
+        raise KvbenchError(
+            f"task={task.name} streams its text in task.chunk tokens, so prefill_chunk={chunk} has nothing to split; "
+            "drop prefill_chunk and set task.chunk"
+        )
+    others = {
+        "diagnose=true": cfg.get("diagnose"),
+        "prefix_cache=true": cfg.get("prefix_cache") or getattr(task, "workload", False),
+        f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
+        f"task={task.name}": hasattr(task, "compute_rows"),
+    }
+    for what, present in others.items():
+        if present:
+            raise KvbenchError(
+                f"prefill=inline does not combine with {what} (they need the prompt's uncompressed K/V or their own "
+                "prefill); use prefill=shared for this run"
+            )
+    for method in methods:
+        if not method.compresses_per_layer():
+            raise KvbenchError(
+                f"method {method.name} compresses after the whole prefill (it needs every layer first), so it cannot "
+                "compress inside the forward pass; use prefill=shared for it"
+            )
+        if chunk is not None and not method.chunkable():
+            raise KvbenchError(
+                f"method {method.name} cannot re-compress its cache after each chunk ({method.chunk_limit}); "
+                "drop prefill_chunk for it (prefill=inline alone works)"
+            )
+
+
+@torch.inference_mode()
+def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int | None = None) -> Prefill:
+    """Forward `ids` (in chunks of `chunk` tokens; None = at once), compressing each layer inside the forward
+    pass; returns a Prefill holding the compressed cache (`compressed`) and no uncompressed K/V."""
+    from transformers import DynamicCache
+
+    lm, device = engine.lm, engine.lm.device
+    method.bind(lm)
+    request = method.stats_request()
+    cache = DynamicCache()
+    baseline = reset_peak(device)
+    synchronize(device)
+    start = time.perf_counter()
+    method.begin_compress(len(ids), lm.n_layers, budget)
+    step = chunk or len(ids)
+    for first in range(0, len(ids), step):
+        piece = ids[first : first + step]
+        # quantization (no budget): later chunks land in the layers as they are, quantized by the layer's own rule
+        bound = method.compress_layer if first == 0 or method.has_budget else _as_is
+        base = method.position(first, cache) if first else 0
+        logits, stats = forward_per_layer(engine, cache, request, piece, [base + i for i in range(len(piece))], bound)
+    compressed = method.end_compress(list(cache.layers), stats, budget)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return Prefill(
+        [],
+        stats,
+        logits[-1],
+        seconds,
+        read_peak(device),
+        baseline_bytes=baseline,
+        compressed=compressed,
+        prompt_tokens=len(ids),
+    )
+
+
+def forward_per_layer(engine: Engine, cache, request, ids: list[int], positions: list[int], bound, **logits):
+    """Forward `ids` through `cache`, calling `bound(layer_idx, keys, values, stats)` right after each layer's
+    attention: the cache layer it returns (None: keep the layer as it is) replaces that layer, whose statistics are
+    then freed. Returns (logits as `Engine.forward` gives them with `**logits`, the recorder). Used by
+    prefill=inline (per prompt chunk) and task=ppl (per text chunk, kvbench.engine.streaming)."""
+    hook = _PerLayer(engine, cache, bound)
+    with recording(request) as hook.stats, after_each_layer(hook):
+        out = engine.forward(ids, positions, cache, **logits)
+    if len(hook.layers_seen) != len(cache.layers):  # some attention bypassed kvbench's: nothing compressed
+        raise KvbenchError(
+            f"prefill=inline compresses each layer at the end of its attention, but {len(cache.layers)} cache "
+            f"layers reported {len(hook.layers_seen)} attention calls through kvbench's attention "
+            f"({type(engine.lm.model).__name__}); use prefill=shared with this model"
+        )
+    return out, hook.stats
+
+
+def _as_is(layer_idx, keys, values, stats) -> None:
+    """A `bound` that keeps the layer as it is."""
+
+
+class _PerLayer:
+    """The per-layer hook: replaces cache layer l by what `bound` makes of it right after l's attention."""
+
+    def __init__(self, engine: Engine, cache, bound):
+        self.engine, self.cache, self.bound = engine, cache, bound
+        self.stats: StatsRecorder | None = None  # the current chunk's recorder
+        self.layers_seen: set[int] = set()
+
+    def __call__(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys/values (B, H_kv, T, D): everything layer `layer_idx` holds, this chunk included."""
+        stats = self.stats
+        assert stats is not None
+        self.layers_seen.add(layer_idx)
+        if not stats.has_layer(layer_idx):  # this model's attention did not report statistics: one clear line
+            self.engine._check_recorded(stats.request, stats, self.engine.lm.n_layers)
+        layer = self.bound(layer_idx, keys, values, stats)
+        if layer is not None:
+            self.cache.layers[layer_idx] = layer
+        stats.release(layer_idx)  # used: free the layer's statistics now rather than after the last layer

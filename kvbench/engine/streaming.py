@@ -1,0 +1,140 @@
+"""Perplexity of a long text streamed through a bounded cache (StreamingLLM's long-text evaluation).
+
+The text is fed in chunks of `chunk` tokens. After each chunk the method bounds the cache (`stream_bound`):
+eviction methods keep their budget of tokens, quantization compresses once; so memory stays bounded while the
+text grows and the per-window perplexity shows what the bound costs. The full cache is the reference.
+
+`prefill=inline` bounds each layer right after its attention inside the chunk's forward instead (the method's
+`begin_stream`, `stream_layer` from the per-layer hook of kvbench.engine.inline, `end_stream` — the calls `stream_bound`
+makes after the forward): the same entries and the same per-token NLL, while at most one layer holds its
+unbounded chunk K/V and one layer's statistics exist at a time (tests/engine/test_ppl_inline.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from kvbench import KvbenchError
+from kvbench.engine.engine import Engine
+from kvbench.engine.inline import forward_per_layer
+from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.methods import Budget, Method
+from kvbench.model.attention import recording
+from kvbench.model.cache import cache_nbytes, full_cache_nbytes, layer_lengths
+
+LOGITS = {"all_logits": True, "fp32": False}  # every position's, in the model's dtype (upcast in _token_nll)
+
+
+@dataclass
+class Window:
+    index: int
+    tokens_seen: int  # text tokens fed so far (end of this window)
+    n_predicted: int  # next-token predictions scored in this window
+    nll_sum: float
+    cache_tokens: int  # tokens held per layer after bounding (layer 0)
+    kv_bytes: int
+    kv_bytes_full: int
+    seconds: float
+    peak_mem_bytes: int
+    peak_mem_delta_bytes: int  # over the memory in use when the window started (the model and the bounded cache)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / self.n_predicted) if self.n_predicted else float("nan")
+
+
+def stream_budget(budget: Budget | None, n_tokens: int) -> Budget | None:
+    """A streamed text's cache bound in tokens: a fraction is of the whole text (0.25 of 4096 → 1024 tokens)."""
+    return Budget.parse(max(2, budget.tokens(n_tokens))) if budget else None
+
+
+def stream_perplexity(
+    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int, inline: bool = False
+) -> list[Window]:
+    """Per-window next-token NLL of `ids`, feeding `chunk` tokens at a time through a bounded cache; `inline`:
+    each layer bounded inside the forward right after its attention, else every layer after the forward."""
+    return [window for window, _, _ in stream_chunks(engine, method, budget, ids, chunk, inline)]
+
+
+@torch.inference_mode()
+def stream_chunks(
+    engine: Engine, method: Method, budget: Budget | None, ids: list[int], chunk: int, inline: bool = False
+) -> Iterator[tuple[Window, torch.Tensor, DynamicCache]]:
+    """Per chunk: its Window, the per-token NLL (n,) fp32 of the predictions it scores, and the bounded cache."""
+    lm, device = engine.lm, engine.lm.device
+    method.bind(lm)
+    request = method.stats_request() | method.decode_request()
+    cache = DynamicCache()
+    targets = torch.tensor(ids, device=device)
+    for index, start in enumerate(range(0, len(ids) - 1, chunk)):
+        piece = ids[start : start + chunk]
+        baseline = reset_peak(device)
+        t0 = time.perf_counter()
+        base = method.position(start, cache) if index else 0
+        positions = [base + i for i in range(len(piece))]
+        first = index == 0
+        if inline:  # each layer bounded right after its attention: one layer's chunk K/V and statistics at a time
+            method.begin_stream(cache.get_seq_length() + len(piece), lm.n_layers, budget, first)
+            bound = _streamer(method, cache)
+            logits, stats = forward_per_layer(engine, cache, request, piece, positions, bound, **LOGITS)
+            cache = method.end_stream(cache, stats, budget)
+        else:  # every layer holds its chunk K/V, and its statistics, until the forward ends
+            with recording(request) as stats:
+                logits = engine.forward(piece, positions, cache, **LOGITS)  # (chunk, V)
+            cache = method.stream_bound(cache, stats, budget, first)
+        del stats  # not needed by the next chunk's forward
+        if len(set(layer_lengths(cache))) > 1:
+            raise KvbenchError(
+                f"{method.name} keeps a different number of tokens per layer; streaming feeds "
+                "chunks through one causal mask, so use a method with uniform layers (e.g. snapkv)"
+            )
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        peak = read_peak(device)  # the chunk's forward and bounding (its logits included), not the scoring below
+        # position i predicts token i + 1; the text's last token has no target
+        n = min(len(piece), len(ids) - 1 - start)
+        token_nll = _token_nll(logits[:n], targets[start + 1 : start + 1 + n])  # (n,)
+        del logits  # freed before the next chunk's forward rather than after it
+        end = start + len(piece)
+        window = Window(
+            index,
+            end,
+            n,
+            float(token_nll.sum()),
+            layer_lengths(cache)[0],
+            cache_nbytes(cache),
+            full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
+            seconds,
+            peak,
+            peak - baseline,
+        )
+        yield window, token_nll, cache
+
+
+def _token_nll(logits: torch.Tensor, targets: torch.Tensor, rows: int = 128) -> torch.Tensor:
+    """Next-token NLL (n,) fp32 of logits (n, V) in the model's dtype, upcast `rows` at a time: a 1K-token chunk's
+    logits in fp32 would be 192 MiB at a 49K vocabulary, more than a bounded cache (each row is the same fp32
+    log-softmax as the whole tensor's)."""
+    return torch.cat(
+        [
+            F.cross_entropy(logits[i : i + rows].float(), targets[i : i + rows], reduction="none")  # (rows,)
+            for i in range(0, logits.shape[0], rows)
+        ]
+    )
+
+
+def _streamer(method: Method, cache):
+    """The per-layer `bound` of kvbench.engine.inline.forward_per_layer for a streamed chunk: the method's
+    stream_layer."""
+
+    def bound(layer_idx, keys, values, stats):
+        return method.stream_layer(layer_idx, cache.layers[layer_idx], stats)
+
+    return bound

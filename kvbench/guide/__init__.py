@@ -1,0 +1,1 @@
+"""Diagnostics and the selection guide: where evicted evidence was, verdicts, which method to pick."""

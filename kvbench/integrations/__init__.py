@@ -1,0 +1,1 @@
+"""Other tools: the Ray launcher and kvbench as an lm-evaluation-harness model."""

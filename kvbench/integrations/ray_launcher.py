@@ -1,0 +1,139 @@
+"""`launcher=ray`: a run's examples in shards on Ray workers; the driver gathers them and writes the outputs.
+
+Shard k of S holds examples k, k+S, k+2S, … (all configurations of an example stay together, so the shared prefill
+still serves them all). Each shard is a Ray task that calls `kvbench.run.runner.run` on its slice; Ray reuses worker
+processes, and kvbench caches the loaded model per process, so a worker loads the model once. Rows reach the shared
+store (`results_dir`) after every example, under a run id of their own per attempt; work is claimed before it is
+computed (kvbench.store.claims), so concurrent runs or a retried shard never compute a row twice. A shard whose worker
+dies is retried (`launcher.max_retries`) and reuses the rows its first attempt saved. A killed driver: rerun the
+same command; only what is missing is computed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import cast
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench import KvbenchError
+from kvbench.store.results import ResultStore, check_writable
+
+KILL_ONCE_ENV = "KVBENCH_TEST_KILL_ONCE"  # tests: a marker path; the first worker to see it absent dies mid-shard
+
+
+def _run_shard(cfg_dict: dict, shard: int, n_shards: int, threads: int) -> pd.DataFrame:
+    """Inside a Ray worker: this shard's rows (computed here or reused from the store)."""
+    import uuid
+
+    import torch
+
+    from kvbench.run import runner
+
+    os.environ["KVBENCH_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    _maybe_die_after_first_save()
+    cfg = OmegaConf.create(cfg_dict)
+    cfg.launcher.shard, cfg.launcher.n_shards = shard, n_shards
+    cfg.launcher.attempt = uuid.uuid4().hex[:6]  # a retried shard writes its own file: nothing is overwritten
+    frame = runner.run(cfg)
+    return frame.assign(shard=shard)
+
+
+def _maybe_die_after_first_save() -> None:
+    """Fault injection for the tests: die (like a killed worker) right after the first example's rows are saved."""
+    marker = os.environ.get(KILL_ONCE_ENV)
+    if not marker or os.path.exists(marker):
+        return
+    Path(marker).write_text(str(os.getpid()))
+    from kvbench.store.results import ResultStore as Store
+
+    original = Store.save_run
+
+    def save_then_die(self, run_id, rows):
+        original(self, run_id, rows)
+        os._exit(1)
+
+    Store.save_run = save_then_die  # type: ignore[method-assign]  # deliberate: fault injection
+
+
+def _example_order(frame: pd.DataFrame, shard: int, n_shards: int) -> pd.Series:
+    """Global example index of each row: the shard's i-th example is example i·S + k."""
+    first_seen = {e: i for i, e in enumerate(dict.fromkeys(frame["example_id"]))}
+    return frame["example_id"].map(first_seen) * n_shards + shard
+
+
+def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
+    """The driver: shard, submit at most `workers` shards at once, report progress, gather, write outputs."""
+    try:
+        import ray
+    except ImportError:
+        raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
+    from kvbench.run.runner import check_run, finish_run
+    from kvbench.tasks import TASKS
+
+    check_run(cfg)
+    if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
+        raise KvbenchError(
+            "launcher=ray splits a run's examples across workers, which would split a workload's "
+            "requests from their shared prefix; run prefix_cache / workload tasks with "
+            "launcher=local (or one Hydra multirun job per workload)"
+        )
+    launcher = cfg.launcher
+    workers = int(launcher.workers)
+    num_cpus, num_gpus = float(launcher.num_cpus), float(launcher.num_gpus)
+    if workers < 1 or num_cpus <= 0 or num_gpus < 0:
+        raise KvbenchError("launcher=ray needs launcher.workers >= 1, launcher.num_cpus > 0, launcher.num_gpus >= 0")
+    n_shards = int(launcher.shards) if launcher.get("shards") else 4 * workers
+    if cfg.get("limit"):
+        n_shards = min(n_shards, int(cfg.limit))
+    store = ResultStore(Path(cfg.results_dir).resolve())  # workers may run elsewhere: absolute paths only
+    check_writable(store.rows_dir)
+    out_dir = Path(output_dir) if output_dir else store.root / "last"
+    check_writable(out_dir)
+    cfg_dict = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # cfg is a DictConfig
+    cfg_dict["results_dir"] = str(store.root)
+
+    address = launcher.get("address")
+    if address:
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=max(1, math.ceil(workers * num_cpus)),
+            num_gpus=math.ceil(num_gpus * workers) or None,
+            include_dashboard=False,
+            ignore_reinit_error=True,
+            log_to_driver=False,
+        )
+    task = ray.remote(_run_shard).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=int(launcher.max_retries))
+    threads = max(1, int(num_cpus))
+    started = time.perf_counter()
+    queue, frames = list(range(n_shards)), []
+    running: dict = {}  # ray object ref → shard
+    print(f"[ray] {n_shards} shards on {workers} workers ({'cluster ' + address if address else 'local cluster'})")
+    while queue or running:
+        while queue and len(running) < workers:
+            shard = queue.pop(0)
+            running[task.remote(cfg_dict, shard, n_shards, threads)] = shard
+        done, _ = ray.wait(list(running), num_returns=1)
+        shard = running.pop(done[0])
+        frame = ray.get(done[0])  # a worker's KvbenchError surfaces here
+        frames.append(frame.assign(_order=_example_order(frame, shard, n_shards)) if len(frame) else frame)
+        n_done, elapsed = len(frames), time.perf_counter() - started
+        eta = elapsed / n_done * (n_shards - n_done)
+        print(
+            f"[ray] shards {n_done}/{n_shards} done, {sum(len(f) for f in frames)} rows, "
+            f"{elapsed:.0f} s elapsed, ETA {eta:.0f} s",
+            flush=True,
+        )
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
+    frame = pd.concat(frames, ignore_index=True).sort_values("_order", kind="stable")
+    frame = frame.drop(columns=["_order", "shard"]).reset_index(drop=True)
+    finish_run(cfg, frame, out_dir, store, int((~frame["reused"].astype(bool)).sum()), time.perf_counter() - started)
+    return frame

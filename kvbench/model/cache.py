@@ -1,0 +1,109 @@
+"""KV-cache helpers over the transformers v5 `Cache` API.
+
+Layout: one cache layer per decoder layer; each holds keys and values of shape (B, H_kv, T_layer, D), post-RoPE,
+at KV-head granularity (never repeat_kv-expanded). T_layer may differ between layers (PyramidKV). Eviction
+methods gather kept positions into new, physically smaller tensors, sorted by original position, so the most
+recent tokens are always last. Bytes are measured from the storages the cache actually holds.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
+
+# called as observer(layer, index) before each decode-time eviction: diagnostics (kvbench.guide.diagnose) follow which
+# original positions a layer still holds without the cache storing anything extra
+SELECT_OBSERVERS: list = []
+
+
+def kv_layer(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    """A cache layer holding keys/values (B, H_kv, T, D) as they are (no copy)."""
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values
+    return layer
+
+
+def cache_from_kv(layers: list[KV]) -> DynamicCache:
+    """A DynamicCache holding these tensors as they are (no copy); updates concatenate into new tensors."""
+    cache = DynamicCache()
+    cache.layers.extend(kv_layer(keys, values) for keys, values in layers)
+    return cache
+
+
+def cache_kv(cache: DynamicCache) -> list[KV]:
+    """The (keys, values) of every layer."""
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[misc,union-attr]  # attention layers
+
+
+def layer_lengths(cache: DynamicCache) -> list[int]:
+    return [layer.get_seq_length() for layer in cache.layers]  # type: ignore[union-attr]  # attention layers
+
+
+def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
+    """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
+    from kvbench.kernels.compact import gather_tokens
+
+    return gather_tokens(keys, index), gather_tokens(values, index)  # (B, H_kv, N, D) each: the gather's bytes
+
+
+def layer_select(layer, index: torch.Tensor) -> None:
+    """Keep only positions `index` (B, H_kv, N) of one cache layer, physically (decode-time eviction).
+
+    Layers with storage of their own (quantized caches) implement `select(index)`; plain layers gather K/V.
+    """
+    for observer in SELECT_OBSERVERS:
+        observer(layer, index)
+    if hasattr(layer, "select"):
+        layer.select(index)
+    elif type(layer) is DynamicLayer:
+        layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)  # type: ignore[arg-type]  # filled
+    else:
+        from kvbench import KvbenchError
+
+        raise KvbenchError(f"{type(layer).__name__} cache layers cannot drop tokens while decoding")
+
+
+def _tensors(obj, seen: set[int]):
+    """Every tensor reachable from a cache layer's attributes (payloads, scales, zero points, residuals)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if is_traceable_wrapper_subclass(obj):  # e.g. quanto's QTensor: count its inner data/scale/shift
+            for name in obj.__tensor_flatten__()[0]:
+                yield from _tensors(getattr(obj, name), seen)
+        else:
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item, seen)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, seen)
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes physically held by the cache: each distinct storage counted once, in full.
+
+    Counting storages (not views) is deliberate: a slice that keeps the whole uncompressed buffer alive holds
+    all of it, so masking or slicing without copying shows no saving here.
+    """
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    for layer in cache.layers:
+        for tensor in _tensors(vars(layer), seen):
+            if tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def full_cache_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
+    """Uncompressed cache size: 2 (K and V) × layers × kv_heads × head_dim × tokens × bytes per element."""
+    return 2 * n_layers * n_kv_heads * head_dim * tokens * torch.tensor([], dtype=dtype).element_size()

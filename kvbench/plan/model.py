@@ -1,0 +1,208 @@
+"""The planner's arithmetic: a model's shape without its weights, memory fit, and the decode/prefill roofline.
+
+Decode step of a batch of B requests at context T (every weight and every cached byte read once per step):
+    bytes  = weights + B · kv_bytes(T)                    (kv bytes as compressed: kvbench.model.kv_bytes)
+    FLOPs  = B · (2 · matmul params + 4 · H_q · head_dim · Σ_layers T_layer)   (QKᵀ and AV over the kept tokens)
+    bound  = max(bytes / bandwidth, FLOPs / peak)        → bandwidth- or compute-bound
+Prefill of B prompts of T tokens: B · (2 · matmul params · T + 2 · H_q · head_dim · L · T²) FLOPs / peak (causal).
+Requests sharing a prefix (prefix caching): bytes held once and prefill saved by kvbench.plan.reuse.
+Quantized caches are counted at their compressed bytes (a fused dequantizing kernel); dequantization FLOPs and
+activation traffic are not modelled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvbench import KvbenchError
+from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
+from kvbench.plan.hardware import Hardware
+from kvbench.plan.reuse import Reuse, batch_prefill_flops, held_bytes
+
+NO_REUSE = Reuse()
+MAX_SEARCH_CONTEXT = 1 << 24  # largest context the fit search tries (16M tokens)
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    n_layers: int
+    n_q_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    n_params: int  # distinct parameters (tied embeddings once)
+    tied_embeddings: bool
+    max_context: int
+
+    def kv_shape(self, dtype: torch.dtype) -> KVShape:
+        return KVShape(self.n_layers, self.n_kv_heads, self.head_dim, dtype)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token: all but the input embedding lookup (the LM head reuses it when tied)."""
+        embedding = self.vocab_size * self.hidden_size
+        return self.n_params - embedding + (embedding if self.tied_embeddings else 0)
+
+
+def model_config(cfg):
+    """The transformers config a conf/model/*.yaml describes, without loading weights where possible."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from kvbench import cache_root
+    from kvbench.model.load import _plain, load_model
+
+    if cfg.loader == "tiny_random":
+        return LlamaConfig(**_plain(cfg.architecture))
+    if cfg.loader == "random_init":
+        arch = _plain(cfg.architecture)
+        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    if cfg.loader == "bundled_gguf":
+        converted = cache_root() / cfg.name
+        if (converted / "config.json").exists():
+            return AutoConfig.from_pretrained(converted)
+        return load_model(cfg, "cpu").config  # converts the GGUF once
+    if cfg.loader == "pretrained":
+        path = cfg.get("name_or_path")
+        if not path:
+            raise KvbenchError("model=hub needs model.name_or_path=<hub id, local directory or config.json>")
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise KvbenchError(
+                f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
+                "network access: give a local directory or config.json instead"
+            ) from None
+    raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")
+
+
+def arch_of(cfg) -> Arch:
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(cfg)
+    with torch.device("meta"):  # shapes only: an 8B model costs no memory
+        model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n_q = text.num_attention_heads
+    name = cfg.name if cfg.name != "hub" else str(cfg.name_or_path)
+    return Arch(
+        name,
+        text.num_hidden_layers,
+        n_q,
+        getattr(text, "num_key_value_heads", None) or n_q,
+        getattr(text, "head_dim", None) or text.hidden_size // n_q,
+        text.hidden_size,
+        text.vocab_size,
+        n_params,
+        bool(getattr(text, "tie_word_embeddings", False)),
+        int(getattr(text, "max_position_embeddings", 0) or 0),
+    )
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def plan_point(
+    arch: Arch,
+    hw: Hardware,
+    method,
+    budget,
+    dtype: torch.dtype,
+    context: int,
+    batch: int,
+    headroom: float,
+    limits: bool = True,
+    reuse: Reuse = NO_REUSE,
+) -> dict:
+    """Memory and roofline for `batch` requests of `context` tokens each under one configuration (sharing
+    `reuse.prefix` tokens: kvbench.plan.reuse); with `limits`, also the largest batch at this context and the
+    largest context at this batch."""
+    shape = arch.kv_shape(dtype)
+    held = held_bytes(method, budget, shape, context, reuse)
+    request = predict_kv_bytes(method, budget, shape, context)
+    kv_batch = held.once + batch * held.private
+    weights = arch.n_params * element_bytes(dtype)
+    usable = int(hw.memory_bytes * (1 - headroom))
+    total = weights + kv_batch
+    fits = total <= usable
+    kept_q_heads = arch.n_q_heads  # head merging shares K/V across more query heads; queries are unchanged
+    decode_bytes = weights + batch * held.view  # each request reads its whole view (no shared-prefix kernel)
+    decode_flops = batch * (2 * arch.matmul_params + 4 * kept_q_heads * arch.head_dim * sum(request.layer_tokens))
+    memory_s, compute_s = decode_bytes / hw.bandwidth_bytes_s, decode_flops / hw.peak_flops
+    decode_s = max(memory_s, compute_s)
+    prefill, prefill_saved = batch_prefill_flops(arch, method, context, batch, reuse)
+    full_bytes = shape.bytes_per_token * context
+    return {
+        "context": context,
+        "batch": batch,
+        "kv_bytes_per_token_full": shape.bytes_per_token,
+        "kv_bytes_per_request": held.view,
+        "kv_bytes": kv_batch,
+        "kv_bytes_full": full_bytes * batch,
+        "kv_ratio": kv_batch / (full_bytes * batch),
+        "bytes_exact": held.exact,
+        "weights_bytes": weights,
+        "total_bytes": total,
+        "device_bytes": hw.memory_bytes,
+        "usable_bytes": usable,
+        "fits": fits,
+        **(
+            {
+                "max_batch": max_batch(weights + held.once, held.private, usable),
+                "max_context": max_context(shape, method, budget, weights, batch, usable, reuse),
+            }
+            if limits
+            else {}
+        ),
+        "decode_bytes": decode_bytes,
+        "decode_flops": decode_flops,
+        "arithmetic_intensity": decode_flops / decode_bytes,
+        "decode_bound": ("bandwidth" if memory_s >= compute_s else "compute") if fits else "oom",
+        "decode_s_bound": decode_s,
+        "decode_tokens_per_s_bound": batch / decode_s,
+        "prefill_flops": prefill,
+        "prefill_s_bound": prefill / hw.peak_flops,
+        "reuse": reuse.label,
+        "prefix_tokens": held.shared_tokens,
+        "kv_bytes_shared": held.once,
+        "kv_bytes_private": held.private,
+        "prefill_flops_saved": prefill_saved,
+        "prefill_s_saved": prefill_saved / hw.peak_flops,
+    }
+
+
+def max_batch(fixed: int, kv_per_request: int, usable: int) -> int:
+    """The most requests that fit beside `fixed` bytes (weights, and what the batch shares once)."""
+    return max(0, (usable - fixed) // kv_per_request) if kv_per_request else 0
+
+
+def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable: int, reuse: Reuse = NO_REUSE) -> int:
+    """The longest context at which `batch` requests fit (bytes grow with context: binary search; a shared prefix
+    stays `reuse.prefix` tokens, or the whole context below that)."""
+
+    def fits(tokens: int) -> bool:
+        held = held_bytes(method, budget, shape, tokens, reuse)
+        return weights + held.once + batch * held.private <= usable
+
+    if not fits(1):
+        return 0
+    low, high = 1, MAX_SEARCH_CONTEXT
+    if fits(high):
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def write_json(path: Path, payload: dict) -> None:
+    from kvbench.store.results import write_atomic
+
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(payload, indent=1, default=str)))

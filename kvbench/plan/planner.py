@@ -1,0 +1,207 @@
+"""`python -m kvbench.plan [overrides]`: will it fit, and how fast can it decode? (no model run, seconds)
+
+For a model (any conf/model/*, a hub id or a local config.json), a hardware preset (conf/hardware/*), contexts ×
+batches and the configurations a run would use (the full cache + `method`/`budget`, or `grid.method × grid.budget`):
+KV bytes per token by the seed's formula and after compression (kvbench.model.kv_bytes: the accounting the engine
+measures), weights, total vs usable device memory → fits, the largest batch / context that fit, and the decode
+roofline (kvbench.plan.model). Writes plan.csv, plan.json, plan_limits.csv and plan_regions.png to its run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+import pandas as pd
+from omegaconf import DictConfig, ListConfig
+
+from kvbench import KvbenchError, conf_dir
+
+PLAN_COLUMNS = [
+    "model",
+    "hardware",
+    "method",
+    "variant",
+    "budget",
+    "dtype",
+    "context",
+    "batch",
+    "kv_bytes",
+    "kv_bytes_full",
+    "kv_ratio",
+    "weights_bytes",
+    "total_bytes",
+    "device_bytes",
+    "fits",
+    "decode_bound",
+    "decode_s_bound",
+]
+LIMIT_BATCHES = (1, 8, 32, 128)
+
+
+def as_ints(value, key: str) -> list[int]:
+    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
+    try:
+        ints = [int(v) for v in values]
+    except (TypeError, ValueError):
+        raise KvbenchError(f"{key}={value}: give an integer or a list, e.g. '{key}=[4096,32768]'") from None
+    if not ints or min(ints) < 1:
+        raise KvbenchError(f"{key}={value}: every value must be a positive integer")
+    return ints
+
+
+def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(plan rows, limits rows, header) for the configured model, hardware, configurations, contexts, batches."""
+    from kvbench.model.load import resolve_dtype
+    from kvbench.plan.hardware import build_hardware
+    from kvbench.plan.model import arch_of, element_bytes, plan_point
+    from kvbench.plan.reuse import Reuse, workload_shape
+    from kvbench.run.configuration import configurations
+    from kvbench.store.aggregate import variant_label
+
+    contexts, batches = as_ints(cfg.context, "context"), as_ints(cfg.batch, "batch")
+    headroom = float(cfg.headroom)
+    if not 0 <= headroom < 1:
+        raise KvbenchError(f"headroom={headroom}: a fraction in [0, 1) of device memory kept free")
+    measured = workload_shape(cfg.reuse_from) if cfg.get("reuse_from") else None
+    if measured is not None:  # the measured workload's shape replaces context, batch, prefix and reuse
+        contexts, batches = [measured.context], [measured.batch]
+        reuse = Reuse(measured.prefix, measured.mode, int(cfg.get("page_size") or 16))
+    else:
+        reuse = Reuse.from_cfg(cfg, contexts)
+    dtype = resolve_dtype(cfg.dtype)
+    hw = build_hardware(cfg.hardware)
+    arch = arch_of(cfg.model)
+    rows, limits = [], []
+    for c in configurations(cfg):
+        label = variant_label(c.method.name, c.method.params())
+        common = {
+            "model": arch.name,
+            "hardware": hw.name,
+            "method": c.method.name,
+            "variant": label,
+            "budget": c.budget_value,
+            "dtype": str(dtype).removeprefix("torch."),
+        }
+        for context in contexts:
+            for batch in batches:
+                point = plan_point(arch, hw, c.method, c.budget, dtype, context, batch, headroom, reuse=reuse)
+                rows.append({**common, **point})
+        for batch in sorted(set(batches) | set(LIMIT_BATCHES)):
+            point = plan_point(arch, hw, c.method, c.budget, dtype, contexts[0], batch, headroom, reuse=reuse)
+            limits.append(
+                {"variant": label, "budget": c.budget_value, "batch": batch, "max_context": point["max_context"]}
+            )
+        for context in contexts:
+            point = plan_point(arch, hw, c.method, c.budget, dtype, context, 1, headroom, reuse=reuse)
+            limits.append(
+                {"variant": label, "budget": c.budget_value, "context": context, "max_batch": point["max_batch"]}
+            )
+    eb = element_bytes(dtype)
+    header = {
+        "model": arch.__dict__,
+        "hardware": hw.__dict__,
+        "headroom": headroom,
+        "dtype": str(dtype),
+        "kv_bytes_per_token": (
+            f"2 × {arch.n_layers} layers × {arch.n_kv_heads} kv_heads × {arch.head_dim} head_dim "
+            f"× {eb} B = {2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * eb:,} B"
+        ),
+        "weights_bytes": arch.n_params * eb,
+        "reuse": {"prefix": reuse.prefix, "mode": reuse.label, "page_size": reuse.page_size},
+        "reuse_from": measured.describe() if measured else None,
+    }
+    frame = pd.DataFrame(rows)
+    frame = frame[PLAN_COLUMNS + [c for c in frame.columns if c not in PLAN_COLUMNS]]
+    return frame, pd.DataFrame(limits), header
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:,.2f}"
+
+
+def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir: Path) -> None:
+    from kvbench.plan.hardware import GIB, Hardware, describe
+
+    hw = Hardware(**header["hardware"])
+    print(
+        f"model:    {header['model']['name']}: {header['model']['n_params'] / 1e9:.2f} B params, weights "
+        f"{_gb(header['weights_bytes'])} GB ({header['dtype'].removeprefix('torch.')})"
+    )
+    print(f"KV/token: {header['kv_bytes_per_token']} (uncompressed)")
+    print(f"hardware: {describe(hw)}")
+    if header.get("reuse_from"):
+        print(f"measured: {header['reuse_from']}")
+    if header["reuse"]["prefix"]:
+        r = header["reuse"]
+        print(
+            f"reuse:    every request's first {r['prefix']} tokens shared by the batch, prefix caching {r['mode']} "
+            f"(page_size {r['page_size']}): held once, prefilled once (kvbench/plan/reuse.py)"
+        )
+    print(
+        f"fits:     weights + KV ≤ device × (1 − headroom {header['headroom']}) = "
+        f"{hw.memory_bytes * (1 - header['headroom']) / GIB:.1f} GiB (headroom: activations, runtime, fragmentation)"
+    )
+    table = pd.DataFrame(
+        {
+            "variant": frame.variant,
+            "budget": frame.budget,
+            "context": frame.context,
+            "batch": frame.batch,
+            "kv_GB": frame.kv_bytes.map(_gb),
+            "ratio": frame.kv_ratio.map(lambda v: f"{v:.3f}"),
+            "total_GB": frame.total_bytes.map(_gb),
+            "fits": frame.fits,
+            "max_batch": frame.max_batch,
+            "AI": frame.arithmetic_intensity.map(lambda v: f"{v:.1f}"),
+            "bound": frame.decode_bound,
+            "decode_ms": (1000 * frame.decode_s_bound).map(lambda v: f"{v:.3f}"),
+            "tok/s": frame.decode_tokens_per_s_bound.map(lambda v: f"{v:,.0f}"),
+            "prefill_s": frame.prefill_s_bound.map(lambda v: f"{v:.3f}"),
+        }
+    )
+    reuse = header["reuse"]
+    if reuse["prefix"]:  # requests sharing a prefix: what is held once, and the prefill it saves
+        table.insert(5, "shared_GB", frame.kv_bytes_shared.map(_gb))
+        table["saved_s"] = frame.prefill_s_saved.map(lambda v: f"{v:.3f}")
+    print()
+    print(table.to_string(index=False))
+    wide = limits.dropna(subset=["batch"]).pivot_table(
+        index=["variant", "budget"], columns="batch", values="max_context", sort=False
+    )
+    wide.columns = [f"max_ctx@B={int(b)}" for b in wide.columns]
+    print("\nlargest context that fits, per batch size:")
+    print(wide.astype(int).to_string())
+    print(
+        f"\nplan:    {out_dir / 'plan.csv'}\nlimits:  {out_dir / 'plan_limits.csv'}\njson:    {out_dir / 'plan.json'}"
+    )
+
+
+def run_plan(cfg: DictConfig, out_dir: Path) -> pd.DataFrame:
+    from kvbench.plan.model import write_json
+    from kvbench.store.results import check_writable, write_csv
+
+    frame, limits, header = plan(cfg)
+    check_writable(out_dir)
+    write_csv(frame, out_dir / "plan.csv")
+    write_csv(limits, out_dir / "plan_limits.csv")
+    write_json(out_dir / "plan.json", {**header, "rows": frame.to_dict("records"), "limits": limits.to_dict("records")})
+    print_plan(frame, limits, header, out_dir)
+    if cfg.get("plot", True):
+        from kvbench.plan.plots import region_plot
+
+        path = region_plot(cfg, out_dir / "plan_regions.png")
+        print(f"plot:    {path}")
+    return frame
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="plan", version_base="1.3")
+def _main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        run_plan(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except KvbenchError as error:
+        print(f"kvbench.plan: error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,1 @@
+"""The report (torch-free): tables, plots, sections, the HTML/Markdown page and the CI gate."""

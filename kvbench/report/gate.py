@@ -1,0 +1,188 @@
+"""`python -m kvbench.check RESULTS_DIR [RESULTS_DIR ...] --thresholds FILE`: the CI gate.
+
+Exit 0 when every threshold holds (one `ok` line per entry), 1 when any is violated (one `FAIL` line per
+violation, `ok` lines for the entries that hold), 2 on bad input (one `kvbench.check: error:` line on stderr).
+The thresholds format is documented in conf/thresholds/example.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from kvbench import KvbenchError
+from kvbench.store.aggregate import add_results_argument, common_examples, drop_vs_full, load_rows, with_full_scores
+
+TOP_KEYS = ["description", "thresholds"]
+ENTRY_KEYS = ["select", "min_score", "max_drop_vs_full", "min_examples"]
+BOUNDS = ["min_score", "max_drop_vs_full"]
+ATOL = 1e-9  # numeric selector values (budget, depth, ...) and bounds are compared with this slack
+
+
+@dataclass
+class Threshold:
+    select: dict
+    min_score: float | None = None
+    max_drop_vs_full: float | None = None
+    min_examples: int | None = None
+
+    @property
+    def label(self) -> str:
+        """The selector as YAML flow text, so a FAIL line can be found in the thresholds file."""
+
+        def text(v):
+            if isinstance(v, list):
+                return "[" + ", ".join(map(text, v)) + "]"
+            return str(v).lower() if isinstance(v, bool) else str(v)
+
+        return "{" + ", ".join(f"{k}: {text(v)}" for k, v in self.select.items()) + "}"
+
+
+def _unknown(keys, valid: list[str], where: str) -> None:
+    unknown = sorted(str(k) for k in keys if k not in valid)
+    if unknown:
+        raise KvbenchError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+
+
+def _number(value, name: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise KvbenchError(f"{where}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def load_thresholds(path: Path) -> list[Threshold]:
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise KvbenchError(f"{path}: cannot read thresholds ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise KvbenchError(f"{path}: not UTF-8 text (byte {error.start}); save the thresholds file as UTF-8") from None
+    except yaml.YAMLError as error:
+        raise KvbenchError(f"{path}: invalid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(document, dict):
+        raise KvbenchError(f"{path}: expected a mapping with a `thresholds` list")
+    _unknown(document, TOP_KEYS, str(path))
+    entries = document.get("thresholds")
+    if not isinstance(entries, list) or not entries:
+        raise KvbenchError(f"{path}: `thresholds` must be a non-empty list")
+    out = []
+    for i, entry in enumerate(entries, 1):
+        where = f"{path}: thresholds entry {i}"
+        if not isinstance(entry, dict):
+            raise KvbenchError(f"{where}: expected a mapping with keys {', '.join(ENTRY_KEYS)}")
+        _unknown(entry, ENTRY_KEYS, where)
+        select = entry.get("select")
+        if not isinstance(select, dict):
+            raise KvbenchError(f"{where}: `select` must be a mapping column → value or list of values")
+        for column, wanted in select.items():
+            values = wanted if isinstance(wanted, list) else [wanted]
+            if not values or not all(isinstance(v, (str, int, float, bool)) for v in values):
+                raise KvbenchError(f"{where}: select.{column} must be a value or a non-empty list of values")
+        if not any(b in entry for b in BOUNDS):
+            raise KvbenchError(f"{where}: needs at least one of {', '.join(BOUNDS)}")
+        threshold = Threshold(select=dict(select))
+        for bound in BOUNDS:
+            if bound in entry:
+                setattr(threshold, bound, _number(entry[bound], bound, where))
+        if "min_examples" in entry:
+            n = entry["min_examples"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise KvbenchError(f"{where}: min_examples must be a positive integer, got {n!r}")
+            threshold.min_examples = n
+        out.append(threshold)
+    return out
+
+
+def _matches(column: pd.Series, wanted) -> pd.Series:
+    """Rows whose value equals `wanted` (or one of a list): numbers within ATOL, booleans as booleans, the
+    rest as text."""
+    mask = pd.Series(False, index=column.index)
+    for value in wanted if isinstance(wanted, list) else [wanted]:
+        if pd.api.types.is_bool_dtype(column):
+            mask |= column == value if isinstance(value, bool) else False
+        elif pd.api.types.is_numeric_dtype(column):
+            try:
+                number = float(value) if not isinstance(value, bool) else math.nan
+            except ValueError:
+                continue
+            mask |= (column.astype(float) - number).abs() <= ATOL
+        else:
+            mask |= column.astype(str) == str(value)
+    return mask
+
+
+def select_rows(rows: pd.DataFrame, threshold: Threshold) -> pd.DataFrame:
+    _unknown(threshold.select, sorted(rows.columns), f"selector {threshold.label}: columns")
+    mask = pd.Series(True, index=rows.index)
+    for column, wanted in threshold.select.items():
+        mask &= _matches(rows[column], wanted)
+    if not mask.any():
+        present = "; ".join(
+            f"{c} ∈ {{{', '.join(map(str, sorted(rows[c].dropna().unique(), key=str)[:12]))}}}"
+            for c in threshold.select
+        )
+        raise KvbenchError(f"selector {threshold.label} matches no rows (present: {present})")
+    return rows[mask]
+
+
+def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
+    """(the ok line's measurements, one FAIL line per violated bound). `rows` carry `full_score`.
+
+    A selector spanning several configurations is measured on the examples every one of them ran (the report's
+    rule: never pool unlike example sets); the line says how many rows that left out."""
+    matched = select_rows(rows, threshold)
+    selected = common_examples(matched)
+    left_out = len(matched) - len(selected)
+    n = int(selected["score"].notna().sum())
+    note = f"; {left_out} rows left out: not run by every selected configuration" if left_out else ""
+    measured, failures = [], []
+
+    def record(what: str, op: str, bound, value, count: int) -> None:
+        holds = value >= bound - ATOL if op == ">=" else value <= bound + ATOL
+        if holds:
+            measured.append(f"{what} {value:.4g} {op} {bound:g}")
+        else:
+            failures.append(
+                f"FAIL {threshold.label}: {what} expected {op} {bound:g}, measured {value:.4g} (n={count}{note})"
+            )
+
+    if threshold.min_examples is not None:
+        record("examples", ">=", threshold.min_examples, n, n)
+    if threshold.min_score is not None:
+        record("score", ">=", threshold.min_score, float(selected["score"].mean()), n)
+    if threshold.max_drop_vs_full is not None:
+        drop, matched = drop_vs_full(selected)
+        if matched == 0:
+            raise KvbenchError(
+                f"selector {threshold.label}: no full-cache rows on the same examples, so "
+                "max_drop_vs_full cannot be measured (run the full method too)"
+            )
+        record("drop_vs_full", "<=", threshold.max_drop_vs_full, drop, matched)
+    return f"ok {threshold.label}: {', '.join(measured)} (n={n}{note})", failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvbench.check", description=__doc__.split("\n\n")[1])
+    add_results_argument(parser)
+    parser.add_argument("--thresholds", type=Path, required=True, metavar="FILE", help="thresholds YAML")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on bad usage: return it, as main() promises an int
+        return int(exit_.code or 0)
+    try:
+        thresholds = load_thresholds(args.thresholds)
+        rows = with_full_scores(load_rows(args.results))
+        # evaluate every entry before printing any line: bad input anywhere gives exit 2 and no verdicts
+        results = [evaluate(rows, t) for t in thresholds]
+    except KvbenchError as error:
+        print(f"kvbench.check: error: {error}", file=sys.stderr)
+        return 2
+    for ok_line, failures in results:
+        print("\n".join(failures) if failures else ok_line)
+    return 1 if any(failures for _, failures in results) else 0

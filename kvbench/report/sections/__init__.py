@@ -1,0 +1,9 @@
+"""The report's sections, registered explicitly: a new section is a module here and its name in this import.
+
+Each module registers its functions with `kvbench.report.section.report_section`; the order here is the order
+on the page.
+"""
+
+from kvbench.report.sections import batched, diagnose, guide, predicted, prefill, prefix
+
+__all__ = ["batched", "diagnose", "guide", "predicted", "prefill", "prefix"]

@@ -1,0 +1,1 @@
+"""One run: configurations, work per example, the rows it writes, workloads."""

@@ -1,0 +1,81 @@
+"""The configuration hash that keys a configuration's rows in the store: model, dtype, device, task settings and
+data digests, method, parameters, budget — and what changes rows' last bits (batched decoding, the C kernels)."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from kvbench.config.rules import plain
+from kvbench.engine import inline
+from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.run import workload
+from kvbench.run.configuration import Configuration
+from kvbench.store.results import config_hash
+from kvbench.tasks import TASKS
+
+
+def grid_batching(cfg: DictConfig, lm) -> bool:
+    """Whether a grid's configurations of one example decode together (kvbench.engine.grid_decode): grid_batch=auto does
+    where the rows are identical to one by one (tested); true always; false never."""
+    setting = cfg.get("grid_batch", "auto")
+    return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
+
+
+def grid_rows_as_alone(lm) -> bool:
+    """Whether a grid row decodes as it does alone: with the row-independent linear kernel (CPU, float32 or
+    bfloat16: kvbench.kernels.decode_linear) bit for bit; in float32 without it, token for token in every test
+    (MKL's several-row products differ from its one-row product in the last bit); else not (bf16 products round
+    a row by the batch size)."""
+    return decode_kernels(lm) or str(lm.dtype).removeprefix("torch.") == "float32"
+
+
+def forced_grid_keys(cfg: DictConfig) -> dict:
+    """Hash keys of rows grid-batched where rows depend on their batch: the setting, and a non-default padding."""
+    padding = float(cfg.get("grid_padding", MAX_PADDING))
+    return {"grid_batch": True, **({"grid_padding": padding} if padding != MAX_PADDING else {})}
+
+
+def decode_kernels(lm) -> bool:
+    """Whether decode steps run kvbench's C kernels (kernels/decode_linear.py, decode_attention.py)."""
+    from kvbench.kernels import decode_linear
+
+    return decode_linear.installed(lm.model)
+
+
+def bf16_kernels(lm) -> bool:
+    """Whether a bf16 model's prompts run kvbench's AVX512-BF16 C kernels (CPU): the causal attention
+    (kernels/prefill_attention.py, head sizes 64 and 128) instead of sdpa, and H2O's all-query column sums
+    (kernels/attention_stats.py) by dot products instead of widened sgemm — both sum in their own order."""
+    from kvbench.kernels import prefill_attention
+
+    # supported(64): the kernels were built with AVX512-BF16 (asked last: CUDA and fp32 runs build nothing)
+    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and prefill_attention.supported(64)
+
+
+def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
+    """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
+    selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
+    task = {k: v for k, v in plain(cfg.task).items() if k not in selection}
+    return config_hash(
+        {
+            "model": plain(cfg.model),
+            "dtype": str(lm.dtype),
+            "device": lm.device.type,
+            "task": task,
+            "seed": cfg.seed,
+            "method": c.method.name,
+            "params": c.method.params(),
+            "budget": c.budget_value,
+            "query_aware": c.query_aware,
+            **({"data": data} if data else {}),
+            **workload.hash_keys(cfg),
+            **inline.hash_keys(cfg),
+            **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
+            # outside float32, decoding configurations together may change a last bit (and a token), and which rows
+            # share a batch (grid_padding) with it: apart
+            **(forced_grid_keys(cfg) if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
+            # the C decode kernels round differently from torch's products and sdpa: their rows are their own
+            **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
+            **({"bf16_kernels": "c"} if bf16_kernels(lm) else {}),
+        }
+    )

@@ -1,0 +1,74 @@
+"""A run's configurations: the full-cache baseline + the requested (method, budget) pairs, and the hash that
+keys their rows in the store (model, dtype, device, task settings and data digests, method, parameters, budget)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from kvbench import KvbenchError
+from kvbench.config.rules import plain
+from kvbench.methods import Budget, Method, build_method, method_defaults
+
+DEFAULT_BUDGET = 0.5  # for methods that take a budget, when `budget` is not given
+
+
+@dataclass
+class Configuration:
+    method: Method
+    budget: Budget | None  # None: the method has no budget (full, quantization)
+    query_aware: bool
+    hash: str = ""
+
+    @property
+    def budget_value(self) -> float:
+        return 1.0 if self.budget is None else self.budget.value
+
+
+def method_config(name: str) -> dict:
+    """conf/method/<name>.yaml as a dict (for grid entries given by name)."""
+    return {"name": name, **method_defaults(name)}
+
+
+def grid_entry(entry, cfg: DictConfig) -> dict:
+    """A grid.method entry: a method name (its yaml's knobs; the selected `method` keeps its overrides) or a
+    mapping {name: ..., knob: value} for parameter variants, e.g. {name: kivi, bits: 2}."""
+    if isinstance(entry, dict):
+        if "name" not in entry:
+            raise KvbenchError(f"grid.method entry {entry} needs a `name`")
+        return {**method_config(entry["name"]), **entry}
+    if entry == cfg.method.name:
+        return plain(cfg.method)
+    return method_config(entry)
+
+
+def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configuration:
+    params = {k: v for k, v in method_cfg.items() if k != "name"}
+    method = build_method(method_cfg["name"], params)
+    return Configuration(method, Budget.parse(budget) if method.has_budget else None, query_aware)
+
+
+def configurations(cfg: DictConfig) -> list[Configuration]:
+    """Baseline first, then the requested configurations (duplicates dropped)."""
+    query_aware = bool(cfg.query_aware)
+    grid = cfg.get("grid") or {}
+    if grid.get("method") or grid.get("budget"):
+        entries = plain(grid.get("method")) if grid.get("method") else [cfg.method.name]
+        budgets = list(grid.get("budget") or [DEFAULT_BUDGET if cfg.budget is None else cfg.budget])
+        requested = [make_configuration(grid_entry(e, cfg), b, query_aware) for e in entries for b in budgets]
+    else:
+        method_cfg = plain(cfg.method)
+        requested = [make_configuration(method_cfg, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, query_aware)]
+        method = requested[0].method
+        if cfg.budget is not None and not method.has_budget and method.family != "none":
+            knobs = ", ".join(f"method.{k}" for k in method.params()) or "none"
+            raise KvbenchError(
+                f"method {method.name} takes no budget (it keeps every token); drop budget= and "
+                f"use its own knobs instead: {knobs}"
+            )
+    out = [make_configuration({"name": "full"}, 1.0, query_aware)]
+    for c in requested:
+        if all((c.method != o.method or c.budget != o.budget) for o in out):
+            out.append(c)
+    return out

