@@ -31,7 +31,7 @@ gate: install
 	$(BIN)/python -m kvbench.check results/ci --thresholds conf/thresholds/ci.yaml
 
 test-fast: install
-	$(BIN)/python -m pytest -m "not real_model"
+	$(BIN)/python -m pytest -m "not real_model and not slow"   # the fast tier (~2 min): no real model, no whole sweeps or clusters
 
 # The committed reference results and plots (results/reference/), regenerated on the bundled model (~30 min + ~1 h for reference_ruler_new, 2 cores).
 reference: install

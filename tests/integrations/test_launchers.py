@@ -102,6 +102,7 @@ def test_another_hosts_claim_expires_after_the_ttl(tmp_path, monkeypatch):
     assert is_stale(path)
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_on_one_store_compute_each_row_once(tmp_path):
     store = tmp_path / "store"
     args = [*TINY, f"results_dir={store}"]
@@ -135,6 +136,7 @@ def local_rows(tmp_path_factory):
     return pd.read_parquet(tmp / "out" / "rows.parquet")
 
 
+@pytest.mark.slow
 def test_ray_with_two_workers_writes_the_rows_a_local_run_writes(tmp_path, local_rows):
     pytest.importorskip("ray")
     proc = kvbench(
@@ -153,6 +155,7 @@ def test_ray_with_two_workers_writes_the_rows_a_local_run_writes(tmp_path, local
     assert len(stored) == 8 and stored["run_id"].nunique() == 3  # one file per shard
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_shard_loses_and_duplicates_nothing(tmp_path, local_rows):
     pytest.importorskip("ray")
     marker = tmp_path / "killed"
@@ -174,6 +177,7 @@ def test_a_worker_killed_mid_shard_loses_and_duplicates_nothing(tmp_path, local_
     assert rows["reused"].sum() == 2, proc.stdout  # the retry reused what the killed attempt had saved
 
 
+@pytest.mark.slow
 def test_submitit_local_multirun_writes_every_job_to_the_shared_store(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     store = tmp_path / "store"

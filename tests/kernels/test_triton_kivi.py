@@ -153,6 +153,7 @@ torch.save((runs, len(calls)), sys.argv[2])
 """
 
 
+@pytest.mark.slow
 def test_generation_through_the_kernel_equals_the_torch_path(tmp_path, prompt_ids):
     """The kernel plugged into KiviLayer.attend by the dispatcher, on the tiny model (4 layers, GQA 2): the same
     tokens, logits within fp32 rounding, the same bytes as the torch version's generation."""

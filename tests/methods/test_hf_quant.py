@@ -8,6 +8,7 @@ from kvbench import KvbenchError
 from kvbench.methods import build_method
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fp8", "quanto"])
 def test_quantized_cache_holds_fewer_bytes_and_still_decodes(tiny_engine, prompt_ids, backend):
     if backend == "quanto" and importlib.util.find_spec("optimum") is None:

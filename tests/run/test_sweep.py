@@ -14,6 +14,7 @@ def _rows(rows):
     return rows.sort_values(["method", "budget", "example_id"]).reset_index(drop=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("query_aware", [True, False])
 def test_grid_equals_one_by_one(tmp_path, query_aware):
     extra = [f"query_aware={query_aware}", "task.max_new_tokens=5"]

@@ -162,6 +162,7 @@ def test_bad_prefix_settings_name_the_fix(tmp_path, extra, message):
 DIAGNOSED = ["kl_mean", "top1_agreement", "mass_recall", "evidence_retention", "evicted_share"]
 
 
+@pytest.mark.slow
 def test_diagnose_on_workloads_per_request(tmp_path):
     """diagnose=true on a workload: every request's row gets the diagnostics of the caches it was answered from —
     per question through the prefix cache the same as without it; compressed once the same as compressing the
