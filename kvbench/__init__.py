@@ -6,6 +6,14 @@ __version__ = "0.1.0"
 class KvbenchError(Exception):
     """Bad input or environment: the message says what is wrong and how to fix it (no traceback shown)."""
 
+    exit_code = 2
+
+
+class ConfigurationsFailed(KvbenchError):
+    """Some configurations failed while running; the others' rows were written (exit 1, each failure named)."""
+
+    exit_code = 1
+
 
 def conf_dir():
     """The Hydra config directory: conf/ of a source checkout, else the installed kvbench.conf package."""

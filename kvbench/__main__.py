@@ -1,7 +1,8 @@
 """`python -m kvbench [overrides]`: Hydra entry point (see conf/config.yaml for every key).
 
-Exit codes: 0 done; 2 bad input (one line naming the fix; in a multirun the other jobs still run, and the failed
-ones are listed at the end); 130 interrupted (ctrl-C: rows computed so far are in the store, rerun to resume).
+Exit codes: 0 done; 1 some configurations failed while running (each named; the others' rows are written);
+2 bad input (one line naming the fix; in a multirun the other jobs still run, and the failed ones are listed at the
+end); 130 interrupted (ctrl-C: rows computed so far are in the store, rerun to resume).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _main(cfg: DictConfig) -> None:
     except KvbenchError as error:
         print(f"kvbench: error: {error}", file=sys.stderr)
         if hydra_cfg.mode != RunMode.MULTIRUN:
-            sys.exit(2)
+            sys.exit(error.exit_code)
         overrides = " ".join(hydra_cfg.overrides.task)
         FAILED_JOBS.append(f"job {hydra_cfg.job.num} ({overrides}): {error}")
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
 from kvbench.methods.base import Budget, Method
@@ -115,6 +116,8 @@ class DecodeEviction(Method):
 
     def _evict_layer(self, layer_idx: int, layer, size: int, stats: StatsRecorder, slack: int = 0) -> None:
         """The layer observes the step, then drops to its size if it is over its size + `slack`."""
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            return  # a sliding layer keeps its window (kvbench.model.cache.WindowLayer): nothing to hold or observe
         self.observe_step(layer_idx, layer, stats)
         if layer.get_seq_length() > size + slack:
             layer_select(layer, self.decode_keep(layer_idx, layer, size, stats))  # (B, H_kv, size)

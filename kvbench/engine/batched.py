@@ -23,7 +23,7 @@ from kvbench.engine.engine import Engine, Generation, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRequest, recording
-from kvbench.model.cache import cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
+from kvbench.model.cache import cache_kv, cache_nbytes, layer_lengths
 
 
 @dataclass
@@ -127,10 +127,7 @@ def generate_batch(
                 decode_s=finish_s[row],
                 decode_steps=finish_steps[row],
                 kv_bytes=finish_bytes[row],
-                kv_bytes_full=full_cache_nbytes(
-                    lm.n_layers, engine.full_kv_heads, lm.head_dim, tokens_if_full, lm.dtype
-                ),
-                kv_bytes_mha=full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens_if_full, lm.dtype),
+                **engine.baselines(tokens_if_full),
                 peak_mem_bytes=peak,
                 logits=kept[row],
                 batch_size=n_rows,

@@ -20,7 +20,7 @@ from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
-from kvbench.model.cache import KV, cache_kv, cache_nbytes, full_cache_nbytes, layer_lengths
+from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, layer_lengths
 from kvbench.model.load import LoadedModel
 
 
@@ -63,6 +63,7 @@ class Generation:
     peak_mem_bytes: int
     logits: list[torch.Tensor] = field(default_factory=list)
     peak_mem_delta_bytes: int | None = None  # peak over the memory in use before the prefill (None: not measured)
+    kv_bytes_full_dense: int = 0  # every token in every layer (sliding layers as if global)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -88,10 +89,12 @@ class Compressed:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, full_kv_heads: int | None = None):
+    def __init__(self, lm: LoadedModel, full: LoadedModel | None = None):
         self.lm = lm
         # kv_bytes_full always refers to the original model (head merging runs on a converted copy)
-        self.full_kv_heads = full_kv_heads or lm.n_kv_heads
+        self.full_lm = full or lm
+        self.full_layout = self.full_lm.layout
+        self.full_kv_heads = self.full_lm.n_kv_heads
         if lm.device.type == "cuda" and os.environ.get("KVBENCH_CUDNN_SDPA") != "1":
             # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
@@ -171,6 +174,7 @@ class Engine:
         cache = prefill.compressed  # prefill=inline: compressed inside the forward pass
         if cache is None:
             cache = method.compress(prefill.kv, prefill.stats, budget)
+            keep_windows(cache, prefill.kv, self.lm.layout)  # sliding layers hold their window, as the model's own
         if prefill.adopt is not None:
             cache = prefill.adopt(cache)
         logits, position = prefill.last_logits, prefill.n_tokens
@@ -219,16 +223,22 @@ class Engine:
             decode_s=decode_s,
             decode_steps=steps,
             kv_bytes=cache_nbytes(cache),
-            kv_bytes_full=self.full_bytes(start.position + steps, self.full_kv_heads),
-            kv_bytes_mha=self.full_bytes(start.position + steps, self.lm.n_q_heads),
+            **self.baselines(start.position + steps),
             peak_mem_bytes=peak,
             logits=kept_logits,
             peak_mem_delta_bytes=peak - start.baseline_bytes,
         )
 
-    def full_bytes(self, tokens: int, kv_heads: int) -> int:
-        """The uncompressed cache of `tokens` tokens with `kv_heads` KV heads (the kv_bytes_full / _mha columns)."""
-        return full_cache_nbytes(self.lm.n_layers, kv_heads, self.lm.head_dim, tokens, self.lm.dtype)
+    def baselines(self, tokens: int, batch: int = 1) -> dict[str, int]:
+        """The uncompressed caches a row compares with at `tokens` tokens (kvbench.model.layout): the original
+        model's own (`kv_bytes_full`: sliding layers at their window), every token in every layer
+        (`kv_bytes_full_dense`), and one KV head per query head (`kv_bytes_mha`)."""
+        layout = self.full_layout
+        return {
+            "kv_bytes_full": layout.full_bytes(tokens, batch),
+            "kv_bytes_full_dense": layout.dense_bytes(tokens, batch),
+            "kv_bytes_mha": layout.mha_bytes(tokens, batch),
+        }
 
     def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:
         """Append `ids` after compression (the question when query_aware=false; a scored continuation);
@@ -264,7 +274,7 @@ class Engine:
         cache = self.__dict__.setdefault("_prepared", {})
         if key not in cache:
             model = method.prepare_model(self.lm.model)
-            cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_kv_heads)
+            cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_lm)
         return cache[key]
 
     def run(

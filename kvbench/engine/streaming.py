@@ -27,7 +27,7 @@ from kvbench.engine.inline import forward_per_layer
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import recording
-from kvbench.model.cache import cache_nbytes, full_cache_nbytes, layer_lengths
+from kvbench.model.cache import cache_nbytes, layer_lengths
 
 LOGITS = {"all_logits": True, "fp32": False}  # every position's, in the model's dtype (upcast in _token_nll)
 
@@ -44,6 +44,7 @@ class Window:
     seconds: float
     peak_mem_bytes: int
     peak_mem_delta_bytes: int  # over the memory in use when the window started (the model and the bounded cache)
+    kv_bytes_full_dense: int = 0  # every token in every layer (sliding layers as if global)
 
     @property
     def perplexity(self) -> float:
@@ -110,10 +111,11 @@ def stream_chunks(
             float(token_nll.sum()),
             layer_lengths(cache)[0],
             cache_nbytes(cache),
-            full_cache_nbytes(lm.n_layers, engine.full_kv_heads, lm.head_dim, end, lm.dtype),
+            engine.full_layout.full_bytes(end),
             seconds,
             peak,
             peak - baseline,
+            engine.full_layout.dense_bytes(end),
         )
         yield window, token_nll, cache
 

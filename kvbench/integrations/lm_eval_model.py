@@ -46,7 +46,7 @@ from kvbench import KvbenchError
 from kvbench.engine.engine import Engine
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.model.attention import StatsRequest
-from kvbench.model.cache import cache_nbytes, full_cache_nbytes
+from kvbench.model.cache import cache_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Answer:
     peak_mem_bytes: int
     prefill_s: float  # prefill (charged once per distinct context) + compression
     decode_s: float  # generation, or the continuation's forward
+    kv_bytes_full_dense: int = 0
 
 
 @register_model("kvbench")
@@ -340,16 +341,13 @@ class KvbenchLM(TemplateLM):
             prefill.n_tokens + len(suffix),
             len(continuation),
             cache_nbytes(cache),
-            full_cache_nbytes(self.lm.n_layers, engine.full_kv_heads, self.lm.head_dim, tokens, self.lm.dtype),
-            self._mha_bytes(tokens),
+            engine.full_layout.full_bytes(tokens),
+            engine.full_layout.mha_bytes(tokens),
             max(prefill.peak_mem_bytes, read_peak(device)),
             (prefill.seconds_for(c.method) if charge_prefill else 0.0) + compress_s,
             time.perf_counter() - start - compress_s,
+            engine.full_layout.dense_bytes(tokens),
         )
-
-    def _mha_bytes(self, tokens: int) -> int:
-        lm = self.lm
-        return full_cache_nbytes(lm.n_layers, lm.n_q_heads, lm.head_dim, tokens, lm.dtype)
 
 
 def from_model_args(args: dict) -> KvbenchLM:

@@ -4,6 +4,10 @@ Layout: one cache layer per decoder layer; each holds keys and values of shape (
 at KV-head granularity (never repeat_kv-expanded). T_layer may differ between layers (PyramidKV). Eviction
 methods gather kept positions into new, physically smaller tensors, sorted by original position, so the most
 recent tokens are always last. Bytes are measured from the storages the cache actually holds.
+
+A sliding-window layer (kvbench.model.layout) is a `WindowLayer`: the last W − 1 token positions, as transformers'
+own DynamicSlidingWindowLayer holds them, whatever the method; its mask is by position (the layer's cumulative
+length), so it sees exactly the positions inside its window. Methods compress the layers that grow with the context.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 
@@ -35,13 +39,45 @@ def cache_from_kv(layers: list[KV]) -> DynamicCache:
     return cache
 
 
+class WindowLayer(DynamicSlidingWindowLayer):
+    """transformers' sliding-window layer holding exactly its last W − 1 tokens in tensors of their own (its parent
+    keeps a view of each step's concatenation, whose storage is one token, or after the prompt the whole prompt,
+    larger): what `nbytes` of transformers' own layer counts."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)  # (B, H_kv, W − 1 + n, D) each
+        self.keys, self.values = self.keys.clone(), self.values.clone()  # (B, H_kv, ≤ W − 1, D): own storage
+        return keys, values
+
+
+def window_layer(keys: torch.Tensor, values: torch.Tensor, window: int) -> WindowLayer:
+    """A sliding layer after a prompt whose keys/values (B, H_kv, T, D) are given: the last min(T, W − 1)."""
+    layer = WindowLayer(sliding_window=window)
+    layer.lazy_initialization(keys, values)
+    layer.keys = keys[:, :, -(window - 1) :].clone()  # (B, H_kv, min(T, W − 1), D)
+    layer.values = values[:, :, -(window - 1) :].clone()
+    layer.cumulative_length = keys.shape[-2]  # the mask's positions: the window ends at the prompt's last token
+    return layer
+
+
+def keep_windows(cache, prompt_kv: list[KV], layout) -> None:
+    """Sliding layers of `cache` back to their window over the prompt (a method compresses the others)."""
+    for i, kind in enumerate(layout.layers):
+        if kind.kind == "sliding":
+            cache.layers[i] = window_layer(*prompt_kv[i], kind.window)
+
+
 def cache_kv(cache: DynamicCache) -> list[KV]:
     """The (keys, values) of every layer."""
     return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[misc,union-attr]  # attention layers
 
 
 def layer_lengths(cache: DynamicCache) -> list[int]:
-    return [layer.get_seq_length() for layer in cache.layers]  # type: ignore[union-attr]  # attention layers
+    """Tokens each layer holds (a sliding layer's get_seq_length counts every token it has seen)."""
+    return [
+        layer.keys.shape[-2] if isinstance(layer, DynamicSlidingWindowLayer) else layer.get_seq_length()  # type: ignore[union-attr]
+        for layer in cache.layers
+    ]
 
 
 def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
@@ -56,6 +92,8 @@ def layer_select(layer, index: torch.Tensor) -> None:
 
     Layers with storage of their own (quantized caches) implement `select(index)`; plain layers gather K/V.
     """
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return  # a sliding layer keeps its window (the model drops what leaves it): eviction leaves it alone
     for observer in SELECT_OBSERVERS:
         observer(layer, index)
     if hasattr(layer, "select"):
@@ -96,7 +134,9 @@ def cache_nbytes(cache) -> int:
     storages: dict[int, int] = {}
     seen: set[int] = set()
     for layer in cache.layers:
-        for tensor in _tensors(vars(layer), seen):
+        # a sliding layer's window size is a scalar tensor too: not cache content
+        held = {name: value for name, value in vars(layer).items() if name != "_sliding_window_tensor"}
+        for tensor in _tensors(held, seen):
             if tensor.numel() == 0:
                 continue
             storage = tensor.untyped_storage()

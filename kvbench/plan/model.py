@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
-from kvbench import KvbenchError
+from kvbench.model import layout as layers
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
+from kvbench.model.layout import CacheLayout, cache_layout
+from kvbench.model.load import model_config
 from kvbench.plan.hardware import Hardware
 from kvbench.plan.reuse import Reuse, batch_prefill_flops, held_bytes
 
@@ -39,46 +41,21 @@ class Arch:
     n_params: int  # distinct parameters (tied embeddings once)
     tied_embeddings: bool
     max_context: int
+    config: object = None  # the transformers config: its per-layer cache layout (kvbench.model.layout)
+
+    def layout(self, dtype: torch.dtype) -> CacheLayout:
+        return cache_layout(self.config, dtype)
 
     def kv_shape(self, dtype: torch.dtype) -> KVShape:
-        return KVShape(self.n_layers, self.n_kv_heads, self.head_dim, dtype)
+        return KVShape(
+            self.n_layers, self.n_kv_heads, self.head_dim, dtype, self.layout(dtype) if self.config else None
+        )
 
     @property
     def matmul_params(self) -> int:
         """Parameters multiplied per token: all but the input embedding lookup (the LM head reuses it when tied)."""
         embedding = self.vocab_size * self.hidden_size
         return self.n_params - embedding + (embedding if self.tied_embeddings else 0)
-
-
-def model_config(cfg):
-    """The transformers config a conf/model/*.yaml describes, without loading weights where possible."""
-    from transformers import AutoConfig, LlamaConfig
-
-    from kvbench import cache_root
-    from kvbench.model.load import _plain, load_model
-
-    if cfg.loader == "tiny_random":
-        return LlamaConfig(**_plain(cfg.architecture))
-    if cfg.loader == "random_init":
-        arch = _plain(cfg.architecture)
-        return AutoConfig.for_model(arch.pop("model_type"), **arch)
-    if cfg.loader == "bundled_gguf":
-        converted = cache_root() / cfg.name
-        if (converted / "config.json").exists():
-            return AutoConfig.from_pretrained(converted)
-        return load_model(cfg, "cpu").config  # converts the GGUF once
-    if cfg.loader == "pretrained":
-        path = cfg.get("name_or_path")
-        if not path:
-            raise KvbenchError("model=hub needs model.name_or_path=<hub id, local directory or config.json>")
-        try:
-            return AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as error:
-            raise KvbenchError(
-                f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
-                "network access: give a local directory or config.json instead"
-            ) from None
-    raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")
 
 
 def arch_of(cfg) -> Arch:
@@ -89,19 +66,20 @@ def arch_of(cfg) -> Arch:
         model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    n_q = text.num_attention_heads
     name = cfg.name if cfg.name != "hub" else str(cfg.name_or_path)
+    cache_layout(text, torch.float32)  # refuses layer types kvbench does not support, before any arithmetic
     return Arch(
         name,
-        text.num_hidden_layers,
-        n_q,
-        getattr(text, "num_key_value_heads", None) or n_q,
-        getattr(text, "head_dim", None) or text.hidden_size // n_q,
-        text.hidden_size,
+        layers.n_layers(text),
+        layers.n_q_heads(text),
+        layers.n_kv_heads(text),
+        layers.head_dim(text),
+        getattr(text, "hidden_size", None) or text.n_embd,
         text.vocab_size,
         n_params,
         bool(getattr(text, "tie_word_embeddings", False)),
-        int(getattr(text, "max_position_embeddings", 0) or 0),
+        int(getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", 0) or 0),
+        text,
     )
 
 
@@ -138,11 +116,14 @@ def plan_point(
     memory_s, compute_s = decode_bytes / hw.bandwidth_bytes_s, decode_flops / hw.peak_flops
     decode_s = max(memory_s, compute_s)
     prefill, prefill_saved = batch_prefill_flops(arch, method, context, batch, reuse)
-    full_bytes = shape.bytes_per_token * context
+    cache = arch.layout(dtype)
+    full_bytes = cache.full_bytes(context)  # the model's own cache: sliding layers at their window
     return {
         "context": context,
         "batch": batch,
-        "kv_bytes_per_token_full": shape.bytes_per_token,
+        "kv_bytes_per_token_full": full_bytes / context,  # averaged over the context (sliding layers stop growing)
+        "kv_bytes_full_dense": cache.dense_bytes(context) * batch,
+        "compressible_share": cache.growing_share(context),
         "kv_bytes_per_request": held.view,
         "kv_bytes": kv_batch,
         "kv_bytes_full": full_bytes * batch,
@@ -156,7 +137,7 @@ def plan_point(
         **(
             {
                 "max_batch": max_batch(weights + held.once, held.private, usable),
-                "max_context": max_context(shape, method, budget, weights, batch, usable, reuse),
+                "max_context": max_context(shape, method, budget, weights, batch, usable, reuse, arch.max_context),
             }
             if limits
             else {}
@@ -183,9 +164,11 @@ def max_batch(fixed: int, kv_per_request: int, usable: int) -> int:
     return max(0, (usable - fixed) // kv_per_request) if kv_per_request else 0
 
 
-def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable: int, reuse: Reuse = NO_REUSE) -> int:
+def max_context(
+    shape: KVShape, method, budget, weights: int, batch: int, usable: int, reuse: Reuse = NO_REUSE, limit: int = 0
+) -> int:
     """The longest context at which `batch` requests fit (bytes grow with context: binary search; a shared prefix
-    stays `reuse.prefix` tokens, or the whole context below that)."""
+    stays `reuse.prefix` tokens, or the whole context below that), at most the model's position limit `limit`."""
 
     def fits(tokens: int) -> bool:
         held = held_bytes(method, budget, shape, tokens, reuse)
@@ -193,7 +176,7 @@ def max_context(shape: KVShape, method, budget, weights: int, batch: int, usable
 
     if not fits(1):
         return 0
-    low, high = 1, MAX_SEARCH_CONTEXT
+    low, high = 1, min(MAX_SEARCH_CONTEXT, limit) if limit else MAX_SEARCH_CONTEXT
     if fits(high):
         return high
     while high - low > 1:

@@ -100,14 +100,11 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             )
     eb = element_bytes(dtype)
     header = {
-        "model": arch.__dict__,
+        "model": {k: v for k, v in arch.__dict__.items() if k != "config"},
         "hardware": hw.__dict__,
         "headroom": headroom,
         "dtype": str(dtype),
-        "kv_bytes_per_token": (
-            f"2 × {arch.n_layers} layers × {arch.n_kv_heads} kv_heads × {arch.head_dim} head_dim "
-            f"× {eb} B = {2 * arch.n_layers * arch.n_kv_heads * arch.head_dim * eb:,} B"
-        ),
+        "kv_bytes_per_token": per_layer_type_formula(arch.layout(dtype)),
         "weights_bytes": arch.n_params * eb,
         "reuse": {"prefix": reuse.prefix, "mode": reuse.label, "page_size": reuse.page_size},
         "reuse_from": measured.describe() if measured else None,
@@ -205,3 +202,16 @@ def _main(cfg: DictConfig) -> None:
     except KvbenchError as error:
         print(f"kvbench.plan: error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def per_layer_type_formula(layout) -> str:
+    """The full cache per token, by layer kind: `L_kind × width × bytes` summed; sliding layers stop at W − 1 tokens."""
+    from collections import Counter
+
+    eb = layout.element_bytes
+    groups = Counter((k.kind, k.key_width + k.value_width, k.window) for k in layout.layers)
+    parts = []
+    for (kind, width, window), count in groups.items():
+        held = f" for the last {window - 1} tokens" if kind == "sliding" else ""
+        parts.append(f"{count} {kind} layers × {width} (K+V) × {eb} B = {count * width * eb:,} B{held}")
+    return "; ".join(parts)

@@ -17,6 +17,8 @@ from kvbench.tasks import TASKS
 def grid_batching(cfg: DictConfig, lm) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.engine.grid_decode): grid_batch=auto does
     where the rows are identical to one by one (tested); true always; false never."""
+    if lm.layout.has_sliding:
+        return False  # window layers (kvbench.model.cache.WindowLayer) decode alone: grid rows are plain layers
     setting = cfg.get("grid_batch", "auto")
     return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 

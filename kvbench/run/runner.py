@@ -13,14 +13,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
+import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from kvbench import KvbenchError
+from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.validate import check_config
 from kvbench.engine import inline
 from kvbench.engine.engine import Engine
-from kvbench.model.load import load_model
+from kvbench.model.layout import cache_layout
+from kvbench.model.load import load_model, model_config
+from kvbench.model.support import refusal
 from kvbench.run import workload
 from kvbench.run.config_hash import hash_configuration
 from kvbench.run.configuration import configurations
@@ -46,7 +49,32 @@ def check_run(cfg: DictConfig) -> list:
     workload.check(cfg)
     confs = configurations(cfg)
     inline.check(cfg, [c.method for c in confs], TASKS.get(cfg.task.name))
+    config = model_config(cfg.model, cheap=True)
+    if config is not None:  # else checked once the model is loaded
+        check_support(confs, config, cfg)
     return confs
+
+
+def check_support(confs: list, config, cfg: DictConfig) -> None:
+    """Each configuration runs on this model (kvbench.model.support), the model's layers are ones kvbench knows
+    (kvbench.model.layout), and the run's modes handle its sliding-window layers."""
+    sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
+    for c in confs:
+        reason = refusal(c.method, config)
+        if reason:
+            raise KvbenchError(reason)
+    modes = {
+        "prefill=inline": cfg.get("prefill", "shared") == "inline",
+        "prefix_cache=true": bool(cfg.get("prefix_cache")),
+        f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
+        f"task={cfg.task.name} (a streamed text)": bool(TASKS.get(cfg.task.name).streaming),
+    }
+    chosen = [name for name, on in modes.items() if on]
+    if sliding and chosen:
+        raise KvbenchError(
+            f"{chosen[0]} does not yet keep sliding-window layers at their window; this model has sliding-window "
+            "layers: run it with prefill=shared, batch_size=1, no prefix cache and a generation task"
+        )
 
 
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
@@ -54,6 +82,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
     confs = check_run(cfg)
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    check_support(confs, lm.config, cfg)
     task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
     examples = task.examples()
     if cfg.get("limit"):
@@ -101,6 +130,11 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     if shard:
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
     finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
+    if work.failed:
+        raise ConfigurationsFailed(
+            f"{len(work.failed)} configuration(s) failed; the other rows are written:\n"
+            + "\n".join(f"  {name}: {why}" for name, why in work.failed.items())
+        )
     return frame
 
 

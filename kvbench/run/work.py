@@ -30,6 +30,7 @@ class ExampleWork:
         self.computed: list[dict] = []
         self.elsewhere: list[tuple[Example, list[Configuration]]] = []
         self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.guide.diagnose_run)
+        self.failed: dict[str, str] = {}  # configuration label → its first error line (its rows are skipped)
         self.diagnose = None
         if cfg.get("diagnose"):
             from kvbench.guide.diagnose_run import thresholds_for
@@ -42,23 +43,42 @@ class ExampleWork:
         return [{**r, "reused": True} for r in old] if done else None
 
     def do(self, ex: Example) -> None:
-        todo = self.todo(ex)
+        todo = [c for c in self.todo(ex) if label(c) not in self.failed]
         if not todo:
             return
-        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
-            new = self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
-        elif self.task.streaming:
-            new = [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
-        elif self.requests:
-            new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-        else:
-            args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-            grid_batch = grid_batching(self.cfg, self.lm)
-            padding = float(self.cfg.get("grid_padding", MAX_PADDING))
-            new = generation_rows(
-                *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
-            )
+        try:
+            new = self.compute(ex, todo)
+        except Exception as error:  # one configuration's failure must not lose the others' rows
+            if len(todo) == 1:
+                self.fail(todo[0], ex, error)
+                return
+            new = []
+            for c in todo:  # alone, to find the one that fails
+                try:
+                    new.extend(self.compute(ex, [c]))
+                except Exception as alone:
+                    self.fail(c, ex, alone)
         self.save(new, [(c.hash, ex.example_id) for c in todo])
+
+    def fail(self, c: Configuration, ex: Example, error: BaseException) -> None:
+        line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        self.failed[label(c)] = f"{type(error).__name__}: {line} (example {ex.example_id})"
+        self.claims.release([(c.hash, ex.example_id)])
+
+    def compute(self, ex: Example, todo: list[Configuration]) -> list[dict]:
+        """The rows of `todo` on example `ex`."""
+        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
+            return self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
+        if self.task.streaming:
+            return [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
+        if self.requests:
+            return self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+        args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
+        grid_batch = grid_batching(self.cfg, self.lm)
+        padding = float(self.cfg.get("grid_padding", MAX_PADDING))
+        return generation_rows(
+            *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
+        )
 
     def todo(self, ex: Example) -> list[Configuration]:
         """The configurations this process computes for `ex` (others are reused, or claimed elsewhere)."""
@@ -110,3 +130,11 @@ class ExampleWork:
                 self.confs = confs
         if self.elsewhere:  # claimed again meanwhile (another late process): wait once more
             self.finish_claimed_elsewhere(poll_s)
+
+
+def label(c: Configuration) -> str:
+    """A configuration as the summary names it: method, its knobs, budget."""
+    knobs = ",".join(f"{k}={v}" for k, v in sorted(c.method.params().items()))
+    return (
+        f"{c.method.name}({knobs}) budget={c.budget_value:g}" if knobs else f"{c.method.name} budget={c.budget_value:g}"
+    )

@@ -239,6 +239,7 @@ def measurements(answers: list) -> dict:
         new_tokens=new_tokens,
         kv_bytes=largest.kv_bytes,
         kv_bytes_full=largest.kv_bytes_full,
+        kv_bytes_full_dense=largest.kv_bytes_full_dense,
         kv_ratio=largest.kv_bytes / largest.kv_bytes_full,
         kv_bytes_mha=largest.kv_bytes_mha,
         peak_mem_bytes=max(a.peak_mem_bytes for a in answers),

@@ -10,10 +10,21 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def chat_text(tokenizer, messages: list[dict], plain: str) -> str:
-    """`messages` through the tokenizer's chat template with the generation prompt; `plain` without a template."""
+    """`messages` through the tokenizer's chat template with the generation prompt; without a template (a base
+    model) `plain`, after the BOS token where the tokenizer itself starts a text with one (Gemma)."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return plain
+    return bos_prefix(tokenizer) + plain
+
+
+def bos_prefix(tokenizer) -> str:
+    """The BOS token as text where the tokenizer adds it to a plain text, else "" (prompts are encoded without
+    special tokens: a template, or this, places them)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or getattr(tokenizer, "bos_token", None) is None:
+        return ""
+    ids = tokenizer("a")["input_ids"]
+    return tokenizer.bos_token if ids and ids[0] == bos else ""
 
 
 class PromptBuilder:
@@ -25,6 +36,8 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         user = f"{instruction}\n{self.MARK}\n{question}"
         text = chat_text(tokenizer, [{"role": "user", "content": user}], user + "\n") if chat else user + "\n"
+        if not chat:
+            text = bos_prefix(tokenizer) + text
         head, tail = (text + answer_prefix).split(self.MARK)
         self.head_ids, self.tail_ids = self.encode(head), self.encode(tail)
 

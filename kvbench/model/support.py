@@ -1,0 +1,113 @@
+"""Which methods run on which model families, decided from the model's config before the model loads.
+
+A (method, model) pair kvbench cannot measure right is refused with one line naming what is unsupported, never a
+traceback mid-run and never a silent wrong number. The rules follow what each method reads of the model:
+- latent attention (DeepSeek-V2/V3, `kv_lora_rank`): the cache holds a latent shared by every head, not per-head
+  K/V; only methods that select token positions for all heads alike run on it (full, random, streamingllm);
+- attention statistics (observation-window votes, column sums): recorded inside transformers' AttentionInterface,
+  which some families' attention bypasses (Falcon);
+- RoPE frequencies (expected_attention's query moments): one rotary embedding rotating the whole head; not GPT-2
+  (absolute positions), partial rotary (GPT-NeoX), a RoPE per layer type (Gemma 3) or latent attention;
+- separate q/k/v projections under `model.model.layers` (headmerge, kvzip): not fused ones (Phi-3's qkv_proj,
+  GPT-NeoX's and Falcon's query_key_value, GPT-2's c_attn) nor half-width rotary (gpt-oss, for kvzip);
+- transformers' QuantizedCache (hf-quant) holds only full-attention layers; KIVI groups must divide head_dim.
+"""
+
+from __future__ import annotations
+
+from kvbench.model import layout
+
+POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
+FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
+NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
+NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
+
+
+def _text(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def rope_kind(config) -> str:
+    """standard | none | partial | per_layer_type | half (gpt-oss) | latent."""
+    config = _text(config)
+    kind = getattr(config, "model_type", "")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if getattr(config, "kv_lora_rank", None):
+        return "latent"
+    if kind == "gpt2":
+        return "none"
+    if isinstance(rope, dict) and set(rope) & set(layout.SLIDING_TYPES + layout.GLOBAL_TYPES):
+        return "per_layer_type"
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if rope else 1.0
+    if kind == "gpt_neox" or (factor or 1.0) < 1.0:
+        return "partial"
+    if kind == "gpt_oss":
+        return "half"
+    return "standard"
+
+
+def _parts(method) -> list:
+    """The method and the parts a composition stacks."""
+    return [method] + [
+        p
+        for p in (
+            getattr(method, "_structure", None),
+            getattr(method, "_eviction", None),
+            getattr(method, "_precision", None),
+        )
+        if p is not None
+    ]
+
+
+def refusal(method, config) -> str | None:
+    """Why `method` (a built method) cannot run on a model with `config`, in one line; None when it can."""
+    config = _text(config)
+    kind = getattr(config, "model_type", "")
+    model = type(config).__name__.removesuffix("Config")
+    rope = rope_kind(config)
+    names = {part.name for part in _parts(method)}
+    if rope == "latent" and not names <= set(POSITION_ONLY):
+        return (
+            f"method {method.name} cannot run on {model}: it has latent attention (MLA), whose cache holds one "
+            f"latent shared by every head, not per-head K/V; methods that run on it: {', '.join(POSITION_ONLY)}"
+        )
+    needs_stats = any(part.stats_request() or part.decode_request() for part in _parts(method))
+    if needs_stats and kind in NO_ATTENTION_INTERFACE:
+        return (
+            f"method {method.name} needs attention statistics, but {model}'s attention does not go through "
+            "transformers' AttentionInterface, where kvbench records them; use knorm, keydiff, random, "
+            "streamingllm or decoding on it"
+        )
+    if "expected_attention" in names and rope != "standard":
+        return (
+            f"method expected_attention needs one rotary embedding over the whole head; {model} has "
+            f"{rope.replace('_', ' ')} positions"
+        )
+    for needs_projections in ("headmerge", "kvzip"):
+        if needs_projections in names and (kind in FUSED_QKV or kind in NOT_LLAMA_LAYOUT or rope == "latent"):
+            projection = FUSED_QKV.get(kind, "latent projections")
+            return (
+                f"method {needs_projections} re-reads the separate q_proj/k_proj/v_proj of model.model.layers; "
+                f"{model} has {projection}"
+            )
+    if "kvzip" in names and rope == "half":
+        return f"method kvzip rotates queries with a full-width rotary; {model}'s rotary is half-width"
+    if "hf-quant" in names and layout.cache_layout(config, _dtype()).has_sliding:
+        return (
+            f"method hf-quant uses transformers' QuantizedCache, which holds only full-attention layers; {model} "
+            "has sliding-window layers: use kivi"
+        )
+    for part in _parts(method):
+        group = getattr(part, "group_size", None)
+        if part.name == "kivi" and group and layout.head_dim(config) % int(group):
+            return (
+                f"kivi group_size={group} does not divide {model}'s head_dim={layout.head_dim(config)}; "
+                f"give method.group_size= a divisor of it"
+            )
+    return None
+
+
+def _dtype():
+    import torch
+
+    return torch.float32

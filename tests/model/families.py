@@ -1,0 +1,69 @@
+"""Tiny random-weight models of every architecture family kvbench is tested on, built from transformers' own
+config classes (no download): hidden 64, 4 layers (Gemma 3: 6, its 5:1 pattern), vocabulary 1,000.
+
+A sliding window of 64 is shorter than the tests' prompts, so windows bite. `FAMILIES` maps a name to a function
+returning the config; `build(name)` returns the model in eval mode, seeded.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 1000
+WINDOW = 64
+BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=2048,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MOE = dict(num_experts_per_tok=2)
+
+FAMILIES = {
+    "llama-mha": lambda: tf.LlamaConfig(**BASE, num_key_value_heads=4),
+    "llama-gqa": lambda: tf.LlamaConfig(**BASE, num_key_value_heads=2),
+    "llama-mqa": lambda: tf.LlamaConfig(**BASE, num_key_value_heads=1),
+    "qwen2": lambda: tf.Qwen2Config(**BASE, num_key_value_heads=2),
+    "qwen3": lambda: tf.Qwen3Config(**BASE, num_key_value_heads=2, head_dim=32),  # QK-norm per head
+    "mistral": lambda: tf.MistralConfig(**BASE, num_key_value_heads=2, sliding_window=WINDOW),  # every layer slides
+    "gemma2": lambda: tf.Gemma2Config(  # soft cap, alternating window (layer 0 slides)
+        **BASE, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32
+    ),
+    "gemma3": lambda: tf.Gemma3TextConfig(  # 5:1 sliding/global, one KV head, head_dim 256, a RoPE per layer type
+        **{**BASE, "num_hidden_layers": 6}, num_key_value_heads=1, head_dim=256, sliding_window=WINDOW,
+        query_pre_attn_scalar=256,
+    ),
+    "phi3": lambda: tf.Phi3Config(**BASE, num_key_value_heads=2),  # fused qkv_proj
+    "olmo2": lambda: tf.Olmo2Config(**BASE, num_key_value_heads=2),  # q/k norms over the full width
+    "gpt-neox": lambda: tf.GPTNeoXConfig(**BASE),  # partial rotary (0.25), fused query_key_value
+    "falcon": lambda: tf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, multi_query=True,
+        new_decoder_architecture=False, max_position_embeddings=2048,
+    ),
+    "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=2048),  # absolute
+    "mixtral": lambda: tf.MixtralConfig(**BASE, num_key_value_heads=2, num_local_experts=4, **MOE),
+    "qwen3-moe": lambda: tf.Qwen3MoeConfig(
+        **BASE, num_key_value_heads=2, head_dim=32, num_experts=4, moe_intermediate_size=32, **MOE
+    ),
+    "gpt-oss": lambda: tf.GptOssConfig(  # attention sinks, alternating window
+        **BASE, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=4, **MOE
+    ),
+    "deepseek-v3": lambda: tf.DeepseekV3Config(  # multi-head latent attention
+        **BASE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, moe_intermediate_size=32,
+        first_k_dense_replace=1, **MOE,
+    ),
+}
+
+
+def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    config = FAMILIES[name]()
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

@@ -1,0 +1,64 @@
+"""kvbench.model.layout on every family: the full cache it predicts is what transformers' own cache holds, to the
+byte, after the same prefill and decode; sliding layers at their window, latent layers at their latent width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvbench import KvbenchError
+from kvbench.model.layout import cache_layout
+from tests.model.families import FAMILIES, WINDOW, build
+
+PROMPT, DECODE = 300, 5
+
+
+def transformers_cache_bytes(model, tokens: int, decode: int) -> int:
+    """Prefill `tokens` random ids, decode `decode` greedy steps with the model's own DynamicCache; its nbytes."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = model(input_ids=ids, position_ids=torch.arange(tokens)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        for step in range(decode):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
+            position = torch.tensor([[tokens + step]])
+            out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_bytes_equal_transformers_own_cache(family):
+    model = build(family)
+    layout = cache_layout(model.config, torch.float32)
+    assert layout.full_bytes(PROMPT + DECODE) == transformers_cache_bytes(model, PROMPT, DECODE)
+
+
+def test_the_figures_the_issue_names():
+    # sliding layers hold W - 1 tokens; every layer of a Mistral-style model slides
+    mistral = cache_layout(FAMILIES["mistral"](), torch.float32)
+    assert mistral.kinds == ("sliding",) * 4
+    assert mistral.full_bytes(305) == 4 * 2 * 2 * 16 * (WINDOW - 1) * 4
+    assert mistral.dense_bytes(305) == 4 * 2 * 2 * 16 * 305 * 4
+    gemma3 = cache_layout(FAMILIES["gemma3"](), torch.float32)
+    assert gemma3.kinds == ("sliding",) * 5 + ("global",)
+    assert gemma3.growing_share(4096) == pytest.approx(4096 / (4096 + 5 * (WINDOW - 1)))
+    # latent attention: kv_lora_rank + qk_rope_head_dim per token and layer, not heads x head_dim
+    mla = cache_layout(FAMILIES["deepseek-v3"](), torch.float32)
+    assert mla.kinds == ("latent",) * 4 and mla.full_bytes(305) == 4 * (32 + 8) * 305 * 4
+    # Falcon's multi_query caches one head although config.num_kv_heads says 4
+    falcon = cache_layout(FAMILIES["falcon"](), torch.float32)
+    assert falcon.full_bytes(1) == 4 * 2 * 1 * 16 * 4
+
+
+def test_hybrid_models_are_refused_with_one_line():
+    import transformers as tf
+
+    config = tf.Qwen3NextConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )
+    with pytest.raises(KvbenchError, match="layer 0 is a 'linear_attention' layer"):
+        cache_layout(config, torch.float32)
