@@ -53,7 +53,7 @@ class ExampleWork:
             new = self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         else:
             args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-            grid_batch = grid_batching(self.cfg, self.lm)
+            grid_batch = grid_batching(self.cfg, self.lm, requested=len(self.confs) - 1)  # confs[0]: the baseline
             padding = float(self.cfg.get("grid_padding", MAX_PADDING))
             new = generation_rows(
                 *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
