@@ -1,6 +1,7 @@
 """The configurations of one example decoded together as one batch (`grid_batch`; `auto`, the default: where the
 rows come out bit for bit as one by one — on the CPU with the C decode kernels, float32 and bfloat16 — and, without
-them, in float32, where they come out token for token in every test).
+them, in float32, where they come out token for token in every test; and only in a run of more than one requested
+configuration besides the baseline, so a single method's run times each configuration's decode alone).
 
 Why the kernels: torch's CPU products round a row differently depending on the batch's row count (MKL's float32
 one-row and several-row products sum in different orders; oneDNN's bf16 kernels at some row counts — measured on

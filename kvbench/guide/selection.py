@@ -26,7 +26,7 @@ import pandas as pd
 
 from kvbench import KvbenchError
 from kvbench.store.aggregate import MATCH_KEYS, add_results_argument, load_rows, lower_is_better, variant_label
-from kvbench.store.intervals import mean_interval
+from kvbench.store.intervals import NO_INTERVAL_SHORT, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
 
 # what each method does, kept torch-free here (tests/guide/test_guide.py checks them against the method registry)
@@ -196,11 +196,9 @@ COLUMNS = [
     "config",
     "n",
     "score",
-    "ci_low",
-    "ci_high",
+    "score_ci95",
     "drop",
-    "drop_low",
-    "drop_high",
+    "drop_ci95",
     "kv_ratio",
     "prefill_vs_full",
     "decode_vs_full",
@@ -211,12 +209,22 @@ COLUMNS = [
 ]
 
 
+def with_interval_texts(table: pd.DataFrame) -> pd.DataFrame:
+    """The guide's printed intervals, score_ci95 and drop_ci95, as text (`0.354–0.879`, or that n is too small
+    for one): the bounds' own columns stay numbers (guide.csv)."""
+
+    def texts(low: str, high: str) -> list[str]:
+        return [interval_text(lo, hi, digits=3, short=False) for lo, hi in zip(table[low], table[high])]
+
+    return table.assign(score_ci95=texts("ci_low", "ci_high"), drop_ci95=texts("drop_low", "drop_high"))
+
+
 def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False) -> str:
     """The guide as text (or Markdown): one block per (scenario, task, budget), then composition candidates."""
     out = []
     for (scen, task, budget), group in table.groupby(["scenario", "task", "budget"], sort=True):
         head = f"{scen} — {task} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
-        body = group[COLUMNS]
+        body = with_interval_texts(group)[COLUMNS]
         out.append(
             f"### {head}\n\n{markdown(body)}"
             if as_markdown
@@ -279,5 +287,5 @@ if __name__ == "__main__":
 
 
 def score_with_interval(score: float, low: float, high: float) -> str:
-    """`0.444 [0.189, 0.733]`, or the score alone where there is no interval (n < 5)."""
-    return f"{score:.3f}" if math.isnan(low) else f"{score:.3f} [{low:.3f}, {high:.3f}]"
+    """`0.444 [0.189, 0.733]`, or `0.444 (n<5: no interval)` where there is none."""
+    return f"{score:.3f} ({NO_INTERVAL_SHORT})" if math.isnan(low) else f"{score:.3f} [{low:.3f}, {high:.3f}]"

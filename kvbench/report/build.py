@@ -5,10 +5,11 @@ Writes the plots (PNG), `summary.csv` (every aggregate, all levels, with `compar
 file name) into --out (default: the first RESULTS_DIR/report), and prints the files written. Exit 2 with one line
 on bad input. Torch-free.
 
-The page reads top-down: takeaways per task (headline plot, knees, best method per budget, in words with the
-numbers; sections registered for "summary" such as the selection guide), then plots, then tables (default
-columns, the rest behind a toggle; per task, collapsible), then registered sections and provenance. Every pooled
-number compares configurations on the same examples; the others are listed apart (see kvbench.store.aggregate).
+The page reads top-down: takeaways per task (the headline plot first — quality vs measured kv_ratio — beside the
+knees and best method per budget, in words with the numbers; then sections registered for "summary" such as the
+selection guide), then plots, then tables (default columns, the rest behind a toggle; per task, collapsible), then
+registered sections and provenance. Every pooled number compares configurations on the same examples; the others
+are listed apart (see kvbench.store.aggregate).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pandas as pd
 from kvbench import KvbenchError
 from kvbench.report import sections as _registered  # noqa: F401  (importing it registers the sections)
 from kvbench.report.page import Page
-from kvbench.report.section import INPUTS, PLACES, build_sections
+from kvbench.report.section import PLACES, Context, build_sections
 from kvbench.report.tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report.takeaways import takeaways
 from kvbench.store.aggregate import ALL, add_results_argument, knees, load_rows, pareto, summarize, with_variants
@@ -121,8 +122,8 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     frontier = pareto(summary)
     check_writable(out_dir)
     plots = plot_all(rows, summary, knee, frontier, out_dir, tolerance)
-    INPUTS[:] = [Path(p) for p in paths]  # sections reading files beside the store (kvbench.report.sections.predicted)
-    extra = {place: build_sections(rows, summary, out_dir, place) for place in PLACES}
+    context = Context(out_dir, tuple(Path(p) for p in paths))
+    extra = {place: build_sections(rows, summary, context, place) for place in PLACES}
     page = render(rows, summary, knee, frontier, plots, extra, paths, tolerance)
 
     written = [p.path for p in plots] + [f for sections in extra.values() for s in sections for f in s.files]
@@ -154,19 +155,19 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         cls="meta",
     )
     page.heading(2, "Takeaways", "takeaways")
-    page.note(
-        f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
-        f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
-        f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples."
-    )
-    for section in extra["summary"]:
-        _extra(page, section, level=3)
-    for scope in scopes:
+    for scope in scopes:  # first the headline plot (quality vs measured kv_ratio) beside its lines, per task
         lines = takeaways(summary, knee, tolerance, "task" if scope[1] != ALL else "overall", *scope)
         if lines:
             page.heading(3, name(scope).capitalize())
             quality = images(scope[0], scope[1], ["quality"])
             page.card(quality[0] if quality else None, lines)
+    page.note(
+        f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
+        f"score is within {tolerance:g} (absolute) of the full cache on the same examples. Intervals: 95 %, "
+        f"Wilson for 0/1 scores, bootstrap otherwise; none below {MIN_N} examples."
+    )
+    for section in extra["summary"]:  # then the selection guide's verdict
+        _extra(page, section, level=3)
 
     page.heading(2, "Plots", "plots")
     for scope in scopes:

@@ -10,17 +10,18 @@ How to add a section (e.g. prefix caching, diagnostics, the planner, the selecti
        from kvbench.report.section import Section, report_section
 
        @report_section("Prefix reuse", needs=["reused_tokens"], where="tables")
-       def prefix_reuse(rows, summary, out_dir):
+       def prefix_reuse(rows, summary, context):
            table = rows.groupby("method")["reused_tokens"].mean()
            return Section(html=table.to_frame().to_html(), markdown=table.to_markdown())
 
    - `needs`: row columns the section reads; it runs only when every one is present with at least one value.
-   - `where`: "summary" (the takeaways at the top: e.g. the selection guide's verdict), "plots" or "tables"
-     (the default; after the per-task tables).
+   - `where`: "summary" (the takeaways at the top, after the headline plots: e.g. the selection guide's
+     verdict), "plots" or "tables" (the default; after the per-task tables).
    - arguments: `rows` (pandas DataFrame, one row per example × configuration as loaded from the store, with
      `method` already the variant label such as `kivi(bits=2)`), `summary` (aggregate.summarize's frame:
-     levels subset/task/overall, `compared` marks the configurations pooled on common examples) and `out_dir`
-     (the report's directory: write PNGs there and list them in `files`).
+     levels subset/task/overall, `compared` marks the configurations pooled on common examples) and `context`
+     (a `Context`: `out_dir`, the report's directory — write PNGs there and list them in `files`; `inputs`, the
+     report's store directories or row files — a section reading files written beside the store looks there).
    - return a `Section` or None (nothing to show). `html` is a fragment: escape your own text
      (`html.escape`); `files` are PNGs the report embeds after the fragment (data URIs) and links in report.md.
 """
@@ -44,22 +45,27 @@ class Section:
     title: str = ""  # filled from the registration when empty
 
 
+@dataclass(frozen=True)
+class Context:
+    """What a section gets besides the rows and the summary, given by build_report."""
+
+    out_dir: Path  # the report's directory: a section's PNGs go there
+    inputs: tuple[Path, ...] = ()  # the report's store directories or row files, as given on its command line
+
+
 @dataclass
 class _Entry:
     title: str
     needs: tuple[str, ...]
     where: str
-    build: Callable[[pd.DataFrame, pd.DataFrame, Path], Section | None]
+    build: Callable[[pd.DataFrame, pd.DataFrame, Context], Section | None]
 
 
 SECTIONS: list[_Entry] = []
-# the report's inputs (store directories or row files), set by build_report: sections that read files written
-# beside the store (kvbench.report.sections.predicted) look there
-INPUTS: list[Path] = []
 
 
 def report_section(title: str, needs: list[str] | tuple[str, ...] = (), where: str = "tables"):
-    """Decorator: register `build(rows, summary, out_dir) -> Section | None` (see the module docstring)."""
+    """Decorator: register `build(rows, summary, context) -> Section | None` (see the module docstring)."""
     if where not in PLACES:
         raise ValueError(f"report_section {title!r}: where must be one of {', '.join(PLACES)}, got {where!r}")
 
@@ -70,7 +76,7 @@ def report_section(title: str, needs: list[str] | tuple[str, ...] = (), where: s
     return wrap
 
 
-def build_sections(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, where: str) -> list[Section]:
+def build_sections(rows: pd.DataFrame, summary: pd.DataFrame, context: Context, where: str) -> list[Section]:
     """The sections for one place of the report whose columns are present, in registration order."""
     out = []
     for entry in SECTIONS:
@@ -78,7 +84,7 @@ def build_sections(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path, whe
             continue
         if not all(c in rows.columns and rows[c].notna().any() for c in entry.needs):
             continue
-        section = entry.build(rows, summary, out_dir)
+        section = entry.build(rows, summary, context)
         if section is not None:
             section.title = section.title or entry.title
             out.append(section)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from kvbench.store.intervals import MIN_N
+from kvbench.store.intervals import MIN_N, interval_text
 
 MiB = 2**20
 
@@ -37,9 +37,9 @@ def seconds(v) -> str:
 
 
 def interval(row) -> str:
-    if _nan(row["ci_low"]):
-        return f"n<{MIN_N}" if row["n"] < MIN_N else "—"
-    return f"{row['ci_low']:.2f}–{row['ci_high']:.2f}"
+    if _nan(row["ci_low"]) and row["n"] >= MIN_N:
+        return "—"  # no interval for another reason than n (no scores)
+    return interval_text(row["ci_low"], row["ci_high"])
 
 
 @dataclass
@@ -90,9 +90,9 @@ def summary_columns(
             "decode ms/token",
             lambda r: r["decode_ms_per_token"],
             fixed(1),
-            title="rows decoded in a batch (batch_size > 1: grid_batch in float32 by default, or "
-            "batch_size) carry "
-            "the batch's step time; compare methods' decode speed with grid_batch=false",
+            title="rows decoded in a batch (batch_size > 1: by default a grid of several configurations, "
+            "grid_batch; or batch_size) carry the batch's step time; compare methods' decode speed with "
+            "grid_batch=false",
         ),
     ]
     if tasks:

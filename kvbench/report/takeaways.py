@@ -8,12 +8,12 @@ import math
 import pandas as pd
 
 from kvbench.store.aggregate import FULL
-from kvbench.store.intervals import MIN_N
+from kvbench.store.intervals import MIN_N, interval_text
 
 
 def _score(row) -> str:
-    ci = "" if math.isnan(row["ci_low"]) else f" [{row['ci_low']:.2f}–{row['ci_high']:.2f}]"
-    return f"{row['score']:.3f}{ci}"
+    text = interval_text(row["ci_low"], row["ci_high"], short=False)
+    return f"{row['score']:.3f} " + (f"({text})" if math.isnan(row["ci_low"]) else f"[{text}]")
 
 
 def _overlap(a, b) -> bool:

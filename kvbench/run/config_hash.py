@@ -14,13 +14,22 @@ from kvbench.store.results import config_hash
 from kvbench.tasks import TASKS
 
 
-def grid_batching(cfg: DictConfig, lm) -> bool:
+def grid_batching(cfg: DictConfig, lm, requested: int) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.engine.grid_decode): grid_batch=auto does
-    where the rows are identical to one by one (tested); true always; false never."""
+    where the rows are identical to one by one (tested) and the run requests more than one configuration besides the
+    full-cache baseline — a single method's run (the default job) decodes each configuration alone, so the first
+    decode_ms_per_token a user reads is each method's own, not a batch's shared step; true always; false never."""
     if lm.layout.has_sliding:
         return False  # window layers (kvbench.model.cache.WindowLayer) decode alone: grid rows are plain layers
     setting = cfg.get("grid_batch", "auto")
-    return grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
+    return requested > 1 and grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
+
+
+def grid_batch_forced(cfg: DictConfig, lm) -> bool:
+    """grid_batch=true where a grid row does not decode as it does alone: rows of their own (auto never batches
+    there, so whatever the number of configurations its rows are the one-by-one rows)."""
+    setting = cfg.get("grid_batch", "auto")
+    return setting != "auto" and bool(setting) and not grid_rows_as_alone(lm)
 
 
 def grid_rows_as_alone(lm) -> bool:
@@ -75,7 +84,7 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
             # outside float32, decoding configurations together may change a last bit (and a token), and which rows
             # share a batch (grid_padding) with it: apart
-            **(forced_grid_keys(cfg) if grid_batching(cfg, lm) and not grid_rows_as_alone(lm) else {}),
+            **(forced_grid_keys(cfg) if grid_batch_forced(cfg, lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
             **({"bf16_kernels": "c"} if bf16_kernels(lm) else {}),

@@ -29,6 +29,7 @@ from kvbench.run.config_hash import hash_configuration
 from kvbench.run.configuration import configurations
 from kvbench.run.work import ExampleWork
 from kvbench.store.aggregate import summarize, with_variants
+from kvbench.store.intervals import interval_text
 from kvbench.store.results import (
     COLUMNS,
     ResultStore,
@@ -153,9 +154,12 @@ def finish_run(
         from kvbench.guide.diagnose_run import copy_side_records
 
         copy_side_records(store.rows_dir, frame, out_dir / "rows.parquet")
-    summary = summarize(frame.assign(method=with_variants(frame)["variant"]))
+    labelled = frame.assign(method=with_variants(frame)["variant"])
+    summary = summarize(labelled)
     write_csv(summary, out_dir / "summary.csv")
-    print_summary(summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame))
+    print_summary(
+        summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame), batches(labelled)
+    )
     if cfg.get("report", True):
         from kvbench.report.build import build_report  # imported here: matplotlib only when a report is wanted
 
@@ -173,24 +177,63 @@ def stale_rows(frame: pd.DataFrame) -> int:
     return int((frame["reused"].astype(bool) & (recorded != code_fingerprint())).sum())
 
 
+BATCH_KEYS = ["model", "task", "method", "budget", "query_aware"]  # a configuration's rows within a task
+
+
+def batches(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration of a task: the sizes of the batches its rows decoded in (`1`, `2`, `1–8`: grid_batch,
+    batch_size), whose step time a row's decode_ms_per_token is where it is > 1 (rows without the column: 1)."""
+    size = rows["batch_size"].fillna(1).astype(int) if "batch_size" in rows else pd.Series(1, index=rows.index)
+    sizes = size.groupby([rows[k] for k in BATCH_KEYS], dropna=False).agg(["min", "max"])
+    text = [f"{lo}" if lo == hi else f"{lo}–{hi}" for lo, hi in zip(sizes["min"], sizes["max"])]
+    return sizes.assign(batch_size=text, batched=sizes["max"] > 1)[["batch_size", "batched"]].reset_index()
+
+
 def print_summary(
-    summary: pd.DataFrame, out_dir: Path, store: ResultStore, n_new: int, n_reused: int, seconds: float, stale: int = 0
+    summary: pd.DataFrame,
+    out_dir: Path,
+    store: ResultStore,
+    n_new: int,
+    n_reused: int,
+    seconds: float,
+    stale: int = 0,
+    batch: pd.DataFrame | None = None,
 ) -> None:
-    """The per-task table (configurations compared on the same examples; others listed apart with their n)."""
+    """The per-task table (configurations compared on the same examples; others listed apart with their n).
+
+    `batch` (`batches(rows)`): a configuration decoded in batches shows its time under `batch_ms_per_step`, the
+    batch's step shared by every row of the batch, with the batch sizes — never as its own decode_ms_per_token."""
     table = summary[summary["level"] == "task"].assign(
-        ci95=lambda t: [f"{lo:.3f}–{hi:.3f}" if hi == hi else "n<5" for lo, hi in zip(t["ci_low"], t["ci_high"])]
+        ci95=lambda t: [interval_text(lo, hi, digits=3) for lo, hi in zip(t["ci_low"], t["ci_high"])]
     )
+    timing = ["decode_ms_per_token"]
+    if batch is not None and batch["batched"].any():
+        table = table.merge(batch, on=BATCH_KEYS, how="left")
+        shared = table["batched"].fillna(False).astype(bool)
+        table["batch_ms_per_step"] = table["decode_ms_per_token"].where(shared)
+        table["decode_ms_per_token"] = table["decode_ms_per_token"].where(~shared)
+        timing = ["decode_ms_per_token", "batch_ms_per_step", "batch_size"]
     cols = (
         ["task", "method", "budget", "n", "score", "ci95"]
         + (["score_partial"] if "score_partial" in table else [])
-        + ["drop_vs_full", "kv_ratio", "prefill_s", "decode_ms_per_token"]
+        + ["drop_vs_full", "kv_ratio", "prefill_s", *timing]
     )
+
+    def show(part: pd.DataFrame) -> str:
+        return part[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="–")
+
     print()
-    print(table[table["compared"]][cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    print(show(table[table["compared"]]))
     apart = table[~table["compared"]]
     if len(apart):
         print("\nran on only part of the examples (not comparable with the rows above):")
-        print(apart[cols].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        print(show(apart))
+    if len(timing) > 1:
+        print(
+            "batch_ms_per_step: one decode step of a batch of batch_size rows decoded together (configurations: "
+            "grid_batch; examples: batch_size), the same for every row of the batch; per-method decode_ms_per_token "
+            "comes from rows decoded alone (grid_batch=false)"
+        )
     print(f"\n{n_new} rows computed, {n_reused} reused from the store, in {seconds:.0f} s")
     if stale:
         print(

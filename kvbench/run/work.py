@@ -74,7 +74,7 @@ class ExampleWork:
         if self.requests:
             return self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-        grid_batch = grid_batching(self.cfg, self.lm)
+        grid_batch = grid_batching(self.cfg, self.lm, requested=len(self.confs) - 1)  # confs[0]: the baseline
         padding = float(self.cfg.get("grid_padding", MAX_PADDING))
         return generation_rows(
             *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding

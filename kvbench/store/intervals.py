@@ -11,6 +11,8 @@ import numpy as np
 
 MIN_N = 5  # fewer examples: no interval (a 2-example interval says nothing a reader should act on)
 BOOTSTRAP_RESAMPLES = 2000
+NO_INTERVAL = "n too small for an interval"  # in sentences
+NO_INTERVAL_SHORT = f"n<{MIN_N}: no interval"  # in table cells
 
 
 def normal_quantile(p: float) -> float:
@@ -60,3 +62,11 @@ def mean_interval(
         how = "bootstrap"
     low, high = max(low, score_range[0]), min(high, score_range[1])
     return mean, min(low, mean), max(high, mean), how
+
+
+def interval_text(low: float | None, high: float | None, digits: int = 2, short: bool = True) -> str:
+    """`0.35–0.88`, or — where mean_interval gave NaN bounds (fewer than MIN_N examples) — words saying there is
+    none (NO_INTERVAL_SHORT in table cells, NO_INTERVAL in sentences), never `nan–nan`."""
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return NO_INTERVAL_SHORT if short else NO_INTERVAL
+    return f"{low:.{digits}f}–{high:.{digits}f}"

@@ -108,6 +108,7 @@ def test_runner_batch_size_rows_equal_batch_one(tmp_path):
 def test_report_section_shows_batched_throughput(tmp_path):
     import pandas as pd
 
+    from kvbench.report.section import Context
     from kvbench.report.sections.batched import throughput
 
     rows = pd.DataFrame(
@@ -122,6 +123,7 @@ def test_report_section_shows_batched_throughput(tmp_path):
             "latency_s": [1.0, 2.0, 2.0],
         }
     )
-    section = throughput(rows, pd.DataFrame(), tmp_path)
+    section = throughput(rows, pd.DataFrame(), Context(tmp_path))
     assert "| full | 1.000 | 4 | 30.000 |" in section.markdown
-    assert throughput(rows[rows.batch_size == 1], pd.DataFrame(), tmp_path) is None  # nothing batched: no section
+    nothing_batched = rows[rows.batch_size == 1]
+    assert throughput(nothing_batched, pd.DataFrame(), Context(tmp_path)) is None  # no section

@@ -109,6 +109,27 @@ def test_runner_grid_batch_switch(tmp_path):
         run(compose_config(*tiny_overrides(tmp_path / "bad", "grid_padding=0.5")), output_dir=tmp_path / "bad")
 
 
+def test_a_single_method_run_decodes_each_configuration_alone(tmp_path, capsys):
+    """The default job's shape (one method + the full baseline): grid_batch=auto decodes each configuration on its
+    own, so each row's decode_ms_per_token is its method's; the rows are grid_batch=true's but for the timings,
+    batch_size and the process's peak memory (hashes included), and there the summary shows the batch's step."""
+    auto = run(compose_config(*tiny_overrides(tmp_path / "auto", "task.max_new_tokens=5")), tmp_path / "auto" / "o")
+    alone = capsys.readouterr().out
+    forced = run(
+        compose_config(*tiny_overrides(tmp_path / "on", "task.max_new_tokens=5", "grid_batch=true")),
+        output_dir=tmp_path / "on" / "out",
+    )
+    together = capsys.readouterr().out
+    key = ["method", "budget", "example_id"]
+    a, b = auto.sort_values(key).reset_index(drop=True), forced.sort_values(key).reset_index(drop=True)
+    timings = {"run_id", "timestamp", "prefill_s", "decode_s", "decode_ms_per_token", "decode_tokens_per_s"}
+    measured = timings | {"latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
+    assert [c for c in a.columns if c not in measured and not a[c].equals(b[c])] == []
+    assert set(a.method) == {"full", "streamingllm"} and (a.batch_size == 1).all() and (b.batch_size == 2).all()
+    assert "batch_ms_per_step" not in alone and "decode_ms_per_token" in alone
+    assert "batch_ms_per_step" in together
+
+
 def test_guide_compares_decode_speed_only_between_rows_timed_alone():
     """A grid-batched row's decode ms/token is its batch's step time: the guide's decode_vs_full skips it."""
     import pandas as pd
@@ -141,13 +162,17 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
         model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
         if kernel:
             assert decode_linear.install(model) == 1
-        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model)
+        layout = SimpleNamespace(has_sliding=False)  # all layers global, as the tiny model's
+        return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model, layout=layout)
 
     fp32, bf16 = lm(torch.float32, False), lm(torch.bfloat16, False)
-    assert grid_batching({"grid_batch": "auto"}, fp32) and not grid_batching({}, bf16)
-    assert grid_batching({"grid_batch": True}, bf16)
-    assert not grid_batching({"grid_batch": False}, fp32)
-    assert grid_batching({}, lm(torch.bfloat16, True)) and grid_batching({}, lm(torch.float32, True))
+    assert grid_batching({"grid_batch": "auto"}, fp32, 2) and not grid_batching({}, bf16, 2)
+    assert grid_batching({"grid_batch": True}, bf16, 2)
+    assert not grid_batching({"grid_batch": False}, fp32, 2)
+    assert grid_batching({}, lm(torch.bfloat16, True), 2) and grid_batching({}, lm(torch.float32, True), 2)
+    # one requested configuration besides the baseline (the default job): auto decodes each alone, true still batches
+    assert not grid_batching({}, lm(torch.bfloat16, True), 1) and not grid_batching({}, fp32, 1)
+    assert grid_batching({"grid_batch": True}, fp32, 1)
     hashes = {}
     for setting in ("auto", True, False):
         for model in (fp32, bf16, lm(torch.bfloat16, True)):

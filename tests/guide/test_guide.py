@@ -86,6 +86,21 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main([str(path), "--max-drop", "-1"]) == 2
 
 
+def test_intervals_below_five_examples_print_as_words(tmp_path, capsys):
+    """headmerge ran 3 examples: its score and drop intervals say n is too small, in the text and guide.md; the
+    numbers stay NaN in guide.csv."""
+    path = store(tmp_path, constructed())
+    assert main([str(path), "--out", str(tmp_path / "g")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if " headmerge " in x)
+    assert line.count("n too small for an interval") == 2 and "0.722–1.000" in out  # kivi's 10 examples: Wilson
+    md = (tmp_path / "g" / "guide.md").read_text()
+    assert "| headmerge | 3 | 1.000 | n too small for an interval | 0.000 | n too small for an interval |" in md
+    for text in (out, md):
+        assert "nan" not in text.lower()
+    assert pd.read_csv(tmp_path / "g" / "guide.csv").query("config == 'headmerge'")["ci_low"].isna().all()
+
+
 def test_guide_and_sections_import_no_torch():
     code = (
         "import sys, kvbench.guide.selection, kvbench.report.sections.guide, kvbench.report.sections.diagnose; "

@@ -19,7 +19,7 @@ from kvbench.model.load import _finish, byte_tokenizer
 from kvbench.model.support import refusal
 from tests.model.families import FAMILIES, build
 
-PROMPT, NEW = 200, 6
+PROMPT, NEW = 150, 5  # a prompt longer than the families' 64-token window
 METHOD_NAMES = [name for name in METHODS.names() if name != "full"]
 # families' small head widths (16, 32) need KIVI groups that divide them
 KNOBS = {"kivi": {"group_size": 16, "residual_length": 16}, "compose": {"overrides": {"kivi": {"group_size": 16}}}}

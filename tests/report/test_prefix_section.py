@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
+from kvbench.report.section import Context
 from kvbench.report.sections.prefix import compare, compress_once
 from scripts.compare_reuse import main
 
@@ -84,7 +85,7 @@ def test_script_ignores_runs_without_the_prefix_cache(tmp_path, capsys):
 def test_report_section_is_the_same_table(tmp_path):
     both = pd.concat([rows("per_question", cached=False, run="r0"), rows("per_question"), rows("compress_once")])
     both = both.assign(method=[m if m != "kivi" else "kivi(bits=2)" for m in both.method])  # the report's labels
-    section = compress_once(both, pd.DataFrame(), tmp_path)
+    section = compress_once(both, pd.DataFrame(), Context(tmp_path))
     assert section is not None
     markdown = section.markdown.replace(" |  |", " |")  # one table: shared_doc_qa's partial cell is empty
     for line in PRINTED.splitlines():
@@ -99,3 +100,11 @@ def test_budget_less_configurations():
     assert set(table.budget) == {"–"}
     table = compare(*(r.assign(method=r.method.replace("kivi", "compose(snapkv+kivi)")) for r in (pq, once)))
     assert set(table[table.method.str.startswith("compose")].budget) == {"1"}
+
+
+def test_fewer_than_five_pairs_say_no_interval():
+    pq, once = rows("per_question"), rows("compress_once")
+    table = compare(pq[pq.request_index < 3], once[once.request_index < 3])
+    assert set(table["n"]) == {3}
+    assert table["score per q."].str.endswith(" (n<5: no interval)").all()
+    assert not table["score once"].str.contains("nan").any()

@@ -330,8 +330,11 @@ def test_perplexity_is_lower_is_better_and_never_pooled_with_scores():
 def test_registered_report_sections_appear_when_their_columns_do(tmp_path):
     from kvbench.report.section import SECTIONS, Section, report_section
 
+    seen = []
+
     @report_section("Reuse check", needs=["reused_tokens"], where="summary")
-    def reuse(rows, summary, out_dir):
+    def reuse(rows, summary, context):
+        seen.append(context)
         return Section(
             html=f"<p>mean reused {rows['reused_tokens'].mean():g}</p>",
             markdown=f"mean reused {rows['reused_tokens'].mean():g}",
@@ -350,8 +353,55 @@ def test_registered_report_sections_appear_when_their_columns_do(tmp_path):
         assert "<h3>Reuse check</h3>" in page and "mean reused 4" in page  # inside Takeaways
         assert page.index("Reuse check") < page.index('id="plots"')
         assert "mean reused 4" in (tmp_path / "b" / "report.md").read_text()
+        # the report's inputs and directory reach the section as its context (no module state between reports)
+        assert [(c.out_dir, c.inputs) for c in seen] == [(tmp_path / "b", (extra,))]
+        with pytest.raises(AttributeError):
+            seen[0].inputs = ()  # frozen: a section cannot change what the next one sees
     finally:
         SECTIONS[:] = [s for s in SECTIONS if s.build is not reuse]
+
+
+def test_no_module_global_carries_the_report_inputs():
+    import kvbench.report.section as section
+
+    assert not hasattr(section, "INPUTS")
+    assert {name for name, value in vars(section).items() if isinstance(value, list)} == {"SECTIONS"}
+
+
+def test_the_headline_plot_opens_the_report_before_any_table(tmp_path):
+    """First under the title: quality vs measured kv_ratio per task, then the takeaways and the selection guide."""
+    rows = niah_grid([("full", 1.0), ("snapkv", 0.25), ("snapkv", 0.5)], lambda m, b, length, depth: b)
+    out = tmp_path / "out"
+    assert report_main([str(store(tmp_path / "results", rows)), "--out", str(out)]) == 0
+    page = (out / "report.html").read_text()
+    assert "Which method (selection guide)" in page  # the guide's table is there, after the plot
+    first_img = page.index("<img")
+    assert first_img < page.index("<table") and first_img < page.index("Which method (selection guide)")
+    assert 'alt="quality_niah"' in page[first_img : first_img + 40]
+    markdown = (out / "report.md").read_text()
+    lines = markdown.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    first_image = next(i for i, line in enumerate(lines) if line.startswith("!["))
+    assert first_image < first_table and lines[first_image] == "![quality_niah](quality_niah.png)"
+    assert first_image < lines.index("### Which method (selection guide)")
+
+
+def test_an_interval_below_five_examples_is_said_never_printed_as_nan(tmp_path):
+    from kvbench.store.intervals import NO_INTERVAL, NO_INTERVAL_SHORT, interval_text
+
+    assert interval_text(math.nan, math.nan) == NO_INTERVAL_SHORT == "n<5: no interval"
+    assert interval_text(math.nan, math.nan, short=False) == NO_INTERVAL == "n too small for an interval"
+    assert interval_text(None, None) == NO_INTERVAL_SHORT and interval_text(0.354, 0.8789, digits=3) == "0.354–0.879"
+    rows = [row(m, b, f"e{i}", s) for m, b, s in [("full", 1.0, 1.0), ("snapkv", 0.5, 0.0)] for i in range(3)]
+    out = tmp_path / "out"
+    assert report_main([str(store(tmp_path / "results", rows)), "--out", str(out)]) == 0
+    markdown = (out / "report.md").read_text()
+    assert "| full | 1 | 3 | 1.000 | n<5: no interval |" in markdown  # the per-task table
+    assert "the full cache scores 1.000 (n too small for an interval)" in markdown  # the takeaways
+    assert "| snapkv | 3 | 0.000 (n<5: no interval) |" in markdown  # the selection guide's summary
+    page = re.sub(r'src="data:[^"]*"', "", (out / "report.html").read_text())
+    for text in (markdown, page):
+        assert not re.search(r"\bnan\b", text, re.IGNORECASE)
 
 
 class _Outline(__import__("html.parser").parser.HTMLParser):

@@ -131,3 +131,32 @@ def _has_cuda():
     import torch
 
     return torch.cuda.is_available()
+
+
+def _summary_printed(rows: list[dict], capsys) -> str:
+    from types import SimpleNamespace
+
+    from kvbench.run.runner import batches, print_summary
+    from kvbench.store.aggregate import summarize
+
+    frame = pd.DataFrame(rows)
+    store = SimpleNamespace(rows_dir=Path("store/rows"))
+    print_summary(summarize(frame), Path("out"), store, len(frame), 0, 1.0, batch=batches(frame))  # type: ignore[arg-type]
+    return capsys.readouterr().out
+
+
+def test_summary_labels_a_batch_step_and_says_when_n_is_too_small(capsys):
+    from tests.report.test_report import row
+
+    alone = [row(m, b, f"e{i}", 1.0, batch_size=1) for m, b in (("full", 1.0), ("snapkv", 0.5)) for i in range(3)]
+    out = _summary_printed(alone, capsys)
+    header = out.splitlines()[1].split()
+    assert header[-1] == "decode_ms_per_token" and "batch_ms_per_step" not in out  # every row's own time
+    assert out.count("n<5: no interval") == 2 and "nan" not in out.lower()
+    together = [{**r, "batch_size": 2, "decode_ms_per_token": 25.0} for r in alone[:3] + alone[3:5]] + alone[5:]
+    out = _summary_printed(together, capsys)
+    header, full, snapkv = out.splitlines()[1:4]
+    assert header.split()[-3:] == ["decode_ms_per_token", "batch_ms_per_step", "batch_size"]
+    assert full.split()[-3:] == ["–", "25.000", "2"]  # the batch's step, never shown as full's own decode speed
+    assert snapkv.split()[-3:] == ["–", "25.000", "1–2"]  # one example alone, two in a batch: a mixed mean
+    assert "batch_ms_per_step: one decode step of a batch" in out

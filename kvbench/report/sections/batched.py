@@ -7,11 +7,11 @@ from __future__ import annotations
 import pandas as pd
 
 from kvbench.guide.selection import markdown
-from kvbench.report.section import Section, report_section
+from kvbench.report.section import Context, Section, report_section
 
 
 @report_section("Throughput (batched decoding)", needs=["batch_size", "decode_tokens_per_s"], where="tables")
-def throughput(rows: pd.DataFrame, summary: pd.DataFrame, out_dir) -> Section | None:
+def throughput(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     if not (rows["batch_size"].fillna(1) > 1).any():
         return None
     columns = {

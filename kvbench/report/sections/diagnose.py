@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvbench.guide.selection import markdown
 from kvbench.guide.verdict import VERDICTS
-from kvbench.report.section import Section, report_section
+from kvbench.report.section import Context, Section, report_section
 
 CONFIG = ["method", "budget"]  # `method` is already the variant label (kivi(bits=2)) in the report's rows
 
@@ -120,7 +120,8 @@ def why(rows: pd.DataFrame) -> list[str]:
 
 
 @report_section("Why quality dropped (diagnostics)", needs=["verdict"], where="tables")
-def diagnostics(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section:
+def diagnostics(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section:
+    out_dir = context.out_dir
     counts = verdict_counts(rows)
     paragraphs = why(rows)
     files = [

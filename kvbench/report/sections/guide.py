@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import html
-from pathlib import Path
 
 import pandas as pd
 
 from kvbench.guide.selection import markdown, report_summary
-from kvbench.report.section import Section, report_section
+from kvbench.report.section import Context, Section, report_section
 
 
 @report_section("Which method (selection guide)", needs=["method_params"], where="summary")
-def guide(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
+def guide(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     raw = rows.assign(method=rows["method"].str.split("(").str[0])  # the report labels methods as variants
     best = report_summary(raw)
     if best.empty:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.guide.selection import markdown
-from kvbench.report.section import INPUTS, Section, report_section
+from kvbench.report.section import Context, Section, report_section
 
 FILE = "predicted_vs_measured.csv"
 COLUMNS = ["model", "hardware", "config", "context", "limit_bytes", "quantity", "predicted", "measured", "unit"]
@@ -64,8 +64,8 @@ def table_of(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
 
 
 @report_section("Predicted vs measured (capacity planner)", where="tables")
-def predicted_vs_measured(rows: pd.DataFrame, summary: pd.DataFrame, out_dir) -> Section | None:
-    path = find_csv(list(INPUTS))
+def predicted_vs_measured(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
+    path = find_csv(list(context.inputs))
     if path is None:
         return None
     frame = pd.read_csv(path)

@@ -13,7 +13,7 @@ import html
 import pandas as pd
 
 from kvbench.guide.selection import markdown
-from kvbench.report.section import Section, report_section
+from kvbench.report.section import Context, Section, report_section
 
 MIB = 2**20
 
@@ -66,7 +66,7 @@ def peak_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 @report_section("Peak memory by prefill mode", needs=["prefill", "peak_mem_bytes"])
-def peak_by_prefill(rows: pd.DataFrame, summary: pd.DataFrame, out_dir) -> Section | None:
+def peak_by_prefill(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     modes = set(prefill_mode(rows))
     if modes <= {"shared"}:
         return None  # the default alone: the per-task tables already show its peak

@@ -5,7 +5,6 @@ budget. Torch-free (the report must not import torch)."""
 from __future__ import annotations
 
 import html
-from pathlib import Path
 
 import matplotlib
 
@@ -14,9 +13,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.guide.selection import CHANGES_MODEL, PRECISION
-from kvbench.report.section import Section, report_section
+from kvbench.report.section import Context, Section, report_section
 from kvbench.store.aggregate import FULL
-from kvbench.store.intervals import mean_interval
+from kvbench.store.intervals import interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
 
 MiB = 2**20
@@ -40,7 +39,7 @@ def _table(frame: pd.DataFrame) -> tuple[str, str]:
 
 
 @report_section("Prefix caching: time to first token and memory vs requests", needs=["reused_tokens", "held_bytes"])
-def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
+def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     rows = rows.assign(mode=_mode(rows)).sort_values(["run_id", "request_index"])
     table = (
         rows.groupby(["task", "method", "budget", "mode"], sort=False)
@@ -71,7 +70,7 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Se
         held.set(xlabel="request", ylabel="bytes held (MiB)", title=f"{task}: caches held, shared pages once")
         held.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / f"prefix_{task}.png"
+        path = context.out_dir / f"prefix_{task}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
@@ -120,8 +119,8 @@ def compare(per_question: pd.DataFrame, once: pd.DataFrame) -> pd.DataFrame:
             "method": method,
             "budget": "–" if _keeps_every_token(method) else f"{budget:g}",
             "n": len(pair),
-            "score per q.": f"{m1:.3f} ({lo1:.2f}–{hi1:.2f})",
-            "score once": f"{m2:.3f} ({lo2:.2f}–{hi2:.2f})",
+            "score per q.": f"{m1:.3f} ({interval_text(lo1, hi1)})",
+            "score once": f"{m2:.3f} ({interval_text(lo2, hi2)})",
             "once better/worse": f"{(pair.score_once > pair.score_pq).sum()}/{(pair.score_once < pair.score_pq).sum()}",
             "partial per q. / once": (
                 f"{pair.score_partial_pq.mean():.3f} / {pair.score_partial_once.mean():.3f}"
@@ -140,7 +139,7 @@ def prefix_cached(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 @report_section("Compress once vs per question", needs=["reuse"])
-def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, out_dir: Path) -> Section | None:
+def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     rows = prefix_cached(rows).sort_values("request_index")  # `method` carries the variant (kivi bits=2 and 4 apart)
     table = compare(rows[rows["reuse"] == "per_question"], rows[rows["reuse"] == "compress_once"])
     if table.empty:
