@@ -6,9 +6,17 @@ Every module of this package is imported here, so a method registers itself by e
 import importlib
 import pkgutil
 
-from kvbench.methods.base import METHODS, Budget, Method, build_method, method_defaults
+from kvbench.methods.base import METHODS, Budget, Capabilities, Method, build_method, method_defaults, scorer_names
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["METHODS", "Budget", "Method", "build_method", "method_defaults"]
+__all__ = [
+    "METHODS",
+    "Budget",
+    "Capabilities",
+    "Method",
+    "build_method",
+    "method_defaults",
+    "scorer_names",
+]

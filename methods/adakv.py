@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS, build_method, method_defaults
-from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
-from kvbench.methods.scoring import check_choice
+from kvbench.methods.base import METHODS, Capabilities
+from kvbench.methods.scorers import WrapsScorer
 from kvbench.model.ragged import RaggedLayer
 
 
@@ -45,13 +44,15 @@ class AdaKV(WrapsScorer):
     scorer: str = "snapkv"  # the per-head scores redistributed: snapkv | pyramidkv | tova | knorm | keydiff | ...
     alpha_safeguard: float = 0.2  # share of each head's uniform budget it keeps whatever the other heads score
 
-    chunk_limit = "its ragged layers give no attention statistics to a later chunk"
+    caps = Capabilities(
+        chunk_limit="its ragged layers give no attention statistics to a later chunk",
+        stream_limit="use its scorer",
+    )
 
     def __post_init__(self):
-        check_choice("scorer", self.scorer, SCORERS)
+        self.wrap(self.scorer)
         if not 0 <= self.alpha_safeguard <= 1:
             raise KvbenchError(f"alpha_safeguard={self.alpha_safeguard}: must be in [0, 1]")
-        self._scorer = build_method(self.scorer, method_defaults(self.scorer))
         self.reset()
 
     def reset(self) -> None:
@@ -60,7 +61,7 @@ class AdaKV(WrapsScorer):
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         """Records the layer's ragged choice; the dense gather the base class does with the returned (empty)
         index costs nothing and is replaced by the ragged layer in `compress_layer`."""
-        scores = head_scores(self._scorer, layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
+        scores = self._scorer.scores(layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
         self._keep[layer_idx] = adaptive_keep(scores, n_keep, self.alpha_safeguard)
         return torch.empty(*keys.shape[:2], 0, dtype=torch.long, device=keys.device)  # (B, H_kv, 0)
 
@@ -70,6 +71,3 @@ class AdaKV(WrapsScorer):
         dense = super().compress_layer(layer_idx, keys, values, stats)
         keep = self._keep.pop(layer_idx, None)  # (B, H_kv, T) bool
         return dense if keep is None else RaggedLayer.gather(keys, values, keep)
-
-    def begin_stream(self, n_tokens, n_layers, budget, first):
-        raise KvbenchError("adakv is not supported by the streaming perplexity task (task=ppl); use its scorer")

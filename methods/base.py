@@ -1,42 +1,47 @@
-"""The method interface.
+"""The method interface: what every method declares, and the hooks the engine drives it through.
 
 A method is a small dataclass whose fields are its knobs, with their defaults (conf/method/<name>.yaml repeats them
 for Hydra; tests/methods/test_methods.py checks that the two agree for every registered method). Every module in
-methods/ is imported by methods/__init__.py, so a new file with `@METHODS.register("name")` is all it takes. The engine
-drives a method through these hooks, each with a working default, so a method overrides only what it changes:
+methods/ is imported by methods/__init__.py, so a new file with `@METHODS.register("name")` and its yaml are all it
+takes. What a method is (family, budget, which engine paths serve it) is declared once, in `caps` (`Capabilities`
+below), and read as `method.caps.<name>`: nothing is looked up on a method by name. Every hook but `scores` has a
+working default, so a method overrides only what it changes:
 
-prefill and selection
+scoring and selection
 - `bind(lm)`                          see the loaded model (RoPE frequencies for position re-indexing)
-- `prepare_model(model)`              change the model itself (head merging); such methods opt out of shared prefill
 - `stats_request()`                   attention statistics the prefill must record (observation window, all queries)
+- `scores(l, K, V, stats)`            per KV head and position, (B, H_kv, T); +inf: always kept. A method defining
+                                      it is a scorer (`scorer_names()`), which adakv and decoding can wrap
+- `keep_indices(l, K, stats, n)`      per layer and KV head, which prompt positions to keep (default: top scores)
+byte accounting (the rules `compress` follows and the planner predicts bytes with, kvbench.model.kv_bytes)
 - `min_tokens()`                      the fewest kept tokens the method works with (its sinks/windows)
 - `layer_tokens(n_keep, L, T)`        tokens kept per layer (uniform; PyramidKV redistributes them)
-- `layer_keep_counts(T, L, budget)`   prompt tokens each layer keeps (the rule `compress` and the planner share)
-- `keep_indices(layer, K, stats, n)`  per layer and KV head, which prompt positions to keep
+- `layer_keep_counts(T, L, budget)`   prompt tokens each layer keeps
+- `held_after_decoding(kept, ...)`    tokens each layer holds after appending and decoding (grows by default)
+the compress path
 - `compress(prefill_kv, stats, budget)`  the cache to decode from after a shared prefill: the three hooks below
-- `begin_compress(T, L, budget)`      forget the last example, fix each layer's count for the whole prompt
+- `begin_compress(T, L, budget)`      forget the last example (`reset()`), fix each layer's count for the prompt
 - `compress_layer(l, K, V, stats)`    one layer's cache layer: `keep_indices` gathered by default; quantized
                                       caches build their own layers here. prefill=inline calls it inside the
                                       forward pass right after layer l's attention (kvbench/engine/inline.py), and
                                       prefill_chunk again after every chunk with what the layer then holds
 - `observe_layer(l, K, stats)`        a layer kept whole: methods accumulating scores (H2O) add this pass's
 - `end_compress(layers, stats, budget)`  the cache holding the layers; decode-time state is set up here
-- `compresses_per_layer()`, `chunk_limit`  whether prefill=inline / prefill_chunk serve the method (validated)
-decoding (methods/decode_eviction.py's DecodeEviction implements these once for H2O and StreamingLLM)
-- `reset()`                           forget per-example state
-- `decode_request()`                  statistics each decode forward must record
-- `on_extend(n)`                      n uncompressed tokens are appended (the question when query_aware=false)
-- `on_decode_start(cache, position)`  Engine.decode starts decoding one by one (StreamingLLM's ring starts here)
-- `on_decode_step(cache, stats)`      after each decode forward: evict to stay at the budget
-- `decodes_alone()`                   never a grid row (its own decode-time layers)
-- `evicts_while_decoding()`           whether on_decode_step evicts (compose checks its precision part can drop tokens)
-- `position(absolute, cache)`         the RoPE position of the next token (absolute by default; StreamingLLM can roll)
-- `stream_bound(cache, stats, budget, first)`  keep a streamed text's cache bounded (perplexity task) after a
-                                      chunk: `begin_stream`, `stream_layer` per layer, `end_stream` (prefill=inline
-                                      calls `stream_layer` inside the forward, right after each layer's attention)
+- `kept_positions`                    what the last compression kept per layer (kvbench.guide.diagnose reads it)
 recording
 - `params()`                          the knobs as recorded in the `method_params` column
 - `lossless_params(lm)`               knobs under which the method must reproduce the full cache exactly (tested)
+
+Modes, each a mixin or a wrapper with its own contract, never an attribute probed for:
+- decode time: methods/modes.py's `DecodeTime` (statistics per decode step, evicting after it, RoPE positions);
+  the engine reaches any method's through `decode_time(method)`. methods/decode_eviction.py's `DecodeEviction`
+  implements it once for H2O, StreamingLLM and TOVA; methods/decoding.py re-selects by any scorer while generating
+- model conversion: methods/modes.py's `ChangesModel` (head merging; declared `caps.shares_prefill=False`)
+- head-wise budgets: methods/adakv.py, and decoding, wrap a scorer (methods/scorers.py's `WrapsScorer`)
+- composition: methods/compose.py stacks one method per family (`caps.family`)
+- prefill=inline / prefill_chunk: the compress path, per layer (kvbench.engine.inline), as `caps.compresses_inline`
+  and `caps.chunk_limit` allow; streaming (task=ppl): kvbench.engine.streaming's `Stream` re-compresses after each
+  chunk (DecodeEviction evicts like a decode step instead), as `caps.stream_limit` allows
 """
 
 from __future__ import annotations
@@ -92,24 +97,52 @@ class Budget:
         return min(prompt_tokens, max(1, round(self.value * prompt_tokens)))
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method is and which engine paths serve it. Declared once per class (`caps = Capabilities(...)`); a
+    method whose knobs decide one sets its own in __post_init__ (`self.caps = dataclasses.replace(self.caps, ...)`)."""
+
+    family: str = "eviction"  # eviction | precision | structure | none | composite: what `compose` stacks
+    has_budget: bool = True  # False: the method keeps every token (quantization, head merging, full)
+    shares_prefill: bool = True  # False: the method changes the model (head merging): a prefill of its own
+    layers_can_select: bool = True  # precision methods: whether its cache layers support token eviction
+    compresses_inline: bool = True  # False: selection needs every layer's K/V first (kvzip): no prefill=inline
+    chunk_limit: str = ""  # why prefill_chunk cannot re-compress the cache after each chunk ("": it can)
+    stream_limit: str = ""  # what to run instead, where task=ppl cannot stream the method ("": it can)
+    evicts_while_decoding: bool = False  # on_decode_step drops tokens (compose checks its precision part allows it)
+    decodes_alone: bool = False  # decoding needs Engine.decode's own loop (StreamingLLM's ring layers): no grid row
+    extends_token_by_token: bool = False  # appended tokens are decode steps, one forward each (decoding)
+    reindexes_positions: bool = False  # RoPE positions counted inside the cache (StreamingLLM positions=rolling)
+
+
 @dataclass
 class Method:
-    name: ClassVar[str]
-    has_budget: ClassVar[bool] = True  # False: the method keeps every token (quantization, full)
-    shares_prefill: ClassVar[bool] = True  # False: the method changes the prefill itself (head merging)
-    family: ClassVar[str] = "eviction"  # eviction | precision | structure | none: what `compose` stacks
-    layers_can_select: ClassVar[bool] = True  # precision methods: do its cache layers support token eviction
+    name: ClassVar[str]  # set by METHODS.register
+    caps = Capabilities()  # what the method is (not a knob: no annotation, so not a dataclass field)
+    # per layer the (B, H_kv, N) prompt positions the last compression kept, None where a layer keeps every token;
+    # set by begin_compress (wrappers point it at their part's); None before any compression
+    kept_positions = None
 
-    # ---- prefill -------------------------------------------------------------------------------------------
+    # ---- scoring and selection -----------------------------------------------------------------------------
     def bind(self, lm) -> None:
         """Called with the LoadedModel before compressing (methods needing e.g. RoPE frequencies keep them)."""
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest()
 
-    def prepare_model(self, model):
-        return model
+    def scores(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats) -> torch.Tensor:
+        """Per-head scores (B, H_kv, T) fp32 of a layer's keys/values (B, H_kv, T, D) as cached (post-RoPE keys);
+        +inf marks positions the method always keeps (sinks, observation windows)."""
+        raise KvbenchError(f"{self.name} has no per-head scores; use a scorer: {', '.join(scorer_names())}")
 
+    def keep_indices(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder, n_keep: int) -> torch.Tensor:
+        """Positions to keep for one layer: (B, H_kv, n_keep) int64, sorted ascending; each KV head's `n_keep`
+        highest `scores` unless the method selects otherwise."""
+        values = self._layer_values  # this hook passes keys only; compress_layer sets the layer's values
+        assert values is not None, "keep_indices runs inside compress_layer"
+        return top_k_sorted(self.scores(layer_idx, keys, values, stats), n_keep)  # (B, H_kv, n_keep)
+
+    # ---- byte accounting -----------------------------------------------------------------------------------
     def min_tokens(self) -> int:
         """The smallest number of kept tokens the method can work with (sinks, windows)."""
         return 1
@@ -118,14 +151,10 @@ class Method:
         """Tokens kept in each layer; uniform by default (PyramidKV redistributes the same total)."""
         return [n_keep] * n_layers
 
-    def keep_indices(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder, n_keep: int) -> torch.Tensor:
-        """Positions to keep for one layer: (B, H_kv, n_keep) int64, sorted ascending."""
-        raise KvbenchError(f"method {self.name!r} does not evict tokens")
-
     def layer_keep_counts(self, n_prompt: int, n_layers: int, budget: Budget | None) -> list[int] | None:
         """Prompt tokens each layer keeps under `budget`; None when nothing is evicted. The one rule both
         `compress` and the planner's byte accounting (kvbench.model.kv_bytes) follow."""
-        if budget is None or not self.has_budget:
+        if budget is None or not self.caps.has_budget:
             return None
         n_keep = budget.tokens(n_prompt)
         if n_keep >= n_prompt:
@@ -143,6 +172,16 @@ class Method:
             )
         return [min(n, n_prompt) for n in self.layer_tokens(n_keep, n_layers, n_prompt)]
 
+    def held_after_decoding(
+        self, kept: list[int], n_prompt: int, budget: Budget | None, appended: int, decoded: int
+    ) -> tuple[list[int], bool]:
+        """Tokens each layer holds after `appended` uncompressed tokens and `decoded` decode steps, from the `kept`
+        per layer of an n_prompt-token prompt compressed at `budget`; and whether decode-time eviction holds the
+        layers at a size. The cache just grows unless the method evicts while decoding (methods/decode_eviction.py,
+        methods/decoding.py): the rule the planner's byte accounting (kvbench.model.kv_bytes) follows."""
+        return [n + appended + decoded for n in kept], False
+
+    # ---- the compress path ---------------------------------------------------------------------------------
     def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
         """The cache to decode from, after the whole prefill (`prefill=shared`): `begin_compress`, then
         `compress_layer` for each layer, then `end_compress` — the same calls `prefill=inline` makes inside the
@@ -157,7 +196,8 @@ class Method:
         Records `kept_positions` (kvbench.guide.diagnose): per layer the (B, H_kv, N) prompt positions kept, None
         where a layer keeps every token."""
         self.reset()
-        self.kept_positions: list[torch.Tensor | None] = [None] * n_layers
+        self._kept: list[torch.Tensor | None] = [None] * n_layers  # filled in by compress_layer
+        self.kept_positions = self._kept
         self._keep_counts = self.layer_keep_counts(n_prompt, n_layers, budget)
         self._layer_values: torch.Tensor | None = None  # compress_layer's values, for value-aware scorers
         self._seen = [0] * n_layers  # prompt tokens each layer has been given (chunked prefill: so far)
@@ -172,20 +212,20 @@ class Method:
         slots = self._slot_positions(layer_idx, keys.shape[2], keys)  # (B, H_kv, T) prompt positions, or None
         if n_keep is None or n_keep >= keys.shape[2]:
             self.observe_layer(layer_idx, keys, stats)
-            self.kept_positions[layer_idx] = slots
+            self._kept[layer_idx] = slots
             return kv_layer(keys, values)
-        self._layer_values = values  # value-aware scorers (methods/scorer.py) read the layer's values
+        self._layer_values = values  # value-aware scorers read the layer's values
         try:
             index = self.keep_indices(layer_idx, keys, stats, n_keep)  # (B, H_kv, n_keep)
         finally:
             self._layer_values = None
-        self.kept_positions[layer_idx] = index if slots is None else slots.gather(-1, index)  # (B, H_kv, n_keep)
+        self._kept[layer_idx] = index if slots is None else slots.gather(-1, index)  # (B, H_kv, n_keep)
         return kv_layer(*gather_kv(keys, values, index))
 
     def _slot_positions(self, layer_idx: int, n_slots: int, like: torch.Tensor) -> torch.Tensor | None:
         """Prompt positions of a layer's `n_slots` cache slots: the positions kept so far, then the new tokens;
         None while the layer has never been evicted (slot = position)."""
-        held = self.kept_positions[layer_idx]  # (B, H_kv, P) or None
+        held = self._kept[layer_idx]  # (B, H_kv, P) or None
         seen = self._seen[layer_idx]
         self._seen[layer_idx] = seen + n_slots - (seen if held is None else held.shape[-1])
         if held is None:
@@ -203,84 +243,10 @@ class Method:
         cache.layers = list(layers)
         return cache
 
-    @classmethod
-    def compresses_per_layer(cls) -> bool:
-        """Whether `prefill=inline` can compress this method layer by layer: true unless the method overrides
-        `compress` itself instead of the begin/compress_layer/end hooks (e.g. one needing every layer first)."""
-        return getattr(cls.compress, "__qualname__", "") == "Method.compress" and cls.compresses_inline
-
-    compresses_inline: ClassVar[bool] = True  # False: a method whose selection needs every layer's statistics
-    chunk_limit: ClassVar[str] = ""  # why the method cannot re-compress after each prefill chunk ("": it can)
-
-    def chunkable(self) -> bool:
-        """Whether `prefill_chunk` can re-compress this method's cache after every chunk."""
-        return not self.chunk_limit
-
-    # ---- decode --------------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget per-example state (called at the start of each example's compression)."""
 
-    def decode_request(self) -> StatsRequest:
-        return StatsRequest()
-
-    def on_extend(self, n_tokens: int) -> None:
-        """`n_tokens` are about to be appended uncompressed (the question when query_aware=false): methods that
-        evict while decoding grow their size by that much instead of evicting the context for them."""
-
-    def evicts_while_decoding(self) -> bool:
-        return False
-
-    def on_decode_step(self, cache, stats: StatsRecorder) -> None:
-        """Called after each decode forward (the new token is already in the cache)."""
-
-    def acts_on_decode_steps(self) -> bool:
-        """Whether `on_decode_step` does anything (a subclass overrides it): the decode loops then run it per row."""
-        return type(self).on_decode_step is not Method.on_decode_step
-
-    def on_decode_start(self, cache, position: int) -> None:
-        """Decoding one token per step starts from `cache` (the next token at `position`): Engine.decode and
-        batched examples (kvbench.engine.batched) call it; grid batches and diagnose do not."""
-
-    def decodes_alone(self) -> bool:
-        """Whether decoding needs Engine.decode's own loop (StreamingLLM's ring layers): never a grid row."""
-        return False
-
-    # ---- streaming (task=ppl) -----------------------------------------------------------------------------
-    def stream_bound(self, cache, stats: StatsRecorder, budget: Budget | None, first: bool):
-        """Streaming (perplexity): bound the cache after a whole chunk's forward; returns the cache to continue with.
-        `begin_stream`, `stream_layer` per layer, `end_stream`: the calls ppl with prefill=inline makes one layer at a
-        time inside the forward (kvbench.engine.streaming), so both bound every layer identically."""
-        self.begin_stream(cache.layers[0].get_seq_length(), len(cache.layers), budget, first)
-        layers = [self.stream_layer(i, layer, stats) for i, layer in enumerate(cache.layers)]
-        cache.layers[:] = layers
-        return self.end_stream(cache, stats, budget)
-
-    def begin_stream(self, n_tokens: int, n_layers: int, budget: Budget | None, first: bool) -> None:
-        """Before a streamed chunk's layers are bounded; n_tokens: what each layer holds, the chunk included.
-
-        Eviction methods re-select from what each layer holds (with this chunk's statistics): a fresh compression
-        to the budget; methods without a budget compress once, after the first chunk (quantization), and then let
-        the cache grow."""
-        self._stream_compresses = first or self.has_budget
-        if self._stream_compresses:
-            self.begin_compress(n_tokens, n_layers, budget if self.has_budget else None)
-
-    def stream_layer(self, layer_idx: int, layer, stats: StatsRecorder):
-        """One layer right after this chunk's attention (it holds what it kept + the chunk): the layer to keep."""
-        if not self._stream_compresses:
-            return layer
-        return self.compress_layer(layer_idx, layer.keys, layer.values, stats)
-
-    def end_stream(self, cache, stats: StatsRecorder, budget: Budget | None):
-        """After every layer of a chunk is bounded: the cache to continue with."""
-        if not self._stream_compresses:
-            return cache
-        return self.end_compress(list(cache.layers), stats, budget if self.has_budget else None)
-
-    def position(self, absolute_position: int, cache) -> int:
-        """RoPE position for the next token; the original absolute position unless the method re-indexes."""
-        return absolute_position
-
+    # ---- recording -----------------------------------------------------------------------------------------
     @classmethod
     def lossless_params(cls, lm) -> dict | None:
         """Parameters under which the method must reproduce the full cache exactly (tested for every method);
@@ -289,9 +255,29 @@ class Method:
 
     def params(self) -> dict:
         """The knobs as recorded in the `method_params` column."""
-        from dataclasses import asdict
+        return dataclasses.asdict(self)
 
-        return asdict(self)
+
+def scorer_names() -> list[str]:
+    """The registered methods that define per-head `scores` (what adakv and decoding can wrap): no list to keep."""
+    return [name for name in METHODS.names() if METHODS.get(name).scores is not Method.scores]
+
+
+def top_k_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k highest scores along the last axis, in ascending position order."""
+    n = scores.shape[-1]
+    if k == n - 1 > 0:  # one token dropped (per-step eviction): every position but the lowest, when it is unique
+        lowest = scores.argmin(dim=-1, keepdim=True)  # (..., 1)
+        if bool(((scores == scores.gather(-1, lowest)).sum(-1) == 1).all()):  # else (ties, NaN) topk decides
+            positions = torch.arange(n - 1, device=scores.device)  # (n - 1,)
+            return positions + (positions >= lowest).long()  # (..., n - 1): the lowest skipped
+    return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def check_choice(name: str, value, choices) -> None:
+    """A knob that takes one of `choices`: one line naming them otherwise."""
+    if value not in choices:
+        raise KvbenchError(f"{name}={value!r}: use one of {', '.join(map(str, choices))}")
 
 
 def method_defaults(name: str) -> dict:

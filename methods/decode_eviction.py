@@ -8,18 +8,19 @@ Each layer's size after `compress` is what it kept — or the budget itself when
 prompt: nothing is evicted at prefill and decoding evicts once the cache reaches the budget, as the originals hold
 their cache at the budget. Budget 1.0 (and no budget) never evicts: the full cache, exactly. Tokens appended
 uncompressed after compression (`on_extend`, the question when query_aware=false) grow the sizes. Streaming
-(`stream_bound`) compresses the first chunk, then evicts like a decode step after each chunk.
+(task=ppl, kvbench.engine.streaming) compresses the first chunk, then evicts like a decode step after each chunk
+(`evict_streamed_layer`; `stream_evicts`).
 
 Block eviction (`evict_every` = k): the originals evict one token at every decode step, which costs a gather of
 the whole cache per step — more than the growing full cache pays. With k > 1 a layer grows for k − 1 steps and
 at the k-th evicts down to its size at once (k tokens), so the gather is paid once per k steps. The slack: after
 each step a layer holds between size and size + k − 1 tokens (size + k during the step's own attention); kv_bytes
 is measured at the end of generation as always, i.e. size + (decode steps mod k) tokens — what is physically held
-then (the planner predicts the same); the most it holds between steps is size + k − 1. Every step's attention is
-still observed (`observe_step`: H2O adds it to its scores), so k changes only when and how many tokens go at once:
-H2O drops the k lowest-scored tokens outside the recent window together instead of one per step (the window has
-moved on by then); StreamingLLM keeps exactly what per-step eviction keeps at every k-th step. k = 1 is the
-originals' per-step eviction, unchanged (the default).
+then (the planner predicts the same: `held_after_decoding`); the most it holds between steps is size + k − 1. Every
+step's attention is still observed (`observe_step`: H2O adds it to its scores), so k changes only when and how many
+tokens go at once: H2O drops the k lowest-scored tokens outside the recent window together instead of one per step
+(the window has moved on by then); StreamingLLM keeps exactly what per-step eviction keeps at every k-th step.
+k = 1 is the originals' per-step eviction, unchanged (the default).
 """
 
 from __future__ import annotations
@@ -31,19 +32,25 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
-from kvbench.methods.base import Budget, Method
+from kvbench.methods.base import Budget, Capabilities, Method
+from kvbench.methods.modes import DecodeTime
 from kvbench.model.attention import StatsRecorder
 from kvbench.model.cache import layer_lengths, layer_select
 
 
 @dataclass
-class DecodeEviction(Method):
+class DecodeEviction(DecodeTime, Method):
     """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`,
     `observe_step`)."""
 
     evict_every: int = 1  # decode steps per eviction: 1 = every step (the originals); k: k tokens at once, slack k − 1
+
+    caps = Capabilities(evicts_while_decoding=True)  # a subclass whose knob turns it off replaces it
     # False: a cache that compression left whole (budget ≥ the prompt) grows while decoding (TOVA's original)
     holds_whole_prompt: ClassVar[bool] = True
+    # streaming (task=ppl): after the first chunk, evict like a decode step (False: every chunk re-selects from
+    # all the layer holds, TOVA)
+    stream_evicts: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.evict_every, int) or self.evict_every < 1:
@@ -75,17 +82,42 @@ class DecodeEviction(Method):
             cache = self.start_decoding(cache, stats)
         return cache
 
+    # ---- byte accounting -----------------------------------------------------------------------------------
     def sizes_to_hold(self, kept: list[int], n_prompt: int, budget: Budget | None) -> list[int] | None:
         """Each layer's size while decoding, from what compression kept of an n_prompt-token prompt; None: the cache
-        grows. The one rule both `end_compress` and the planner's byte accounting (kvbench.model.kv_bytes) follow."""
+        grows. The one rule both `end_compress` and the planner's byte accounting (`held_after_decoding`) follow."""
         if any(n < n_prompt for n in kept):
             return kept
-        if not self.holds_whole_prompt or budget is None or not self.has_budget or budget.value == 1.0:
+        if not self.holds_whole_prompt or budget is None or not self.caps.has_budget or budget.value == 1.0:
             return None
         if budget.is_tokens:  # an absolute budget ≥ the prompt: hold the cache at the budget itself
             return [int(budget.value)] * len(kept)
         return kept  # a fraction that rounds to the whole (short) prompt: hold it there
 
+    def held_after_decoding(self, kept, n_prompt, budget, appended, decoded):
+        """Held at `sizes_to_hold` (grown by the appended tokens, `on_extend`): over size + evict_every − 1 a layer
+        drops to its size (blocks of evict_every steps)."""
+        sizes = self.sizes_to_hold(kept, n_prompt, budget) if self.caps.evicts_while_decoding else None
+        if sizes is None:
+            return super().held_after_decoding(kept, n_prompt, budget, appended, decoded)
+        held = []
+        for n, size in zip(kept, sizes):
+            tokens, size = n + appended, size + appended
+            rings, ringed = self.rings_at(size), False
+            for _ in range(decoded):
+                tokens += 1
+                if tokens > size + self.evict_every - 1:
+                    tokens = size
+                ringed = ringed or (rings and tokens == size)
+            held.append(tokens + ringed)
+        return held, True
+
+    def rings_at(self, size: int) -> bool:
+        """Whether a layer held at `size` moves into a ring buffer once it is there, holding one slot more from then
+        on (StreamingLLM ring=true, kvbench/model/ring.py)."""
+        return False
+
+    # ---- decoding ------------------------------------------------------------------------------------------
     def start_decoding(self, cache, stats: StatsRecorder):
         """Called once after compression when the cache will be held; returns the cache to decode from."""
         return cache
@@ -97,11 +129,11 @@ class DecodeEviction(Method):
     def observe_step(self, layer_idx: int, layer, stats: StatsRecorder) -> None:
         """Called after every forward while decoding (also the steps that do not evict): accumulate scores."""
 
-    def evicts_while_decoding(self) -> bool:
-        return True
+    def slack(self) -> int:
+        return self.evict_every - 1
 
     def decode_request(self):
-        if self._sizes is not None and self.evicts_while_decoding():
+        if self._sizes is not None and self.caps.evicts_while_decoding:
             return self.stats_request()
         return super().decode_request()
 
@@ -110,9 +142,15 @@ class DecodeEviction(Method):
             self._sizes = [size + n_tokens for size in self._sizes]
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
-        if self._sizes is not None and self.evicts_while_decoding():
+        if self._sizes is not None and self.caps.evicts_while_decoding:
             for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
                 self._evict_layer(layer_idx, layer, size, stats, slack=self.evict_every - 1)
+
+    def evict_streamed_layer(self, layer_idx: int, layer, stats: StatsRecorder) -> None:
+        """A streamed chunk's layer (task=ppl, after the first chunk; `stream_evicts`) evicted as a decode step
+        evicts it, without block slack."""
+        if self._sizes is not None:
+            self._evict_layer(layer_idx, layer, self._sizes[layer_idx], stats)
 
     def _evict_layer(self, layer_idx: int, layer, size: int, stats: StatsRecorder, slack: int = 0) -> None:
         """The layer observes the step, then drops to its size if it is over its size + `slack`."""
@@ -121,21 +159,3 @@ class DecodeEviction(Method):
         self.observe_step(layer_idx, layer, stats)
         if layer.get_seq_length() > size + slack:
             layer_select(layer, self.decode_keep(layer_idx, layer, size, stats))  # (B, H_kv, size)
-
-    # streaming (perplexity): compress the first chunk, then evict after every chunk like a decode step
-    stream_evicts: ClassVar[bool] = True  # False: every chunk re-selects from all the layer holds (TOVA)
-
-    def begin_stream(self, n_tokens, n_layers, budget, first):
-        self._stream_evicting = self.stream_evicts and not first
-        if not self._stream_evicting:
-            super().begin_stream(n_tokens, n_layers, budget, first)
-
-    def stream_layer(self, layer_idx, layer, stats):
-        if not self._stream_evicting:
-            return super().stream_layer(layer_idx, layer, stats)
-        if self._sizes is not None:
-            self._evict_layer(layer_idx, layer, self._sizes[layer_idx], stats)
-        return layer
-
-    def end_stream(self, cache, stats, budget):
-        return cache if self._stream_evicting else super().end_stream(cache, stats, budget)

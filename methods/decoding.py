@@ -20,34 +20,34 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS, build_method, method_defaults
-from kvbench.methods.scorer import SCORERS, WrapsScorer, head_scores
-from kvbench.methods.scoring import check_choice, top_k_sorted
+from kvbench.methods.base import METHODS, Capabilities, scorer_names, top_k_sorted
+from kvbench.methods.modes import DecodeTime
+from kvbench.methods.scorers import WrapsScorer
 from kvbench.model.attention import QueryMoments, StatsRecorder, StatsRequest
 from kvbench.model.cache import layer_select
 
 
 @METHODS.register("decoding")
 @dataclass
-class Decoding(WrapsScorer):
+class Decoding(DecodeTime, WrapsScorer):
     scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
     compress_every: int = 64  # generated tokens between two compressions
     decode_budget: int = 256  # tokens per layer kept by each decode-time compression
 
-    extends_token_by_token = True  # appended tokens are decode steps (engine._extend)
+    # appended tokens are decode steps (engine._extend)
+    caps = Capabilities(evicts_while_decoding=True, extends_token_by_token=True)
 
     def __post_init__(self):
-        check_choice("scorer", self.scorer, SCORERS)
+        self.wrap(self.scorer)
         if self.compress_every < 1 or self.decode_budget < 1:
             raise KvbenchError(
                 f"decoding: compress_every={self.compress_every} and decode_budget={self.decode_budget} must be ≥ 1"
             )
-        self._scorer = build_method(self.scorer, method_defaults(self.scorer))
         # re-scoring a grown cache from later queries' statistics is what re-compressing after a prefill chunk needs
-        if not self._scorer.chunkable():
-            usable = sorted(name for name in SCORERS if not METHODS.get(name).chunk_limit)
+        if self._scorer.caps.chunk_limit:
+            usable = sorted(name for name in scorer_names() if not METHODS.get(name).caps.chunk_limit)
             raise KvbenchError(
-                f"decoding: scorer={self.scorer} cannot re-score while decoding ({self._scorer.chunk_limit}); "
+                f"decoding: scorer={self.scorer} cannot re-score while decoding ({self._scorer.caps.chunk_limit}); "
                 f"use one of {', '.join(usable)}"
             )
         self.reset()
@@ -62,6 +62,7 @@ class Decoding(WrapsScorer):
     def begin_compress(self, n_prompt, n_layers, budget):
         self.reset()
         self._scorer.begin_compress(n_prompt, n_layers, budget)
+        self.kept_positions = self._scorer.kept_positions  # what the scorer's compression keeps
 
     def compress_layer(self, layer_idx, keys, values, stats):
         return self._scorer.compress_layer(layer_idx, keys, values, stats)
@@ -73,9 +74,6 @@ class Decoding(WrapsScorer):
         return cache
 
     # ---- decode ----------------------------------------------------------------------------------------------
-    def evicts_while_decoding(self) -> bool:
-        return True
-
     def decode_request(self) -> StatsRequest:
         return self._scorer.stats_request() if self._armed else StatsRequest()
 
@@ -89,7 +87,7 @@ class Decoding(WrapsScorer):
         window = self._window_stats(cache)
         for layer_idx, layer in enumerate(cache.layers):
             if layer.get_seq_length() > self.decode_budget:
-                scores = head_scores(self._scorer, layer_idx, layer.keys, layer.values, window)  # (B, H_kv, T)
+                scores = self._scorer.scores(layer_idx, layer.keys, layer.values, window)  # (B, H_kv, T)
                 layer_select(layer, top_k_sorted(scores, self.decode_budget))
         self._steps, self._rows, self._moments = 0, {}, {}
 
@@ -121,6 +119,17 @@ class Decoding(WrapsScorer):
                 recorder.window.setdefault(w, {})[layer_idx] = torch.stack(padded).sum(0)  # (B, H_q, T)
         recorder.moments = self._moments
         return recorder
+
+    def held_after_decoding(self, kept, n_prompt, budget, appended, decoded):
+        """Every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it."""
+        out = []
+        for size in kept:
+            for step in range(1, appended + decoded + 1):
+                size += 1
+                if step % self.compress_every == 0 and size > self.decode_budget:
+                    size = self.decode_budget
+            out.append(size)
+        return out, False
 
     @classmethod
     def lossless_params(cls, lm) -> dict | None:

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS
-from kvbench.methods.scorer import ScoreEviction
+from kvbench.methods.base import METHODS, Method
 from kvbench.model.attention import StatsRequest
 from kvbench.model.rope import rotate_half
 
 
 @METHODS.register("expected_attention")
 @dataclass
-class ExpectedAttention(ScoreEviction):
+class ExpectedAttention(Method):
     n_future_positions: int = 512  # future query positions the RoPE rotation is averaged over
     n_sink: int = 4  # first positions left out of the query statistics and always kept
     use_covariance: bool = True  # add the kᵀΣ'k/(2d) term (False: the mean query only)

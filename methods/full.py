@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS, Capabilities, Method
 
 
 @METHODS.register("full")
@@ -10,5 +10,4 @@ from kvbench.methods.base import METHODS, Method
 class Full(Method):
     """Keeps every token in full precision (a plain transformers DynamicCache)."""
 
-    has_budget = False
-    family = "none"
+    caps = Capabilities(family="none", has_budget=False)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS
+from kvbench.methods.base import METHODS, check_choice, top_k_sorted
 from kvbench.methods.decode_eviction import DecodeEviction
-from kvbench.methods.scoring import check_choice, per_kv_head, top_k_sorted
+from kvbench.methods.scorers import per_kv_head
 from kvbench.model.attention import StatsRequest
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS, Capabilities, Method
+from kvbench.methods.modes import ChangesModel
 
 
 def merge_kv_heads(model, kv_heads: int):
@@ -46,12 +47,10 @@ def merge_kv_heads(model, kv_heads: int):
 
 @METHODS.register("headmerge")
 @dataclass
-class HeadMerge(Method):
+class HeadMerge(ChangesModel, Method):
     kv_heads: int = 1  # target KV heads; must divide the model's
 
-    has_budget = False
-    shares_prefill = False
-    family = "structure"
+    caps = Capabilities(family="structure", has_budget=False, shares_prefill=False)
 
     @classmethod
     def lossless_params(cls, lm) -> dict:

@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS, Capabilities, Method
 
 BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
 
@@ -26,9 +26,8 @@ class HFQuantizedCache(Method):
     axis_key: int = 0
     axis_value: int = 0
 
-    has_budget = False
-    family = "precision"
-    layers_can_select = False  # transformers' quantized layers cannot drop tokens
+    # transformers' quantized layers cannot drop tokens
+    caps = Capabilities(family="precision", has_budget=False, layers_can_select=False)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

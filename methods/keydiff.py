@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from kvbench.methods.base import METHODS
-from kvbench.methods.scorer import ScoreEviction
+from kvbench.methods.base import METHODS, Method
 
 
 @METHODS.register("keydiff")
 @dataclass
-class KeyDiff(ScoreEviction):
+class KeyDiff(Method):
     def scores(self, layer_idx, keys, values, stats):
         keys = keys.float()
         anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)  # (B, H_kv, 1, D)

@@ -47,7 +47,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench import KvbenchError
 from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.kernels.kivi_attention import TENSORS, KiviStorage
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS, Capabilities, Method
 
 BITS = (2, 4, 8, 16)
 
@@ -333,8 +333,7 @@ class Kivi(Method):
     key_bits: int | None = None  # keys' bit width (None: `bits`); e.g. key_bits=4 value_bits=2 (KIVI's K4V2)
     value_bits: int | None = None  # values' bit width (None: `bits`)
 
-    has_budget = False  # keeps every token; the knob is the bit width
-    family = "precision"
+    caps = Capabilities(family="precision", has_budget=False)  # keeps every token; the knob is the bit width
 
     def __post_init__(self):
         check_config(self.bits, self.group_size, self.residual_length)

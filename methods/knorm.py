@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.methods.base import METHODS
-from kvbench.methods.scorer import ScoreEviction
+from kvbench.methods.base import METHODS, Method
 
 
 @METHODS.register("knorm")
 @dataclass
-class Knorm(ScoreEviction):
+class Knorm(Method):
     def scores(self, layer_idx, keys, values, stats):
         return -keys.float().norm(dim=-1)  # (B, H_kv, T)

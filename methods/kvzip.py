@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS
-from kvbench.methods.scorer import ScoreEviction
+from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.model.rope import rotate_half
 
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
@@ -73,10 +71,11 @@ def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_sco
 
 @METHODS.register("kvzip")
 @dataclass
-class KVzip(ScoreEviction):
+class KVzip(Method):
     # prefill=inline / prefill_chunk cannot serve it: the reconstruction needs the whole prompt's K/V in every layer
-    compresses_inline: ClassVar[bool] = False
-    chunk_limit: ClassVar[str] = "its reconstruction forward re-reads the whole prefilled prompt"
+    caps = Capabilities(
+        compresses_inline=False, chunk_limit="its reconstruction forward re-reads the whole prefilled prompt"
+    )
 
     n_sink: int = 4  # first positions always kept, not repeated
     chunk_size: int = 2048  # prompt tokens repeated per reconstruction forward (kvpress's chunk_size)

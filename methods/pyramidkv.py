@@ -16,8 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbench.methods.base import METHODS
-from kvbench.methods.scoring import check_choice
+from kvbench.methods.base import METHODS, check_choice
 from kvbench.methods.snapkv import SnapKV
 
 

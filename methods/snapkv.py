@@ -20,8 +20,8 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
-from kvbench.methods.base import METHODS, Method
-from kvbench.methods.scoring import check_choice, per_kv_head, pool, top_k_sorted
+from kvbench.methods.base import METHODS, Method, check_choice, top_k_sorted
+from kvbench.methods.scorers import per_kv_head, pool
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import kv_layer
 
@@ -56,6 +56,12 @@ class SnapKV(Method):
             votes = per_kv_head(votes, keys.shape[1], self.aggregate)
         votes = votes[..., : keys.shape[2] - self.window_size]
         return pool(votes, self.kernel_size, self.pooling)  # (B, H_kv, T − W)
+
+    def scores(self, layer_idx, keys, values, stats):
+        """The pooled window votes, +inf on the window itself (always kept): what adakv and decoding select by."""
+        prefix = self.prefix_scores(layer_idx, keys, stats)  # (B, H_kv, T − W)
+        window = prefix.new_full((*prefix.shape[:2], keys.shape[2] - prefix.shape[2]), float("inf"))  # (B, H_kv, W)
+        return torch.cat([prefix, window], dim=-1)  # (B, H_kv, T)
 
     def keep_indices(self, layer_idx, keys, stats, n_keep):
         n_tokens = keys.shape[2]

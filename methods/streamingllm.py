@@ -18,15 +18,14 @@ layers; grids decode such rows alone; paged (prefix-cache) layers and `diagnose`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS
+from kvbench.methods.base import METHODS, check_choice
 from kvbench.methods.decode_eviction import DecodeEviction
-from kvbench.methods.scoring import check_choice
 from kvbench.model.ring import RingLayer
 from kvbench.model.rope import RollingLayer, inv_freq_of
 
@@ -59,15 +58,18 @@ class StreamingLLM(DecodeEviction):
                 f"{self.evict_every}, evict_during_decode={self.evict_during_decode}); drop ring=true or set those"
             )
         self._inv_freq: torch.Tensor | None = None
+        self.caps = replace(
+            self.caps,
+            evicts_while_decoding=self.evict_during_decode,
+            decodes_alone=self.ring,  # its ring layers decode in Engine.decode's own loop: never a grid row
+            reindexes_positions=self.positions == "rolling",
+        )
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         self._decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
         self._all_rings = False  # every layer rings: a decode step has nothing left to evict or convert
-
-    def decodes_alone(self) -> bool:
-        return self.ring
 
     def bind(self, lm) -> None:
         if self.positions == "rolling":
@@ -96,9 +98,6 @@ class StreamingLLM(DecodeEviction):
             return cache.layers[0].get_seq_length()  # the next slot inside the cache
         return absolute_position
 
-    def evicts_while_decoding(self) -> bool:
-        return self.evict_during_decode
-
     def on_decode_start(self, cache, position: int) -> None:
         if self.ring and self.held_sizes() is not None:
             self._decoded_to, self._all_rings = position, False
@@ -117,6 +116,9 @@ class StreamingLLM(DecodeEviction):
                 held = [*range(self.start_size), *range(self._decoded_to - size + self.start_size, self._decoded_to)]
                 cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
         self._all_rings = all(isinstance(layer, RingLayer) for layer in cache.layers)
+
+    def rings_at(self, size: int) -> bool:
+        return self.ring and size > self.start_size  # a ring needs a window beside the sinks
 
     def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
         return sink_and_recent(layer.get_seq_length(), self.start_size, size, self._like)  # drop the oldest non-sink(s)

@@ -13,22 +13,24 @@ original's does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvbench.methods.base import METHODS
+from kvbench.methods.base import METHODS, top_k_sorted
 from kvbench.methods.decode_eviction import DecodeEviction
-from kvbench.methods.scorer import ScoreEviction
-from kvbench.methods.scoring import top_k_sorted
 from kvbench.model.attention import StatsRequest
 
 
 @METHODS.register("tova")
 @dataclass
-class TOVA(DecodeEviction, ScoreEviction):
+class TOVA(DecodeEviction):
     evict_during_decode: bool = True  # the original: a constant-size cache while generating
 
     holds_whole_prompt = False  # the original evicts only once the cache was compressed (budget < the prompt)
     stream_evicts = False  # streaming: every chunk re-selects by its last query from all a layer holds
+
+    def __post_init__(self):
+        super().__post_init__()  # evict_every
+        self.caps = replace(self.caps, evicts_while_decoding=self.evict_during_decode)
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({1}))  # the last query's attention row
@@ -36,9 +38,6 @@ class TOVA(DecodeEviction, ScoreEviction):
     def scores(self, layer_idx, keys, values, stats):
         row = stats.window[1][layer_idx]  # (B, H_q, T): softmax of the last query over every key
         return row.mean(dim=1, keepdim=True).expand(-1, keys.shape[1], -1)  # (B, H_kv, T), same for every head
-
-    def evicts_while_decoding(self) -> bool:
-        return self.evict_during_decode
 
     def decode_keep(self, layer_idx, layer, size, stats):
         """The new query's head-averaged attention: the least attended tokens go (the new one included)."""

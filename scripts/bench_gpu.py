@@ -76,7 +76,7 @@ def main() -> None:
         del plain
         prefill = engine.prefill(ids, request)
         for method in methods:
-            budget = Budget.parse(args.budget) if method.has_budget else None
+            budget = Budget.parse(args.budget) if method.caps.has_budget else None
             out = engine.generate(prefill, method, budget, [], args.decode_tokens)
             rows.append(
                 dict(

@@ -48,7 +48,7 @@ MIB = 2**20
 
 def measure(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids: list[int], new_tokens: int) -> dict:
     method = build_method(name)
-    value = Budget.parse(budget) if method.has_budget else None
+    value = Budget.parse(budget) if method.caps.has_budget else None
     gc.collect()
     if mode == "shared":
         prefill = engine.prefill(ids, method.stats_request())
@@ -58,7 +58,7 @@ def measure(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids
     del prefill
     return {
         "method": name,
-        "budget": str(budget if method.has_budget else 1.0),
+        "budget": str(budget if method.caps.has_budget else 1.0),
         "mode": mode if mode != "chunked" else f"chunked {chunk}",
         "peak_MiB": gen.peak_mem_bytes / MIB,
         "delta_MiB": (gen.peak_mem_delta_bytes or 0) / MIB,
@@ -70,14 +70,14 @@ def measure(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids
 def measure_stream(engine: Engine, name: str, budget: float, mode: str, chunk: int, ids: list[int]) -> dict:
     """task=ppl: the text streamed `chunk` tokens at a time; the peak of the stream is its largest window's."""
     method = build_method(name)
-    bound = stream_budget(Budget.parse(budget), len(ids)) if method.has_budget else None
+    bound = stream_budget(Budget.parse(budget), len(ids)) if method.caps.has_budget else None
     gc.collect()
     windows = stream_perplexity(engine, method, bound, ids, chunk, inline=mode == "inline")
     start = windows[0].peak_mem_bytes - windows[0].peak_mem_delta_bytes  # in use when the stream started: the model
     peak = max(windows, key=lambda w: w.peak_mem_bytes)
     return {
         "method": name,
-        "budget": str(budget if method.has_budget else 1.0),
+        "budget": str(budget if method.caps.has_budget else 1.0),
         "mode": mode,
         "peak_MiB": peak.peak_mem_bytes / MIB,
         "delta_MiB": (peak.peak_mem_bytes - start) / MIB,  # the stream's peak over the loaded model (cache included)

@@ -40,6 +40,7 @@ from kvbench.engine.batched import decode_together, prefill_batch
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak
 from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRecorder
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
@@ -58,7 +59,7 @@ def configuration(spec: str):
         key, value = item.split("=")
         params[key] = int(value) if value.isdigit() else value
     method = build_method(name, params)
-    return spec, method, (Budget.parse(budget) if method.has_budget and budget else None)
+    return spec, method, (Budget.parse(budget) if method.caps.has_budget and budget else None)
 
 
 def prompt_of(lm, context: int) -> list[int]:
@@ -143,9 +144,9 @@ def main(argv=None) -> int:
             cache,
             one.last_logits.expand(batch, -1),  # (B, V)
             args.context,
-            positions=lambda p, n: torch.full((n, 1), method.position(p, cache), device=device),  # (B, 1)
-            request=lambda live: method.decode_request(),
-            after_step=lambda stats, live: method.on_decode_step(cache, stats),
+            positions=lambda p, n: torch.full((n, 1), decode_time(method).position(p, cache), device=device),  # (B, 1)
+            request=lambda live: decode_time(method).decode_request(),
+            after_step=lambda stats, live: decode_time(method).on_decode_step(cache, stats),
             row_bytes=lambda row: cache_nbytes(cache) // batch,
             max_new_tokens=args.new_tokens,
         )

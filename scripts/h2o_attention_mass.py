@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from kvbench import conf_dir
 from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
-from kvbench.methods.scoring import top_k_sorted
+from kvbench.methods.base import top_k_sorted
 from kvbench.model.load import load_model
 from kvbench.tasks import build_task
 

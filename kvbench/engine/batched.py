@@ -22,6 +22,7 @@ import torch
 from kvbench.engine.engine import Engine, Generation, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import cache_kv, cache_nbytes, layer_lengths
 
@@ -90,15 +91,16 @@ def generate_batch(
     prefill_s = prefill.seconds - others + time.perf_counter() - start
     compress_peak = read_peak(device)
 
-    method.on_decode_start(cache, position)  # every row decodes one token per step, unpadded: as Engine.decode
+    hooks = decode_time(method)
+    hooks.on_decode_start(cache, position)  # every row decodes one token per step, unpadded: as Engine.decode
     done = decode_together(
         engine,
         cache,
         logits,
         position,
-        positions=lambda p, n: torch.full((n, 1), method.position(p, cache), device=device),  # (B, 1)
-        request=lambda live: method.decode_request(),
-        after_step=lambda stats, live: method.on_decode_step(cache, stats),
+        positions=lambda p, n: torch.full((n, 1), hooks.position(p, cache), device=device),  # (B, 1)
+        request=lambda live: hooks.decode_request(),
+        after_step=lambda stats, live: hooks.on_decode_step(cache, stats),
         row_bytes=lambda row: cache_nbytes(cache) // n_rows,  # every tensor has B as its leading dimension
         max_new_tokens=max_new_tokens,
         stop=stop,
@@ -228,15 +230,16 @@ def decode_together(
 
 def _extend_batch(engine: Engine, cache, method: Method, ids: torch.Tensor, position: int) -> torch.Tensor:
     """Append ids (B, n) after compression (the question when query_aware=false), as Engine._extend does."""
-    method.on_extend(ids.shape[1])
+    hooks = decode_time(method)
+    hooks.on_extend(ids.shape[1])
     one_pass = len(set(layer_lengths(cache))) == 1  # else token by token: one causal mask per forward
     chunks = [ids] if one_pass else [ids[:, i : i + 1] for i in range(ids.shape[1])]
     for chunk in chunks:  # (B, n_chunk)
-        base = method.position(position, cache)
+        base = hooks.position(position, cache)
         positions = torch.arange(base, base + chunk.shape[1], device=ids.device).expand_as(chunk)  # (B, n_chunk)
-        with recording(method.decode_request()) as stats:
+        with recording(hooks.decode_request()) as stats:
             logits = forward_batch(engine, chunk, positions, cache)
-        method.on_decode_step(cache, stats)
+        hooks.on_decode_step(cache, stats)
         position += chunk.shape[1]
     return logits
 

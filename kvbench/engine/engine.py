@@ -19,6 +19,7 @@ from kvbench import KvbenchError
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
 from kvbench.methods import Budget, Method
+from kvbench.methods.modes import ChangesModel, decode_time
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
 from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, layer_lengths
 from kvbench.model.load import LoadedModel
@@ -197,14 +198,15 @@ class Engine:
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
         steps, t0 = 0, time.perf_counter()
-        method.on_decode_start(cache, position)
+        hooks = decode_time(method)
+        hooks.on_decode_start(cache, position)
         slots = use_slots(cache, method, self.lm.model)  # evictions in place, appends into spare slots
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
-            with recording(method.decode_request()) as stats:
-                logits = self.forward([token], [method.position(position, cache)], cache)[-1]
-            method.on_decode_step(cache, stats)
+            with recording(hooks.decode_request()) as stats:
+                logits = self.forward([token], [hooks.position(position, cache)], cache)[-1]
+            hooks.on_decode_step(cache, stats)
             position, steps = position + 1, steps + 1
             token = int(logits.argmax())
             generated.append(token)
@@ -247,16 +249,17 @@ class Engine:
         One forward when every layer holds the same number of tokens; token by token otherwise, because
         transformers builds a single causal mask from the first layer's length.
         """
-        method.on_extend(len(ids))  # the appended question is not part of the compressed budget
-        one_forward = len(set(layer_lengths(cache))) == 1 and not getattr(method, "extends_token_by_token", False)
+        hooks = decode_time(method)
+        hooks.on_extend(len(ids))  # the appended question is not part of the compressed budget
+        one_forward = len(set(layer_lengths(cache))) == 1 and not method.caps.extends_token_by_token
         chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
         outputs = []
         for chunk in chunks:
-            base = method.position(position, cache)  # rolling positions count inside the cache
+            base = hooks.position(position, cache)  # rolling positions count inside the cache
             positions = [base + i for i in range(len(chunk))]
-            with recording(method.decode_request()) as stats:
+            with recording(hooks.decode_request()) as stats:
                 outputs.append(self.forward(chunk, positions, cache, all_logits=all_logits))  # (len(chunk) or 1, V)
-            method.on_decode_step(cache, stats)
+            hooks.on_decode_step(cache, stats)
             position += len(chunk)
         return torch.cat(outputs) if all_logits else outputs[-1][-1]
 
@@ -273,7 +276,7 @@ class Engine:
         key = (method.name, json.dumps(method.params(), sort_keys=True, default=str))
         cache = self.__dict__.setdefault("_prepared", {})
         if key not in cache:
-            model = method.prepare_model(self.lm.model)
+            model = method.prepare_model(self.lm.model) if isinstance(method, ChangesModel) else self.lm.model
             cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_lm)
         return cache[key]
 

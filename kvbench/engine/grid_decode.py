@@ -52,6 +52,7 @@ from kvbench.engine.memory import reset_peak
 from kvbench.kernels import decode_linear
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
+from kvbench.methods.modes import DecodeTime, decode_time
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.padded import PaddedKV
 
@@ -150,11 +151,11 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
 def decodes_in_grid(method: Method, start: Compressed) -> bool:
     """Whether this configuration's cache can be a row of a grid batch (else it decodes alone)."""
     return (
-        method.shares_prefill
-        and not method.decodes_alone()
+        method.caps.shares_prefill
+        and not method.caps.decodes_alone
         and all(type(layer) is DynamicLayer for layer in start.cache.layers)  # plain tensors, dense heads
         and start.cache.layers[0].keys.shape[0] == 1
-        and method.position(start.position, start.cache) == start.position  # no re-indexed positions
+        and decode_time(method).position(start.position, start.cache) == start.position  # no re-indexed positions
     )
 
 
@@ -228,16 +229,18 @@ def decode_grid(
 
     ids = list(range(n_rows))  # the original row of each batch index (finished rows leave the batch)
 
+    hooks = [decode_time(m) for m in methods]
+
     def request(live: list[int]):
         merged = StatsRequest()
         for row in live:
-            merged = merged | methods[row].decode_request()
+            merged = merged | hooks[row].decode_request()
         return merged
 
-    hooked = {row for row, m in enumerate(methods) if m.acts_on_decode_steps()}
+    hooked = {row for row, m in enumerate(methods) if isinstance(m, DecodeTime)}  # acts on its decode steps
 
     def recorder(step_request, live: list[int]) -> RowsRecorder:
-        asking = [i for i, row in enumerate(live) if methods[row].decode_request()]  # batch indices
+        asking = [i for i, row in enumerate(live) if hooks[row].decode_request()]  # batch indices
         return RowsRecorder(step_request, asking, device)
 
     def after_step(stats, live: list[int]) -> None:
@@ -245,7 +248,7 @@ def decode_grid(
         for i, row in enumerate(live):
             if row not in hooked:
                 continue
-            method = methods[row]  # its decode-time policy on its own tokens, as alone
+            method = hooks[row]  # its decode-time policy on its own tokens, as alone
             layers = [grid.row(i) for grid in grids]
             view = DynamicCache()
             view.layers.extend(layers)

@@ -19,7 +19,7 @@ budget (KIVI, hf-quant) quantize the first chunk as it is produced and later chu
 Peak memory is then weights + the budget's cache + one chunk's activations and one layer's chunk K/V.
 
 task=ppl with prefill=inline streams its text through the same per-layer hook (`forward_per_layer`): each layer is
-bounded by the method's `stream_layer` right after its attention (kvbench.engine.streaming); its `task.chunk` is the
+bounded by `Stream.layer` right after its attention (kvbench.engine.streaming); its `task.chunk` is the
 chunk.
 """
 
@@ -34,6 +34,7 @@ from kvbench import KvbenchError
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
 PREFILL_MODES = ("shared", "inline")
@@ -56,6 +57,14 @@ def hash_keys(cfg: DictConfig) -> dict:
     chunked prefill's kept entries, differ)."""
     mode, chunk = settings(cfg)
     return {} if mode == "shared" else {"prefill": mode, **({"prefill_chunk": chunk} if chunk else {})}
+
+
+def compresses_per_layer(method: Method | type[Method]) -> bool:
+    """Whether `prefill=inline` can compress `method` (an instance or a class) layer by layer: as its capabilities
+    declare (`caps.compresses_inline`), unless it overrides `compress` itself instead of the begin/compress_layer/end
+    hooks (e.g. one needing every layer first)."""
+    cls: type[Method] = method if isinstance(method, type) else type(method)
+    return cls.compress is Method.compress and method.caps.compresses_inline
 
 
 def check(cfg: DictConfig, methods: list[Method], task) -> None:
@@ -86,14 +95,14 @@ def check(cfg: DictConfig, methods: list[Method], task) -> None:
                 "prefill); use prefill=shared for this run"
             )
     for method in methods:
-        if not method.compresses_per_layer():
+        if not compresses_per_layer(method):
             raise KvbenchError(
                 f"method {method.name} compresses after the whole prefill (it needs every layer first), so it cannot "
                 "compress inside the forward pass; use prefill=shared for it"
             )
-        if chunk is not None and not method.chunkable():
+        if chunk is not None and method.caps.chunk_limit:
             raise KvbenchError(
-                f"method {method.name} cannot re-compress its cache after each chunk ({method.chunk_limit}); "
+                f"method {method.name} cannot re-compress its cache after each chunk ({method.caps.chunk_limit}); "
                 "drop prefill_chunk for it (prefill=inline alone works)"
             )
 
@@ -116,8 +125,8 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
     for first in range(0, len(ids), step):
         piece = ids[first : first + step]
         # quantization (no budget): later chunks land in the layers as they are, quantized by the layer's own rule
-        bound = method.compress_layer if first == 0 or method.has_budget else _as_is
-        base = method.position(first, cache) if first else 0
+        bound = method.compress_layer if first == 0 or method.caps.has_budget else _as_is
+        base = decode_time(method).position(first, cache) if first else 0
         logits, stats = forward_per_layer(engine, cache, request, piece, [base + i for i in range(len(piece))], bound)
     compressed = method.end_compress(list(cache.layers), stats, budget)
     synchronize(device)

@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Method
+from kvbench.methods.modes import DecodeTime
 from kvbench.model.cache import kv_layer
 
 
@@ -69,11 +70,13 @@ def use_slots(cache, method: Method, model) -> bool:
     from kvbench.kernels import decode_linear
 
     layers = list(getattr(cache, "layers", []))
-    if not (method.acts_on_decode_steps() and not method.decodes_alone() and layers and decode_linear.installed(model)):
+    if not isinstance(method, DecodeTime) or method.caps.decodes_alone:  # acts on no decode step, or on its own layers
+        return False
+    if not (layers and decode_linear.installed(model)):
         return False
     if not all(type(layer) is DynamicLayer and layer.keys is not None and layer.keys.shape[0] == 1 for layer in layers):
         return False
-    spare = getattr(method, "evict_every", 1) + 1  # the step's token, and a block's slack
+    spare = method.slack() + 2  # the step's token, and a block's slack (evict_every − 1) + 1
     cache.layers[:] = [SlotLayer(layer.keys, layer.values, spare) for layer in layers]
     return True
 

@@ -1,13 +1,14 @@
 """Perplexity of a long text streamed through a bounded cache (StreamingLLM's long-text evaluation).
 
-The text is fed in chunks of `chunk` tokens. After each chunk the method bounds the cache (`stream_bound`):
-eviction methods keep their budget of tokens, quantization compresses once; so memory stays bounded while the
-text grows and the per-window perplexity shows what the bound costs. The full cache is the reference.
+The text is fed in chunks of `chunk` tokens. After each chunk a `Stream` bounds the cache with the method's
+compress path (`Stream.bound`): eviction methods keep their budget of tokens, quantization compresses once; so
+memory stays bounded while the text grows and the per-window perplexity shows what the bound costs. The full
+cache is the reference.
 
-`prefill=inline` bounds each layer right after its attention inside the chunk's forward instead (the method's
-`begin_stream`, `stream_layer` from the per-layer hook of kvbench.engine.inline, `end_stream` — the calls `stream_bound`
-makes after the forward): the same entries and the same per-token NLL, while at most one layer holds its
-unbounded chunk K/V and one layer's statistics exist at a time (tests/engine/test_ppl_inline.py).
+`prefill=inline` bounds each layer right after its attention inside the chunk's forward instead (`Stream.begin`,
+`Stream.layer` from the per-layer hook of kvbench.engine.inline, `Stream.end` — the calls `Stream.bound` makes after
+the forward): the same entries and the same per-token NLL, while at most one layer holds its unbounded chunk K/V
+and one layer's statistics exist at a time (tests/engine/test_ppl_inline.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvbench.engine.engine import Engine
 from kvbench.engine.inline import forward_per_layer
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
+from kvbench.methods.decode_eviction import DecodeEviction
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes, layer_lengths
 
@@ -71,25 +74,26 @@ def stream_chunks(
     """Per chunk: its Window, the per-token NLL (n,) fp32 of the predictions it scores, and the bounded cache."""
     lm, device = engine.lm, engine.lm.device
     method.bind(lm)
-    request = method.stats_request() | method.decode_request()
+    request = method.stats_request() | decode_time(method).decode_request()
+    stream = Stream(method, budget)
     cache = DynamicCache()
     targets = torch.tensor(ids, device=device)
     for index, start in enumerate(range(0, len(ids) - 1, chunk)):
         piece = ids[start : start + chunk]
         baseline = reset_peak(device)
         t0 = time.perf_counter()
-        base = method.position(start, cache) if index else 0
+        base = decode_time(method).position(start, cache) if index else 0
         positions = [base + i for i in range(len(piece))]
         first = index == 0
         if inline:  # each layer bounded right after its attention: one layer's chunk K/V and statistics at a time
-            method.begin_stream(cache.get_seq_length() + len(piece), lm.n_layers, budget, first)
-            bound = _streamer(method, cache)
+            stream.begin(cache.get_seq_length() + len(piece), lm.n_layers, first)
+            bound = _streamer(stream, cache)
             logits, stats = forward_per_layer(engine, cache, request, piece, positions, bound, **LOGITS)
-            cache = method.end_stream(cache, stats, budget)
+            cache = stream.end(cache, stats)
         else:  # every layer holds its chunk K/V, and its statistics, until the forward ends
             with recording(request) as stats:
                 logits = engine.forward(piece, positions, cache, **LOGITS)  # (chunk, V)
-            cache = method.stream_bound(cache, stats, budget, first)
+            cache = stream.bound(cache, stats, first)
         del stats  # not needed by the next chunk's forward
         if len(set(layer_lengths(cache))) > 1:
             raise KvbenchError(
@@ -132,11 +136,60 @@ def _token_nll(logits: torch.Tensor, targets: torch.Tensor, rows: int = 128) -> 
     )
 
 
-def _streamer(method: Method, cache):
-    """The per-layer `bound` of kvbench.engine.inline.forward_per_layer for a streamed chunk: the method's
-    stream_layer."""
+class Stream:
+    """A method bounding a streamed text's cache after each chunk, through its compress path.
+
+    Eviction methods re-select from what each layer holds (with this chunk's statistics): a fresh compression to
+    the budget; methods without a budget compress once, after the first chunk (quantization), and then let the
+    cache grow; decode-time evictors that say so (`DecodeEviction.stream_evicts`: H2O, StreamingLLM) compress the
+    first chunk and then evict like a decode step. A method that declares `caps.stream_limit` is refused."""
+
+    def __init__(self, method: Method, budget: Budget | None):
+        self.method, self.budget = method, budget
+        self._evicting: DecodeEviction | None = None  # after the first chunk: the decode-time evictor
+        self._compresses = False
+
+    def begin(self, n_tokens: int, n_layers: int, first: bool) -> None:
+        """Before a chunk's layers are bounded; n_tokens: what each layer holds, the chunk included."""
+        method = self.method
+        if method.caps.stream_limit:
+            raise KvbenchError(
+                f"{method.name} is not supported by the streaming perplexity task (task=ppl); "
+                + method.caps.stream_limit
+            )
+        self._evicting = method if isinstance(method, DecodeEviction) and method.stream_evicts and not first else None
+        self._compresses = self._evicting is None and (first or method.caps.has_budget)
+        if self._compresses:
+            method.begin_compress(n_tokens, n_layers, self.budget if method.caps.has_budget else None)
+
+    def layer(self, layer_idx: int, layer, stats):
+        """One layer right after this chunk's attention (it holds what it kept + the chunk): the layer to keep."""
+        if self._evicting is not None:
+            self._evicting.evict_streamed_layer(layer_idx, layer, stats)
+            return layer
+        if not self._compresses:
+            return layer
+        return self.method.compress_layer(layer_idx, layer.keys, layer.values, stats)
+
+    def end(self, cache, stats):
+        """After every layer of a chunk is bounded: the cache to continue with."""
+        if not self._compresses:
+            return cache
+        budget = self.budget if self.method.caps.has_budget else None
+        return self.method.end_compress(list(cache.layers), stats, budget)
+
+    def bound(self, cache, stats, first: bool):
+        """After a whole chunk's forward: `begin`, `layer` per layer, `end` — the calls prefill=inline makes one
+        layer at a time inside the forward, so both bound every layer identically."""
+        self.begin(cache.layers[0].get_seq_length(), len(cache.layers), first)
+        cache.layers[:] = [self.layer(i, layer, stats) for i, layer in enumerate(cache.layers)]
+        return self.end(cache, stats)
+
+
+def _streamer(stream: Stream, cache):
+    """The per-layer `bound` of kvbench.engine.inline.forward_per_layer for a streamed chunk: the stream's layer."""
 
     def bound(layer_idx, keys, values, stats):
-        return method.stream_layer(layer_idx, cache.layers[layer_idx], stats)
+        return stream.layer(layer_idx, cache.layers[layer_idx], stats)
 
     return bound

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import SELECT_OBSERVERS
 
@@ -97,11 +98,15 @@ def teacher_forced(
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
 ) -> Pass:
-    """Compress `prefill` with `method` and feed `answer` token by token (None: decode greedily, as the engine
-    does, which is how the full cache's answer is produced), recording every decode query's attention row."""
+    """Compress `prefill` with `method` (a prefill already holding a compressed cache, `Prefill.compressed`,
+    gives that one) and feed `answer` token by token (None: decode greedily, as the engine does, which is how the
+    full cache's answer is produced), recording every decode query's attention row."""
     start = time.perf_counter()
     method.bind(engine.lm)
-    cache = method.compress(prefill.kv, prefill.stats, budget)
+    cache = prefill.compressed
+    if cache is None:
+        cache = method.compress(prefill.kv, prefill.stats, budget)
+    hooks = decode_time(method)
     kv_heads = [keys.shape[1] for keys, _ in prefill.kv]
     tracker = PositionTracker(cache, kept_positions(method), prefill.n_tokens, kv_heads)
     out = Pass([], [])
@@ -110,16 +115,16 @@ def teacher_forced(
         if suffix_ids:
             logits = engine._extend(cache, method, list(suffix_ids), position)
             position += len(suffix_ids)
-        request = method.decode_request() | StatsRequest(all_queries=True)
+        request = hooks.decode_request() | StatsRequest(all_queries=True)
         while True:
             token = answer[len(out.token_ids)] if answer is not None else int(logits.argmax())
             out.token_ids.append(token)
             out.logits.append(logits.float())
             with recording(request) as stats:
-                logits = engine.forward([token], [method.position(position, cache)], cache)[-1]
+                logits = engine.forward([token], [hooks.position(position, cache)], cache)[-1]
             out.attention.append([stats.all_queries[i][0] for i in range(len(cache.layers))])  # (H_q, T_layer)
             out.positions.append(tracker.current(cache))  # aligned with the keys this query attended to
-            method.on_decode_step(cache, stats)
+            hooks.on_decode_step(cache, stats)
             position += 1
             if _finished(engine, out.token_ids, answer, max_new_tokens, stop):
                 break
@@ -128,12 +133,9 @@ def teacher_forced(
 
 
 def kept_positions(method) -> list | None:
-    """What the method's last `compress` kept per layer (Method.compress records it), looked up through wrappers
-    that delegate compression to a part (compose's eviction part, decoding's scorer)."""
-    for part in (method, getattr(method, "_eviction", None), getattr(method, "_scorer", None)):
-        if part is not None and getattr(part, "kept_positions", None) is not None:
-            return part.kept_positions
-    return None
+    """What the method's last `compress` kept per layer (`Method.kept_positions`; wrappers that delegate
+    compression to a part, compose and decoding, point it at their part's)."""
+    return method.kept_positions
 
 
 def _finished(engine, tokens: list[int], answer, max_new_tokens: int, stop) -> bool:

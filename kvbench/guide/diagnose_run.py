@@ -9,6 +9,7 @@ Side table columns: the row keys (`config_hash`, `example_id`, `run_id`, `model`
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -48,14 +49,15 @@ def diagnose_example(
     prefill,
     rows: list[dict],
     thresholds: Thresholds,
-    methods: list | None = None,
+    reused: list | None = None,
     query_aware: bool | None = None,
 ) -> list[dict]:
     """Add the diagnostic columns and `verdict` to `rows` (one per configuration in `todo`, same order); returns
-    the side-table records. `methods`: what each configuration compresses with instead of its method (compress
-    once: its compressed context, kvbench.run.workload.Reused); `query_aware`: the split those rows used."""
+    the side-table records. `reused`: per configuration the (method, cache) to decode from instead of compressing
+    (compress once: its compressed context, kvbench.run.workload.reused_copy); `query_aware`: the split those rows
+    used."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware if query_aware is None else query_aware)
-    methods = methods or [c.method for c in todo]
+    reused = reused or [(c.method, None) for c in todo]
     if prefill is None:
         prefill = engine.prefill(prompt_ids, StatsRequest())
     full_method = next((c.method for c in todo if c.method.name == "full"), None)
@@ -67,12 +69,15 @@ def diagnose_example(
     full_score = task.score(answer_text(engine, full.token_ids, ex.stop), ex)["score"]
     evidence = evidence_positions(engine.lm.tokenizer, prompt_ids + list(suffix_ids), ex.evidence)
     records = []
-    for c, method, row in zip(todo, methods, rows):
+    for c, (method, cache), row in zip(todo, reused, rows):
         if c.method.name == "full":
             other = full
         else:
-            own = engine if c.method.shares_prefill else engine.prepared(c.method)
-            source = prefill if c.method.shares_prefill else own.prefill(prompt_ids, c.method.stats_request())
+            shares = c.method.caps.shares_prefill
+            own = engine if shares else engine.prepared(c.method)
+            source = prefill if shares else own.prefill(prompt_ids, c.method.stats_request())
+            if cache is not None:  # compressed once: decode from it
+                source = replace(source, compressed=cache)
             other = teacher_forced(own, source, method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
         columns, per_head = compare(full, other, evidence, engine.full_kv_heads)
         row.update(

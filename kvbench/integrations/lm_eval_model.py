@@ -10,7 +10,7 @@ What each lm-eval request means with a compressed cache (tokenization and trunca
   through the compressed cache (teacher forcing) and its log-probability summed. Its first token is predicted
   by the prefill's last position, which, like the first generated token, still sees the whole context
   (compression follows the prefill); the rest see only what the method kept. Continuation tokens are appended
-  like an uncompressed question (`Method.on_extend`): decode-time evicting methods (H2O, StreamingLLM) do not
+  like an uncompressed question (`DecodeTime.on_extend`): decode-time evicting methods (H2O, StreamingLLM) do not
   evict the context to make room for them. Requests that share a context share one prefill.
 - loglikelihood_rolling(text): the prefix token + the text stream through a bounded cache `chunk` tokens at a
   time, as in the `ppl` task (kvbench.engine.streaming); a fractional budget is a fraction of the text's tokens. At
@@ -302,13 +302,13 @@ class KvbenchLM(TemplateLM):
     def _prefills(self, prompt: list[int]):
         """(configuration, engine, prefill): one prefill for every configuration that shares it (the union of
         their statistics), its own for methods that change the model (head merging)."""
-        shared = [c for c in self.configurations if c.method.shares_prefill]
+        shared = [c for c in self.configurations if c.method.caps.shares_prefill]
         request = StatsRequest()
         for c in shared:
             request = request | c.method.stats_request()
         prefill = self.engine.prefill(prompt, request) if shared else None
         for c in self.configurations:
-            if c.method.shares_prefill:
+            if c.method.caps.shares_prefill:
                 yield c, self.engine, prefill
             else:
                 own = self.engine.prepared(c.method)
@@ -382,7 +382,7 @@ def from_model_args(args: dict) -> KvbenchLM:
     configuration = make_configuration(
         method_cfg, DEFAULT_BUDGET if budget is None else budget, bool(args.pop("query_aware", True))
     )
-    if budget is not None and configuration.budget is None and configuration.method.family != "none":
+    if budget is not None and configuration.budget is None and configuration.method.caps.family != "none":
         raise KvbenchError(f"method {method_name} takes no budget (it keeps every token); drop budget=")
     device = str(args.pop("device", "auto"))
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -3,7 +3,8 @@
 The engine measures `kv_bytes` as the storages a cache physically holds (kvbench.model.cache.cache_nbytes). This module
 predicts the same number without running the model, from the same rules the code follows:
 - tokens kept per layer: `Method.layer_keep_counts` (the very function `Method.compress` evicts by), then the
-  appended question and the decoded tokens, which decode-time evictors (H2O, StreamingLLM) evict again;
+  appended question and the decoded tokens, which decode-time evictors (H2O, StreamingLLM, decoding) evict again
+  by their own `Method.held_after_decoding`;
 - KV heads: the model's, or head merging's `kv_heads`;
 - storage layout: dense K/V (`kvbench.model.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
   (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque);
@@ -116,62 +117,15 @@ def quanto_layer_bytes(
 
 
 def _parts(method) -> tuple:
-    """(structure, eviction, precision) parts of a method; compose stacks one of each at most."""
-    if method.name == "compose":
-        return method._structure, method._eviction, method._precision
-    family = getattr(method, "family", "eviction")
+    """(structure, eviction, precision) parts of a method, by its declared family (compose: one of each at most)."""
+    if method.caps.family == "composite":
+        return method.structure, method.eviction, method.precision
+    family = method.caps.family
     return (
         method if family == "structure" else None,
         method if family == "eviction" else None,
         method if family == "precision" else None,
     )
-
-
-def held_sizes(eviction, counts: list[int], budget, prompt_tokens: int) -> list[int] | None:
-    """Per layer, the size decode-time eviction holds it at; None when it grows: DecodeEviction's own rule
-    (`sizes_to_hold`, methods/decode_eviction.py) on the counts compression keeps."""
-    if eviction is None or not eviction.evicts_while_decoding() or not hasattr(eviction, "sizes_to_hold"):
-        return None  # `decoding` keeps its own schedule (decoded_layer_tokens)
-    return eviction.sizes_to_hold(counts, prompt_tokens, budget)
-
-
-def _held_after_decoding(start: int, size: int, every: int, decoded: int, ring: bool) -> int:
-    """Tokens one layer holds after `decoded` steps from `start`: over size + every − 1 it drops to size (blocks of
-    `every` steps); a StreamingLLM ring (kvbench/model/ring.py) replaces the layer once it is at its size, holding one
-    slot more from then on."""
-    held, ringed = start, False
-    for _ in range(decoded):
-        held += 1
-        if held > size + every - 1:
-            held = size
-        ringed = ringed or (ring and held == size)
-    return held + ringed
-
-
-def decoded_layer_tokens(
-    eviction, counts: list[int], sizes: list[int] | None, appended: int, decoded: int
-) -> list[int]:
-    """Tokens per layer after appending and decoding, by the eviction part's decode-time rule (sizes: held_sizes)."""
-    if eviction is not None and eviction.name == "decoding":
-        # every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it
-        out = []
-        for size in counts:
-            for step in range(1, appended + decoded + 1):
-                size += 1
-                if step % eviction.compress_every == 0 and size > eviction.decode_budget:
-                    size = eviction.decode_budget
-            out.append(size)
-        return out
-    if sizes is None:
-        return [n + appended + decoded for n in counts]
-    # appended tokens (the question, query_aware=false) grow the sizes too (DecodeEviction.on_extend)
-    every = getattr(eviction, "evict_every", 1)
-    ring = getattr(eviction, "ring", False)  # StreamingLLM ring=true: its held layers' one dead slot
-    sinks = getattr(eviction, "start_size", 0)  # a ring needs a window beside the sinks
-    return [
-        _held_after_decoding(n + appended, size + appended, every, decoded, ring and size + appended > sinks)
-        for n, size in zip(counts, sizes)
-    ]
 
 
 def predict_kv_bytes(
@@ -191,10 +145,11 @@ def predict_kv_bytes(
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
     evicted = counts is not None
     counts = counts or [prompt_tokens] * shape.n_layers
-    sizes = held_sizes(eviction, counts, budget, prompt_tokens)
-    tokens = decoded_layer_tokens(eviction, counts, sizes, appended_tokens, decoded_tokens)
+    tokens, held = [n + appended_tokens + decoded_tokens for n in counts], False
+    if eviction is not None:
+        tokens, held = eviction.held_after_decoding(counts, prompt_tokens, budget, appended_tokens, decoded_tokens)
     # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
-    stays = (evicted and eviction.evicts_while_decoding()) or sizes is not None
+    stays = (evicted and eviction.caps.evicts_while_decoding) or held
     exact, bound = True, False
     seen = prompt_tokens + appended_tokens + decoded_tokens
     windows = {i: min(seen, w - 1) for i in range(shape.n_layers) if (w := shape.window(i)) is not None}
@@ -228,7 +183,7 @@ def predict_kv_bytes(
         exact = False
     else:
         raise KvbenchError(
-            f"no byte accounting for {precision.name} {getattr(precision, 'backend', '')}; "
+            f"no byte accounting for {precision.name} {precision.params().get('backend', '')}; "
             "the planner supports kivi and hf-quant backend=quanto"
         )
     return Prediction(total, exact, tuple(tokens), bound)

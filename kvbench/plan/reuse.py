@@ -156,7 +156,7 @@ def reused_tokens(method, context: int, reuse: Reuse) -> int:
     shared = reuse.shared_tokens(context)
     if reuse.mode == "compress_once":
         return shared
-    if not method.shares_prefill:
+    if not method.caps.shares_prefill:
         return 0
     cap = reuse_limit(method.stats_request(), context)
     return min(shared, max(0, cap) // reuse.page_size * reuse.page_size)

@@ -41,7 +41,7 @@ class BatchedWork(ExampleWork):
         needed: list[Configuration] = []
         for _, todo in group:
             needed += [c for c in todo if c not in needed]
-        everyone = [c for c in needed if c.method.shares_prefill and all(c in todo for _, todo in group)]
+        everyone = [c for c in needed if c.method.caps.shares_prefill and all(c in todo for _, todo in group)]
         shared = None
         if everyone:
             request = StatsRequest()
@@ -52,7 +52,7 @@ class BatchedWork(ExampleWork):
         for c in needed:
             examples = [ex for ex, todo in group if c in todo]
             split = [ex.split(c.query_aware) for ex in examples]
-            own = self.engine if c.method.shares_prefill else self.engine.prepared(c.method)
+            own = self.engine if c.method.caps.shares_prefill else self.engine.prepared(c.method)
             if shared is not None and c in everyone:  # (shared is set whenever `everyone` is non-empty)
                 prefill = shared
             else:

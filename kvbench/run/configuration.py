@@ -46,7 +46,7 @@ def grid_entry(entry, cfg: DictConfig) -> dict:
 def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configuration:
     params = {k: v for k, v in method_cfg.items() if k != "name"}
     method = build_method(method_cfg["name"], params)
-    return Configuration(method, Budget.parse(budget) if method.has_budget else None, query_aware)
+    return Configuration(method, Budget.parse(budget) if method.caps.has_budget else None, query_aware)
 
 
 def configurations(cfg: DictConfig) -> list[Configuration]:
@@ -61,7 +61,7 @@ def configurations(cfg: DictConfig) -> list[Configuration]:
         method_cfg = plain(cfg.method)
         requested = [make_configuration(method_cfg, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, query_aware)]
         method = requested[0].method
-        if cfg.budget is not None and not method.has_budget and method.family != "none":
+        if cfg.budget is not None and not method.caps.has_budget and method.caps.family != "none":
             knobs = ", ".join(f"method.{k}" for k in method.params()) or "none"
             raise KvbenchError(
                 f"method {method.name} takes no budget (it keeps every token); drop budget= and "

@@ -71,7 +71,7 @@ def generation_rows(
     timings the batch's."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = inline_chunk
-    shared = [c for c in todo if c.method.shares_prefill and mode == "shared"]
+    shared = [c for c in todo if c.method.caps.shares_prefill and mode == "shared"]
     request = StatsRequest()
     for c in shared:
         request = request | c.method.stats_request()
@@ -88,10 +88,10 @@ def generation_rows(
             gen = together[id(c)]
             rows.append(generation_row(c, ex, task, common, lm, gen))
             continue
-        own = engine if c.method.shares_prefill else engine.prepared(c.method)
+        own = engine if c.method.caps.shares_prefill else engine.prepared(c.method)
         if mode == "inline":
             source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
-        elif prefill is not None and c.method.shares_prefill:
+        elif prefill is not None and c.method.caps.shares_prefill:
             source = prefill
         else:
             source = own.prefill(prompt_ids, c.method.stats_request())

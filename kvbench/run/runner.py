@@ -18,12 +18,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
+from kvbench.config.support import refusal
 from kvbench.config.validate import check_config
 from kvbench.engine import inline
 from kvbench.engine.engine import Engine
 from kvbench.model.layout import cache_layout
 from kvbench.model.load import load_model, model_config
-from kvbench.model.support import refusal
 from kvbench.run import workload
 from kvbench.run.config_hash import hash_configuration
 from kvbench.run.configuration import configurations
@@ -57,7 +57,7 @@ def check_run(cfg: DictConfig) -> list:
 
 
 def check_support(confs: list, config, cfg: DictConfig) -> None:
-    """Each configuration runs on this model (kvbench.model.support), the model's layers are ones kvbench knows
+    """Each configuration runs on this model (kvbench.config.support), the model's layers are ones kvbench knows
     (kvbench.model.layout), and the run's modes handle its sliding-window layers."""
     sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
     for c in confs:

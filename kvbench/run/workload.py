@@ -80,25 +80,20 @@ class Compressed:
     storages: set[int]
 
 
-class Reused:
-    """A configuration's method as it stood after compressing the shared context. `compress` hands out a cache
-    whose layers share the stored tensors: plain layers become a PagedLayer over them (appended tokens go to a
-    private tail), others (KIVI) a shallow copy whose updates replace tensors, never write into them."""
-
-    def __init__(self, compressed: Compressed):
-        self._method = copy.deepcopy(compressed.method)
-        self._layers = compressed.layers
-
-    def compress(self, prefill_kv, stats, budget):
-        cache = DynamicCache()
-        cache.layers.extend(
-            shared_layer(layer.keys, layer.values) if type(layer) is DynamicLayer else copy.copy(layer)
-            for layer in self._layers
-        )
-        return cache
-
-    def __getattr__(self, name):
-        return getattr(self._method, name)
+def reused_copy(compressed: Compressed) -> tuple[Any, DynamicCache]:
+    """A configuration's method as it stood after compressing the shared context (a fresh copy: decode-time
+    eviction continues from it), and the cache to decode from, whose layers share the stored tensors: plain layers
+    become a PagedLayer over them (appended tokens go to a private tail), others (KIVI) a shallow copy whose updates
+    replace tensors, never write into them. The engine decodes from it as from a prefill=inline cache
+    (`Prefill.compressed`)."""
+    cache = DynamicCache()
+    cache.layers.extend(
+        shared_layer(layer.keys, layer.values)  # type: ignore[arg-type]  # a stored plain layer holds tensors
+        if type(layer) is DynamicLayer
+        else copy.copy(layer)
+        for layer in compressed.layers
+    )
+    return copy.deepcopy(compressed.method), cache
 
 
 def storages_of(cache) -> dict[int, int]:
@@ -136,8 +131,8 @@ class WorkloadRunner:
         if diagnose is not None:
             from kvbench.guide.diagnose_run import diagnose_example
 
-            reused = [Reused(value) for _, value in done]  # fresh copies of the state right after compressing
-            side.extend(diagnose_example(self.engine, todo, ex, task, None, rows, diagnose, reused, False))  # type: ignore[union-attr]  # given with diagnose
+            again = [reused_copy(value) for _, value in done]  # fresh copies of the state right after compressing
+            side.extend(diagnose_example(self.engine, todo, ex, task, None, rows, diagnose, again, False))  # type: ignore[union-attr]  # given with diagnose
         return rows
 
     # ---- per question: prefix pages + prefill of the rest ----------------------------------------------------
@@ -172,8 +167,8 @@ class WorkloadRunner:
         store_ptrs = self.store.storages() if self.store else set()
         shared = iter(caches)
         for c, row in zip(todo, rows):
-            reused = used["reused"] if c.method.shares_prefill else 0
-            cache = next(shared) if c.method.shares_prefill else None
+            reused = used["reused"] if c.method.caps.shares_prefill else 0
+            cache = next(shared) if c.method.caps.shares_prefill else None
             own = sum(n for ptr, n in storages_of(cache).items() if ptr not in store_ptrs) if cache else row["kv_bytes"]
             self._annotate(row, c, ex, len(prompt_ids) + len(suffix_ids), reused, own)
         if self.store:
@@ -208,6 +203,7 @@ class WorkloadRunner:
         reused = len(ex.context_ids) if hit else 0
         entry.refs += 1
         caches = []
+        method, cache = reused_copy(entry.value)
         prefill = CachedPrefill(
             kv=[],
             stats=StatsRecorder(StatsRequest()),
@@ -215,9 +211,10 @@ class WorkloadRunner:
             seconds=time.perf_counter() - start,
             peak_mem_bytes=peak,
             adopt=lambda cache: caches.append(cache) or cache,  # type: ignore[func-returns-value]  # keep, pass on
+            compressed=cache,
             context_tokens=entry.value.n_tokens,
         )
-        gen = engine.generate(prefill, Reused(entry.value), c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
+        gen = engine.generate(prefill, method, c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
         entry.refs -= 1
         row = generation_row(c, ex, task, common, lm, gen)
         row["query_aware"] = False  # the context was compressed without the question

@@ -13,7 +13,7 @@ from kvbench.model.cache import _tensors, layer_lengths
 from tests.conftest import compose_config
 
 ALL_METHODS = METHODS.names()
-BUDGETED = [n for n in ALL_METHODS if METHODS.get(n).has_budget]
+BUDGETED = [n for n in ALL_METHODS if METHODS.get(n).caps.has_budget]
 
 
 TINY = {  # knobs that fit the tiny model (head_dim 16)
@@ -52,9 +52,9 @@ def assert_same_cache(a, b):
 @pytest.mark.parametrize("name", ALL_METHODS)
 def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine, prompt_ids):
     method = built(name)
-    if not method.compresses_per_layer():  # refused by inline.check (kvzip: its second forward needs every layer)
+    if not inline.compresses_per_layer(method):  # refused by inline.check (kvzip: its second forward needs every layer)
         pytest.skip(f"{name} compresses after the whole prefill")
-    budget = Budget.parse(0.25) if method.has_budget else None
+    budget = Budget.parse(0.25) if method.caps.has_budget else None
     engine = tiny_engine.prepared(method)
     method.bind(engine.lm)
     shared = engine.prefill(prompt_ids, method.stats_request())
@@ -83,12 +83,12 @@ def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine
     assert from_inline.peak_mem_delta_bytes is not None and from_inline.peak_mem_delta_bytes >= 0
 
 
-@pytest.mark.parametrize("name", [n for n in ALL_METHODS if METHODS.get(n).chunk_limit == ""])
+@pytest.mark.parametrize("name", [n for n in ALL_METHODS if METHODS.get(n).caps.chunk_limit == ""])
 def test_a_chunk_at_least_the_prompt_is_the_unchunked_prefill(name, tiny_engine, prompt_ids):
     method = built(name)
-    if not method.chunkable():
-        pytest.skip(method.chunk_limit)
-    budget = Budget.parse(0.25) if method.has_budget else None
+    if method.caps.chunk_limit:
+        pytest.skip(method.caps.chunk_limit)
+    budget = Budget.parse(0.25) if method.caps.has_budget else None
     engine = tiny_engine.prepared(method)
     whole = inline.prefill(engine, method, budget, prompt_ids)
     whole_tensors = [t.clone() if isinstance(t, torch.Tensor) else t for t in cache_tensors(whole.compressed)]
@@ -113,12 +113,12 @@ def lengths_after_each_chunk(engine, monkeypatch) -> list[list[int]]:
     return seen
 
 
-@pytest.mark.parametrize("name", [n for n in BUDGETED if METHODS.get(n).chunk_limit == ""])
+@pytest.mark.parametrize("name", [n for n in BUDGETED if METHODS.get(n).caps.chunk_limit == ""])
 @pytest.mark.parametrize("budget", [0.25, 200])
 def test_every_chunk_leaves_each_layer_at_its_count(name, budget, tiny, tiny_engine, prompt_ids, monkeypatch):
     method = built(name)
-    if not method.chunkable():
-        pytest.skip(method.chunk_limit)
+    if method.caps.chunk_limit:
+        pytest.skip(method.caps.chunk_limit)
     budget = Budget.parse(budget)
     counts = method.layer_keep_counts(len(prompt_ids), tiny.n_layers, budget)
     seen = lengths_after_each_chunk(tiny_engine, monkeypatch)
@@ -204,7 +204,7 @@ def test_bad_combinations_are_one_line_before_the_model_loads(overrides, message
 
 def test_a_method_that_needs_every_layer_is_refused(tmp_path):
     cfg = compose_config("prefill=inline")
-    assert not WholeCacheMethod.compresses_per_layer() and METHODS.get("snapkv").compresses_per_layer()
+    assert not inline.compresses_per_layer(WholeCacheMethod) and inline.compresses_per_layer(METHODS.get("snapkv"))
 
     class Task:
         name, streaming = "niah", False

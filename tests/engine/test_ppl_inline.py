@@ -6,7 +6,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.engine import inline
-from kvbench.engine.streaming import stream_chunks
+from kvbench.engine.streaming import Stream, stream_chunks
 from kvbench.guide.diagnose import kept_positions
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.cache import layer_lengths
@@ -14,12 +14,17 @@ from tests.conftest import compose_config
 from tests.engine.test_inline import assert_same_cache, built
 
 CHUNK, BOUND = 64, 100  # 400 tokens: 7 chunks, the cache bounded from the second on
-REFUSED_BY_PPL = {"adakv", "compose", "pyramidkv"}  # ragged / stacked / per-layer lengths: refused by task=ppl
 VARIANTS = [(name, {}) for name in METHODS.names()] + [
     ("streamingllm", {"positions": "rolling"}),  # RollingLayer caches, positions inside the cache
     ("snapkv", {"aggregate": "none"}),  # one K/V head per query head
     ("h2o", {"score": "mean"}),
 ]
+
+
+def refused_by_ppl(method) -> bool:
+    """What task=ppl refuses: a method declaring a stream_limit (adakv's ragged heads, compose's stack), or one
+    keeping different counts per layer (PyramidKV: each chunk goes through one causal mask)."""
+    return bool(method.caps.stream_limit) or len(set(method.layer_tokens(BOUND, 4, 400))) > 1
 
 
 def variant(name, knobs):
@@ -28,7 +33,7 @@ def variant(name, knobs):
 
 def streams(engine, name, knobs, ids, inline_mode):
     method = variant(name, knobs)
-    budget = Budget.parse(BOUND) if method.has_budget else None
+    budget = Budget.parse(BOUND) if method.caps.has_budget else None
     return method, stream_chunks(engine.prepared(method), method, budget, ids, CHUNK, inline=inline_mode)
 
 
@@ -39,7 +44,7 @@ def test_inline_streaming_equals_whole_chunk_streaming(name, knobs, tiny_engine,
     ids = prompt_ids[:400]
     whole_method, whole = streams(tiny_engine, name, knobs, ids, False)
     inline_method, inlined = streams(tiny_engine, name, knobs, ids, True)
-    if not inline_method.compresses_per_layer():  # kvzip: refused by inline.check before the model loads
+    if not inline.compresses_per_layer(inline_method):  # kvzip: refused by inline.check before the model loads
         with pytest.raises(KvbenchError, match="kvzip re-reads the whole prompt"):  # and task=ppl cannot serve it
             list(whole)
         pytest.skip(f"{name} compresses after the whole prefill (refused by inline.check)")
@@ -51,7 +56,7 @@ def test_inline_streaming_equals_whole_chunk_streaming(name, knobs, tiny_engine,
             assert next(inlined, None) is None
             break
         except KvbenchError as error:  # adakv, compose, pyramidkv: task=ppl refuses them whatever the prefill
-            assert name in REFUSED_BY_PPL, error
+            assert refused_by_ppl(whole_method), error
             with pytest.raises(KvbenchError) as refused:
                 next(inlined)
             assert str(refused.value) == str(error)
@@ -66,7 +71,7 @@ def test_inline_streaming_equals_whole_chunk_streaming(name, knobs, tiny_engine,
         assert len(kept_a) == len(kept_b)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(kept_a, kept_b))
     assert n_chunks == 7
-    if whole_method.has_budget:
+    if whole_method.caps.has_budget:
         assert w_b.cache_tokens == BOUND  # bounded (TOVA included: the stream compresses every chunk)
 
 
@@ -95,14 +100,14 @@ def test_inline_streaming_holds_one_layers_chunk_at_a_time(name, tiny_engine, pr
 
     bound_calls: list[tuple[list[int], int]] = []
     whole_method, whole = streams(tiny_engine, name, {}, prompt_ids[:400], False)
-    stream_bound = whole_method.stream_bound
+    stream_bound = Stream.bound
 
-    def recording_bound(cache, stats, budget, first):
+    def recording_bound(stream, cache, stats, first):
         live = {*stats.all_queries, *(layer for w in stats.window.values() for layer in w)}
         bound_calls.append((layer_lengths(cache), len(live)))
-        return stream_bound(cache, stats, budget, first)
+        return stream_bound(stream, cache, stats, first)
 
-    whole_method.stream_bound = recording_bound
+    monkeypatch.setattr(Stream, "bound", recording_bound)
     list(whole)
     for lengths, n_stats in bound_calls[2:-1]:  # full chunks on a bounded cache: the same measure fails here
         assert lengths == [BOUND + CHUNK] * n_layers

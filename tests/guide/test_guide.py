@@ -119,5 +119,5 @@ def test_static_method_facts_match_the_registry():
             continue
         method = build_method(name)
         assert bool(method.stats_request()) == (name in NEEDS_STATISTICS), name
-        assert (not method.shares_prefill) == (name in CHANGES_MODEL), name
-        assert (method.family == "precision") == (name in PRECISION), name
+        assert (not method.caps.shares_prefill) == (name in CHANGES_MODEL), name
+        assert (method.caps.family == "precision") == (name in PRECISION), name

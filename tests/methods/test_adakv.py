@@ -6,7 +6,6 @@ import torch
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method
 from kvbench.methods.adakv import adaptive_keep
-from kvbench.methods.scorer import head_scores
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.ragged import RaggedKV, RaggedLayer, ragged_attention
@@ -76,7 +75,7 @@ def test_measured_bytes_equal_the_budget_and_heads_differ(scorer, tiny_engine, p
     for layer_idx, layer in enumerate(cache.layers):
         assert sum(layer.lengths) == 2 * n_keep
         keys, values = prefill.kv[layer_idx]
-        scores = head_scores(method._scorer, layer_idx, keys, values, prefill.stats)
+        scores = method._scorer.scores(layer_idx, keys, values, prefill.stats)
         assert layer.lengths == adaptive_keep(scores, n_keep, 0.2).sum(-1).view(-1).tolist()
     assert any(len(set(layer.lengths)) > 1 for layer in cache.layers)  # budgets really move between heads
     assert cache_nbytes(cache) == 4 * 2 * n_keep * BYTES_PER_TOKEN_HEAD  # exactly the budget, nothing else

@@ -68,6 +68,6 @@ def test_bad_stacks(params, match):
 
 
 def test_budget_only_with_an_eviction_part():
-    assert build_method("compose", {"stack": ["snapkv", "kivi"]}).has_budget
-    assert not build_method("compose", {"stack": ["headmerge", "kivi"]}).has_budget
-    assert not build_method("compose", {"stack": ["headmerge"]}).shares_prefill
+    assert build_method("compose", {"stack": ["snapkv", "kivi"]}).caps.has_budget
+    assert not build_method("compose", {"stack": ["headmerge", "kivi"]}).caps.has_budget
+    assert not build_method("compose", {"stack": ["headmerge"]}).caps.shares_prefill

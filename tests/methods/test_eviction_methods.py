@@ -246,7 +246,7 @@ def test_top_k_sorted_dropping_one_is_topk():
     """The one-token fast path (per-step eviction) returns exactly topk's positions; ties and NaN take topk."""
     import torch
 
-    from kvbench.methods.scoring import top_k_sorted
+    from kvbench.methods.base import top_k_sorted
 
     generator = torch.Generator().manual_seed(0)
     for n in (2, 3, 17, 300):

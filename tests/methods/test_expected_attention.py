@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvbench.methods import build_method
-from kvbench.methods.scorer import head_scores
 from kvbench.model.attention import QueryMoments
 
 THETA, N_FUTURE = 0.3, 3
@@ -60,7 +59,7 @@ def test_expected_attention_equals_the_formula_by_hand(use_covariance, use_vnorm
     values = torch.tensor(VALUE_NORMS)[None, None, :, None] * torch.tensor([0.6, 0.8])  # (1, 1, T, 2): ‖v‖ as listed
     knobs = dict(use_covariance=use_covariance, use_vnorm=use_vnorm, epsilon=epsilon)
     method = build_method("expected_attention", dict(n_sink=1, n_future_positions=N_FUTURE, **knobs))
-    scores = head_scores(method, 0, keys, values, stats)  # (1, 1, T)
+    scores = method.scores(0, keys, values, stats)  # (1, 1, T)
     assert scores[0, 0, 0] == float("inf")  # the sink is always kept (its huge key would otherwise win)
     torch.testing.assert_close(scores[0, 0, 1:], torch.tensor(_hand_scores(use_covariance, use_vnorm, epsilon)))
 

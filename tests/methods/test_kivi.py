@@ -144,9 +144,9 @@ def _h2o_or_streaming_on_kivi(eviction, n_prompt, steps, budget, monkeypatch):
     )
     with recording(method.stats_request()) as stats:
         stats.record(0, torch.randn(1, 4, n_prompt, 16), keys[:, :, :n_prompt], 0.25)
-    evicted = method._eviction.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, Budget.parse(budget))
+    evicted = method.eviction.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, Budget.parse(budget))
     truth = [evicted.layers[0].keys, evicted.layers[0].values]  # (1, 2, budget, 16) exact
-    cache = method._precision.compress([tuple(truth)], None, None)  # what compose.compress does
+    cache = method.precision.compress([tuple(truth)], None, None)  # what compose.compress does
     layer = cache.layers[0]
     selected = []
     real_select = KiviLayer.select

@@ -7,7 +7,6 @@ import torch
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method
 from kvbench.methods.kvzip import FIRST_PROMPT, turn_switch
-from kvbench.methods.scorer import head_scores
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from tests.conftest import eager_attentions
 
@@ -34,7 +33,7 @@ def test_kvzip_scores_are_the_max_reconstruction_attention(tiny, tiny_engine, pr
     cache = method.compress(prefill.kv, prefill.stats, Budget.parse(60))
     reference = _reference(tiny, ids)
     for layer_idx, (layer, (keys, values)) in enumerate(zip(cache.layers, prefill.kv)):
-        ours = head_scores(method, layer_idx, keys, values, prefill.stats)  # (1, H_kv, T)
+        ours = method.scores(layer_idx, keys, values, prefill.stats)  # (1, H_kv, T)
         assert torch.isinf(ours[..., :4]).all()  # sinks always kept
         torch.testing.assert_close(ours[..., 4:], reference[layer_idx][..., 4:], rtol=1e-4, atol=1e-6)
         expected = ours.topk(60, dim=-1).indices.sort(-1).values  # (1, H_kv, 60)
@@ -52,9 +51,9 @@ def test_kvzip_chunks_cover_every_position_once(tiny, tiny_engine, prompt_ids):
     for method in (whole, chunked):
         reference = _reference(tiny, ids)
     for layer_idx, (keys, values) in enumerate(prefill.kv):
-        one = head_scores(whole, layer_idx, keys, values, prefill.stats)[..., 4:]
+        one = whole.scores(layer_idx, keys, values, prefill.stats)[..., 4:]
         torch.testing.assert_close(one, reference[layer_idx][..., 4:], rtol=1e-4, atol=1e-6)
-        parts = head_scores(chunked, layer_idx, keys, values, prefill.stats)[..., 4:]
+        parts = chunked.scores(layer_idx, keys, values, prefill.stats)[..., 4:]
         assert torch.isfinite(parts).all() and (parts > 0).all()
         assert not torch.allclose(parts, one)  # normalised over fewer keys: a different number, not a copy
 
@@ -63,7 +62,7 @@ def test_kvzip_refuses_without_the_whole_prompt(tiny, tiny_engine, prompt_ids):
     method = build_method("kvzip")
     prefill = tiny_engine.prefill(prompt_ids[:100], StatsRequest())
     with pytest.raises(KvbenchError, match="re-reads the whole prompt"):
-        head_scores(method, 0, *prefill.kv[0], StatsRecorder(StatsRequest()))
+        method.scores(0, *prefill.kv[0], StatsRecorder(StatsRequest()))
     with pytest.raises(KvbenchError, match="chunk_size"):
         build_method("kvzip", {"chunk_size": 0})
     with pytest.raises(KvbenchError, match="scorer=kvzip cannot re-score while decoding"):

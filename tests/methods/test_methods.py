@@ -8,7 +8,7 @@ from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.attention import StatsRequest
 
 ALL_METHODS = METHODS.names()
-EVICTING = [n for n in ALL_METHODS if METHODS.get(n).family == "eviction"]
+EVICTING = [n for n in ALL_METHODS if METHODS.get(n).caps.family == "eviction"]
 
 
 @pytest.mark.parametrize("name", ALL_METHODS)

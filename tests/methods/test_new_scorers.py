@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.methods import Budget, build_method
-from kvbench.methods.scorer import head_scores
 from kvbench.model.attention import StatsRequest, recording
 from tests.conftest import eager_attentions
 
@@ -124,7 +123,7 @@ def test_expected_attention_matches_kvpress(tiny, tiny_engine, prompt_ids):
     method, prefill, cache = _compress(tiny_engine, "expected_attention", ids, 80)
     reference = _kvpress_expected_attention(tiny, ids, [k for k, _ in prefill.kv], [v for _, v in prefill.kv])
     for layer_idx, (layer, (keys, values)) in enumerate(zip(cache.layers, prefill.kv)):
-        ours = head_scores(method, layer_idx, keys, values, prefill.stats)  # (B, H_kv, T)
+        ours = method.scores(layer_idx, keys, values, prefill.stats)  # (B, H_kv, T)
         torch.testing.assert_close(ours[..., 4:], reference[layer_idx][..., 4:], rtol=1e-4, atol=1e-7)
         expected = reference[layer_idx].topk(80, dim=-1).indices.sort(-1).values
         assert torch.equal(_kept_rows(layer.keys, keys), expected)

@@ -3,7 +3,7 @@
 For each family: the full cache reproduces transformers' own `generate`, token for token, and holds exactly what
 transformers' own cache holds (sliding layers at their window, latent layers at their width). For each (family,
 method): either the pair is refused before the model loads with one line naming what is unsupported
-(kvbench.model.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
+(kvbench.config.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
 logits and, at budget 0.25, the bytes held are the method's own accounting (kvbench.model.kv_bytes).
 """
 
@@ -16,7 +16,7 @@ from kvbench.engine.engine import Engine
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes
 from kvbench.model.load import _finish, byte_tokenizer
-from kvbench.model.support import refusal
+from kvbench.config.support import refusal
 from tests.model.families import FAMILIES, build
 
 PROMPT, NEW = 150, 5  # a prompt longer than the families' 64-token window
@@ -64,12 +64,12 @@ def test_every_method_on_every_family(family, method_name):
         assert "\n" not in reason and method_name.split("-")[0] in reason or "kivi" in reason
         pytest.skip(f"refused: {reason}")
     lossless = method.lossless_params(lm)
-    if method.has_budget or lossless is not None:
+    if method.caps.has_budget or lossless is not None:
         exact = method_for(method_name, **(lossless or {}))
-        same = generate(engine, ids, exact, Budget.parse(1.0) if exact.has_budget else None)
+        same = generate(engine, ids, exact, Budget.parse(1.0) if exact.caps.has_budget else None)
         assert same.token_ids == full.token_ids
         assert all(torch.equal(a, b) for a, b in zip(same.logits, full.logits))
-    if not method.has_budget:
+    if not method.caps.has_budget:
         return
     budget = Budget.parse(0.25)
     gen = generate(engine, ids, method_for(method_name), budget)

@@ -34,7 +34,7 @@ def cases(settings: dict, budgets=(0.25, 0.5)):
 
 def check(engine, lm, name, params, budget, prompt_ids, suffix_ids=(), max_new_tokens=8):
     method = build_method(name, {**method_defaults(name), **params})
-    budget = Budget.parse(budget) if method.has_budget else None
+    budget = Budget.parse(budget) if method.caps.has_budget else None
     gen = engine.run(method, budget, prompt_ids, suffix_ids, max_new_tokens=max_new_tokens)
     shape = KVShape(lm.n_layers, lm.n_kv_heads, lm.head_dim, lm.dtype)
     predicted = predict_kv_bytes(method, budget, shape, len(prompt_ids), len(suffix_ids), gen.decode_steps)
@@ -100,14 +100,14 @@ def test_predicted_bytes_equal_measured_on_the_bundled_model():
     for case in cases(REAL_SETTINGS):
         name, params, budget = case.values
         method = build_method(name, {**method_defaults(name), **params})
-        configs.append((method, Budget.parse(budget) if method.has_budget else None))
+        configs.append((method, Budget.parse(budget) if method.caps.has_budget else None))
     request = StatsRequest()
     for method, _ in configs:
         request = request | method.stats_request()
     shared = engine.prefill(prompt_ids, request)
     for method, budget in configs:
-        own = engine if method.shares_prefill else engine.prepared(method)
-        prefill = shared if method.shares_prefill else own.prefill(prompt_ids, method.stats_request())
+        own = engine if method.caps.shares_prefill else engine.prepared(method)
+        prefill = shared if method.caps.shares_prefill else own.prefill(prompt_ids, method.stats_request())
         gen = own.generate(prefill, method, budget, [], 4)
         predicted = predict_kv_bytes(method, budget, shape, len(prompt_ids), 0, gen.decode_steps)
         tolerance = 0 if predicted.exact else OPAQUE_TOLERANCE * gen.kv_bytes

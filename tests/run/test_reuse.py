@@ -74,39 +74,38 @@ def test_every_row_records_its_code_and_a_mismatch_is_reported(tmp_path, monkeyp
     assert "rerun=true to recompute" in out
 
 
-SELECTIONS = [  # (task overrides, the same with a selection key narrowed)
-    (
-        ["task=niah", "task.context_lengths=[600,800]", "task.depths=[0.2,0.7]"],
-        ["task=niah", "task.context_lengths=[800]", "task.depths=[0.7]"],
-    ),
-    (
-        [
-            "task=ruler",
-            "task.tasks=[niah_single_1,niah_multivalue]",
-            "task.context_lengths=[1500]",
-            "task.num_samples=2",
-        ],
-        ["task=ruler", "task.tasks=[niah_multivalue]", "task.context_lengths=[1500]", "task.num_samples=1"],
-    ),
-    (
-        ["task=kv_retrieval", "task.num_pairs=[4,6]", "task.positions=[0,1]", "task.num_samples=2"],
-        ["task=kv_retrieval", "task.num_pairs=[6]", "task.positions=[1]", "task.num_samples=1"],
-    ),
-    (
-        ["task=longgen", "task.trace_tokens=[16,32]", "task.n_facts=2"],
-        ["task=longgen", "task.trace_tokens=[32]", "task.n_facts=1"],
-    ),
-    (
-        ["task=longbench", f"task.data_dir={FIXTURES}", "task.subsets=[hotpotqa,qasper]", "task.max_length=600"],
-        [
-            "task=longbench",
-            f"task.data_dir={FIXTURES}",
-            "task.subsets=[qasper]",
-            "task.max_length=600",
-            "task.limit_per_subset=1",
-        ],
-    ),
-]
+def selections() -> list[tuple[list[str], list[str]]]:
+    """(task overrides, the same with every selection key narrowed) for each registered task with selection keys,
+    derived from the task's `selection_keys` and its conf/task/<name>.yaml: each list-valued key cut to its first
+    two values (fast, and away from each list's most demanding end), then to the second of them; each count (an
+    int key, or a null one declared int: every record) to 1. A task reading data files reads tests/fixtures/<name>/
+    as its `data_dir`. A task whose defaults select nothing ([], lm_eval's tasks) is tested elsewhere."""
+    from kvbench.config.validate import task_rule
+    from kvbench.tasks import TASKS
+
+    out = []
+    for name in TASKS.names():
+        task_cls = TASKS.get(name)
+        defaults = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "task" / f"{name}.yaml"))
+        keys = sorted(task_cls.selection_keys)
+        if not keys or any(defaults.get(key) == [] for key in keys):
+            continue
+        fixture = FIXTURES.parent / name
+        wide = [f"task={name}"] + ([f"task.data_dir={fixture}"] if "data_dir" in defaults and fixture.is_dir() else [])
+        narrow = list(wide)
+        for key in keys:
+            value = defaults.get(key)
+            rule = task_rule(name, key, value, dict(task_cls.knobs))
+            if isinstance(value, list) and len(value) > 1:
+                wide.append(f"task.{key}=[{value[0]},{value[1]}]")
+                narrow.append(f"task.{key}=[{value[1]}]")
+            elif rule is not None and rule.kind == "int":
+                narrow.append(f"task.{key}=1")
+        out.append((wide, narrow))
+    return out
+
+
+SELECTIONS = selections()
 
 
 @pytest.mark.parametrize("wide,narrow", SELECTIONS, ids=[s[0][0] for s in SELECTIONS])

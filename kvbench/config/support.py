@@ -19,6 +19,7 @@ invariants, or it is refused here.
 
 from __future__ import annotations
 
+from kvbench.methods.modes import decode_time
 from kvbench.model import layout
 
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
@@ -58,16 +59,14 @@ def rope_kind(config) -> str:
 
 
 def _parts(method) -> list:
-    """The method and the parts a composition stacks."""
-    return [method] + [
-        p
-        for p in (
-            getattr(method, "_structure", None),
-            getattr(method, "_eviction", None),
-            getattr(method, "_precision", None),
-        )
-        if p is not None
-    ]
+    """The method and the parts a composition stacks (methods/compose.py)."""
+    if method.caps.family != "composite":
+        return [method]
+    return [method] + [p for p in (method.structure, method.eviction, method.precision) if p is not None]
+
+
+def _needs_stats(part) -> bool:
+    return bool(part.stats_request() or decode_time(part).decode_request())
 
 
 def refusal(method, config) -> str | None:
@@ -82,7 +81,7 @@ def refusal(method, config) -> str | None:
             f"method {method.name} cannot run on {model}: it has latent attention (MLA), whose cache holds one "
             f"latent shared by every head, not per-head K/V; methods that run on it: {', '.join(POSITION_ONLY)}"
         )
-    needs_stats = any(part.stats_request() or part.decode_request() for part in _parts(method))
+    needs_stats = any(_needs_stats(part) for part in _parts(method))
     if needs_stats and kind in NO_ATTENTION_INTERFACE:
         return (
             f"method {method.name} needs attention statistics, but {model}'s attention does not go through "
