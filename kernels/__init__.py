@@ -28,17 +28,17 @@ def attention_column_sums(query, key, scaling: float, mask=None, softcap: float 
     """
     if mask is not None or softcap is not None:  # the Triton kernel is causal-only and uncapped
         return attention_column_sums_reference(query, key, scaling, mask, softcap)
-    fast = fast_module(query, "triton_stats")
+    fast = fast_module(query, "stats")
     if fast:
         return fast.triton_attention_column_sums(query, key, scaling)
     return attention_column_sums_reference(query, key, scaling)
 
 
 def fast_module(tensor, module: str):
-    """kvbench.kernels.`module` (a Triton kernel module) when `tensor` is on CUDA, triton imports and
+    """kvbench.kernels.triton.`module` (a Triton kernel module) when `tensor` is on CUDA, triton imports and
     KVBENCH_NO_TRITON != 1; else None (the caller runs the torch reference)."""
     if tensor.is_cuda and importlib.util.find_spec("triton") and os.environ.get("KVBENCH_NO_TRITON") != "1":
-        fast = importlib.import_module(f"kvbench.kernels.{module}")
+        fast = importlib.import_module(f"kvbench.kernels.triton.{module}")
         if fast.TRITON_AVAILABLE:  # False when triton is present but fails to import
             return fast
     return None
@@ -63,7 +63,7 @@ def quantize_pack(x, bits: int, group_size: int):
     KVBENCH_NO_CPU_EXT=1 or no C compiler; the torch reference otherwise. All bit for bit the same."""
     from kvbench.kernels.quantize import cpu_quantize_pack
 
-    fast = fast_module(x, "triton_quant")
+    fast = fast_module(x, "quant")
     if fast:
         return fast.triton_quantize_pack(x, bits, group_size)
     out = cpu_quantize_pack(x, bits, group_size)
@@ -72,7 +72,7 @@ def quantize_pack(x, bits: int, group_size: int):
 
 def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     """Invert quantize_pack: packed (..., n_groups·W), scale/zero (..., n_groups) -> (..., L) in dtype."""
-    fast = fast_module(packed, "triton_quant")
+    fast = fast_module(packed, "quant")
     if fast:
         return fast.triton_unpack_dequantize(packed, scale, zero, bits, group_size, dtype)
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
@@ -81,13 +81,13 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
 def kivi_decode_attention(query, storage, scaling: float):
     """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
-    Triton on CUDA (kernels/triton_kivi.py, every bit width: a bits=16 part is simply empty) unless
+    Triton on CUDA (kernels/triton/kivi.py, every bit width: a bits=16 part is simply empty) unless
     KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_decode_attention.c) unless KVBENCH_NO_CPU_EXT=1
     or no C compiler; the torch version otherwise.
     """
     from kvbench.kernels.kivi_attention import cpu_decode_attention, packed_decode_attention
 
-    fast = fast_module(query, "triton_kivi")
+    fast = fast_module(query, "kivi")
     if fast:
         return fast.triton_kivi_decode_attention(query, storage, scaling)
     out = cpu_decode_attention(query, storage, scaling)

@@ -1,6 +1,6 @@
 """Asymmetric min/max uniform quantization with bit packing (KIVI's scheme): the pure-torch reference.
 
-Contract (the Triton kernels in triton_quant.py and the CPU's C kernel, kernels/csrc/kivi_quantize.c through
+Contract (the Triton kernels in triton/quant.py and the CPU's C kernel, kernels/csrc/kivi_quantize.c through
 `cpu_quantize_pack`, follow it bit for bit):
 - groups of `group_size` consecutive elements along the LAST axis; per group zero = min,
   scale = (max − min)/(2^bits − 1), q = floor((x − zero)/scale + 0.5) clamped to [0, 2^bits − 1] (round half up,

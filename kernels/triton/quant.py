@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 from kvbench.kernels.quantize import _check, quant_params, words_per_group
 
 _BLOCK_R = 32

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 from kvbench.kernels.kivi_attention import KiviStorage
 from kvbench.kernels.quantize import words_per_group
 
