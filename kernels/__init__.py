@@ -1,4 +1,6 @@
-"""Kernels (attention statistics, KIVI quantization): pure-torch references, and Triton fast paths used on CUDA.
+"""Kernels (attention statistics, KIVI quantization and attention, token copies): the pure-torch references and the
+public functions that dispatch — to the Triton modules on CUDA (kernels/triton/, `fast_module`), to the optional CPU
+backend (kernels/cpu/, reached only through kvbench.kernels.backend), else to the torch reference.
 
 Imports happen inside the functions on purpose: run from the repository root, this folder is also importable
 as a top-level `kernels` module, which transformers probes (the Hugging Face `kernels` package has the same
@@ -59,14 +61,15 @@ def unpack_dequantize_reference(packed, scale, zero, bits: int, group_size: int,
 def quantize_pack(x, bits: int, group_size: int):
     """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize).
 
-    Triton on CUDA unless KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_quantize.c) unless
+    Triton on CUDA unless KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kernels/cpu/kivi.py) unless
     KVBENCH_NO_CPU_EXT=1 or no C compiler; the torch reference otherwise. All bit for bit the same."""
-    from kvbench.kernels.quantize import cpu_quantize_pack
+    from kvbench.kernels.backend import backend
 
     fast = fast_module(x, "quant")
     if fast:
         return fast.triton_quantize_pack(x, bits, group_size)
-    out = cpu_quantize_pack(x, bits, group_size)
+    cpu = backend("cpu")
+    out = cpu.kivi_quantize(x, bits, group_size) if cpu is not None else None
     return quantize_pack_reference(x, bits, group_size) if out is None else out
 
 
@@ -82,15 +85,17 @@ def kivi_decode_attention(query, storage, scaling: float):
     """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
     Triton on CUDA (kernels/triton/kivi.py, every bit width: a bits=16 part is simply empty) unless
-    KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_decode_attention.c) unless KVBENCH_NO_CPU_EXT=1
+    KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kernels/cpu/kivi.py) unless KVBENCH_NO_CPU_EXT=1
     or no C compiler; the torch version otherwise.
     """
-    from kvbench.kernels.kivi_attention import cpu_decode_attention, packed_decode_attention
+    from kvbench.kernels.backend import backend
+    from kvbench.kernels.kivi_attention import packed_decode_attention
 
     fast = fast_module(query, "kivi")
     if fast:
         return fast.triton_kivi_decode_attention(query, storage, scaling)
-    out = cpu_decode_attention(query, storage, scaling)
+    cpu = backend("cpu")
+    out = cpu.kivi_decode_attention(query, storage, scaling) if cpu is not None else None
     return packed_decode_attention(query, storage, scaling) if out is None else out
 
 

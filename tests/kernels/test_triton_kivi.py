@@ -202,9 +202,7 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     assert not calls
     on_cuda = types.SimpleNamespace(is_cuda=True)  # what the dispatcher reads of a tensor: where it lives
     monkeypatch.setenv("KVBENCH_NO_TRITON", "0")
-    assert (
-        kernels.fast_module(on_cuda, "kivi") is triton_kivi and kernels.fast_module(query, "kivi") is None
-    )
+    assert kernels.fast_module(on_cuda, "kivi") is triton_kivi and kernels.fast_module(query, "kivi") is None
     monkeypatch.setenv("KVBENCH_NO_TRITON", "1")
     assert kernels.fast_module(on_cuda, "kivi") is None
 
