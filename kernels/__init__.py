@@ -1,4 +1,6 @@
-"""Kernels (attention statistics, KIVI quantization): pure-torch references, and Triton fast paths used on CUDA.
+"""Kernels (attention statistics, KIVI quantization and attention, token copies): the pure-torch references and the
+public functions that dispatch — to the Triton modules on CUDA (kernels/triton/, `fast_module`), to the optional CPU
+backend (kernels/cpu/, reached only through kvbench.kernels.backend), else to the torch reference.
 
 Imports happen inside the functions on purpose: run from the repository root, this folder is also importable
 as a top-level `kernels` module, which transformers probes (the Hugging Face `kernels` package has the same
@@ -28,17 +30,17 @@ def attention_column_sums(query, key, scaling: float, mask=None, softcap: float 
     """
     if mask is not None or softcap is not None:  # the Triton kernel is causal-only and uncapped
         return attention_column_sums_reference(query, key, scaling, mask, softcap)
-    fast = fast_module(query, "triton_stats")
+    fast = fast_module(query, "stats")
     if fast:
         return fast.triton_attention_column_sums(query, key, scaling)
     return attention_column_sums_reference(query, key, scaling)
 
 
 def fast_module(tensor, module: str):
-    """kvbench.kernels.`module` (a Triton kernel module) when `tensor` is on CUDA, triton imports and
+    """kvbench.kernels.triton.`module` (a Triton kernel module) when `tensor` is on CUDA, triton imports and
     KVBENCH_NO_TRITON != 1; else None (the caller runs the torch reference)."""
     if tensor.is_cuda and importlib.util.find_spec("triton") and os.environ.get("KVBENCH_NO_TRITON") != "1":
-        fast = importlib.import_module(f"kvbench.kernels.{module}")
+        fast = importlib.import_module(f"kvbench.kernels.triton.{module}")
         if fast.TRITON_AVAILABLE:  # False when triton is present but fails to import
             return fast
     return None
@@ -59,20 +61,21 @@ def unpack_dequantize_reference(packed, scale, zero, bits: int, group_size: int,
 def quantize_pack(x, bits: int, group_size: int):
     """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize).
 
-    Triton on CUDA unless KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_quantize.c) unless
+    Triton on CUDA unless KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kernels/cpu/kivi.py) unless
     KVBENCH_NO_CPU_EXT=1 or no C compiler; the torch reference otherwise. All bit for bit the same."""
-    from kvbench.kernels.quantize import cpu_quantize_pack
+    from kvbench.kernels.backend import backend
 
-    fast = fast_module(x, "triton_quant")
+    fast = fast_module(x, "quant")
     if fast:
         return fast.triton_quantize_pack(x, bits, group_size)
-    out = cpu_quantize_pack(x, bits, group_size)
+    cpu = backend("cpu")
+    out = cpu.kivi_quantize(x, bits, group_size) if cpu is not None else None
     return quantize_pack_reference(x, bits, group_size) if out is None else out
 
 
 def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
     """Invert quantize_pack: packed (..., n_groups·W), scale/zero (..., n_groups) -> (..., L) in dtype."""
-    fast = fast_module(packed, "triton_quant")
+    fast = fast_module(packed, "quant")
     if fast:
         return fast.triton_unpack_dequantize(packed, scale, zero, bits, group_size, dtype)
     return unpack_dequantize_reference(packed, scale, zero, bits, group_size, dtype)
@@ -81,16 +84,18 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
 def kivi_decode_attention(query, storage, scaling: float):
     """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
-    Triton on CUDA (kernels/triton_kivi.py, every bit width: a bits=16 part is simply empty) unless
-    KVBENCH_NO_TRITON=1; on the CPU the C kernel (kernels/csrc/kivi_decode_attention.c) unless KVBENCH_NO_CPU_EXT=1
+    Triton on CUDA (kernels/triton/kivi.py, every bit width: a bits=16 part is simply empty) unless
+    KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kernels/cpu/kivi.py) unless KVBENCH_NO_CPU_EXT=1
     or no C compiler; the torch version otherwise.
     """
-    from kvbench.kernels.kivi_attention import cpu_decode_attention, packed_decode_attention
+    from kvbench.kernels.backend import backend
+    from kvbench.kernels.kivi_attention import packed_decode_attention
 
-    fast = fast_module(query, "triton_kivi")
+    fast = fast_module(query, "kivi")
     if fast:
         return fast.triton_kivi_decode_attention(query, storage, scaling)
-    out = cpu_decode_attention(query, storage, scaling)
+    cpu = backend("cpu")
+    out = cpu.kivi_decode_attention(query, storage, scaling) if cpu is not None else None
     return packed_decode_attention(query, storage, scaling) if out is None else out
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.kernels.backend import backend
+
 # Query rows (query heads of one KV head × queries) per chunk of scores: the score tile (rows × T fp32, 2 MiB at 4K
 # tokens) stays in cache and each matmul is large enough to be efficient. Measured (bundled model's shapes, 2 cores,
 # one layer): 128 rows 136 ms at 4K and 634 ms at 8K, vs 375 ms and 2,994 ms with 2^19-element chunks (14 queries)
@@ -49,20 +51,14 @@ def attention_column_sums(
     # bf16/fp16 products with fp32 accumulation, 2.2× faster than fp32 products on this CPU; softmax and sums in fp32
     product_dtype = key.dtype if key.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
-    # the whole loop below in one C call (kernels/csrc/softmax_column_sums.c), causal and uncapped on the CPU;
+    # the whole loop below in one C call (the CPU backend's, kernels/cpu/column_sums.py), causal and uncapped;
     # inconsistent shapes: torch's loop says why. The scaled query is rounded as eager attention rounds it; bf16 × bf16
-    # is exact in fp32, so both C paths are the bf16 product with fp32 accumulation: AVX512-BF16 dot products where
-    # the CPU has them, else the rows widened to fp32 for sgemm (MKL's bf16 GEMM was slower here: 151 vs 142 ms)
+    # is exact in fp32, so both C paths are the bf16 product with fp32 accumulation
     whole = mask is None and softcap is None and n_queries <= n_keys and key.shape[-1] == head_dim
-    if whole and query.device.type == "cpu":
+    cpu = backend("cpu") if whole and query.device.type == "cpu" else None
+    if cpu is not None:
         rows = (q.float() * (scaling * _LOG2E)).to(product_dtype).contiguous()  # (B, H_kv, G, Q, D) log2
-        if product_dtype == torch.bfloat16 and _causal_column_sums_bf16(rows, key.contiguous(), out):
-            return out.reshape(bsz, n_q_heads, n_keys)
-        fused = _fused_kernel(query.device, product_dtype, mask, softcap)
-        if fused is not None:
-            keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T)
-            kernel, sgemm = fused
-            _causal_column_sums(kernel, sgemm, rows.float(), keys_t.float(), out)
+        if cpu.causal_column_sums(rows, key, out):
             return out.reshape(bsz, n_q_heads, n_keys)
     keys_t = key.to(product_dtype).transpose(-1, -2).contiguous()  # (B, H_kv, D, T): faster products than Kᵀ views
     chunk = max(1, _SCORE_ROWS // group)
@@ -94,67 +90,6 @@ def attention_column_sums(
         inv_total.masked_fill_(inv_total.isinf(), 0.0)
         out[..., :visible] += torch.matmul(inv_total.unsqueeze(-2), per_head).squeeze(-2)  # (B, H_kv, G, t)
     return out.reshape(bsz, n_q_heads, n_keys)
-
-
-# Queries per work item of the C kernel: its (chunk × T) fp32 score tile stays within ~2 MiB (L2/L3), so scratch does
-# not grow with the context. At 4K, one layer, 1 thread: 32 / 64 / 128 / 256 queries 158 / 146 / 142 / 143 ms in fp32
-# (the torch loop: 200 ms).
-_TILE_FLOATS = 2**19
-
-
-def _kernel_chunk(n_keys: int) -> int:
-    return max(16, min(128, _TILE_FLOATS // max(n_keys, 1)))
-
-
-def _fused_kernel(device: torch.device, dtype: torch.dtype, mask: torch.Tensor | None, softcap: float | None):
-    """(C kernel, sgemm_ address) where the C kernel applies — CPU, fp32 or bf16 products, causal (no model mask),
-    no soft-cap, torch built with MKL — else None."""
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or mask is not None or softcap is not None:
-        return None
-    from kvbench.kernels import cpu_ext
-
-    kernel = cpu_ext.function("softmax_column_sums", "ppllllllpppi")
-    gemm = cpu_ext.torch_blas("sgemm_")
-    return (kernel, gemm) if kernel is not None and gemm is not None else None
-
-
-def _work(n_kv: int, n_keys: int, head_dim: int, chunk: int, threads: int, is_bf16: bool) -> torch.Tensor | None:
-    """The C kernel's scratch (its size from the kernel itself: packed keys, per-thread tiles, head ids)."""
-    from kvbench.kernels import cpu_ext
-
-    sizes = ("softmax_column_sums", "lllliip", "softmax_column_sums_work")
-    return cpu_ext.scratch(*sizes, (n_kv, n_keys, head_dim, chunk, threads, int(is_bf16)), torch.float32)
-
-
-def _causal_column_sums(kernel, gemm: int, rows: torch.Tensor, keys_t: torch.Tensor, out: torch.Tensor) -> None:
-    """out (B, H_kv, G, T) += Σ_i softmax(rows_i · Kᵀ) causal, for rows (B, H_kv, G, Q, D) in log2 units and keys_t
-    (B, H_kv, D, T), both fp32 and contiguous."""
-    bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
-    n_keys, threads, chunk = keys_t.shape[-1], torch.get_num_threads(), _kernel_chunk(keys_t.shape[-1])
-    work = _work(bsz * n_kv_heads, n_keys, head_dim, chunk, threads, False)
-    assert work is not None  # the kernel is loaded, so is its size function
-    kernel(
-        rows.data_ptr(), keys_t.data_ptr(), bsz * n_kv_heads, group, n_queries, n_keys, head_dim, chunk, gemm,
-        out.data_ptr(), work.data_ptr(), threads,
-    )  # fmt: skip
-
-
-def _causal_column_sums_bf16(rows: torch.Tensor, keys: torch.Tensor, out: torch.Tensor) -> bool:
-    """`_causal_column_sums` for bf16 rows (B, H_kv, G, Q, D) and keys (B, H_kv, T, D), contiguous, by AVX512-BF16
-    dot products; False (nothing added) where this CPU's build has none."""
-    from kvbench.kernels import cpu_ext
-
-    kernel = cpu_ext.function("softmax_column_sums", "ppllllllppi", "softmax_column_sums_bf16")
-    bsz, n_kv_heads, group, n_queries, head_dim = rows.shape
-    n_keys, threads, chunk = keys.shape[2], torch.get_num_threads(), _kernel_chunk(keys.shape[2])
-    work = _work(bsz * n_kv_heads, n_keys, head_dim, chunk, threads, True) if kernel is not None else None
-    if kernel is None or work is None:
-        return False
-    status = kernel(
-        rows.data_ptr(), keys.data_ptr(), bsz * n_kv_heads, group, n_queries, n_keys, head_dim, chunk,
-        out.data_ptr(), work.data_ptr(), threads,
-    )  # fmt: skip
-    return status == 0
 
 
 def _apply_mask(scores: torch.Tensor, mask: torch.Tensor, n_kv_heads: int, group: int) -> None:

@@ -1,4 +1,5 @@
-"""Keeping some tokens of a cache tensor by runs of consecutive positions: kernels/csrc/compact_tokens.c, or torch.
+"""Keeping some tokens of a cache tensor: by runs of consecutive positions in the CPU backend (kernels/cpu/tokens.py),
+else torch's gather.
 
 `compact_tokens(t, index)` leaves in slots [0, N) of t (1, H, T, D) exactly what `t.gather(2, index)` would give
 (positions sorted ascending), without a new tensor; the caller then views t[:, :, :N]. Used for the rows of a grid
@@ -11,49 +12,29 @@ from __future__ import annotations
 
 import torch
 
-
-def _function(symbol: str, signature: str):
-    from kvbench.kernels import cpu_ext
-
-    return cpu_ext.function("compact_tokens", signature, symbol)
-
-
-def _by_runs(tensor: torch.Tensor) -> bool:
-    """Whether the C kernels can copy this tensor's tokens (CPU, each token's D values contiguous, tokens D apart)."""
-    return tensor.device.type == "cpu" and tensor.stride(-1) == 1 and tensor.stride(2) == tensor.shape[-1]
+from kvbench.kernels.backend import backend
 
 
 def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
     """Keep positions `index` (1, H, N) of `tensor` (1, H, T, D), in its slots [0, N)."""
-    batch, heads, n_old, dim = tensor.shape
+    batch, heads, _, dim = tensor.shape
     n_keep = index.shape[-1]
     if index.shape != (batch, heads, n_keep) or batch != 1:
         raise ValueError(f"index {tuple(index.shape)} does not select tokens of one row of {tuple(tensor.shape)}")
-    kernel = _function("compact_tokens", "plllllpl") if _by_runs(tensor) else None
-    if kernel is not None:
-        positions = index.to(torch.int64).contiguous()  # (1, H, N)
-        status = kernel(
-            tensor.data_ptr(), tensor.element_size(), heads, tensor.stride(1), dim, n_old, positions.data_ptr(), n_keep
-        )
-        if status == 0:
-            return  # else positions not strictly increasing or outside the cache: torch's gather says which
+    cpu = backend("cpu")
+    if cpu is not None and cpu.compact_tokens(tensor, index):
+        return  # else, positions not strictly increasing or outside the cache among the reasons: torch's gather
     kept = tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (1, H, N, D): a copy, then back in place
     tensor[:, :, :n_keep].copy_(kept)
 
 
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor."""
-    batch, heads, n_old, dim = tensor.shape
-    kernel = _function("gather_tokens", "pplllllllpl") if _by_runs(tensor) and index.dim() == 3 else None
-    if kernel is not None and index.shape[:2] == (batch, heads):
-        positions = index.to(torch.int64).contiguous()  # (B, H, N)
-        out = tensor.new_empty(batch, heads, index.shape[-1], dim)  # (B, H, N, D)
-        status = kernel(
-            tensor.data_ptr(), out.data_ptr(), tensor.element_size(), batch, heads, tensor.stride(0),
-            tensor.stride(1), dim, n_old, positions.data_ptr(), index.shape[-1],
-        )  # fmt: skip
-        if status == 0:
-            return out
+    cpu = backend("cpu")
+    out = cpu.gather_tokens(tensor, index) if cpu is not None else None
+    if out is not None:
+        return out
+    dim = tensor.shape[-1]
     return tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, N, D); bad positions: torch says
 
 

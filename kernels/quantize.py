@@ -1,7 +1,7 @@
 """Asymmetric min/max uniform quantization with bit packing (KIVI's scheme): the pure-torch reference.
 
-Contract (the Triton kernels in triton_quant.py and the CPU's C kernel, kernels/csrc/kivi_quantize.c through
-`cpu_quantize_pack`, follow it bit for bit):
+Contract (the Triton kernels in triton/quant.py and the CPU backend's C kernel, kernels/cpu/kivi.py
+`kivi_quantize`, follow it bit for bit):
 - groups of `group_size` consecutive elements along the LAST axis; per group zero = min,
   scale = (max − min)/(2^bits − 1), q = floor((x − zero)/scale + 0.5) clamped to [0, 2^bits − 1] (round half up,
   which torch and Triton compute alike);
@@ -85,30 +85,6 @@ def quantize_pack(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Te
     # the sign bit; the two's-complement sum keeps it there)
     packed = (q.unflatten(-1, (words, per_word)) << _shifts(bits, x.device)).sum(-1, dtype=torch.int32)
     return packed.flatten(-2), scale, zero  # (..., n_groups·W), (..., n_groups) ×2
-
-
-def cpu_quantize_pack(x: torch.Tensor, bits: int, group_size: int):
-    """quantize_pack in one C call on the CPU (kernels/csrc/kivi_quantize.c, bit for bit), or None where it does not
-    apply: not on the CPU, a dtype other than fp32 / bf16, no C compiler, KVBENCH_NO_CPU_EXT=1."""
-    from kvbench.kernels import cpu_ext
-
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    _check(bits, group_size, x.shape[-1])
-    kernel = cpu_ext.function("kivi_quantize", "pillilpppi")
-    if kernel is None:
-        return None
-    x = x.contiguous()  # (..., L)
-    n_groups = x.shape[-1] // group_size
-    packed = torch.empty(*x.shape[:-1], n_groups * words_per_group(bits, group_size), dtype=torch.int32)
-    scale = torch.empty(*x.shape[:-1], n_groups, dtype=x.dtype)  # (..., n_groups)
-    zero = torch.empty_like(scale)
-    rows = x.numel() // max(1, x.shape[-1])
-    kernel(
-        x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[-1], bits, group_size, packed.data_ptr(),
-        scale.data_ptr(), zero.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    return packed, scale, zero  # (..., n_groups·W), (..., n_groups) ×2
 
 
 @functools.cache

@@ -5,7 +5,7 @@
 
 Shapes of Llama-3.1-8B (H_q=32, H_kv=8, D=128), bf16. Column sums: Q=T is H2O's prefill statistic, Q=32 SnapKV's
 window. --kivi: one decode step's attention alone, KIVI at kvbench's defaults (group 64, residual 64) on random K/V,
-per context and bit width: the Triton kernel on the packed groups (kernels/triton_kivi.py), the torch version
+per context and bit width: the Triton kernel on the packed groups (kernels/triton/kivi.py), the torch version
 (kernels/kivi_attention.py), dequantize-then-sdpa (KIVI's path with several queries) and sdpa on the full bf16
 cache, in ms (median of --reps), and the kernel's max error against dequantize-then-sdpa relative to the largest
 output (it must agree with the torch version to one bf16 step). `--device cpu` with TRITON_INTERPRET=1 runs the same
@@ -50,7 +50,7 @@ def timeit(fn, reps: int, device: torch.device | str = "cuda") -> float:
 def bench_column_sums() -> None:
     from kvbench.kernels import attention_column_sums
     from kvbench.kernels import attention_column_sums_reference as reference
-    from kvbench.kernels.triton_stats import triton_attention_column_sums as triton_sums
+    from kvbench.kernels.triton.stats import triton_attention_column_sums as triton_sums
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'T':>6} {'Q':>6} {'triton ms':>10} {'torch ms':>10} {'speed-up':>9} {'err/max':>9}")
@@ -74,7 +74,7 @@ def _kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: i
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     from kvbench.kernels.kivi_attention import packed_decode_attention
-    from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+    from kvbench.kernels.triton.kivi import triton_kivi_decode_attention
     from kvbench.methods.kivi import KiviLayer
 
     scale = query.shape[-1] ** -0.5

@@ -127,3 +127,21 @@ def test_the_layout_test_sees_the_house():
     mods = graph()
     assert "kvbench.run.runner" in mods and "kvbench.methods.snapkv" in mods and "kvbench.kernels" in mods
     assert "kvbench.engine.engine" in mods["kvbench.run.runner"]
+
+
+def cpu_backend_importers(edges: dict[str, set[str]]) -> list[str]:
+    cpu = "kvbench.kernels.cpu"
+    return sorted(
+        f"{a} imports {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if (b == cpu or b.startswith(cpu + ".")) and not (a == cpu or a.startswith(cpu + "."))
+    )
+
+
+def test_only_the_backend_registry_imports_the_cpu_backend():
+    """kernels/cpu is optional: kvbench/*, methods/* and kernels' own torch code reach it through
+    kvbench.kernels.backend only (which loads it by name, None where it is absent), so an install without the folder
+    works (tests/kernels/test_backend.py)."""
+    assert not cpu_backend_importers(graph()), "\n".join(cpu_backend_importers(graph()))
+    assert cpu_backend_importers({"kvbench.engine.engine": {"kvbench.kernels.cpu.decode_linear"}})  # it can fail

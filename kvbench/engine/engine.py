@@ -18,6 +18,7 @@ import torch
 from kvbench import KvbenchError
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
+from kvbench.kernels.backend import backend
 from kvbench.methods import Budget, Method
 from kvbench.methods.modes import ChangesModel, decode_time
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
@@ -100,11 +101,9 @@ class Engine:
             # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        if lm.device.type == "cpu":  # the C kernels' first build (~1 s each, once per machine) before any timing
-            from kvbench.kernels import cpu_ext, decode_linear
-
-            cpu_ext.load_all()
-            decode_linear.install(lm.model)  # decode steps row-independent (grids decode as one batch), and faster
+        cpu = backend("cpu") if lm.device.type == "cpu" else None
+        if cpu is not None:  # the C kernels' first build (~1 s each, once per machine) before any timing; decode
+            cpu.install(lm.model)  # steps row-independent (grids decode as one batch), and faster
         eos = lm.tokenizer.eos_token_id
         chat_ends = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
         vocab = lm.tokenizer.get_vocab()

@@ -6,9 +6,9 @@ configuration besides the baseline, so a single method's run times each configur
 Why the kernels: torch's CPU products round a row differently depending on the batch's row count (MKL's float32
 one-row and several-row products sum in different orders; oneDNN's bf16 kernels at some row counts — measured on
 the bundled model: the MLP's down projection at 10 rows, the whole MLP at 3 — enough to flip a greedy token in
-bf16). kernels/decode_linear.py (every linear layer, ≤ MAX_ROWS rows) and kernels/decode_attention.py (one query
-per row) compute each row the same way whatever the batch, and a decode alone goes through the same kernels, so a
-grid row is its one-by-one self.
+bf16). The CPU backend's kernels/cpu/decode_linear.py (every linear layer, ≤ MAX_ROWS rows) and single_query.py
+(one query per row) compute each row the same way whatever the batch, and a decode alone goes through the same
+kernels, so a grid row is its one-by-one self.
 
 A shared prefill serves every (method, budget) of a grid; each configuration is then compressed on its own, exactly
 as alone (`Engine.compressed`), and the configurations whose caches are plain tensors decode as the rows of one
@@ -49,7 +49,6 @@ from transformers.cache_utils import DynamicLayer
 from kvbench.engine.batched import BatchedGeneration, decode_together
 from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
 from kvbench.engine.memory import reset_peak
-from kvbench.kernels import decode_linear
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
 from kvbench.methods.modes import DecodeTime, decode_time
@@ -57,7 +56,8 @@ from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.padded import PaddedKV
 
 MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
-MAX_ROWS = decode_linear.MAX_ROWS  # rows per batch: the row-independent linear kernel takes a step of at most these
+# rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)
+MAX_ROWS = 16
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
 
 

@@ -3,9 +3,10 @@
 A plain layer evicting one token per step (H2O, StreamingLLM, TOVA as the papers run them) pays twice per step: the
 gather of the kept tokens into a new tensor, then the next step's append, a concatenation into another. Here each
 layer's tokens live in the first n slots of a buffer with room for the step's tokens: an append writes the next
-slot, an eviction compacts the kept tokens in place (kernels/compact.py, one memmove per run) — the same tokens in
-the same order, so decoding is bit for bit what the gather gives (the C decode kernels read values, not layout;
-tested). At the end the layers become plain exact-size tensors again, so `kv_bytes` (storage bytes) is unchanged.
+slot, an eviction compacts the kept tokens in place (kernels/compact.py, one memmove per run in the CPU backend) —
+the same tokens in the same order, so decoding is bit for bit what the gather gives (the C decode kernels read
+values, not layout; tested). At the end the layers become plain exact-size tensors again, so `kv_bytes` (storage
+bytes) is unchanged.
 
 Used on the CPU with the C decode kernels, for methods that act on each decode step, on plain batch-1 layers; not
 for StreamingLLM's ring (it turns plain layers into ring layers itself).
@@ -17,6 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvbench.kernels.backend import backend
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Method
 from kvbench.methods.modes import DecodeTime
@@ -67,18 +69,22 @@ class SlotLayer(DynamicLayer):
 def use_slots(cache, method: Method, model) -> bool:
     """Turn the cache's plain batch-1 layers into SlotLayers when `method` acts on every decode step (returns
     whether it did). Only with the C decode kernels installed, where the layout cannot change a result."""
-    from kvbench.kernels import decode_linear
-
     layers = list(getattr(cache, "layers", []))
     if not isinstance(method, DecodeTime) or method.caps.decodes_alone:  # acts on no decode step, or on its own layers
         return False
-    if not (layers and decode_linear.installed(model)):
+    if not (layers and decode_kernels(model)):
         return False
     if not all(type(layer) is DynamicLayer and layer.keys is not None and layer.keys.shape[0] == 1 for layer in layers):
         return False
     spare = method.slack() + 2  # the step's token, and a block's slack (evict_every − 1) + 1
     cache.layers[:] = [SlotLayer(layer.keys, layer.values, spare) for layer in layers]
     return True
+
+
+def decode_kernels(model) -> bool:
+    """Whether the model's decode steps run the CPU backend's row-independent kernels (kernels/cpu)."""
+    cpu = backend("cpu")
+    return cpu is not None and cpu.rows_independent(model)
 
 
 def plain_layers(cache: DynamicCache) -> None:

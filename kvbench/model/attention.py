@@ -21,7 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvbench import KvbenchError
-from kvbench.kernels import attention_column_sums, decode_attention, prefill_attention
+from kvbench.kernels import attention_column_sums
+from kvbench.kernels.backend import backend
 from kvbench.model.padded import PaddedKV
 from kvbench.model.ragged import RaggedKV, ragged_attention
 
@@ -327,12 +328,11 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
         # a cache holding one K/V head per query head (snapkv aggregate=none, the original's layout): no GQA repeat
         module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if attention_mask is None and _single_query_ok(query, key, value, kwargs):  # a decode step: the C kernel
-        out = decode_attention.attend(query, key, value, scale)
-        if out is not None:
-            return out, None
-    if attention_mask is None and _causal_prefill_ok(module, query, key, value, kwargs):  # a bf16 prompt: C kernel
-        out = prefill_attention.attend(query, key, value, scale)
+    cpu = backend("cpu") if attention_mask is None else None
+    if cpu is not None:  # a decode step, or a bf16 prompt, that the C kernels take (each checks the tensors)
+        out = cpu.decode_attention(query, key, value, scale) if _single_query_ok(key, kwargs) else None
+        if out is None and _causal_prefill_ok(module, key, kwargs):
+            out = cpu.prefill_attention(query, key, value, scale)
         if out is not None:
             return out, None
     if kwargs.get("softcap") is not None:  # sdpa cannot cap logits: the model's own eager attention (Gemma-2)
@@ -348,23 +348,25 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
-def _single_query_ok(query, key, value, kwargs) -> bool:
-    """Whether kernels/decode_attention.py takes this step (one query per row, CPU, fp32/bf16, no soft cap or
-    sinks): the same kernel for a decode alone and for a grid's rows, whose outputs it keeps row-independent."""
+def _single_query_ok(key, kwargs) -> bool:
+    """Whether the model's options let the CPU backend's decode attention (kernels/cpu/single_query.py: one query
+    per row, CPU, fp32/bf16 — it checks the tensors itself) take this step: no soft cap, sinks or dropout, no sliding
+    window shorter than the cache. The same kernel for a decode alone and for a grid's rows, whose outputs it keeps
+    row-independent."""
     window = kwargs.get("sliding_window")
     return (
         kwargs.get("softcap") is None
         and kwargs.get("s_aux") is None
         and not kwargs.get("dropout")
         and (window is None or key.shape[2] <= window)  # longer: the model's mask decides, not all the slots
-        and decode_attention.applies(query, key, value)
     )
 
 
-def _causal_prefill_ok(module, query, key, value, kwargs) -> bool:
-    """Whether kernels/prefill_attention.py takes this call: a whole prompt attending causally to itself (Q = T > 1
-    and no mask: what sdpa runs with is_causal), bf16 on a CPU with AVX512-BF16, no soft cap, sinks, dropout,
-    position bias or sliding window shorter than the prompt."""
+def _causal_prefill_ok(module, key, kwargs) -> bool:
+    """Whether the model's options let the CPU backend's prefill attention (kernels/cpu/causal_prompt.py: a whole
+    bf16 prompt attending causally to itself, Q = T > 1, on a CPU with AVX512-BF16 — it checks the tensors itself)
+    take this call: causal (no mask: what sdpa runs with is_causal), no soft cap, sinks, dropout, position bias or
+    sliding window shorter than the prompt."""
     window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
     return (
         (getattr(module, "is_causal", True) if causal is None else causal) is True  # None: the module's, as sdpa's
@@ -373,7 +375,6 @@ def _causal_prefill_ok(module, query, key, value, kwargs) -> bool:
         and kwargs.get("position_bias") is None
         and not kwargs.get("dropout")
         and (window is None or key.shape[2] <= window)
-        and prefill_attention.applies(query, key, value)
     )
 
 
@@ -393,9 +394,10 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
     asking = list(getattr(recorder, "rows", [])) if recorder is not None else []
     lengths = cast(list[int], key.lengths)
     together = None  # the C kernel's rows, computed in one call (the asking rows get 0 tokens there: no work)
-    if _single_query_ok(query, key.tensor, value.tensor, kwargs):
+    cpu = backend("cpu")
+    if cpu is not None and _single_query_ok(key.tensor, kwargs):
         own = [0 if row in asking else n for row, n in enumerate(lengths)]
-        together = decode_attention.attend(query, key.tensor, value.tensor, scale, own)  # (B, 1, H_q, D)
+        together = cpu.decode_attention(query, key.tensor, value.tensor, scale, own)  # (B, 1, H_q, D)
     outputs, recorded = [], []
     for row, n_tokens in enumerate(lengths):
         if together is not None and row not in asking:

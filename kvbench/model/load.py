@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from kvbench import KvbenchError, cache_root
 from kvbench.config.registry import Registry
+from kvbench.kernels.backend import backend
 from kvbench.model import attention, layout
 from kvbench.model.layout import CacheLayout, cache_layout
 
@@ -333,10 +334,9 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
         hf_logging.disable_progress_bar()
         torch.set_num_threads(int(os.environ.get("KVBENCH_THREADS") or os.cpu_count() or 1))  # launchers set it
         _LOADED[key] = LOADERS.get(cfg.loader)(cfg, dev, dt)
-        if dev.type == "cpu":  # before any row is hashed: whether grids decode as one batch depends on it
-            from kvbench.kernels import decode_linear
-
-            decode_linear.install(_LOADED[key].model)
+        cpu = backend("cpu") if dev.type == "cpu" else None
+        if cpu is not None:  # before any row is hashed: whether grids decode as one batch depends on it
+            cpu.install(_LOADED[key].model)
     return _LOADED[key]
 
 

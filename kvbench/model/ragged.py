@@ -4,7 +4,7 @@ Head-wise budgets (AdaKV) give the KV heads of a layer different lengths. Paddin
 or masking would hold the full-size tensors; here a layer stores `flat_keys`/`flat_values` (Σ T_bh, D) with the
 segments in (batch, head) order, positions ascending inside each, and the lengths T_bh as plain integers (shape
 metadata, like a dense tensor's shape). `update` appends each segment's new tokens at its end; attention runs per
-segment (`ragged_attention`: a pure-torch reference; a Triton decode kernel on CUDA, kernels/triton_ragged.py) and
+segment (`ragged_attention`: a pure-torch reference; a Triton decode kernel on CUDA, kernels/triton/ragged.py) and
 is dispatched by kvbench's attention function when the cache hands it a `RaggedKV` instead of a dense tensor.
 """
 
@@ -97,7 +97,7 @@ def ragged_attention(query: torch.Tensor, key: RaggedKV, value: RaggedKV, scalin
     (unless KVBENCH_NO_TRITON=1), the torch reference otherwise."""
     from kvbench.kernels import fast_module
 
-    fast = fast_module(query, "triton_ragged") if query.shape[2] == 1 else None
+    fast = fast_module(query, "ragged") if query.shape[2] == 1 else None
     if fast:
         out = fast.triton_ragged_decode(query[:, :, 0], key.flat, value.flat, key.lengths, key.n_heads, scaling)
         return out[:, None]  # (B, 1, H_q, D) from (B, H_q, D)

@@ -6,8 +6,9 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from kvbench.config.rules import plain
-from kvbench.engine import inline
+from kvbench.engine import inline, slots
 from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.kernels.backend import backend
 from kvbench.run import workload
 from kvbench.run.configuration import Configuration
 from kvbench.store.results import config_hash
@@ -34,7 +35,7 @@ def grid_batch_forced(cfg: DictConfig, lm) -> bool:
 
 def grid_rows_as_alone(lm) -> bool:
     """Whether a grid row decodes as it does alone: with the row-independent linear kernel (CPU, float32 or
-    bfloat16: kvbench.kernels.decode_linear) bit for bit; in float32 without it, token for token in every test
+    bfloat16: the CPU backend's, kvbench.kernels.cpu) bit for bit; in float32 without it, token for token in every test
     (MKL's several-row products differ from its one-row product in the last bit); else not (bf16 products round
     a row by the batch size)."""
     return decode_kernels(lm) or str(lm.dtype).removeprefix("torch.") == "float32"
@@ -47,20 +48,18 @@ def forced_grid_keys(cfg: DictConfig) -> dict:
 
 
 def decode_kernels(lm) -> bool:
-    """Whether decode steps run kvbench's C kernels (kernels/decode_linear.py, decode_attention.py)."""
-    from kvbench.kernels import decode_linear
-
-    return decode_linear.installed(lm.model)
+    """Whether decode steps run the CPU backend's C kernels (kernels/cpu/decode_linear.py, single_query.py)."""
+    return slots.decode_kernels(lm.model)
 
 
 def bf16_kernels(lm) -> bool:
     """Whether a bf16 model's prompts run kvbench's AVX512-BF16 C kernels (CPU): the causal attention
-    (kernels/prefill_attention.py, head sizes 64 and 128) instead of sdpa, and H2O's all-query column sums
-    (kernels/attention_stats.py) by dot products instead of widened sgemm — both sum in their own order."""
-    from kvbench.kernels import prefill_attention
-
-    # supported(64): the kernels were built with AVX512-BF16 (asked last: CUDA and fp32 runs build nothing)
-    return lm.device.type == "cpu" and str(lm.dtype) == "torch.bfloat16" and prefill_attention.supported(64)
+    (kernels/cpu/causal_prompt.py, head sizes 64 and 128) instead of sdpa, and H2O's all-query column sums
+    (kernels/cpu/column_sums.py) by dot products instead of widened sgemm — both sum in their own order."""
+    if lm.device.type != "cpu" or str(lm.dtype) != "torch.bfloat16":  # asked first: CUDA and fp32 runs build nothing
+        return False
+    cpu = backend("cpu")  # supported(64): the kernels were built with AVX512-BF16
+    return cpu is not None and cpu.prefill_attention_supported(64)
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:

@@ -39,12 +39,12 @@ def confs():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
 def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
-    """fp32 and bf16 (the row-independent linear kernel: kernels/decode_linear.py, which the loader installs)."""
-    from kvbench.kernels import decode_linear
+    """fp32 and bf16 (the row-independent linear kernel: kernels/cpu/decode_linear.py, which the loader installs)."""
+    from kvbench.engine.slots import decode_kernels
 
     if dtype == "bfloat16":
         tiny_engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
-    if not decode_linear.installed(tiny_engine.lm.model):
+    if not decode_kernels(tiny_engine.lm.model):
         pytest.skip("no C compiler: the decode-linear kernel is not built")
     prompt, question = (prompt_ids[:-suffix], prompt_ids[-suffix:]) if suffix else (prompt_ids, [])
     request = None
@@ -154,14 +154,17 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
 
     import torch
 
-    from kvbench.kernels import decode_linear
-    from kvbench.run.configuration import configurations
+    from kvbench.engine.slots import decode_kernels
+    from kvbench.kernels.backend import backend
     from kvbench.run.config_hash import grid_batching, hash_configuration
+    from kvbench.run.configuration import configurations
+
+    cpu = backend("cpu")
 
     def lm(dtype, kernel: bool):
         model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False))
         if kernel:
-            assert decode_linear.install(model) == 1
+            assert cpu is not None and cpu.install(model) == 1
         layout = SimpleNamespace(has_sliding=False)  # all layers global, as the tiny model's
         return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model, layout=layout)
 
@@ -177,7 +180,7 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     for setting in ("auto", True, False):
         for model in (fp32, bf16, lm(torch.bfloat16, True)):
             cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
-            kernel = decode_linear.installed(model.model)
+            kernel = decode_kernels(model.model)
             hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], cfg, model)
     assert hashes["auto", "torch.float32", False] == hashes[True, "torch.float32", False]
     assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from kvbench.engine import slots
-from kvbench.kernels import decode_linear
 from kvbench.methods import Budget, build_method, method_defaults
 
 CONFIGS = [
@@ -20,7 +19,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize(("name", "knobs", "budget"), CONFIGS, ids=lambda c: str(c))
 def test_in_place_equals_gather(tiny_engine, prompt_ids, name, knobs, budget, monkeypatch):
-    if not decode_linear.installed(tiny_engine.lm.model):
+    if not slots.decode_kernels(tiny_engine.lm.model):
         pytest.skip("no C compiler: the decode kernels are not built")
     used = []
     use_slots = slots.use_slots

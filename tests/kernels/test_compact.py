@@ -1,5 +1,5 @@
-"""Keeping tokens by runs (kernels/compact.py): in place, slots [0, N) end up exactly as a gather would make them;
-out of place, the very tensor torch's gather makes."""
+"""Keeping tokens (kernels/compact.py; by runs in the CPU backend, kernels/cpu/tokens.py): in place, slots [0, N) end
+up exactly as a gather would make them; out of place, the very tensor torch's gather makes."""
 
 import pytest
 import torch
@@ -28,7 +28,7 @@ CASES = {
 def test_compacting_in_place_equals_a_gather(case, dtype, no_c, monkeypatch):
     if no_c:
         monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    elif compact._function("compact_tokens", "plllllpl") is None:
+    elif pytest.importorskip("kvbench.kernels.cpu.tokens")._function("compact_tokens", "plllllpl") is None:
         pytest.skip("no C compiler: the kernel is not built")
     grid = torch.randn(3, 3, 300, 16).to(dtype)  # (B, H, capacity, D): rows are slices, heads strided
     row = grid[1:2, :, :257]  # (1, H, 257, D) a grid row's view
@@ -63,7 +63,7 @@ def test_gathering_by_runs_equals_torchs_gather(dtype, no_c, monkeypatch):
     and unsorted positions, repeats, none kept — the same values, shape and contiguity as torch's gather."""
     if no_c:
         monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    elif compact._function("gather_tokens", "pplllllllpl") is None:
+    elif pytest.importorskip("kvbench.kernels.cpu.tokens")._function("gather_tokens", "pplllllllpl") is None:
         pytest.skip("no C compiler: the kernel is not built")
     source = torch.randn(2, 3, 400, 16).to(dtype)[:, :, :300]  # (B, H, T, D), heads 400 tokens apart
     generator = torch.Generator().manual_seed(1)

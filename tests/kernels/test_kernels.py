@@ -26,7 +26,7 @@ CASES = [
 
 _CHILD = """
 import sys, torch
-from kvbench.kernels.triton_stats import triton_attention_column_sums
+from kvbench.kernels.triton.stats import triton_attention_column_sums
 inputs = torch.load(sys.argv[1])
 torch.save([triton_attention_column_sums(q, k, s) for q, k, s in inputs], sys.argv[2])
 """
@@ -67,7 +67,7 @@ def test_interpreted_triton_matches_reference_bf16(interpreted):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_triton_matches_reference_on_cuda(dtype):
     from kvbench.kernels import attention_column_sums
-    from kvbench.kernels.triton_stats import triton_attention_column_sums
+    from kvbench.kernels.triton.stats import triton_attention_column_sums
 
     for case in CASES + [(32, 8, 1000, 1000, 128), (32, 8, 1000, 32, 128)]:
         query, key, scaling = (t.cuda() if torch.is_tensor(t) else t for t in _inputs(*case, dtype=dtype))

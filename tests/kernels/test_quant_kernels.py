@@ -28,7 +28,7 @@ CASES = [
 _CHILD = """
 import sys, torch
 from kvbench.kernels.quantize import quantize_pack
-from kvbench.kernels.triton_quant import triton_quantize_pack, triton_unpack_dequantize
+from kvbench.kernels.triton.quant import triton_quantize_pack, triton_unpack_dequantize
 out = []
 for x, bits, group in torch.load(sys.argv[1]):
     packed, scale, zero = quantize_pack(x, bits, group)  # the reference's packing, unpacked by the kernel
@@ -81,7 +81,7 @@ def test_dispatch_uses_the_reference_off_cuda(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_compiled_triton_matches_reference_on_cuda(dtype):
     from kvbench.kernels import quantize_pack, unpack_dequantize
-    from kvbench.kernels.triton_quant import triton_quantize_pack, triton_unpack_dequantize
+    from kvbench.kernels.triton.quant import triton_quantize_pack, triton_unpack_dequantize
 
     cases = [(shape, bits, group, transpose) for shape, _, bits, group, transpose in CASES]
     cases += [((1, 8, 128, 4096), 2, 64, True), ((1, 8, 4096, 128), 4, 32, False), ((2, 8, 4096, 128), 8, 128, False)]

@@ -16,7 +16,7 @@ CASES = [
 
 _CHILD = """
 import sys, torch
-from kvbench.kernels.triton_ragged import triton_ragged_decode
+from kvbench.kernels.triton.ragged import triton_ragged_decode
 inputs = torch.load(sys.argv[1])
 torch.save([triton_ragged_decode(q, k, v, lengths, n_kv, s) for q, k, v, lengths, n_kv, s in inputs], sys.argv[2])
 """
@@ -44,7 +44,7 @@ def test_interpreted_triton_matches_reference(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs CUDA")
 def test_compiled_triton_matches_reference_on_cuda():
-    from kvbench.kernels.triton_ragged import triton_ragged_decode
+    from kvbench.kernels.triton.ragged import triton_ragged_decode
 
     for case in CASES + [(1, 32, 8, [1000, 10, 500, 4000, 1, 77, 2048, 3], 128)]:
         query, keys, values, lengths, n_kv, scaling = (x.cuda() if torch.is_tensor(x) else x for x in _inputs(*case))

@@ -1,4 +1,4 @@
-"""The Triton KIVI decode-attention kernel (kernels/triton_kivi.py) equals the torch version on the packed groups
+"""The Triton KIVI decode-attention kernel (kernels/triton/kivi.py) equals the torch version on the packed groups
 (kernels/kivi_attention.packed_decode_attention) on real KiviLayer storage: interpreted on CPU, compiled on CUDA.
 
 As in test_quant_kernels.py the interpreted run happens in a child process that sets TRITON_INTERPRET=1 from the
@@ -39,7 +39,7 @@ IDS = [f"k{c[0]}v{c[1]}-gqa{c[2]}{'-dead' if c[3] else ''}-D{c[4]}g{c[5]}-{str(c
 _CHILD = """
 import sys, torch
 from kvbench.kernels.kivi_attention import KiviStorage
-from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+from kvbench.kernels.triton.kivi import triton_kivi_decode_attention
 def call(q, storage, kw):
     knobs = KiviStorage(*storage, kw["key_bits"], kw["value_bits"], kw["group_size"], kw["dead"])
     return triton_kivi_decode_attention(q, knobs, kw["scaling"], n_splits=kw["n_splits"])
@@ -134,7 +134,7 @@ import sys, torch
 from omegaconf import OmegaConf
 import kvbench.kernels as kernels
 from kvbench.engine.engine import Engine
-from kvbench.kernels import triton_kivi
+from kvbench.kernels.triton import kivi as triton_kivi
 from kvbench.methods import build_method, method_defaults
 from kvbench.model.load import load_model
 from kvbench.methods.kivi import KiviLayer
@@ -144,7 +144,7 @@ method = build_method("kivi", {**method_defaults("kivi"), **params})
 runs, calls = {}, []
 for path in ("torch", "triton"):
     if path == "triton":  # what the dispatcher does on CUDA, here on CPU tensors under the interpreter
-        kernels.fast_module = lambda tensor, module: triton_kivi if module == "triton_kivi" else None
+        kernels.fast_module = lambda tensor, module: triton_kivi if module == "kivi" else None
         real = triton_kivi.triton_kivi_decode_attention
         triton_kivi.triton_kivi_decode_attention = lambda *a, **k: calls.append(1) or real(*a, **k)
     gen = engine.run(method, None, prompt, max_new_tokens=6, keep_logits=True)
@@ -168,7 +168,7 @@ def test_generation_through_the_kernel_equals_the_torch_path(tmp_path, prompt_id
 
 def test_merge_of_splits_equals_one_softmax():
     """merge_splits reassembles softmax(s)·v from per-split partials, a split with nothing live included."""
-    from kvbench.kernels.triton_kivi import merge_splits
+    from kvbench.kernels.triton.kivi import merge_splits
 
     scores, values = torch.randn(3, 10) * 4, torch.randn(10, 5)  # (G_q, T), (T, D)
     scores[:, 4:6] = float("-inf")  # split 2 (slots 4-5) is all dead
@@ -188,7 +188,7 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     C kernel has its own tests in test_kivi_attention.py); the Triton module for a CUDA tensor unless
     KVBENCH_NO_TRITON=1."""
     import kvbench.kernels as kernels
-    from kvbench.kernels import triton_kivi
+    from kvbench.kernels.triton import kivi as triton_kivi
 
     query, storage, kwargs = _case(4, 2, 2, True, 16, 8, 16, torch.float32, 1)
     kwargs.pop("n_splits")
@@ -203,11 +203,9 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     assert not calls
     on_cuda = types.SimpleNamespace(is_cuda=True)  # what the dispatcher reads of a tensor: where it lives
     monkeypatch.setenv("KVBENCH_NO_TRITON", "0")
-    assert (
-        kernels.fast_module(on_cuda, "triton_kivi") is triton_kivi and kernels.fast_module(query, "triton_kivi") is None
-    )
+    assert kernels.fast_module(on_cuda, "kivi") is triton_kivi and kernels.fast_module(query, "kivi") is None
     monkeypatch.setenv("KVBENCH_NO_TRITON", "1")
-    assert kernels.fast_module(on_cuda, "triton_kivi") is None
+    assert kernels.fast_module(on_cuda, "kivi") is None
 
 
 def test_bench_kernels_parses_its_kivi_arguments():
@@ -243,7 +241,7 @@ def test_kernel_compiles_for_the_h200_without_register_spills(group_q, bits, tmp
     from triton.compiler import ASTSource
 
     from kvbench.kernels.quantize import words_per_group
-    from kvbench.kernels.triton_kivi import _block_slots, _kivi_decode_kernel
+    from kvbench.kernels.triton.kivi import _block_slots, _kivi_decode_kernel
 
     constants = dict(KEY_BITS=bits, VALUE_BITS=bits, GROUP=64, KEY_WORDS=words_per_group(bits, 64),
                      VALUE_WORDS=words_per_group(bits, 64), HAS_DEAD=True, BLOCK_T=_block_slots(64, group_q, 128),
@@ -266,7 +264,7 @@ def test_kernel_compiles_for_the_h200_without_register_spills(group_q, bits, tmp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled Triton needs CUDA")
 def test_compiled_kernel_matches_packed_attention_on_cuda():
     from kvbench.kernels import kivi_decode_attention
-    from kvbench.kernels.triton_kivi import triton_kivi_decode_attention
+    from kvbench.kernels.triton.kivi import triton_kivi_decode_attention
 
     for query, storage, kwargs in [_case(*c) for c in CASES] + [_residual_only()]:
         query, storage = query.cuda(), tuple(t.cuda() for t in storage)

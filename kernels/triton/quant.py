@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
 from kvbench.kernels.quantize import _check, quant_params, words_per_group
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 
 _BLOCK_R = 32
 _BLOCK_C = 128

@@ -1,15 +1,16 @@
-"""The causal prefill attention kernel for bf16 on AVX512-BF16 CPUs (kernels/csrc/prefill_attention.c via
-kernels/prefill_attention.py): as close to the float64 attention as torch's sdpa is, the same bits at any thread
+"""The causal prefill attention kernel for bf16 on AVX512-BF16 CPUs (kernels/cpu/csrc/prefill_attention.c via
+kernels/cpu/causal_prompt.py): as close to the float64 attention as torch's sdpa is, the same bits at any thread
 count, NaN where sdpa has NaN, taken for the model's prompts and only for what it models, and its rows hash apart."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.kernels import prefill_attention
+from kvbench.kernels import cpu
+from kvbench.kernels.cpu import causal_prompt
 
 pytestmark = pytest.mark.skipif(
-    not prefill_attention.supported(64), reason="the kernel needs a C compiler and a CPU with AVX512-BF16"
+    not causal_prompt.supported(64), reason="the kernel needs a C compiler and a CPU with AVX512-BF16"
 )
 
 # (B, H_q, H_kv, T, D): the bundled model's GQA at odd lengths (one 16-key block, a chunk and one, several chunks);
@@ -41,8 +42,8 @@ def reference(q, k, v, scale):
 def test_as_close_to_float64_as_sdpa(shape):
     q, k, v = inputs(shape)
     scale = shape[-1] ** -0.5
-    assert prefill_attention.applies(q, k, v)
-    out = prefill_attention.attend(q, k, v, scale)  # (B, T, H_q, D)
+    assert causal_prompt.applies(q, k, v)
+    out = causal_prompt.attend(q, k, v, scale)  # (B, T, H_q, D)
     want = reference(q, k, v, scale)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
     assert out.dtype == torch.bfloat16 and out.shape == want.shape == sdpa.shape
@@ -61,10 +62,10 @@ def test_keys_and_values_inside_a_longer_buffer():
     buffer_k[:, :, :300], buffer_v[:, :, :300] = k, v
     sliced_k, sliced_v = buffer_k[:, :, :300], buffer_v[:, :, :300]  # (B, H_kv, T, D) views, head stride 512·D
     token_major = k.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H_kv, T, D) over (B, T, H_kv, D) memory
-    want = prefill_attention.attend(q, k, v, 0.125)
-    assert prefill_attention.applies(q, sliced_k, sliced_v) and prefill_attention.applies(q, token_major, v)
-    assert torch.equal(prefill_attention.attend(q, sliced_k, sliced_v, 0.125), want)
-    assert torch.equal(prefill_attention.attend(q, token_major, v, 0.125), want)
+    want = causal_prompt.attend(q, k, v, 0.125)
+    assert causal_prompt.applies(q, sliced_k, sliced_v) and causal_prompt.applies(q, token_major, v)
+    assert torch.equal(causal_prompt.attend(q, sliced_k, sliced_v, 0.125), want)
+    assert torch.equal(causal_prompt.attend(q, token_major, v, 0.125), want)
 
 
 def test_switching_the_c_kernels_off_mid_process_goes_back_to_sdpa(monkeypatch):
@@ -77,10 +78,10 @@ def test_switching_the_c_kernels_off_mid_process_goes_back_to_sdpa(monkeypatch):
 
     q, k, v = inputs((1, 9, 3, 50, 64))
     lm = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cpu"), model=torch.nn.Sequential())
-    assert prefill_attention.applies(q, k, v) and bf16_kernels(lm)
+    assert causal_prompt.applies(q, k, v) and bf16_kernels(lm)
     monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    assert not prefill_attention.applies(q, k, v) and not bf16_kernels(lm)
-    assert prefill_attention.attend(q, k, v, 0.125) is None
+    assert not causal_prompt.applies(q, k, v) and not bf16_kernels(lm)
+    assert causal_prompt.attend(q, k, v, 0.125) is None
     module = torch.nn.Module()  # an attention module as the model's: 3 query heads per KV head, causal
     module.num_key_value_groups, module.is_causal = 3, True
     module.config = SimpleNamespace(num_key_value_heads=3)
@@ -96,7 +97,7 @@ def test_the_same_bits_at_any_thread_count():
         results = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results.append(prefill_attention.attend(q, k, v, 0.125))
+            results.append(causal_prompt.attend(q, k, v, 0.125))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results)
@@ -106,9 +107,9 @@ def test_nan_reaches_the_queries_that_see_it_only():
     """A NaN key at position 17 makes its heads' outputs NaN from query 17 on (as sdpa's); earlier queries and
     the other heads are untouched."""
     q, k, v = inputs((1, 9, 3, 100, 64), seed=2)
-    clean = prefill_attention.attend(q, k, v, 0.125)
+    clean = causal_prompt.attend(q, k, v, 0.125)
     k[0, 1, 17, 5] = float("nan")
-    out = prefill_attention.attend(q, k, v, 0.125)  # (1, T, H_q, D)
+    out = causal_prompt.attend(q, k, v, 0.125)  # (1, T, H_q, D)
     assert out[0, 17:, 3:6].isnan().all() and not out[0, :17].isnan().any()
     assert torch.equal(out[0, :, :3], clean[0, :, :3]) and torch.equal(out[0, :, 6:], clean[0, :, 6:])
 
@@ -118,18 +119,18 @@ def test_what_it_does_not_take_goes_to_sdpa():
 
     q, k, v = inputs((1, 9, 3, 50, 64))
     module = torch.nn.Module()
-    assert _causal_prefill_ok(module, q, k, v, {}) and _causal_prefill_ok(module, q, k, v, {"sliding_window": 50})
-    assert not prefill_attention.applies(q.float(), k.float(), v.float())  # float32: sdpa is as fast there
-    assert not prefill_attention.applies(q.half(), k.half(), v.half())
-    assert not prefill_attention.applies(q[:, :, :1], k[:, :, :1], v[:, :, :1])  # one query: a decode step
-    assert not prefill_attention.applies(q[:, :, 10:], k, v)  # fewer queries than keys (a suffix): masked
-    assert not prefill_attention.applies(*inputs((1, 4, 2, 50, 80)))  # head size neither 64 nor 128
-    assert not prefill_attention.applies(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)
+    assert _causal_prefill_ok(module, k, {}) and _causal_prefill_ok(module, k, {"sliding_window": 50})
+    assert not causal_prompt.applies(q.float(), k.float(), v.float())  # float32: sdpa is as fast there
+    assert not causal_prompt.applies(q.half(), k.half(), v.half())
+    assert not causal_prompt.applies(q[:, :, :1], k[:, :, :1], v[:, :, :1])  # one query: a decode step
+    assert not causal_prompt.applies(q[:, :, 10:], k, v)  # fewer queries than keys (a suffix): masked
+    assert not causal_prompt.applies(*inputs((1, 4, 2, 50, 80)))  # head size neither 64 nor 128
+    assert not causal_prompt.applies(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), v)
     for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(9)}, {"dropout": 0.1}, {"sliding_window": 49},
                    {"is_causal": False}, {"position_bias": torch.zeros(1)}):  # fmt: skip
-        assert not _causal_prefill_ok(module, q, k, v, kwargs), kwargs
+        assert not _causal_prefill_ok(module, k, kwargs), kwargs
     module.is_causal = False  # an encoder's attention
-    assert not _causal_prefill_ok(module, q, k, v, {})
+    assert not _causal_prefill_ok(module, k, {})
 
 
 def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
@@ -152,11 +153,11 @@ def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
     engine, method = Engine(lm), build_method("full", {})
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     calls = []
-    attend = prefill_attention.attend
-    monkeypatch.setattr(prefill_attention, "attend", lambda *a, **kw: calls.append(1) or attend(*a, **kw))
+    attend = causal_prompt.attend
+    monkeypatch.setattr(causal_prompt, "attend", lambda *a, **kw: calls.append(1) or attend(*a, **kw))
     with_kernel = engine.prefill(ids, method.stats_request())
     assert len(calls) == 2  # both layers
-    monkeypatch.setattr(prefill_attention, "applies", lambda *a: False)
+    monkeypatch.setattr(causal_prompt, "applies", lambda *a: False)
     with_sdpa = engine.prefill(ids, method.stats_request())
     assert len(calls) == 2
     torch.testing.assert_close(with_kernel.last_logits, with_sdpa.last_logits, rtol=0.05, atol=0.05)
@@ -168,9 +169,8 @@ def test_the_models_prompts_use_it_and_predict_as_with_sdpa(monkeypatch):
 def test_rows_computed_with_it_hash_apart(monkeypatch):
     from types import SimpleNamespace
 
-    from kvbench.run.configuration import configurations
-
     from kvbench.run.config_hash import bf16_kernels, hash_configuration
+    from kvbench.run.configuration import configurations
     from tests.conftest import compose_config
 
     cfg = compose_config("model=tiny-random")
@@ -183,6 +183,6 @@ def test_rows_computed_with_it_hash_apart(monkeypatch):
     assert bf16_kernels(lm(torch.bfloat16)) and not bf16_kernels(lm(torch.float32))
     assert not bf16_kernels(lm(torch.bfloat16, "meta"))  # CUDA and other devices: torch's kernels
     with_kernels = hash_configuration(conf, cfg, lm(torch.bfloat16))
-    monkeypatch.setattr(prefill_attention, "supported", lambda head_dim: False)  # a CPU without AVX512-BF16
+    monkeypatch.setattr(cpu, "prefill_attention_supported", lambda head_dim: False)  # a CPU without AVX512-BF16
     assert not bf16_kernels(lm(torch.bfloat16))
     assert with_kernels != hash_configuration(conf, cfg, lm(torch.bfloat16))

@@ -1,4 +1,4 @@
-"""The single-query attention kernel (kernels/csrc/decode_attention.c via kernels/decode_attention.py): close to the
+"""The single-query attention kernel (kernels/cpu/csrc/decode_attention.c via kernels/cpu/single_query.py): close to the
 float64 softmax attention, each row's output the same bits whatever the other rows and the thread count, and the
 decode steps the model makes go through it (and the rest through sdpa)."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.kernels import decode_attention
+from kvbench.kernels.cpu import single_query
 
-pytestmark = pytest.mark.skipif(decode_attention._kernel() is None, reason="no C compiler: the kernel is not built")
+pytestmark = pytest.mark.skipif(single_query._kernel() is None, reason="no C compiler: the kernel is not built")
 
 # (H_q, H_kv, D): the bundled model's GQA; MHA; MQA with a head size that is not a multiple of the vector width;
 # the kernel's bounds (16 query heads per KV head, head size 256)
@@ -39,8 +39,8 @@ def inputs(heads, n_tokens, dtype, batch=1, seed=0):
 def test_close_to_float64_and_to_sdpa(dtype, heads, n_tokens):
     q, k, v = inputs(heads, n_tokens, dtype)
     scale = heads[2] ** -0.5
-    assert decode_attention.applies(q, k, v)
-    out = decode_attention.attend(q, k, v, scale)  # (1, 1, H_q, D)
+    assert single_query.applies(q, k, v)
+    out = single_query.attend(q, k, v, scale)  # (1, 1, H_q, D)
     want = reference(q, k, v, scale)
     assert out.dtype == dtype and out.shape == want.shape
     if dtype == torch.float32:
@@ -64,28 +64,28 @@ def test_rows_are_their_own_whatever_the_batch_and_threads(dtype):
         results = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            results.append(decode_attention.attend(q, k, v, 0.125, lengths))
+            results.append(single_query.attend(q, k, v, 0.125, lengths))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(r, results[0]) for r in results)
     for row, n in enumerate(lengths):
-        alone = decode_attention.attend(
+        alone = single_query.attend(
             q[row : row + 1], k[row : row + 1, :, :n].contiguous(), v[row : row + 1, :, :n].contiguous(), 0.125
         )
         assert torch.equal(results[0][row : row + 1], alone), row
     assert (results[0][3] == 0).all()
     with pytest.raises(ValueError, match="do not fit"):
-        decode_attention.attend(q, k, v, 0.125, [5000] * len(lengths))
+        single_query.attend(q, k, v, 0.125, [5000] * len(lengths))
 
 
 def test_what_it_does_not_take_goes_to_sdpa():
     q, k, v = inputs((9, 3, 64), 50, torch.float32)
-    assert not decode_attention.applies(torch.cat([q, q], dim=2), k, v)  # two queries: a prefill chunk
-    assert not decode_attention.applies(q.half(), k.half(), v.half())  # float16
-    assert not decode_attention.applies(q.double(), k.double(), v.double())
-    assert not decode_attention.applies(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # tokens not contiguous
+    assert not single_query.applies(torch.cat([q, q], dim=2), k, v)  # two queries: a prefill chunk
+    assert not single_query.applies(q.half(), k.half(), v.half())  # float16
+    assert not single_query.applies(q.double(), k.double(), v.double())
+    assert not single_query.applies(q, k.transpose(2, 3).contiguous().transpose(2, 3), v)  # tokens not contiguous
     wide = inputs((9, 3, 300), 50, torch.float32)  # head size over the kernel's bound
-    assert not decode_attention.applies(*wide)
+    assert not single_query.applies(*wide)
 
 
 def test_the_models_decode_steps_use_it_and_generate_as_with_sdpa(tiny_engine, prompt_ids, monkeypatch):
@@ -94,13 +94,13 @@ def test_the_models_decode_steps_use_it_and_generate_as_with_sdpa(tiny_engine, p
     from kvbench.methods import build_method
 
     calls = []
-    attend = decode_attention.attend
-    monkeypatch.setattr(decode_attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    attend = single_query.attend
+    monkeypatch.setattr(single_query, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
     method = build_method("full", {})
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
     with_kernel = tiny_engine.generate(prefill, method, None, [], max_new_tokens=12)
     assert len(calls) == 11 * tiny_engine.lm.model.config.num_hidden_layers  # every decode step, every layer
-    monkeypatch.setattr(decode_attention, "applies", lambda *a: False)
+    monkeypatch.setattr(single_query, "applies", lambda *a: False)
     with_sdpa = tiny_engine.generate(tiny_engine.prefill(prompt_ids, method.stats_request()), method, None, [], 12)
     assert with_kernel.token_ids == with_sdpa.token_ids
 
@@ -108,9 +108,9 @@ def test_the_models_decode_steps_use_it_and_generate_as_with_sdpa(tiny_engine, p
 def test_nan_propagates_and_rows_stay_apart():
     """A NaN key makes its row's heads NaN, as sdpa does (not a silent zero); the other rows are untouched."""
     q, k, v = inputs((9, 3, 64), 300, torch.float32, batch=2, seed=2)
-    clean = decode_attention.attend(q, k, v, 0.125)
+    clean = single_query.attend(q, k, v, 0.125)
     k[0, 1, 17, 5] = float("nan")
-    out = decode_attention.attend(q, k, v, 0.125)
+    out = single_query.attend(q, k, v, 0.125)
     assert out[0, 0, 3:6].isnan().all() and not out[0, 0, :3].isnan().any() and not out[0, 0, 6:].isnan().any()
     assert torch.equal(out[1], clean[1])
 
@@ -119,8 +119,8 @@ def test_the_attention_function_keeps_sdpa_for_what_the_kernel_does_not_model(mo
     """Soft-capped logits, attention sinks, dropout and a sliding window shorter than the cache go to torch."""
     from kvbench.model.attention import _single_query_ok
 
-    q, k, v = inputs((9, 3, 64), 50, torch.float32)
-    assert _single_query_ok(q, k, v, {})
-    assert _single_query_ok(q, k, v, {"sliding_window": 50, "dropout": 0.0})
+    k = inputs((9, 3, 64), 50, torch.float32)[1]
+    assert _single_query_ok(k, {})
+    assert _single_query_ok(k, {"sliding_window": 50, "dropout": 0.0})
     for kwargs in ({"softcap": 30.0}, {"s_aux": torch.zeros(9)}, {"dropout": 0.1}, {"sliding_window": 49}):
-        assert not _single_query_ok(q, k, v, kwargs), kwargs
+        assert not _single_query_ok(k, kwargs), kwargs

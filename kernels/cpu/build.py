@@ -1,4 +1,5 @@
-"""C kernels for the CPU, compiled on first use with the machine's C compiler and called through ctypes.
+"""Building and calling the C kernels (csrc/): compiled on first use with the machine's C compiler, called through
+ctypes.
 
 Why C: some CPU paths are a chain of elementwise torch passes over a tile that a single loop does in one (H2O's
 prefill statistics: widen, row max, subtract, exp2, row sum — five passes over every score). Why ctypes and not
@@ -85,19 +86,19 @@ def _load(name: str) -> ctypes.CDLL | None:
 
 
 def load(name: str) -> ctypes.CDLL | None:
-    """The compiled kernels/csrc/`name`.c, or None (no compiler, failed build, KVBENCH_NO_CPU_EXT=1)."""
+    """The compiled csrc/`name`.c, or None (no compiler, failed build, KVBENCH_NO_CPU_EXT=1)."""
     return _load(name) if enabled() else None
 
 
 def load_all() -> None:
-    """Build (or find built) every kernel now — Engine does this on CPU — so a first build's second never lands
+    """Build (or find built) every kernel now — `install` does this — so a first build's second never lands
     inside a timed prefill or decode step."""
     for source in sorted(SOURCES.glob("*.c")):
         load(source.stem)
 
 
 def scratch(name: str, signature: str, symbol: str, args: tuple, dtype):
-    """A kernel's work buffer, sized by the kernel itself: `symbol` of kernels/csrc/`name`.c takes `args` and writes
+    """A kernel's work buffer, sized by the kernel itself: `symbol` of csrc/`name`.c takes `args` and writes
     the element count (of `dtype`) through its last, pointer argument. None where the kernel is not loaded."""
     import torch
 
@@ -129,7 +130,7 @@ _C_TYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64, "d": c
 
 
 def function(name: str, signature: str, symbol: str | None = None):
-    """kernels/csrc/`name`.c's function `symbol` (default `name`) with its argument types declared (one letter
+    """csrc/`name`.c's function `symbol` (default `name`) with its argument types declared (one letter
     each: p pointer, i int, l int64, d double; returns int), or None as `load`. Declared types let a call take plain
     Python ints and floats (tensor.data_ptr() for pointers), converted in C: per call ~half the cost of building
     ctypes objects."""

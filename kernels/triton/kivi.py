@@ -28,9 +28,9 @@ import math
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
 from kvbench.kernels.kivi_attention import KiviStorage
 from kvbench.kernels.quantize import words_per_group
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 
 # Slots per block: the (G_q, D, BLOCK_T) fp32 product tiles live in registers. Compiled for sm_90 (ptxas, D = 128,
 # 4 warps) 16 slots hold G_q = 1-8 without spills (155-168 registers), 32 slots spill at G_q = 8 and G_q = 16 needs

@@ -1,14 +1,15 @@
-"""Causal attention of a whole bfloat16 prompt on CPUs with AVX512-BF16: kernels/csrc/prefill_attention.c.
+"""Causal attention of a whole bfloat16 prompt on CPUs with AVX512-BF16: csrc/prefill_attention.c.
 
 Why: on such a CPU torch's flash attention runs bf16 no faster than float32 (~110 GFLOP/s on 2 cores at the
 bundled model's shapes, where its bf16 matrix products reach ~400), and in bf16 the prefill attention is most of a
 long prompt's forward pass. The kernel does torch's arithmetic (bf16 products summed in float32, an online softmax
 in float32 over key chunks, the exponentials rounded to bf16 for P·V, one rounding of the output) with vdpbf16ps
 dot products; its last bits differ from torch's (its own order of additions), so rows computed with it hash apart
-(kvbench/run/runner.py `bf16_kernels`).
+(kvbench/run/config_hash.py `bf16_kernels`).
 
-kvbench/model/attention.py calls `attend` for what it can take — a prefill (Q = T > 1, no mask: is_causal), bf16, CPU,
-head size 64 or 128, no soft cap, sinks, dropout or shorter sliding window — and sdpa does the rest. CPUs without
+kvbench/model/attention.py calls `prefill_attention` (through kvbench.kernels.backend) for what it can take — a
+prefill (Q = T > 1, no mask: is_causal), bf16, CPU, head size 64 or 128, no soft cap, sinks, dropout or shorter
+sliding window — and sdpa does the rest. CPUs without
 AVX512-BF16 (where bf16 itself is slow), KVBENCH_NO_CPU_EXT=1 or no C compiler: sdpa everywhere.
 """
 
@@ -22,24 +23,24 @@ _SIGNATURE = "pppp" + "l" * 14 + "dpi"  # q k v out, B H_q H_kv T D, 9 strides, 
 
 
 def _kernel():
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
-    return cpu_ext.function("prefill_attention", _SIGNATURE)
+    return build.function("prefill_attention", _SIGNATURE)
 
 
 def supported(head_dim: int) -> bool:
     """Whether the kernel is built for this CPU (AVX512-BF16), takes this head size, and C kernels are on now
     (KVBENCH_NO_CPU_EXT may change within a process: benchmarks switch it)."""
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
-    return cpu_ext.enabled() and _built_for(head_dim)
+    return build.enabled() and _built_for(head_dim)
 
 
 @functools.cache
 def _built_for(head_dim: int) -> bool:
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
-    check = cpu_ext.function("prefill_attention", "l", "prefill_attention_supported")
+    check = build.function("prefill_attention", "l", "prefill_attention_supported")
     return check is not None and _kernel() is not None and bool(check(head_dim))
 
 
@@ -64,12 +65,12 @@ def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
     """softmax(q·kᵀ·scale, causal)·v → (B, T, H_q, D), the layout transformers' attention functions return; None
     if the kernel declined (then the caller runs sdpa)."""
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
     batch, n_q, n_tokens, dim = query.shape
     n_kv, threads = key.shape[1], torch.get_num_threads()
     sizes = ("prefill_attention", "llllip", "prefill_attention_work_bytes")
-    kernel, work = _kernel(), cpu_ext.scratch(*sizes, (batch, n_kv, n_tokens, dim, threads), torch.uint8)
+    kernel, work = _kernel(), build.scratch(*sizes, (batch, n_kv, n_tokens, dim, threads), torch.uint8)
     if kernel is None or work is None:  # work: K and V repacked for the dot products + each thread's tiles
         return None
     out = torch.empty(batch, n_tokens, n_q, dim, dtype=query.dtype)  # (B, T, H_q, D)
@@ -80,3 +81,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
         float(scale), work.data_ptr(), threads,
     )  # fmt: skip
     return out if status == 0 else None
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """`attend` where the kernel `applies`, else None (the caller runs sdpa)."""
+    return attend(query, key, value, scale) if applies(query, key, value) else None

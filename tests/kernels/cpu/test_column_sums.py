@@ -1,13 +1,14 @@
-"""The C CPU kernels (kernels/csrc/, built by kernels/cpu_ext.py) equal their torch paths, and their absence is safe."""
+"""H2O's / SnapKV's column sums in C (kernels/cpu/column_sums.py): equal to their definition and to the torch loop of
+kvbench.kernels.attention_stats, whatever the thread count."""
 
 import pytest
 import torch
 
-from kvbench.kernels import attention_column_sums, attention_stats, cpu_ext, prefill_attention
+from kvbench.kernels import attention_column_sums, attention_stats
+from kvbench.kernels.cpu import causal_prompt, column_sums
 
 needs_cc = pytest.mark.skipif(
-    attention_stats._fused_kernel(torch.device("cpu"), torch.float32, None, None) is None,
-    reason="no C compiler, or a torch without MKL's sgemm_",
+    column_sums._sgemm_kernel() is None, reason="no C compiler, or a torch without MKL's sgemm_"
 )
 
 
@@ -26,7 +27,7 @@ def _log2_column_sums(rows, key):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_fused_column_sums_meet_their_definition(monkeypatch, dtype, threads):
     torch.manual_seed(0)
-    monkeypatch.setattr(attention_stats, "_kernel_chunk", lambda n_keys: 11)  # threads' ranges split heads
+    monkeypatch.setattr(column_sums, "_kernel_chunk", lambda n_keys: 11)  # threads' ranges split heads
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -49,22 +50,22 @@ def test_fused_column_sums_meet_their_definition(monkeypatch, dtype, threads):
 
 
 @needs_cc
-@pytest.mark.skipif(not prefill_attention.supported(64), reason="no AVX512-BF16: bf16 rows take the sgemm path")
+@pytest.mark.skipif(not causal_prompt.supported(64), reason="no AVX512-BF16: bf16 rows take the sgemm path")
 def test_bf16_dot_products_give_the_sgemm_paths_sums(monkeypatch):
     """bf16 inputs on an AVX512-BF16 CPU take the dot-product path (the same exact products, summed in another order):
     within float32 rounding of the path that widens them for sgemm, at the bundled model's shapes, lengths that are
     not whole 16-key blocks, a window of queries and chunks that are not whole register tiles."""
     calls = []
-    bf16_path = attention_stats._causal_column_sums_bf16
-    monkeypatch.setattr(attention_stats, "_causal_column_sums_bf16", lambda *a: calls.append(1) or bf16_path(*a))
+    bf16_path = column_sums._causal_column_sums_bf16
+    monkeypatch.setattr(column_sums, "_causal_column_sums_bf16", lambda *a: calls.append(1) or bf16_path(*a))
     for n_keys, n_queries, chunk in ((1000, 1000, 128), (333, 32, 13), (17, 17, 16)):
-        monkeypatch.setattr(attention_stats, "_kernel_chunk", lambda n, c=chunk: c)
+        monkeypatch.setattr(column_sums, "_kernel_chunk", lambda n, c=chunk: c)
         generator = torch.Generator().manual_seed(n_keys)
         query = torch.randn(1, 9, n_queries, 64, generator=generator).to(torch.bfloat16)  # (B, H_q, Q, D)
         key = (torch.randn(1, 3, n_keys, 64, generator=generator) * 2).to(torch.bfloat16)  # (B, H_kv, T, D)
         dots = attention_column_sums(query, key, 0.125)
         with monkeypatch.context() as m:
-            m.setattr(attention_stats, "_causal_column_sums_bf16", lambda *a: False)
+            m.setattr(column_sums, "_causal_column_sums_bf16", lambda *a: False)
             widened = attention_column_sums(query, key, 0.125)
         torch.testing.assert_close(dots, widened, rtol=1e-5, atol=1e-6)
         assert dots.shape == (1, 9, n_keys)
@@ -81,72 +82,7 @@ def test_the_fused_kernel_keeps_fully_masked_rows_and_extreme_scores_finite():
     torch.testing.assert_close(sums.sum(-1), torch.tensor([[4.0]]))
 
 
-def test_disabled_or_unbuildable_kernels_fall_back(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    assert cpu_ext.load("softmax_column_sums") is None
-    monkeypatch.delenv("KVBENCH_NO_CPU_EXT")
-    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
-    (tmp_path / "broken.c").write_text("this is not C\n")
-    monkeypatch.setattr(cpu_ext, "SOURCES", tmp_path)
-    if cpu_ext.shutil.which("cc") or cpu_ext.shutil.which("gcc"):
-        assert cpu_ext._build("broken") is None
-        assert "C kernel broken did not build; using torch" in capsys.readouterr().err
-    monkeypatch.setattr(cpu_ext.shutil, "which", lambda name: None)
-    assert cpu_ext._build("broken") is None
-    assert "no C compiler" in capsys.readouterr().err
-    assert not list(tmp_path.glob("cpu_ext/*.so"))  # nothing half-written
-
-
 @needs_cc
 def test_inconsistent_shapes_raise_instead_of_reaching_the_kernel():
     with pytest.raises(RuntimeError):  # more queries than keys: torch's own error, not a read past the keys
         attention_column_sums(torch.randn(1, 2, 8, 16), torch.randn(1, 2, 4, 16), 0.25)
-
-
-def test_an_unwritable_cache_falls_back_to_torch(monkeypatch, tmp_path, capsys):
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monkeypatch.setenv("KVBENCH_CACHE", str(blocker))  # a file where the cache folder should be
-    monkeypatch.delenv("KVBENCH_NO_CPU_EXT", raising=False)
-    cpu_ext._load.cache_clear()
-    try:
-        assert cpu_ext.load("softmax_column_sums") is None
-        assert "using torch" in capsys.readouterr().err
-    finally:
-        cpu_ext._load.cache_clear()
-
-
-@needs_cc
-def test_editing_a_header_rebuilds_the_kernels(monkeypatch, tmp_path):
-    for source in cpu_ext.SOURCES.iterdir():
-        (tmp_path / source.name).write_bytes(source.read_bytes())
-    monkeypatch.setattr(cpu_ext, "SOURCES", tmp_path)
-    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
-    before = cpu_ext._build("softmax_column_sums")
-    header = tmp_path / "kvbench_math.h"
-    header.write_text(header.read_text() + "\n/* edited */\n")
-    after = cpu_ext._build("softmax_column_sums")
-    assert before is not None and after is not None and before != after
-
-
-@needs_cc
-def test_a_built_kernel_is_cached_under_kvbench_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
-    first = cpu_ext._build("softmax_column_sums")
-    assert first is not None and first.parent == tmp_path / "cpu_ext" and first.exists()
-    mtime = first.stat().st_mtime_ns
-    assert cpu_ext._build("softmax_column_sums") == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-
-
-@needs_cc
-def test_the_engine_builds_every_kernel_before_anything_is_timed(monkeypatch, tmp_path, tiny):
-    from kvbench.engine.engine import Engine
-
-    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
-    cpu_ext._load.cache_clear()  # as a new process on a machine without them
-    try:
-        Engine(tiny)
-        built = sorted(path.name.split("-")[0] for path in (tmp_path / "cpu_ext").glob("*.so"))
-        assert built == sorted(path.stem for path in cpu_ext.SOURCES.glob("*.c"))
-    finally:
-        cpu_ext._load.cache_clear()  # the other tests load from the default cache again

@@ -1,4 +1,4 @@
-"""The model's linear layers for the few rows of a decode step, on the CPU: kernels/csrc/decode_linear.c.
+"""The model's linear layers for the few rows of a decode step, on the CPU: csrc/decode_linear.c.
 
 Why: a grid of configurations decodes as one batch (kvbench/engine/grid_decode.py) only if each row comes out as it does
 decoded alone, and torch's CPU products round a row by the batch's row count (MKL's float32 one-row gemv and
@@ -18,14 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MAX_ROWS = 16  # rows (batch × tokens) a forward pass may have for the kernel: decode steps, short suffixes
+# rows (batch × tokens) a forward pass may have for the kernel: decode steps, short suffixes, a grid's decode batch
+# (kvbench.engine.grid_decode.MAX_ROWS, tested equal)
+MAX_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernel():
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
-    return cpu_ext.function("decode_linear", "pppillli")
+    return build.function("decode_linear", "pppillli")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -95,7 +97,7 @@ def install(model: nn.Module) -> int:
     return sum(isinstance(module, DecodeLinear) for module in model.modules())
 
 
-def installed(model: nn.Module) -> bool:
+def rows_independent(model: nn.Module) -> bool:
     """Whether the model's decode steps are row-independent through the kernel: every linear layer swapped, each
     one the kernel takes (no bias, float32/bfloat16, on the CPU, contiguous), all of one dtype."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]

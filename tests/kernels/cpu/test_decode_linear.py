@@ -1,6 +1,6 @@
-"""The decode-step linear kernel (kernels/csrc/decode_linear.c via kernels/decode_linear.py): each row's result is the
-same bits whatever the row count and thread count, close to the float64 product, and everything it does not take
-goes to nn.Linear unchanged."""
+"""The decode-step linear kernel (kernels/cpu/csrc/decode_linear.c via kernels/cpu/decode_linear.py): each row's
+result is the same bits whatever the row count and thread count, close to the float64 product, and everything it
+does not take goes to nn.Linear unchanged."""
 
 import copy
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvbench.kernels import decode_linear
+from kvbench.kernels.cpu import decode_linear
 
 pytestmark = pytest.mark.skipif(decode_linear._kernel() is None, reason="no C compiler: the kernel is not built")
 
@@ -68,12 +68,14 @@ def test_leading_dimensions_and_non_contiguous_inputs():
 def test_install_swaps_plain_linears_and_leaves_the_rest_to_torch():
     model = torch.nn.Sequential(torch.nn.Linear(96, 64, bias=False), torch.nn.Linear(64, 8, bias=True))
     assert decode_linear.install(model) == 2 and decode_linear.install(model) == 2  # idempotent
-    assert not decode_linear.installed(model)  # the biased layer stays torch's: decode steps are not row-independent
-    assert decode_linear.installed(model[:1])
+    assert not decode_linear.rows_independent(
+        model
+    )  # the biased layer stays torch's: decode steps are not row-independent
+    assert decode_linear.rows_independent(model[:1])
     half = copy.deepcopy(model[:1]).half()
-    assert not decode_linear.installed(half)  # float16: torch's
+    assert not decode_linear.rows_independent(half)  # float16: torch's
     mixed = torch.nn.Sequential(copy.deepcopy(model[0]), copy.deepcopy(model[0]).to(torch.bfloat16))
-    assert not decode_linear.installed(mixed)  # two dtypes
+    assert not decode_linear.rows_independent(mixed)  # two dtypes
     no_bias, biased = model[0], model[1]
     x, _ = inputs(64, 96, decode_linear.MAX_ROWS + 1, torch.float32, seed=3)
     with torch.inference_mode():
@@ -92,13 +94,13 @@ def test_without_the_c_kernels_nothing_is_swapped(monkeypatch):
     monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
     assert decode_linear.install(model) == 0 and type(model[0]) is torch.nn.Linear
-    assert not decode_linear.installed(model)
+    assert not decode_linear.rows_independent(model)
 
 
 def test_the_loader_installs_it_and_a_decode_step_is_row_independent(tiny):
     """The tiny model's whole decode step (every linear incl. the LM head): a row's logits in a batch of 5 are its
     batch-1 logits, bit for bit."""
-    assert decode_linear.installed(tiny.model)
+    assert decode_linear.rows_independent(tiny.model)
     ids = torch.tensor([[5], [17], [99], [3], [250]])  # (B, 1): one token each, no cache
     with torch.inference_mode():
         together = tiny.model(input_ids=ids).logits  # (B, 1, V)
@@ -125,7 +127,7 @@ def test_a_decode_step_at_the_bundled_models_shapes_is_row_independent(dtype, ro
     )
     cfg.architecture.head_dim = 64
     lm = load_model(cfg, "cpu", dtype)
-    assert decode_linear.installed(lm.model)
+    assert decode_linear.rows_independent(lm.model)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 256, (rows, 40), generator=generator)  # (B, T): one length, so the caches stack
     last = torch.randint(0, 256, (rows, 1), generator=generator)  # (B, 1): the step's tokens

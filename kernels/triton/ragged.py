@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 
 _BLOCK_K = 64
 

@@ -1,4 +1,4 @@
-/* Small numeric pieces the C kernels share (kernels/cpu_ext.py builds each kernel with this folder on the include
+/* Small numeric pieces the C kernels share (build.py builds each kernel with this folder on the include
  * path and puts every header's text into its cache key, so a change here rebuilds them all). */
 #ifndef KVBENCH_MATH_H
 #define KVBENCH_MATH_H

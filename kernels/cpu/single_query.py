@@ -1,12 +1,13 @@
-"""One decode step's attention (a single query per row) on the CPU: kernels/csrc/decode_attention.c.
+"""One decode step's attention (a single query per row) on the CPU: csrc/decode_attention.c.
 
 Why: each row's output is the same bits whatever the other rows and the thread count (the contract is in the C
 file's header), so a grid of configurations decoded as one batch (kvbench/engine/grid_decode.py) attends in one call per
 layer and still gets what each configuration gets alone; and torch's CPU sdpa for one query is slow in bf16 (~10×
 this kernel at 1K–4K tokens on the bundled model's shapes, ~1.5× in fp32: the README's decode table).
 
-kvbench/model/attention.py calls `attend` for the steps it can take — one query, no mask, no soft cap or sinks, CPU,
-float32/bfloat16, K/V with contiguous tokens — single decodes and grid steps alike; everything else stays sdpa.
+kvbench/model/attention.py calls `decode_attention` (through kvbench.kernels.backend) for the steps it can take —
+one query, no mask, no soft cap or sinks, CPU, float32/bfloat16, K/V with contiguous tokens — single decodes and grid
+steps alike; everything else stays sdpa.
 KVBENCH_NO_CPU_EXT=1 (or no C compiler) → sdpa everywhere.
 """
 
@@ -14,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.kernels.decode_linear import DTYPES
+from kvbench.kernels.cpu.decode_linear import DTYPES
 
 MAX_GROUP, MAX_DIM = 16, 256  # query heads per KV head, head size: the C kernel's register/stack bounds
 
 
 def _kernel():
-    from kvbench.kernels import cpu_ext
+    from kvbench.kernels.cpu import build
 
-    return cpu_ext.function("decode_attention", "ppppillllplllldi")
+    return build.function("decode_attention", "ppppillllplllldi")
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -75,3 +76,10 @@ def attend(
         torch.get_num_threads(),
     )
     return out if status == 0 else None
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, lengths: list[int] | None = None
+) -> torch.Tensor | None:
+    """`attend` where the kernel `applies`, else None (the caller runs sdpa)."""
+    return attend(query, key, value, scale, lengths) if applies(query, key, value) else None

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kvbench.kernels._triton import TRITON_AVAILABLE, tl, triton
+from kvbench.kernels.triton import TRITON_AVAILABLE, tl, triton
 
 _BLOCK_Q = 64
 _BLOCK_K = 64
