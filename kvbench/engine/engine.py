@@ -230,7 +230,7 @@ class Engine:
             peak_mem_delta_bytes=peak - start.baseline_bytes,
         )
 
-    def baselines(self, tokens: int, batch: int = 1) -> dict[str, int]:
+    def baselines(self, tokens: int, batch: int = 1) -> dict[str, Any]:  # ints; Any: spread into dataclasses
         """The uncompressed caches a row compares with at `tokens` tokens (kvbench.model.layout): the original
         model's own (`kv_bytes_full`: sliding layers at their window), every token in every layer
         (`kv_bytes_full_dense`), and one KV head per query head (`kv_bytes_mha`)."""

@@ -271,10 +271,11 @@ class KvbenchLM(TemplateLM):
                         n,
                         last.kv_bytes,
                         last.kv_bytes_full,
-                        self._mha_bytes(len(ids)),
+                        self.engine.full_layout.mha_bytes(len(ids)),
                         max(w.peak_mem_bytes for w in windows),
                         sum(w.seconds for w in windows),
                         0.0,
+                        last.kv_bytes_full_dense,
                     )
                 )
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), answers[0].value)

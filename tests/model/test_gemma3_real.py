@@ -32,7 +32,7 @@ def test_layout_is_the_published_one(gemma):
 
 
 def test_full_cache_is_transformers_generate_and_windows_hold(gemma):
-    text = "The Eiffel Tower is in Paris. " * 60 + "The Eiffel Tower is in"  # longer than the 512-token window
+    text = "The Eiffel Tower is in Paris. " * 90 + "The Eiffel Tower is in"  # longer than the 512-token window
     ids = [gemma.tokenizer.bos_token_id] + gemma.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(ids) > 600
     engine = Engine(gemma)
@@ -41,7 +41,9 @@ def test_full_cache_is_transformers_generate_and_windows_hold(gemma):
     hf = gemma.model.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert gen.token_ids == hf[0, len(ids) :].tolist()
     assert gen.kv_bytes == gen.kv_bytes_full == gemma.layout.full_bytes(len(ids) + gen.decode_steps)
-    assert gen.kv_bytes_full < gen.kv_bytes_full_dense / 2  # 15 of 18 layers hold 511 tokens
+    tokens, per_layer_token = len(ids) + gen.decode_steps, 2 * 1 * 256 * 4  # K + V, one KV head of 256, fp32
+    assert gen.kv_bytes_full == per_layer_token * (3 * tokens + 15 * 511)  # 15 of 18 layers hold 511 tokens
+    assert gen.kv_bytes_full_dense == per_layer_token * 18 * tokens
     snap = build_method("snapkv")
     half = engine.generate(engine.prefill(ids, snap.stats_request()), snap, Budget.parse(0.5), [], 8)
     # only the 3 global layers are compressed: the saving is a share of their bytes, the windows stay
