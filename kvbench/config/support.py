@@ -111,7 +111,7 @@ def refusal(method, config) -> str | None:
             f"method kivi attends over its packed cache inside kvbench's attention function, which {model}'s "
             "attention does not call; use hf-quant"
         )
-    if "hf-quant" in names and layout.cache_layout(config, _dtype()).has_sliding:
+    if "hf-quant" in names and set(layout.layer_types(config)) & set(layout.SLIDING_TYPES):
         return (
             f"method hf-quant uses transformers' QuantizedCache, which holds only full-attention layers; {model} "
             "has sliding-window layers: use kivi"
@@ -124,9 +124,3 @@ def refusal(method, config) -> str | None:
                 f"give method.group_size= a divisor of it"
             )
     return None
-
-
-def _dtype():
-    import torch
-
-    return torch.float32

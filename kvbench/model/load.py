@@ -3,6 +3,7 @@ paths, and random-initialised real architectures (config only) for latency/memor
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -49,9 +50,9 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
-    @property
+    @functools.cached_property
     def cache_kwarg(self) -> str:
-        """The forward's name for the cache argument (renamed in transformers 5.2x)."""
+        """The forward's name for the cache argument (renamed in transformers 5.2x); read once, not per step."""
         return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
 
     def forward(self, ids: list[int], positions: list[int], cache, all_logits: bool = False, fp32: bool = True):
@@ -69,9 +70,10 @@ class LoadedModel:
         )
         return out.logits[0].float() if fp32 else out.logits[0]  # (1 or R, V)
 
-    @property
+    @functools.cached_property
     def layout(self) -> CacheLayout:
-        """Each layer's cache kind and width (kvbench.model.layout): what the model's own cache holds."""
+        """Each layer's cache kind and width (kvbench.model.layout): what the model's own cache holds. Read once
+        (the engine asks per configuration); a converted copy (`dataclasses.replace`) reads its own."""
         return cache_layout(self.config, self.dtype)
 
     @property
