@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
-from kvbench.methods.base import METHODS, Method
+from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.model.attention import StatsRequest
 from kvbench.model.rope import rotate_half
 
@@ -25,6 +25,7 @@ from kvbench.model.rope import rotate_half
 @METHODS.register("expected_attention")
 @dataclass
 class ExpectedAttention(Method):
+    caps = Capabilities(needs=frozenset({"full_rope"}))  # query moments through the model's rotary embedding
     n_future_positions: int = 512  # future query positions the RoPE rotation is averaged over
     n_sink: int = 4  # first positions left out of the query statistics and always kept
     use_covariance: bool = True  # add the kᵀΣ'k/(2d) term (False: the mean query only)

@@ -50,7 +50,9 @@ def merge_kv_heads(model, kv_heads: int):
 class HeadMerge(ChangesModel, Method):
     kv_heads: int = 1  # target KV heads; must divide the model's
 
-    caps = Capabilities(family="structure", has_budget=False, shares_prefill=False)
+    caps = Capabilities(
+        family="structure", has_budget=False, shares_prefill=False, needs=frozenset({"qkv_projections"})
+    )
 
     @classmethod
     def lossless_params(cls, lm) -> dict:

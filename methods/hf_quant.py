@@ -27,7 +27,9 @@ class HFQuantizedCache(Method):
     axis_value: int = 0
 
     # transformers' quantized layers cannot drop tokens
-    caps = Capabilities(family="precision", has_budget=False, layers_can_select=False)
+    caps = Capabilities(
+        family="precision", has_budget=False, layers_can_select=False, needs=frozenset({"full_attention_layers"})
+    )
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

@@ -333,7 +333,9 @@ class Kivi(Method):
     key_bits: int | None = None  # keys' bit width (None: `bits`); e.g. key_bits=4 value_bits=2 (KIVI's K4V2)
     value_bits: int | None = None  # values' bit width (None: `bits`)
 
-    caps = Capabilities(family="precision", has_budget=False)  # keeps every token; the knob is the bit width
+    caps = Capabilities(
+        family="precision", has_budget=False, needs=frozenset({"kvbench_attention"})
+    )  # keeps every token
 
     def __post_init__(self):
         check_config(self.bits, self.group_size, self.residual_length)

@@ -74,7 +74,11 @@ def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_sco
 class KVzip(Method):
     # prefill=inline / prefill_chunk cannot serve it: the reconstruction needs the whole prompt's K/V in every layer
     caps = Capabilities(
-        compresses_inline=False, chunk_limit="its reconstruction forward re-reads the whole prefilled prompt"
+        compresses_inline=False,
+        chunk_limit="its reconstruction forward re-reads the whole prefilled prompt",
+        needs=frozenset(
+            {"qkv_projections", "per_head_qk_norm", "full_rope_width"}
+        ),  # re-derives and rotates queries itself
     )
 
     n_sink: int = 4  # first positions always kept, not repeated

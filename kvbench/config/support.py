@@ -69,6 +69,36 @@ def _needs_stats(part) -> bool:
     return bool(part.stats_request() or decode_time(part).decode_request())
 
 
+NEEDS = {  # Capabilities.needs (methods/base.py): what a method reads of the model beyond its cache
+    "full_rope": "one rotary embedding over the whole head (its query moments)",
+    "full_rope_width": "a rotary embedding over the whole head width (it rotates queries itself)",
+    "qkv_projections": "separate q_proj/k_proj/v_proj under model.model.layers",
+    "per_head_qk_norm": "q/k norms per head, if any (it re-derives queries with them)",
+    "full_attention_layers": "full-attention layers only (transformers' QuantizedCache)",
+    "kvbench_attention": "the model's attention to call kvbench's attention function (its packed cache)",
+}
+
+
+def lacks(config) -> dict[str, str]:
+    """The needs (NEEDS) a model with `config` does not meet, each with what it has instead."""
+    config = _text(config)
+    kind, rope = getattr(config, "model_type", ""), rope_kind(config)
+    out = {}
+    if rope not in ("standard", "half"):
+        out["full_rope"] = f"has {ROPE_WORDS[rope]}"
+    if rope in ("half", "partial", "none", "latent"):
+        out["full_rope_width"] = "has a half-width rotary" if rope == "half" else f"has {ROPE_WORDS[rope]}"
+    if kind in FUSED_QKV or kind in NOT_LLAMA_LAYOUT or rope == "latent":
+        out["qkv_projections"] = f"has {FUSED_QKV.get(kind, 'latent projections')}"
+    if kind in FULL_WIDTH_QK_NORM:
+        out["per_head_qk_norm"] = "normalises q and k over the full projection width"
+    if set(layout.layer_types(config)) & set(layout.SLIDING_TYPES):
+        out["full_attention_layers"] = "has sliding-window layers: use kivi"
+    if kind in NO_ATTENTION_INTERFACE:
+        out["kvbench_attention"] = "runs its own attention: use hf-quant"
+    return out
+
+
 def refusal(method, config) -> str | None:
     """Why `method` (a built method) cannot run on a model with `config`, in one line; None when it can."""
     config = _text(config)
@@ -88,34 +118,10 @@ def refusal(method, config) -> str | None:
             "transformers' AttentionInterface, where kvbench records them; use knorm, keydiff, random, "
             "streamingllm or decoding on it"
         )
-    if "expected_attention" in names and rope not in ("standard", "half"):
-        return (
-            f"method expected_attention needs one rotary embedding over the whole head; {model} has {ROPE_WORDS[rope]}"
-        )
-    for needs_projections in ("headmerge", "kvzip"):
-        if needs_projections in names and (kind in FUSED_QKV or kind in NOT_LLAMA_LAYOUT or rope == "latent"):
-            projection = FUSED_QKV.get(kind, "latent projections")
-            return (
-                f"method {needs_projections} re-reads the separate q_proj/k_proj/v_proj of model.model.layers; "
-                f"{model} has {projection}"
-            )
-    if "kvzip" in names and rope == "half":
-        return f"method kvzip rotates queries with a full-width rotary; {model}'s rotary is half-width"
-    if "kvzip" in names and kind in FULL_WIDTH_QK_NORM:
-        return (
-            f"method kvzip re-derives queries with per-head norms; {model} normalises q and k over the full "
-            "projection width"
-        )
-    if "kivi" in names and kind in NO_ATTENTION_INTERFACE:
-        return (
-            f"method kivi attends over its packed cache inside kvbench's attention function, which {model}'s "
-            "attention does not call; use hf-quant"
-        )
-    if "hf-quant" in names and set(layout.layer_types(config)) & set(layout.SLIDING_TYPES):
-        return (
-            f"method hf-quant uses transformers' QuantizedCache, which holds only full-attention layers; {model} "
-            "has sliding-window layers: use kivi"
-        )
+    lacking = lacks(config)
+    for part in _parts(method):
+        for need in sorted(part.caps.needs & set(lacking)):
+            return f"method {part.name} needs {NEEDS[need]}; {model} {lacking[need]}"
     for part in _parts(method):
         group = getattr(part, "group_size", None)
         if part.name == "kivi" and group and layout.head_dim(config) % int(group):
