@@ -47,9 +47,14 @@ def _run_shard(cfg_dict: dict, shard: int, n_shards: int, threads: int) -> pd.Da
 def _maybe_die_after_first_save() -> None:
     """Fault injection for the tests: die (like a killed worker) right after the first example's rows are saved."""
     marker = os.environ.get(KILL_ONCE_ENV)
-    if not marker or os.path.exists(marker):
+    if not marker:
         return
-    Path(marker).write_text(str(os.getpid()))
+    try:  # created atomically: two workers starting together must not both see it absent and both die
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
     from kvbench.store.results import ResultStore as Store
 
     original = Store.save_run
