@@ -49,32 +49,16 @@ class CpuKernels(Protocol):
         """One query per row: softmax(q·kᵀ·scale)·v over each row's first lengths[b] tokens → (B, 1, H_q, D)."""
         ...
 
-    def prefill_attention(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-    ) -> torch.Tensor | None:
-        """A whole bf16 prompt's causal attention → (B, T, H_q, D)."""
-        ...
-
-    def prefill_attention_supported(self, head_dim: int) -> bool:
-        """Whether bf16 prompts of this head size take `prefill_attention` (built with AVX512-BF16)."""
-        ...
-
     def causal_column_sums(self, rows: torch.Tensor, key: torch.Tensor, out: torch.Tensor) -> bool:
         """out (B, H_kv, G, T) += Σ_i causal softmax(rows_i·Kᵀ), rows (B, H_kv, G, Q, D) in log2 units."""
         ...
 
+    def bf16_column_sums(self) -> bool:
+        """Whether bf16 rows' column sums take AVX512-BF16 dot products (summed in their own order) on this build."""
+        ...
+
     def compact_tokens(self, tensor: torch.Tensor, index: torch.Tensor) -> bool:
         """Keep positions `index` (1, H, N) of `tensor` (1, H, T, D) in its slots [0, N), in place."""
-        ...
-
-    def gather_tokens(self, tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
-        """tensor.gather(2, index) (B, H, N, D), copied by runs of consecutive positions."""
-        ...
-
-    def kivi_quantize(
-        self, x: torch.Tensor, bits: int, group_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """kernels/quantize.quantize_pack, bit for bit."""
         ...
 
     def kivi_decode_attention(self, query: torch.Tensor, storage: KiviStorage, scaling: float) -> torch.Tensor | None:

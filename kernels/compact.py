@@ -1,11 +1,11 @@
-"""Keeping some tokens of a cache tensor: by runs of consecutive positions in the CPU backend (kernels/cpu/tokens.py),
-else torch's gather.
+"""Keeping some tokens of a cache tensor: in place, by runs of consecutive positions in the CPU backend
+(kernels/cpu/tokens.py), else torch's gather.
 
 `compact_tokens(t, index)` leaves in slots [0, N) of t (1, H, T, D) exactly what `t.gather(2, index)` would give
 (positions sorted ascending), without a new tensor; the caller then views t[:, :, :N]. Used for the rows of a grid
 (kvbench/engine/grid_decode.py), whose caches are slots of one batch tensor.
-`gather_tokens(t, index)` is `t.gather(2, index)` (B, H, N, D) as a new tensor, copied by runs instead of through a
-per-element index: compression (kvbench/model/cache.py `gather_kv`).
+`gather_tokens(t, index)` is `t.gather(2, index)` (B, H, N, D) as a new tensor: compression (kvbench/model/cache.py
+`gather_kv`). It is torch's gather everywhere: a C copy by runs measured within noise end to end (kernels/cpu).
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
 
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor."""
-    cpu = backend("cpu")
-    out = cpu.gather_tokens(tensor, index) if cpu is not None else None
-    if out is not None:
-        return out
     dim = tensor.shape[-1]
     return tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, N, D); bad positions: torch says
 

@@ -1,7 +1,6 @@
 """Asymmetric min/max uniform quantization with bit packing (KIVI's scheme): the pure-torch reference.
 
-Contract (the Triton kernels in triton/quant.py and the CPU backend's C kernel, kernels/cpu/kivi.py
-`kivi_quantize`, follow it bit for bit):
+Contract (the Triton kernels in triton/quant.py follow it bit for bit):
 - groups of `group_size` consecutive elements along the LAST axis; per group zero = min,
   scale = (max − min)/(2^bits − 1), q = floor((x − zero)/scale + 0.5) clamped to [0, 2^bits − 1] (round half up,
   which torch and Triton compute alike);

@@ -45,15 +45,15 @@ from kvbench.run.config_hash import grid_rows_as_alone
 from kvbench.store.results import device_name
 
 WORKLOADS = {  # label -> (method, budget, the kernels it is here to measure)
-    "full": ("full", None, ["decode_linear", "decode_attention", "prefill_attention"]),
+    "full": ("full", None, ["decode_linear", "decode_attention"]),
     "snapkv 0.5": ("snapkv", 0.5, ["softmax_column_sums", "compact_tokens"]),
     "h2o 0.5": ("h2o", 0.5, ["softmax_column_sums", "bf16 dot products", "compact_tokens"]),
-    "kivi-4": ("kivi", None, ["kivi_quantize", "kivi_decode_attention"]),
+    "kivi-4": ("kivi", None, ["kivi_decode_attention"]),
     "grid": (None, None, ["decode_linear", "decode_attention", "compact_tokens"]),
 }
 GRID = [(name, budget) for name in ("snapkv", "h2o", "streamingllm", "pyramidkv") for budget in (0.25, 0.5)]
-PROMPT_PATHS = {"off", "−softmax_column_sums", "−bf16 dot products", "−prefill_attention"}  # change the prompt's pass
-BF16_ONLY = {"−prefill_attention", "−bf16 dot products"}
+PROMPT_PATHS = {"off", "−softmax_column_sums", "−bf16 dot products"}  # change the prompt's pass
+BF16_ONLY = {"−bf16 dot products"}
 
 
 def path_context(path: str):

@@ -4,6 +4,8 @@ declines: a model mask, soft-capped logits, float16, no kernel)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvbench.kernels.cpu import build
@@ -75,3 +77,15 @@ def _causal_column_sums_bf16(rows: torch.Tensor, keys: torch.Tensor, out: torch.
         out.data_ptr(), work.data_ptr(), threads,
     )  # fmt: skip
     return status == 0
+
+
+def bf16_column_sums() -> bool:
+    """Whether bf16 rows take the AVX512-BF16 dot products here (this CPU's build has them, C kernels on now:
+    KVBENCH_NO_CPU_EXT may change within a process). Their sums come in their own order: the config hash says so."""
+    return build.enabled() and _has_bf16_dot()
+
+
+@functools.cache
+def _has_bf16_dot() -> bool:
+    probe = build.function("softmax_column_sums", "", "softmax_column_sums_has_bf16_dot")
+    return probe is not None and bool(probe())

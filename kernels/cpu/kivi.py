@@ -1,37 +1,13 @@
-"""KIVI on the CPU in C: the per-step quantization (csrc/kivi_quantize.c) and decode attention on the packed groups
-(csrc/kivi_decode_attention.c). The torch references — and what the numbers mean — are kvbench.kernels.quantize and
-kvbench.kernels.kivi_attention; their dispatchers (kvbench.kernels) call these through the backend."""
+"""KIVI's decode attention on the packed groups in C (csrc/kivi_decode_attention.c). The torch reference — and what
+the numbers mean — is kvbench.kernels.kivi_attention; its dispatcher (kvbench.kernels) calls this through the
+backend."""
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.kernels import quantize
 from kvbench.kernels.cpu import build
 from kvbench.kernels.kivi_attention import KiviStorage
-
-
-def kivi_quantize(x: torch.Tensor, bits: int, group_size: int):
-    """kvbench.kernels.quantize.quantize_pack in one C call on the CPU (csrc/kivi_quantize.c, bit for bit), or None
-    where it does not apply: not on the CPU, a dtype other than fp32 / bf16, no C compiler."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    quantize._check(bits, group_size, x.shape[-1])
-    kernel = build.function("kivi_quantize", "pillilpppi")
-    if kernel is None:
-        return None
-    x = x.contiguous()  # (..., L)
-    n_groups = x.shape[-1] // group_size
-    packed = torch.empty(*x.shape[:-1], n_groups * quantize.words_per_group(bits, group_size), dtype=torch.int32)
-    scale = torch.empty(*x.shape[:-1], n_groups, dtype=x.dtype)  # (..., n_groups)
-    zero = torch.empty_like(scale)
-    rows = x.numel() // max(1, x.shape[-1])
-    kernel(
-        x.data_ptr(), x.dtype == torch.bfloat16, rows, x.shape[-1], bits, group_size, packed.data_ptr(),
-        scale.data_ptr(), zero.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    return packed, scale, zero  # (..., n_groups·W), (..., n_groups) ×2
-
 
 _NO_DEAD = torch.empty(0, dtype=torch.int32)  # what the C kernel reads as "no dead slots"
 

@@ -1,5 +1,5 @@
-"""Copying a cache tensor's kept tokens by runs of consecutive positions (csrc/compact_tokens.c): the C side of
-kvbench.kernels.compact, which says what each copy means and runs torch's gather where these decline."""
+"""Keeping a cache tensor's tokens in place by runs of consecutive positions (csrc/compact_tokens.c): the C side of
+kvbench.kernels.compact's `compact_tokens`, which says what the copy means and runs torch's gather where it declines."""
 
 from __future__ import annotations
 
@@ -30,19 +30,3 @@ def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> bool:
         index.shape[-1],
     )  # fmt: skip
     return status == 0
-
-
-def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor | None:
-    """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor; None where the
-    kernel declines (positions outside the cache among them)."""
-    batch, heads, n_old, dim = tensor.shape
-    kernel = _function("gather_tokens", "pplllllllpl") if _by_runs(tensor) and index.dim() == 3 else None
-    if kernel is None or index.shape[:2] != (batch, heads):
-        return None
-    positions = index.to(torch.int64).contiguous()  # (B, H, N)
-    out = tensor.new_empty(batch, heads, index.shape[-1], dim)  # (B, H, N, D)
-    status = kernel(
-        tensor.data_ptr(), out.data_ptr(), tensor.element_size(), batch, heads, tensor.stride(0),
-        tensor.stride(1), dim, n_old, positions.data_ptr(), index.shape[-1],
-    )  # fmt: skip
-    return out if status == 0 else None

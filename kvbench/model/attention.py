@@ -329,10 +329,8 @@ def _plain_attention(module, query, key, value, attention_mask, scaling=None, **
         module = SimpleNamespace(num_key_value_groups=1, is_causal=getattr(module, "is_causal", True))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     cpu = backend("cpu") if attention_mask is None else None
-    if cpu is not None:  # a decode step, or a bf16 prompt, that the C kernels take (each checks the tensors)
-        out = cpu.decode_attention(query, key, value, scale) if _single_query_ok(key, kwargs) else None
-        if out is None and _causal_prefill_ok(module, key, kwargs):
-            out = cpu.prefill_attention(query, key, value, scale)
+    if cpu is not None and _single_query_ok(key, kwargs):  # a decode step the C kernel takes (it checks the tensors)
+        out = cpu.decode_attention(query, key, value, scale)
         if out is not None:
             return out, None
     if kwargs.get("softcap") is not None:  # sdpa cannot cap logits: the model's own eager attention (Gemma-2)
@@ -359,22 +357,6 @@ def _single_query_ok(key, kwargs) -> bool:
         and kwargs.get("s_aux") is None
         and not kwargs.get("dropout")
         and (window is None or key.shape[2] <= window)  # longer: the model's mask decides, not all the slots
-    )
-
-
-def _causal_prefill_ok(module, key, kwargs) -> bool:
-    """Whether the model's options let the CPU backend's prefill attention (kernels/cpu/causal_prompt.py: a whole
-    bf16 prompt attending causally to itself, Q = T > 1, on a CPU with AVX512-BF16 — it checks the tensors itself)
-    take this call: causal (no mask: what sdpa runs with is_causal), no soft cap, sinks, dropout, position bias or
-    sliding window shorter than the prompt."""
-    window, causal = kwargs.get("sliding_window"), kwargs.get("is_causal")
-    return (
-        (getattr(module, "is_causal", True) if causal is None else causal) is True  # None: the module's, as sdpa's
-        and kwargs.get("softcap") is None
-        and kwargs.get("s_aux") is None
-        and kwargs.get("position_bias") is None
-        and not kwargs.get("dropout")
-        and (window is None or key.shape[2] <= window)
     )
 
 

@@ -53,13 +53,12 @@ def decode_kernels(lm) -> bool:
 
 
 def bf16_kernels(lm) -> bool:
-    """Whether a bf16 model's prompts run kvbench's AVX512-BF16 C kernels (CPU): the causal attention
-    (kernels/cpu/causal_prompt.py, head sizes 64 and 128) instead of sdpa, and H2O's all-query column sums
-    (kernels/cpu/column_sums.py) by dot products instead of widened sgemm — both sum in their own order."""
+    """Whether a bf16 model's attention statistics run the CPU backend's AVX512-BF16 dot products (H2O's all-query
+    column sums, kernels/cpu/column_sums.py) instead of widened sgemm: they sum in their own order."""
     if lm.device.type != "cpu" or str(lm.dtype) != "torch.bfloat16":  # asked first: CUDA and fp32 runs build nothing
         return False
-    cpu = backend("cpu")  # supported(64): the kernels were built with AVX512-BF16
-    return cpu is not None and cpu.prefill_attention_supported(64)
+    cpu = backend("cpu")
+    return cpu is not None and cpu.bf16_column_sums()
 
 
 def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
@@ -86,6 +85,6 @@ def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, st
             **(forced_grid_keys(cfg) if grid_batch_forced(cfg, lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
-            **({"bf16_kernels": "c"} if bf16_kernels(lm) else {}),
+            **({"bf16_kernels": "column-sums"} if bf16_kernels(lm) else {}),
         }
     )

@@ -165,3 +165,12 @@ int softmax_column_sums_bf16(const uint16_t *q, const uint16_t *k, int64_t n_kv,
     return 2;
 #endif
 }
+
+/* 1 where this build scores bf16 rows by AVX512-BF16 dot products (softmax_column_sums_bf16 runs), else 0 */
+int softmax_column_sums_has_bf16_dot(void) {
+#ifdef BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvbench.kernels import attention_column_sums, attention_stats
-from kvbench.kernels.cpu import causal_prompt, column_sums
+from kvbench.kernels.cpu import column_sums
 
 needs_cc = pytest.mark.skipif(
     column_sums._sgemm_kernel() is None, reason="no C compiler, or a torch without MKL's sgemm_"
@@ -50,7 +50,7 @@ def test_fused_column_sums_meet_their_definition(monkeypatch, dtype, threads):
 
 
 @needs_cc
-@pytest.mark.skipif(not causal_prompt.supported(64), reason="no AVX512-BF16: bf16 rows take the sgemm path")
+@pytest.mark.skipif(not column_sums.bf16_column_sums(), reason="no AVX512-BF16: bf16 rows take the sgemm path")
 def test_bf16_dot_products_give_the_sgemm_paths_sums(monkeypatch):
     """bf16 inputs on an AVX512-BF16 CPU take the dot-product path (the same exact products, summed in another order):
     within float32 rounding of the path that widens them for sgemm, at the bundled model's shapes, lengths that are

@@ -1,5 +1,5 @@
-"""KIVI's C kernels in the CPU backend (kernels/cpu/kivi.py): decode attention on the packed groups against the torch
-version it replaces (kernels/kivi_attention.packed_decode_attention), and the per-step quantization bit for bit."""
+"""KIVI's C kernel in the CPU backend (kernels/cpu/kivi.py): decode attention on the packed groups against the torch
+version it replaces (kernels/kivi_attention.packed_decode_attention)."""
 
 import shutil
 
@@ -8,11 +8,8 @@ import torch
 
 from kvbench.kernels import cpu
 from kvbench.kernels.cpu import build, kivi
-from kvbench.kernels.kivi_attention import TENSORS
 from kvbench.kernels.quantize import quantize_pack, words_per_group
 from kvbench.methods import build_method, method_defaults
-from kvbench.methods.kivi import KiviLayer
-from tests.kernels.test_kivi_attention import _kv
 
 
 @pytest.fixture
@@ -133,33 +130,3 @@ def test_generation_with_the_c_kernel_equals_the_torch_path(c_kernel, params, ti
     torch_path = tiny_engine.run(method, None, prompt_ids, max_new_tokens=12, keep_logits=True)
     assert with_c.token_ids == torch_path.token_ids
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(with_c.logits, torch_path.logits))
-
-
-@pytest.mark.parametrize("bits", [2, 4, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [8, 12, 64])
-def test_c_quantize_pack_is_the_reference_bit_for_bit(c_kernel, bits, dtype, group):
-    """csrc/kivi_quantize.c (KIVI's per-step quantization on the CPU): the same words, scales and zeros as the
-    torch reference — constant groups, -0.0, magnitudes 1e-3..1e3, a transposed (strided) input, padded groups."""
-    g = torch.Generator().manual_seed(bits * group)
-    x = (torch.randn(3, 5, 4 * group, generator=g) * torch.logspace(-3, 3, 4 * group)).to(dtype)  # (..., L)
-    x[0, 0, :group] = 1.5  # a constant group: scale 0, codes 0
-    x[1, 1, group : 2 * group] = -0.0
-    for data in (x, x.transpose(0, 1)):
-        got, want = kivi.kivi_quantize(data, bits, group), quantize_pack(data, bits, group)
-        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
-    assert got[1][0, 0, 0] == 0  # x[0, 0]'s first group (constant), transposed: scale 0
-
-
-def test_kivi_quantizes_through_the_c_kernel_on_cpu(c_kernel, monkeypatch):
-    """The dispatcher (kvbench.kernels.quantize_pack) runs the C quantization on the CPU, the reference without C."""
-    calls = []
-    real = kivi.kivi_quantize
-    monkeypatch.setattr(cpu, "kivi_quantize", lambda *a: calls.append(1) or real(*a))
-    keys, values = _kv(100)
-    layer = KiviLayer.from_kv(keys, values, 4, 8, 16)  # keys and values quantized at the prefill
-    assert len(calls) == 2
-    monkeypatch.setenv("KVBENCH_NO_CPU_EXT", "1")
-    reference = KiviLayer.from_kv(keys, values, 4, 8, 16)
-    assert len(calls) == 2  # not called: KVBENCH_NO_CPU_EXT=1 switches the backend off
-    assert all(torch.equal(getattr(layer, name), getattr(reference, name)) for name in TENSORS)
