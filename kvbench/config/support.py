@@ -6,8 +6,9 @@ traceback mid-run and never a silent wrong number. The rules follow what each me
   K/V; only methods that select token positions for all heads alike run on it (full, random, streamingllm);
 - attention statistics (observation-window votes, column sums): recorded inside transformers' AttentionInterface,
   which some families' attention bypasses (Falcon);
-- RoPE frequencies (expected_attention's query moments): one rotary embedding rotating the whole head; not GPT-2
-  (absolute positions), partial rotary (GPT-NeoX), a RoPE per layer type (Gemma 3) or latent attention;
+- RoPE frequencies (expected_attention's query moments): a rotary embedding rotating the whole head, one for the
+  model or one per layer type (Gemma 3: each layer's own); not GPT-2 (absolute positions), partial rotary (GPT-NeoX)
+  or latent attention;
 - separate q/k/v projections under `model.model.layers` (headmerge, kvzip): not fused ones (Phi-3's qkv_proj,
   GPT-NeoX's and Falcon's query_key_value, GPT-2's c_attn) nor half-width rotary (gpt-oss, for kvzip);
 - kvzip re-derives queries with per-head q norms (not OLMo 2's full-width ones);
@@ -84,7 +85,7 @@ def lacks(config) -> dict[str, str]:
     config = _text(config)
     kind, rope = getattr(config, "model_type", ""), rope_kind(config)
     out = {}
-    if rope not in ("standard", "half"):
+    if rope not in ("standard", "half", "per_layer_type"):  # per layer type: each layer's own (model.attention)
         out["full_rope"] = f"has {ROPE_WORDS[rope]}"
     if rope in ("half", "partial", "none", "latent"):
         out["full_rope_width"] = "has a half-width rotary" if rope == "half" else f"has {ROPE_WORDS[rope]}"

@@ -212,7 +212,9 @@ class QueryMoments:
 
 def rope_of(module) -> tuple[torch.Tensor, float]:
     """(inv_freq, attention_scaling) of an attention module's model, from its family's rotary embedding class
-    built on the module's config (the attention call does not receive cos/sin); kept on the module per dtype."""
+    built on the module's config (the attention call does not receive cos/sin); kept on the module per dtype. A
+    model with a RoPE per layer type (Gemma 3: `sliding_attention_inv_freq`, `full_attention_inv_freq`) gives the
+    module's own layer type's."""
     dtype = next(module.parameters()).dtype
     cached = getattr(module, "_kvbench_rope", None)
     if cached is None or cached[0] != dtype:
@@ -228,10 +230,14 @@ def rope_of(module) -> tuple[torch.Tensor, float]:
                 f"(expected_attention) need a RoPE model"
             )
         embedding = rotary[0](module.config)
+        prefix = ""  # one RoPE for the model, else the module's layer type's (Gemma 3)
+        if not hasattr(embedding, "inv_freq"):
+            prefix = f"{module.config.layer_types[module.layer_idx]}_"
         # the model's own buffer was cast with its weights (model.to(bfloat16) rounds inv_freq, and RoPE then uses
         # the rounded values): round the same way, or positions far from 0 rotate back by the wrong angle
-        inv_freq = embedding.inv_freq.to(dtype).float()
-        module._kvbench_rope = cached = (dtype, inv_freq, float(getattr(embedding, "attention_scaling", 1.0)))
+        inv_freq = getattr(embedding, f"{prefix}inv_freq").to(dtype).float()
+        scaling = float(getattr(embedding, f"{prefix}attention_scaling", 1.0))
+        module._kvbench_rope = cached = (dtype, inv_freq, scaling)
     return cached[1], cached[2]
 
 

@@ -166,3 +166,18 @@ def test_query_moments_use_the_models_rounded_rope(tiny):
     model = copy.deepcopy(tiny.model).to(torch.bfloat16)
     inv_freq, _ = rope_of(model.model.layers[0].self_attn)
     assert torch.equal(inv_freq, inv_freq_of(model).float())
+
+
+def test_query_moments_take_each_layers_own_rope_on_gemma3():
+    """Gemma 3 has a RoPE per layer type (sliding layers θ = 10K, global layers θ = 1M): a layer's query moments are
+    un-rotated with its own type's frequencies and scaling, as the model rotated them."""
+    from kvbench.model.attention import rope_of
+    from tests.model.families import build
+
+    model = build("gemma3")
+    rotary, types = model.model.rotary_emb, model.config.layer_types
+    for i, layer in enumerate(model.model.layers):
+        inv_freq, scaling = rope_of(layer.self_attn)
+        assert torch.equal(inv_freq, getattr(rotary, f"{types[i]}_inv_freq").float())
+        assert scaling == getattr(rotary, f"{types[i]}_attention_scaling")
+    assert not torch.equal(rotary.sliding_attention_inv_freq, rotary.full_attention_inv_freq)
