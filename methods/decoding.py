@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, Capabilities, scorer_names, top_k_sorted
 from kvbench.methods.modes import DecodeTime
 from kvbench.methods.scorers import WrapsScorer
 from kvbench.model.attention import QueryMoments, StatsRecorder, StatsRequest
-from kvbench.model.cache import layer_select
+from kvbench.model.cache import held_kv, layer_select
 
 
 @METHODS.register("decoding")
@@ -86,8 +87,11 @@ class Decoding(DecodeTime, WrapsScorer):
             return
         window = self._window_stats(cache)
         for layer_idx, layer in enumerate(cache.layers):
-            if layer.get_seq_length() > self.decode_budget:
-                scores = self._scorer.scores(layer_idx, layer.keys, layer.values, window)  # (B, H_kv, T)
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                continue  # a sliding layer keeps its window (kvbench.model.cache.WindowLayer)
+            keys, values = held_kv(layer)  # (B, H_kv, T, D): a prefix-cache layer's shared part too
+            if keys.shape[2] > self.decode_budget:
+                scores = self._scorer.scores(layer_idx, keys, values, window)  # (B, H_kv, T)
                 layer_select(layer, top_k_sorted(scores, self.decode_budget))
         self._steps, self._rows, self._moments = 0, {}, {}
 

@@ -87,6 +87,13 @@ def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> 
     return gather_tokens(keys, index), gather_tokens(values, index)  # (B, H_kv, N, D) each: the gather's bytes
 
 
+def held_kv(layer) -> KV:
+    """The keys and values (B, H_kv, T, D) a layer holds: a layer over shared blocks (the prefix cache's PagedLayer,
+    whose `keys` are only its private tail) joins them through its `kv()`."""
+    joined = getattr(layer, "kv", None)
+    return joined() if joined is not None else (layer.keys, layer.values)
+
+
 def layer_select(layer, index: torch.Tensor) -> None:
     """Keep only positions `index` (B, H_kv, N) of one cache layer, physically (decode-time eviction).
 

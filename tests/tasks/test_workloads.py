@@ -191,3 +191,13 @@ def test_diagnose_on_workloads_per_request(tmp_path):
     assert (evicting.evicted_share > 0.3).all() and (evicting.mass_recall < 1).all()
     side = pd.read_parquet(tmp_path / "once" / "rows.diagnose.parquet")
     assert len(side) == len(once) * 4 * 2  # 4 layers × 2 KV heads per row
+
+
+def test_decode_time_compression_scores_the_whole_stored_context(tmp_path):
+    """DecodingPress-style re-selection after compress-once: the cache's layers sit over the stored compressed context
+    (a private tail after it), and the re-selection scores all of it — the same tokens as context-only compression."""
+    method = "grid.method=[{name:decoding,compress_every:2,decode_budget:60}]"
+    once = workload(tmp_path, "once", "prefix_cache=true", "reuse=compress_once", method, "task.max_new_tokens=6")
+    alone = workload(tmp_path, "alone", "query_aware=false", method, "task.max_new_tokens=6")
+    assert tokens(once) == tokens(alone) and list(once.kv_bytes) == list(alone.kv_bytes)
+    assert (once[once.method == "decoding"].kv_bytes < once[once.method == "full"].kv_bytes.to_numpy()).all()
