@@ -34,11 +34,16 @@ gate: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not real_model and not slow"   # the fast tier (~2 min): no real model, no whole sweeps or clusters
 
-# The committed reference results and plots (results/reference/), regenerated on the bundled model (~30 min + ~1 h for reference_ruler_new, 2 cores).
+# The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
+# reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
 reference: install
 	rm -rf results/reference/store results/reference/report
 	for x in reference_niah reference_quant reference_ppl reference_ruler reference_ruler_new; do \
 	  $(BIN)/python -m kvbench +experiment=$$x hydra.run.dir=results/reference/runs/$$x || exit 1; done
+	$(BIN)/python -m kvbench -m +experiment=reference_models model=smollm2-135m,gemma3-270m seed=0,1 \
+	  hydra.sweep.dir=results/reference/runs/reference_models
+	$(BIN)/python -m kvbench -m +experiment=reference_models_ruler model=smollm2-135m,gemma3-270m \
+	  hydra.sweep.dir=results/reference/runs/reference_models_ruler
 	$(BIN)/python -m kvbench.report results/reference/store --out results/reference/report
 
 bench: install
