@@ -21,7 +21,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.store.results import ResultStore, check_writable
+from kvbench.store.results import ResultStore
 
 KILL_ONCE_ENV = "KVBENCH_TEST_KILL_ONCE"  # tests: a marker path; the first worker to see it absent dies mid-shard
 
@@ -78,7 +78,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         import ray
     except ImportError:
         raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
-    from kvbench.run.runner import check_run, finish_run
+    from kvbench.run.runner import check_outputs, check_run, finish_run
     from kvbench.tasks import TASKS
 
     check_run(cfg)
@@ -97,9 +97,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     if cfg.get("limit"):
         n_shards = min(n_shards, int(cfg.limit))
     store = ResultStore(Path(cfg.results_dir).resolve())  # workers may run elsewhere: absolute paths only
-    check_writable(store.rows_dir)
-    out_dir = Path(output_dir) if output_dir else store.root / "last"
-    check_writable(out_dir)
+    out_dir = check_outputs(store, output_dir)
     cfg_dict = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # cfg is a DictConfig
     cfg_dict["results_dir"] = str(store.root)
 
