@@ -116,7 +116,9 @@ def _main(cfg: DictConfig) -> None:
             launch(cfg, output_dir=hydra_cfg.runtime.output_dir)
         except OSError as error:  # a write the runner does not own (a report's plot, ...): named, not dumped
             what, remedy = fault_text(error)
-            raise StoreFault(f"{what}: the rows saved before are safe in the store; {remedy}, then rerun to resume")
+            raise StoreFault(
+                f"{what}: the rows saved before are safe in the store; {remedy}, then rerun to resume"
+            ) from None
     except KvbenchError as error:
         print(f"kvbench: error: {message(error)}", file=sys.stderr)
         if hydra_cfg.mode != RunMode.MULTIRUN:

@@ -122,7 +122,9 @@ class ExampleWork:
         process that died left undone)."""
         pending, self.elsewhere = self.elsewhere, []
         if pending:
-            print(f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process", flush=True)
+            print(
+                f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process", flush=True
+            )
         for ex, busy in pending:
             while held := [(c.hash, ex.example_id) for c in busy if self.claims.held_elsewhere(c.hash, ex.example_id)]:
                 self.report_stopped(held)

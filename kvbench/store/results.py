@@ -61,6 +61,7 @@ def fault_text(error: OSError, path: str | Path | None = None) -> tuple[str, str
     detail = f" ({reason})" if reason and reason.lower() != what else ""
     return f"{what}{detail}" + (f" at {where}" if where else ""), remedy
 
+
 COLUMNS = [  # ★ contract: DESIGN.md "Result rows"
     "run_id",
     "timestamp",
@@ -235,8 +236,7 @@ def _read_or_skip(path: Path) -> pd.DataFrame | None:
             return frame
         kind, reason = "foreign", f"not kvbench result rows: no column {', '.join(missing)}"
     print(
-        f"[kvbench] warning: skipping {kind} results file {path} ({reason}); move it out of the store to silence "
-        "this",
+        f"[kvbench] warning: skipping {kind} results file {path} ({reason}); move it out of the store to silence this",
         file=sys.stderr,
     )
     return None

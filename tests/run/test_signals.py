@@ -40,7 +40,7 @@ def test_a_signalled_sweep_releases_its_claims_and_the_rerun_completes_it(tmp_pa
     while not list((store / "rows").glob("*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the first example's rows are saved: the sweep is under way
     proc.send_signal(signum)
-    out, err = proc.communicate(timeout=120)
+    err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 128 + signum, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert "the rows computed so far are in the store and this run's claims are released" in last

@@ -146,6 +146,8 @@ def test_a_fault_line_ends_in_the_command_that_resumes(monkeypatch):
     from kvbench.__main__ import message
 
     monkeypatch.setattr("sys.argv", ["kvbench", "model=tiny-random", "grid.method=[snapkv,h2o]"])
-    line = message(StoreFault("disk full at /s/rows/r.parquet: the 4 rows ... are safe; free disk space, then rerun to resume"))
+    line = message(
+        StoreFault("disk full at /s/rows/r.parquet: the 4 rows ... are safe; free disk space, then rerun to resume")
+    )
     assert line.endswith("then rerun to resume: python -m kvbench model=tiny-random 'grid.method=[snapkv,h2o]'")
     assert message(KvbenchError("limit=0 must be ≥ 1")) == "limit=0 must be ≥ 1"  # bad input: no resume command

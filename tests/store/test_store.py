@@ -12,7 +12,7 @@ import sys
 import pandas as pd
 import pytest
 
-from kvbench.store.claims import Claims
+from kvbench.store.claims import Claims, _process_start
 from kvbench.store.results import COLUMNS, SCHEMA_VERSION, ResultStore, read_rows, write_atomic
 
 ROW = {
@@ -96,7 +96,11 @@ def test_a_stopped_owner_is_named_with_its_pid_and_how_to_take_over(tmp_path, ca
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         owner = Claims(tmp_path)
-        owner.me = {**owner.me, "pid": child.pid, "start": open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[19]}
+        owner.me = {
+            **owner.me,
+            "pid": child.pid,
+            "start": _process_start(child.pid),
+        }
         assert owner.try_claim("h", "e") and owner.try_claim("h", "f")
         mine = Claims(tmp_path)
         assert mine.stopped_owners([("h", "e")]) == {}  # running: not reported
