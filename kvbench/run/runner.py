@@ -131,6 +131,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     frame = pd.DataFrame(work.rows)
     frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
     if shard:
+        frame.attrs["failed"] = dict(work.failed)  # the driver names them with the other shards'
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
     finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
     if work.failed:
