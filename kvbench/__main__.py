@@ -132,8 +132,10 @@ def main() -> None:
     try:
         _main()
     except KeyboardInterrupt as stop:
-        signum = stop.signum if isinstance(stop, Interrupted) else signal.SIGINT
-        how = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}.get(signum, "hung up (SIGHUP)")
+        signum = stop.signum if isinstance(stop, Interrupted) else int(signal.SIGINT)
+        how = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}.get(
+            signal.Signals(signum), "hung up (SIGHUP)"
+        )
         print(
             f"\nkvbench: {how}; the rows computed so far are in the store and this run's claims are released: "
             f"rerun to resume: {resume_command()}",

@@ -252,7 +252,8 @@ MARKER = "kvbench-converted.json"  # written last into a conversion: what it was
 def convert_gguf(gguf: Path, target: Path, source: dict) -> None:
     """Dequantize the GGUF once into a safetensors directory (fp32: Q4_1 values are exact in fp32). `source` (what
     the GGUF is, `gguf_source`/`package_source`) goes into the completion marker, written last."""
-    save_conversion(*read_gguf(gguf), target, source)
+    model, tokenizer = read_gguf(gguf)
+    save_conversion(model, tokenizer, target, source)
 
 
 def read_gguf(gguf: Path):
@@ -355,7 +356,8 @@ def from_pretrained_complete(path, dtype, strict_unexpected: bool):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report is a table: kvbench says it in one line
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        model, info = loaded  # (model, {"missing_keys": ..., "unexpected_keys": ..., "mismatched_keys": ...})
     finally:
         hf_logging.set_verbosity(verbosity)
     kinds = {"missing_keys": "missing (would be random)", "mismatched_keys": "of the wrong shape"}
