@@ -136,9 +136,8 @@ def main() -> None:
         how = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}.get(
             signal.Signals(signum), "hung up (SIGHUP)"
         )
-        print(
-            f"\nkvbench: {how}; the rows computed so far are in the store and this run's claims are released: "
-            f"rerun to resume: {resume_command()}",
+        print(  # the run's claims are released on the way here (kvbench.run.runner's finally)
+            f"\nkvbench: {how}; the rows computed so far are in the store: rerun the same command to resume",
             file=sys.stderr,
         )
         sys.exit(128 + signum)
