@@ -1,20 +1,94 @@
 """`python -m kvbench [overrides]`: Hydra entry point (see conf/config.yaml for every key).
 
 Exit codes: 0 done; 1 some configurations failed while running (each named; the others' rows are written);
-2 bad input (one line naming the fix; in a multirun the other jobs still run, and the failed ones are listed at the
-end); 130 interrupted (ctrl-C: rows computed so far are in the store, rerun to resume).
+2 bad input or setup (one line naming the fix; in a multirun the other jobs still run, and the failed ones are listed
+at the end); 3 the store or run directory failed mid-run (disk full, read-only, ...: one line saying how many rows
+are safe and the command that resumes); 130 interrupted (ctrl-C), 143 terminated (SIGTERM: a Slurm cancel or time
+limit), 129 hung up (SIGHUP): the rows computed so far are in the store, the run's claims are released, rerun to
+resume.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import sys
+import tempfile
+from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from kvbench import KvbenchError, conf_dir
 
-FAILED_JOBS: list[str] = []  # multirun: "job N (overrides): message" for each job whose input was bad
+FAILED_JOBS: list[tuple[int, str]] = []  # multirun: (exit code, "job N (overrides): message") per failed job
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the run is, like ctrl-C: the runner's cleanup (claims released, no
+    half-written file) runs on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame) -> None:
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the cleanup short
+        signal.signal(other, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def resume_command() -> str:
+    """The command that was run, to rerun it (what resumes a run)."""
+    return shlex.join(["python", "-m", "kvbench", *sys.argv[1:]])
+
+
+def message(error: KvbenchError) -> str:
+    """The one line for a KvbenchError; a fault mid-run gets the command that resumes it."""
+    return f"{error}: {resume_command()}" if getattr(error, "resumable", False) else str(error)
+
+
+def _dir_problem(directory: Path) -> str | None:
+    """Why `directory` (Hydra is about to create it) cannot be created and written: a file in its place or on its
+    path, a read-only or forbidden parent; None when it can. Probes the nearest existing parent, creates nothing."""
+    from kvbench.store.results import fault_text
+
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory"
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".kvbench-probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        return fault_text(error, existing)[0]
+    return None
+
+
+class RunDirCheck(Callback):
+    """Hydra callback (conf/config.yaml hydra.callbacks): the run or sweep directory Hydra is about to create can be
+    created and written, else one line naming the key to change, exit 2 (Hydra itself would print a traceback)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(directory: str, key: str) -> None:
+        problem = _dir_problem(Path(str(directory)).absolute())
+        if problem:
+            print(
+                f"kvbench: error: cannot create the run directory {directory}: {problem}; choose another {key}=PATH",
+                file=sys.stderr,
+            )
+            sys.exit(2)
 
 
 def launch(cfg: DictConfig, output_dir: str | None = None):
@@ -34,31 +108,47 @@ def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from kvbench.store.results import StoreFault, fault_text
+
     hydra_cfg = HydraConfig.get()
     try:
-        launch(cfg, output_dir=hydra_cfg.runtime.output_dir)
+        try:
+            launch(cfg, output_dir=hydra_cfg.runtime.output_dir)
+        except OSError as error:  # a write the runner does not own (a report's plot, ...): named, not dumped
+            what, remedy = fault_text(error)
+            raise StoreFault(
+                f"{what}: the rows saved before are safe in the store; {remedy}, then rerun to resume"
+            ) from None
     except KvbenchError as error:
-        print(f"kvbench: error: {error}", file=sys.stderr)
+        print(f"kvbench: error: {message(error)}", file=sys.stderr)
         if hydra_cfg.mode != RunMode.MULTIRUN:
             sys.exit(error.exit_code)
         overrides = " ".join(hydra_cfg.overrides.task)
-        FAILED_JOBS.append(f"job {hydra_cfg.job.num} ({overrides}): {error}")
+        FAILED_JOBS.append((error.exit_code, f"job {hydra_cfg.job.num} ({overrides}): {error}"))
 
 
 def main() -> None:
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         _main()
-    except KeyboardInterrupt:
-        print(
-            "\nkvbench: interrupted; the rows computed so far are in the store: rerun the same command to resume",
+    except KeyboardInterrupt as stop:
+        signum = stop.signum if isinstance(stop, Interrupted) else int(signal.SIGINT)
+        how = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}.get(
+            signal.Signals(signum), "hung up (SIGHUP)"
+        )
+        print(  # the run's claims are released on the way here (kvbench.run.runner's finally)
+            f"\nkvbench: {how}; the rows computed so far are in the store: rerun the same command to resume",
             file=sys.stderr,
         )
-        sys.exit(130)
+        sys.exit(128 + signum)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if FAILED_JOBS:
-        print(f"kvbench: {len(FAILED_JOBS)} multirun job(s) failed on bad input (the others ran):", file=sys.stderr)
-        for line in FAILED_JOBS:
+        print(f"kvbench: {len(FAILED_JOBS)} multirun job(s) failed (the others ran):", file=sys.stderr)
+        for _, line in FAILED_JOBS:
             print(f"  {line}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(max(code for code, _ in FAILED_JOBS))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@ same command; only what is missing is computed.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+import socket
 import time
 from pathlib import Path
 from typing import cast
@@ -20,8 +22,17 @@ from typing import cast
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench import KvbenchError
-from kvbench.store.results import ResultStore, check_writable
+from kvbench import ConfigurationsFailed, KvbenchError
+from kvbench.store.results import ResultStore
+
+
+class WorkerFailed(KvbenchError):
+    """A shard failed on a Ray worker for a reason that is not bad input (it crashed past its retries, or raised
+    an unexpected error): one line; the rows saved before are in the store, rerun to resume (exit 3)."""
+
+    exit_code = 3
+    resumable = True
+
 
 KILL_ONCE_ENV = "KVBENCH_TEST_KILL_ONCE"  # tests: a marker path; the first worker to see it absent dies mid-shard
 
@@ -78,7 +89,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         import ray
     except ImportError:
         raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
-    from kvbench.run.runner import check_run, finish_run
+    from kvbench.run.runner import check_outputs, check_run, finish_run
     from kvbench.tasks import TASKS
 
     check_run(cfg)
@@ -97,27 +108,17 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     if cfg.get("limit"):
         n_shards = min(n_shards, int(cfg.limit))
     store = ResultStore(Path(cfg.results_dir).resolve())  # workers may run elsewhere: absolute paths only
-    check_writable(store.rows_dir)
-    out_dir = Path(output_dir) if output_dir else store.root / "last"
-    check_writable(out_dir)
+    out_dir = check_outputs(store, output_dir)
     cfg_dict = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # cfg is a DictConfig
     cfg_dict["results_dir"] = str(store.root)
 
     address = launcher.get("address")
-    if address:
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    else:
-        ray.init(
-            num_cpus=max(1, math.ceil(workers * num_cpus)),
-            num_gpus=math.ceil(num_gpus * workers) or None,
-            include_dashboard=False,
-            ignore_reinit_error=True,
-            log_to_driver=False,
-        )
+    connect(ray, address, workers, num_cpus, num_gpus)
     task = ray.remote(_run_shard).options(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=int(launcher.max_retries))
     threads = max(1, int(num_cpus))
     started = time.perf_counter()
     queue, frames = list(range(n_shards)), []
+    failed: dict[str, str] = {}  # configuration → its first error, from every shard
     running: dict = {}  # ray object ref → shard
     print(f"[ray] {n_shards} shards on {workers} workers ({'cluster ' + address if address else 'local cluster'})")
     while queue or running:
@@ -126,7 +127,11 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
             running[task.remote(cfg_dict, shard, n_shards, threads)] = shard
         done, _ = ray.wait(list(running), num_returns=1)
         shard = running.pop(done[0])
-        frame = ray.get(done[0])  # a worker's KvbenchError surfaces here
+        try:
+            frame = ray.get(done[0])
+        except ray.exceptions.RayError as error:
+            raise worker_error(error, shard) from None
+        failed.update(frame.attrs.get("failed") or {})
         frames.append(frame.assign(_order=_example_order(frame, shard, n_shards)) if len(frame) else frame)
         n_done, elapsed = len(frames), time.perf_counter() - started
         eta = elapsed / n_done * (n_shards - n_done)
@@ -141,4 +146,74 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     frame = pd.concat(frames, ignore_index=True).sort_values("_order", kind="stable")
     frame = frame.drop(columns=["_order", "shard"]).reset_index(drop=True)
     finish_run(cfg, frame, out_dir, store, int((~frame["reused"].astype(bool)).sum()), time.perf_counter() - started)
+    if failed:
+        raise ConfigurationsFailed(
+            f"{len(failed)} configuration(s) failed; the other rows are written:\n"
+            + "\n".join(f"  {name}: {why}" for name, why in failed.items())
+        )
     return frame
+
+
+def connect(ray, address: str | None, workers: int, num_cpus: float, num_gpus: float) -> None:
+    """Start a local cluster or join `address`, refusing in one line what would otherwise be a traceback, a
+    two-minute retry loop or tasks pending forever: the Ray Client without `ray[client]`, an address nothing
+    answers at, GPUs per worker where the machine or cluster has none."""
+    import torch
+
+    if address and str(address).startswith("ray://") and importlib.util.find_spec("grpc") is None:
+        raise KvbenchError(
+            f"launcher.address={address} is the Ray Client, which needs pip install 'ray[client]'; or run the "
+            "driver on a node of the cluster with launcher.address=auto"
+        )
+    if address and str(address) != "auto" and not str(address).startswith("ray://"):
+        host, _, port = str(address).rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as error:
+            raise KvbenchError(
+                f"no Ray cluster answers at launcher.address={address} ({getattr(error, 'strerror', None) or error}); "
+                "give its head's host:port (ray start --head prints it), auto on a node of the cluster, or null for "
+                "a local cluster"
+            ) from None
+    if not address and num_gpus > 0 and torch.cuda.device_count() < math.ceil(num_gpus):
+        raise KvbenchError(
+            f"launcher.num_gpus={num_gpus:g} but this machine has {torch.cuda.device_count()} GPU(s) visible to "
+            "torch; use launcher.num_gpus=0 (CPU workers), or join a GPU cluster with launcher.address=..."
+        )
+    try:
+        if address:
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=max(1, math.ceil(workers * num_cpus)),
+                num_gpus=math.ceil(num_gpus * workers) or None,
+                include_dashboard=False,
+                ignore_reinit_error=True,
+                log_to_driver=False,
+            )
+    except (ConnectionError, ValueError, RuntimeError, SystemExit) as error:  # SystemExit: Ray's give-up
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise KvbenchError(f"cannot start or join a Ray cluster (launcher.address={address}): {first}") from None
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if num_gpus > gpus:
+        ray.shutdown()
+        raise KvbenchError(
+            f"launcher.num_gpus={num_gpus:g} per worker but the Ray cluster has {gpus:g} GPU(s): its tasks would "
+            "wait forever; use launcher.num_gpus=0 or a cluster with GPUs"
+        )
+
+
+def worker_error(error: Exception, shard: int) -> KvbenchError:
+    """A shard's failure as one line: a worker's KvbenchError as it was raised there (not Ray's coloured remote
+    traceback); anything else named by type and first line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, KvbenchError):
+        return cause
+    reason = cause if isinstance(cause, BaseException) else error
+    if cause is None:  # a crashed worker: Ray's own message, whose first line says which
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    else:
+        first = f"{type(reason).__name__}: " + (str(reason).strip().splitlines() or [""])[0]
+    return WorkerFailed(
+        f"shard {shard} failed on a Ray worker ({first}); the rows saved before are in the store, rerun to resume"
+    )

@@ -3,12 +3,16 @@ paths, and random-initialised real architectures (config only) for latency/memor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
+import json
 import os
 import shutil
+import sys
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ from kvbench.config.registry import Registry
 from kvbench.kernels.backend import backend
 from kvbench.model import attention, layout
 from kvbench.model.layout import CacheLayout, cache_layout
+from kvbench.store.results import file_digest, write_atomic
 
 LOADERS = Registry("model loader")
 
@@ -212,12 +217,19 @@ def load_pretrained(cfg, device, dtype) -> LoadedModel:
         raise KvbenchError("model=hub needs model.name_or_path=<hub id or local directory>")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model, incomplete = from_pretrained_complete(path, dtype, strict_unexpected=False)
     except OSError as error:
         raise KvbenchError(
             f"could not load {path!r} ({str(error).splitlines()[0]}); hub ids need network access, "
             "or give a local directory with the weights and tokenizer"
         ) from None
+    if incomplete and not cfg.get("allow_missing_weights"):
+        raise KvbenchError(
+            f"{path} does not hold every weight of its config: {incomplete}; point model.name_or_path at a complete "
+            "checkpoint, or model.allow_missing_weights=true to run it with those weights random"
+        )
+    if incomplete:
+        print(f"[kvbench] warning: {path}: {incomplete}, random (model.allow_missing_weights=true)", file=sys.stderr)
     return _finish(model, tokenizer, cfg.name if cfg.name != "hub" else str(path), device, dtype)
 
 
@@ -234,8 +246,18 @@ def bundled_gguf_path(package: str, filename: str) -> Path:
     return path
 
 
-def convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize the GGUF once into a safetensors directory (fp32: Q4_1 values are exact in fp32)."""
+MARKER = "kvbench-converted.json"  # written last into a conversion: what it was made from and its files' sizes
+
+
+def convert_gguf(gguf: Path, target: Path, source: dict) -> None:
+    """Dequantize the GGUF once into a safetensors directory (fp32: Q4_1 values are exact in fp32). `source` (what
+    the GGUF is, `gguf_source`/`package_source`) goes into the completion marker, written last."""
+    model, tokenizer = read_gguf(gguf)
+    save_conversion(model, tokenizer, target, source)
+
+
+def read_gguf(gguf: Path):
+    """The model (fp32, dequantized) and tokenizer a GGUF file holds."""
     kwargs = {}
     try:  # transformers ≥ 5.2x keeps GGUF blocks packed unless asked; older releases always dequantize
         from transformers import GgufConfig
@@ -250,31 +272,163 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
+    return model, tokenizer
+
+
+def save_conversion(model, tokenizer, target: Path, source: dict) -> None:
+    """Into a temporary folder beside `target`, the marker last, then renamed into place: a conversion cut short
+    (disk full, a signal) is never found in the cache."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:8]}")
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a half-written conversion is never loaded
+        write_marker(tmp, source)
+        if target.exists():  # an outdated conversion: moved aside, then replaced (os.replace needs an empty target)
+            os.replace(target, old)
+        os.replace(tmp, target)
+    except OSError as error:
+        raise KvbenchError(
+            f"cannot write the converted model into {target.parent} ({error.strerror}); free space there or set "
+            "KVBENCH_CACHE to a writable directory"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_marker(directory: Path, source: dict) -> None:
+    """The completion marker: the source's digest and the size of every file of the conversion."""
+    files = {f.name: f.stat().st_size for f in sorted(directory.iterdir()) if f.is_file() and f.name != MARKER}
+    text = json.dumps({"source": source, "files": files}, indent=1, sort_keys=True)
+    write_atomic(directory / MARKER, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_marker(directory: Path) -> dict | None:
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def gguf_source(gguf: Path, recorded: dict | None = None) -> dict:
+    """A GGUF file's digest: sha256, size and mtime. The sha256 is reused from `recorded` while size and mtime
+    are unchanged (a load stats the file; it hashes it only after a reinstall)."""
+    stat = gguf.stat()
+    same = recorded and (recorded.get("size"), recorded.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns)
+    sha256 = recorded["sha256"] if same and recorded else file_digest(gguf)
+    return {"file": gguf.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256}
+
+
+def package_source(cfg, package) -> dict:
+    """An assembled GGUF's digest: the sha256 its package checks it against (the GGUF itself is not kept)."""
+    return {"file": cfg.gguf_file, "package": cfg.package, "sha256": getattr(package, "EXPECTED_SHA256", cfg.version)}
+
+
+def cache_state(target: Path, source: dict) -> tuple[str, str]:
+    """(state, why) of the converted folder: "absent"; "unmarked" (converted before kvbench wrote a marker, or a
+    conversion cut short: loading it tells); "outdated" (made from another GGUF than the one installed); "damaged"
+    (a file the marker lists is missing or resized); "marked" (matches its source)."""
+    if not (target / "config.json").exists() and not (target / MARKER).exists():
+        return "absent", "is not converted yet"
+    marker = read_marker(target)
+    if marker is None:
+        return "unmarked", "has no completion marker"
+    recorded = str((marker.get("source") or {}).get("sha256"))
+    if recorded != source["sha256"]:
+        now = source["sha256"][:12]
+        return "outdated", f"was converted from another {source['file']} (sha256 {recorded[:12]}…, installed: {now}…)"
+    for name, size in marker["files"].items():
+        found = (target / name).stat().st_size if (target / name).is_file() else None
+        if found != size:
+            return "damaged", f"has {name} {'missing' if found is None else f'of {found} bytes, not {size}'}"
+    return "marked", ""
+
+
+def from_pretrained_complete(path, dtype, strict_unexpected: bool):
+    """AutoModelForCausalLM.from_pretrained, and what did not load: a one-line reason or None. Missing weights
+    (transformers "newly initialises" them at random) and mismatched shapes always count; unexpected weights
+    (the checkpoint holds more than the config uses) count with `strict_unexpected` (kvbench's own conversions)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report is a table: kvbench says it in one line
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True)
+        model, info = loaded  # (model, {"missing_keys": ..., "unexpected_keys": ..., "mismatched_keys": ...})
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    kinds = {"missing_keys": "missing (would be random)", "mismatched_keys": "of the wrong shape"}
+    if strict_unexpected:
+        kinds["unexpected_keys"] = "unexpected (unused by its config)"
+    for key, words in kinds.items():
+        names = sorted(str(n if isinstance(n, str) else n[0]) for n in info.get(key) or [])
+        if names:
+            return model, f"{len(names)} weights {words}, e.g. {names[0]}"
+    return model, None
+
+
+def load_converted(cfg, target: Path, source: dict, convert, device, dtype) -> LoadedModel:
+    """A converted model of the cache, verified: converted (again) when absent or made from another GGUF, saying
+    so; a damaged one (unreadable, files missing or resized, weights missing or unexpected) is refused with the
+    command that removes it — its weights never run partly random. A folder from before the marker existed is
+    checked once by loading it completely, then marked."""
+    state, why = cache_state(target, source)
+    if state == "damaged":
+        raise damaged(target, why)
+    if state == "outdated":
+        print(f"[kvbench] the converted model in {target} {why}: converting it again", flush=True)
+    if state in ("absent", "outdated"):
+        convert()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        model, incomplete = from_pretrained_complete(target, dtype, strict_unexpected=True)
+    except Exception as error:  # safetensors/json/OSError: a damaged conversion, whatever the library's type
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise damaged(target, f"is unreadable ({reason})") from None
+    if incomplete:
+        raise damaged(target, f"does not match its config: {incomplete}")
+    marker = read_marker(target)
+    if marker is None or marker.get("source") != source:  # complete: (re)mark it; later loads only stat the source
+        with contextlib.suppress(OSError):
+            write_marker(target, source)
+            if marker is None:
+                print(f"[kvbench] checked the converted model in {target} once (every weight loads) and marked it")
+    if not cfg.get("chat", True):
+        tokenizer.chat_template = None  # a base model: tasks prompt it with plain text (completion style)
+    return _finish(model, tokenizer, cfg.name, device, dtype)
+
+
+def damaged(target: Path, problem: str) -> KvbenchError:
+    return KvbenchError(
+        f"the converted model in {target} {problem}; delete it (rm -r {target}) and rerun: it is converted again"
+    )
 
 
 @LOADERS.register("bundled_gguf")
 def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
     gguf = bundled_gguf_path(cfg.package, cfg.gguf_file)
     target = cache_root() / cfg.name
-    if not (target / "config.json").exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise KvbenchError(
-                f"cannot create the model cache {target.parent} ({error.strerror}); set "
-                "KVBENCH_CACHE to a writable directory"
-            ) from None
-        print(f"[kvbench] converting {gguf.name} once into {target} (about 20 s)")
-        convert_gguf(gguf, target)
-    return _load_converted(cfg, target, device, dtype)
+    source = gguf_source(gguf, (read_marker(target) or {}).get("source"))
+
+    def convert() -> None:
+        _make_cache_dir(target)
+        print(f"[kvbench] converting {gguf.name} once into {target} (about 20 s)", flush=True)
+        convert_gguf(gguf, target, source)
+
+    return load_converted(cfg, target, source, convert, device, dtype)
+
+
+def _make_cache_dir(target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KvbenchError(
+            f"cannot create the model cache {target.parent} ({error.strerror}); set KVBENCH_CACHE to a writable "
+            "directory"
+        ) from None
 
 
 @LOADERS.register("assembled_gguf")
@@ -291,7 +445,10 @@ def load_assembled_gguf(cfg, device, dtype) -> LoadedModel:
             f"{cfg.version}   (or run `make install`)"
         ) from None
     target = cache_root() / cfg.name
-    if not (target / "config.json").exists():
+    source = package_source(cfg, package)
+
+    def convert() -> None:
+        _make_cache_dir(target)
         gguf = cache_root() / "gguf" / cfg.gguf_file
         try:
             gguf = Path(package.assemble(output_path=gguf))  # idempotent: a file whose sha256 matches is kept
@@ -301,25 +458,10 @@ def load_assembled_gguf(cfg, device, dtype) -> LoadedModel:
                 f"--force-reinstall {cfg.package.replace('_', '-')}=={cfg.version}"
             ) from None
         print(f"[kvbench] converting {gguf.name} once into {target} ({cfg.get('conversion_note', 'a minute')})")
-        convert_gguf(gguf, target)
+        convert_gguf(gguf, target, source)
         gguf.unlink(missing_ok=True)  # the package reassembles it if it is ever needed again
-    return _load_converted(cfg, target, device, dtype)
 
-
-def _load_converted(cfg, target: Path, device, dtype) -> LoadedModel:
-    """A converted model directory of the cache (kvbench names a damaged one and how to redo it)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
-    except Exception as error:  # safetensors/json/OSError: a damaged conversion, whatever the library's type
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise KvbenchError(
-            f"the converted model in {target} is unreadable ({reason}); delete it (rm -r {target}) "
-            "and rerun: it is converted again"
-        ) from None
-    if not cfg.get("chat", True):
-        tokenizer.chat_template = None  # a base model: tasks prompt it with plain text (completion style)
-    return _finish(model, tokenizer, cfg.name, device, dtype)
+    return load_converted(cfg, target, source, convert, device, dtype)
 
 
 _LOADED: dict[tuple, LoadedModel] = {}

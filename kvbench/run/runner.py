@@ -33,8 +33,10 @@ from kvbench.store.intervals import interval_text
 from kvbench.store.results import (
     COLUMNS,
     ResultStore,
+    StoreFault,
     check_writable,
     code_fingerprint,
+    fault_text,
     file_digest,
     provenance,
     write_csv,
@@ -96,9 +98,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     for c in confs:
         c.hash = hash_configuration(c, cfg, lm, data)
     store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
-    check_writable(store.rows_dir)
-    out_dir = Path(output_dir) if output_dir else store.root / "last"
-    check_writable(out_dir)
+    out_dir = check_outputs(store, output_dir)
 
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     shard = shard_of(cfg)
@@ -124,11 +124,14 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
             work.do(ex)
         work.finish_claimed_elsewhere()
+    except OSError as error:  # the store's disk filled, went read-only, ...: every row saved before is intact
+        raise StoreFault(work.fault(error)) from None
     finally:
         work.claims.release_all()
     frame = pd.DataFrame(work.rows)
     frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
     if shard:
+        frame.attrs["failed"] = dict(work.failed)  # the driver names them with the other shards'
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
     finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
     if work.failed:
@@ -137,6 +140,16 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
             + "\n".join(f"  {name}: {why}" for name, why in work.failed.items())
         )
     return frame
+
+
+def check_outputs(store: ResultStore, output_dir: str | Path | None) -> Path:
+    """Before the first example: the store's rows and claims folders and the run directory take files (each a
+    directory, writable); returns the run directory."""
+    check_writable(store.rows_dir)
+    check_writable(store.root / "claims")
+    out_dir = Path(output_dir) if output_dir else store.root / "last"
+    check_writable(out_dir, key="hydra.run.dir" if output_dir else "results_dir")
+    return out_dir
 
 
 def shard_of(cfg: DictConfig) -> tuple[int, int] | None:
@@ -149,6 +162,20 @@ def finish_run(
     cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
 ) -> None:
     """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
+    try:
+        write_outputs(cfg, frame, out_dir, store, n_computed, seconds)
+    except OSError as error:  # every row is in the store already: only the run directory's copies are missing
+        what, remedy = fault_text(error)
+        raise StoreFault(
+            f"{what} while writing the run's outputs in {out_dir}: all {len(frame)} rows are safe in the store "
+            f"{store.rows_dir}; {remedy}, then rerun to resume (it reuses them) or read them with "
+            f"python -m kvbench.report {store.root}"
+        ) from None
+
+
+def write_outputs(
+    cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
+) -> None:
     write_rows(frame, out_dir / "rows.parquet")
     if cfg.get("diagnose"):
         from kvbench.guide.diagnose_run import copy_side_records

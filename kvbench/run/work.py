@@ -11,6 +11,7 @@ from kvbench.run.config_hash import grid_batching
 from kvbench.run.configuration import Configuration
 from kvbench.run.rows import generation_rows, stream_rows
 from kvbench.store.claims import Claims
+from kvbench.store.results import fault_text
 from kvbench.tasks import Example
 
 
@@ -28,6 +29,8 @@ class ExampleWork:
         self.claims = Claims(store.root)
         self.rows: list[dict] = []
         self.computed: list[dict] = []
+        self.saved = 0  # rows of self.computed in the store (the last save that succeeded)
+        self.reported: set[int] = set()  # pids of stopped claim owners already named
         self.elsewhere: list[tuple[Example, list[Configuration]]] = []
         self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.guide.diagnose_run)
         self.failed: dict[str, str] = {}  # configuration label → its first error line (its rows are skipped)
@@ -107,6 +110,7 @@ class ExampleWork:
         self.computed.extend(new)
         self.rows.extend(new)
         path = self.store.save_run(self.run_id, self.computed)  # after every example: an interrupted sweep resumes
+        self.saved = len(self.computed)
         if self.diagnose is not None:
             from kvbench.guide.diagnose_run import write_side_table
 
@@ -118,9 +122,12 @@ class ExampleWork:
         process that died left undone)."""
         pending, self.elsewhere = self.elsewhere, []
         if pending:
-            print(f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process")
+            print(
+                f"[kvbench] waiting for {sum(len(b) for _, b in pending)} rows claimed by another process", flush=True
+            )
         for ex, busy in pending:
-            while any(self.claims.held_elsewhere(c.hash, ex.example_id) for c in busy):
+            while held := [(c.hash, ex.example_id) for c in busy if self.claims.held_elsewhere(c.hash, ex.example_id)]:
+                self.report_stopped(held)
                 time.sleep(poll_s)
             self.existing = self.store.existing()
             confs, self.confs = self.confs, busy
@@ -130,6 +137,27 @@ class ExampleWork:
                 self.confs = confs
         if self.elsewhere:  # claimed again meanwhile (another late process): wait once more
             self.finish_claimed_elsewhere(poll_s)
+
+    def report_stopped(self, keys: list[tuple[str, str]]) -> None:
+        """Name, once each, a stopped process of this host (ctrl-Z) holding claims this run waits for: alive, so
+        its claims are not stale, and it will not finish them until it is resumed."""
+        for pid, n in self.claims.stopped_owners(keys).items():
+            if pid not in self.reported:
+                self.reported.add(pid)
+                print(
+                    f"[kvbench] process {pid} on this host holds {n} claim(s) this run waits for and is stopped "
+                    f"(ctrl-Z): resume it (kill -CONT {pid}, or fg in its shell) and it finishes them, or end it "
+                    f"(kill -9 {pid}) and this run takes them over",
+                    flush=True,
+                )
+
+    def fault(self, error: OSError) -> str:
+        """A store write that failed mid-run, in one line: what happened, the rows that are safe, how to resume."""
+        what, remedy = fault_text(error)
+        return (
+            f"{what}: the {self.saved} rows this run computed before are safe in the store {self.store.rows_dir} "
+            f"(nothing half-written); {remedy}, then rerun to resume"
+        )
 
 
 def label(c: Configuration) -> str:

@@ -8,6 +8,8 @@ process claims a (config_hash, example_id) before computing it and releases the 
 The file holds the owner's host, pid and process start time. A claim is *stale* — and may be taken over — when its
 owner is a process on this host that no longer runs, or when it is older than `KVBENCH_CLAIM_TTL_S` (default 2 h:
 a job on another host that died). Taking over renames the stale file first, which only one contender can do.
+A claim whose owner is alive but stopped (ctrl-Z: state T) is not stale — the process may resume — so a waiting run
+names its pid and how to resume or end it (`stopped_owners`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ def _process_start(pid: int) -> str | None:
             return ""
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter of a process on this host (R running, S sleeping, T stopped, ...); None if unknown/gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]  # field 3 of stat, the first after the command name
+    except (OSError, IndexError):
+        return None
+
+
 def _owner() -> dict:
     return {"host": HOST, "pid": os.getpid(), "start": _process_start(os.getpid()), "time": time.time()}
 
@@ -68,8 +79,12 @@ class Claims:
                 if not self._take_over_if_stale(path):
                     return False
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump({**self.me, "example_id": str(example_id)}, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({**self.me, "example_id": str(example_id)}, f)
+            except BaseException:  # disk full, a signal: no half-written claim stays behind
+                path.unlink(missing_ok=True)
+                raise
             self.held.add(path)
             return True
         return False
@@ -98,9 +113,30 @@ class Claims:
                 self.held.discard(path)
 
     def release_all(self) -> None:
+        """Every claim still held (the run ends, fails or is interrupted). Never raises: it runs while another
+        error is on its way to the user, and a claim left behind by a dead process is taken over anyway."""
         for path in list(self.held):
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
         self.held.clear()
+
+    def stopped_owners(self, keys) -> dict[int, int]:
+        """pid → claims held, among `keys`, by processes of this host that are stopped (ctrl-Z, SIGSTOP)."""
+        stopped: dict[int, int] = {}
+        for config_hash, example_id in keys:
+            owner = read_owner(self._path(config_hash, example_id))
+            if owner and owner.get("host") == HOST and process_state(int(owner["pid"])) in ("T", "t"):
+                stopped[int(owner["pid"])] = stopped.get(int(owner["pid"]), 0) + 1
+        return stopped
+
+
+def read_owner(path: Path) -> dict | None:
+    """The owner record of a claim file; None when it is gone or unreadable."""
+    try:
+        owner = json.loads(path.read_text())
+        return owner if isinstance(owner, dict) and "pid" in owner else None
+    except (OSError, ValueError):
+        return None
 
 
 def is_stale(path: Path) -> bool:

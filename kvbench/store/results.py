@@ -7,6 +7,7 @@ same command picks up the rows already there (keyed by `config_hash` + `example_
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -28,6 +29,38 @@ if TYPE_CHECKING:
     import torch
 
 SCHEMA_VERSION = 1
+KEY_COLUMNS = ("config_hash", "example_id", "timestamp")  # what the store needs of a file to read it as rows
+
+
+class StoreFault(KvbenchError):
+    """Writing the store or the run directory failed mid-run (disk full, read-only, not a directory): the message
+    says what happened and how many rows are safe; its text ends in "rerun to resume" (the CLI adds the command).
+    Exit 3: the input was good, rerunning the same command completes the run."""
+
+    exit_code = 3
+    resumable = True
+
+
+_FAULTS = {  # errno → what happened, in words, and what frees it
+    errno.ENOSPC: ("disk full", "free disk space"),
+    errno.EDQUOT: ("disk quota exceeded", "free space under your quota"),
+    errno.EROFS: ("read-only file system", "make it writable"),
+    errno.EACCES: ("permission denied", "make it writable"),
+    errno.EPERM: ("operation not permitted", "make it writable"),
+    errno.ENOTDIR: ("a part of the path is a file, not a directory", "remove or rename that file"),
+    errno.EEXIST: ("it is a file, not a directory", "remove or rename that file"),
+    errno.EISDIR: ("it is a directory, not a file", "remove or rename that directory"),
+}
+
+
+def fault_text(error: OSError, path: str | Path | None = None) -> tuple[str, str]:
+    """("disk full (No space left on device) at PATH", "free disk space"): an OSError as a user reads it."""
+    what, remedy = _FAULTS.get(error.errno or -1, (error.strerror or type(error).__name__, "fix it"))
+    where = path or error.filename
+    reason = os.strerror(error.errno) if error.errno else error.strerror  # pyarrow's strerror is a sentence
+    detail = f" ({reason})" if reason and reason.lower() != what else ""
+    return f"{what}{detail}" + (f" at {where}" if where else ""), remedy
+
 
 COLUMNS = [  # ★ contract: DESIGN.md "Result rows"
     "run_id",
@@ -150,7 +183,8 @@ def config_hash(payload: dict) -> str:
 
 
 def write_atomic(path: Path, write) -> None:
-    """Write via a temporary file in the same directory, then rename: readers never see half a file."""
+    """Write via a temporary file in the same directory, then rename: readers never see half a file (a failed
+    write — disk full, a signal — leaves the previous version and no temporary file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
@@ -160,6 +194,9 @@ def write_atomic(path: Path, write) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
+    except OSError as error:
+        error.filename = str(path)  # the file the user knows, not the temporary one
+        raise
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -173,30 +210,36 @@ def write_csv(frame: pd.DataFrame, path: Path) -> None:
     write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False))
 
 
-def check_writable(directory: Path) -> None:
+def check_writable(directory: Path, key: str = "results_dir") -> None:
+    """Before any work: `directory` exists (or is created) and takes a file; else one line naming `key`'s fix."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as error:
-        raise KvbenchError(
-            f"cannot write results to {directory} ({error.strerror}); choose another with results_dir=PATH"
-        ) from None
+        what, remedy = fault_text(error, directory)
+        raise KvbenchError(f"cannot write to {directory}: {what}; {remedy}, or choose another {key}=PATH") from None
 
 
 def _read_or_skip(path: Path) -> pd.DataFrame | None:
-    """One Parquet file of the store; an unreadable one (truncated by a crash, not ours) is skipped with a warning
-    so that it does not block every later run."""
+    """One Parquet file of the store; an unreadable one (truncated by a crash) or a foreign one (a Parquet file
+    kvbench did not write: no config_hash/example_id/timestamp) is skipped with one warning naming it, so that it
+    blocks no later run and no reader."""
     try:
-        return pd.read_parquet(path)
+        frame = pd.read_parquet(path)
     except Exception as error:  # pyarrow raises several types for a damaged file
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(
-            f"[kvbench] warning: skipping unreadable results file {path} ({reason}); delete it to silence this",
-            file=sys.stderr,
-        )
-        return None
+        kind, reason = "unreadable", (str(error).strip().splitlines() or [type(error).__name__])[0]
+    else:
+        missing = [c for c in KEY_COLUMNS if c not in frame.columns]
+        if not missing or not len(frame):
+            return frame
+        kind, reason = "foreign", f"not kvbench result rows: no column {', '.join(missing)}"
+    print(
+        f"[kvbench] warning: skipping {kind} results file {path} ({reason}); move it out of the store to silence this",
+        file=sys.stderr,
+    )
+    return None
 
 
 def read_rows(path: Path) -> pd.DataFrame:

@@ -222,3 +222,86 @@ def test_ray_refuses_to_split_a_workload(tmp_path, extra):
 
     with pytest.raises(KvbenchError, match="launcher=local"):
         run(compose_config("model=tiny-random", "device=cpu", "launcher=ray", f"results_dir={tmp_path}", *extra))
+
+
+# ------------------------------------------------------------------------------------------ Ray under faults
+
+
+def ray_run(tmp_path, *extra):
+    from kvbench.__main__ import launch
+    from tests.conftest import compose_config
+
+    return launch(compose_config(*TINY, "launcher=ray", f"results_dir={tmp_path / 'store'}", *extra), tmp_path / "o")
+
+
+@pytest.mark.parametrize(
+    "address, says",
+    [
+        ("localhost:1", "no Ray cluster answers at launcher.address=localhost:1 (Connection refused)"),
+        ("nonsense", "no Ray cluster answers at launcher.address=nonsense"),
+        ("auto", "cannot start or join a Ray cluster (launcher.address=auto): Could not find any running Ray"),
+    ],
+)
+def test_a_ray_address_nothing_answers_at_is_one_line(tmp_path, address, says):
+    from kvbench import KvbenchError
+
+    pytest.importorskip("ray")
+    with pytest.raises(KvbenchError) as refused:
+        ray_run(tmp_path, f"launcher.address={address}")
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_ray_client_without_ray_client_installed_names_the_pip_install(tmp_path):
+    import importlib.util
+
+    from kvbench import KvbenchError
+
+    pytest.importorskip("ray")
+    if importlib.util.find_spec("grpc") is not None:
+        pytest.skip("ray[client] is installed here")
+    with pytest.raises(KvbenchError, match=r"needs pip install 'ray\[client\]'"):
+        ray_run(tmp_path, "launcher.address=ray://head:10001")
+
+
+def test_gpus_per_worker_on_a_machine_without_gpus_is_refused(tmp_path):
+    import torch
+
+    from kvbench import KvbenchError
+
+    pytest.importorskip("ray")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(KvbenchError, match=r"launcher.num_gpus=1 but this machine has 0 GPU\(s\).*num_gpus=0"):
+        ray_run(tmp_path, "launcher.num_gpus=1")
+
+
+def _fails_with(kind: str):
+    from kvbench import KvbenchError
+
+    if kind == "kvbench":
+        raise KvbenchError("task.data_dir=/shared/longbench: no such directory on this worker; mount it")
+    raise RuntimeError("CUDA error: an illegal memory access\n  many lines of a device traceback")
+
+
+@pytest.mark.slow
+def test_a_worker_failure_is_the_workers_own_line_not_a_remote_traceback():
+    from kvbench import KvbenchError
+    from kvbench.integrations.ray_launcher import WorkerFailed, worker_error
+
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        remote = ray.remote(_fails_with)
+        for kind in ("kvbench", "other"):
+            with pytest.raises(ray.exceptions.RayTaskError) as raised:
+                ray.get(remote.remote(kind))
+            assert str(raised.value).count("\n") >= 3 and "\x1b[" in str(raised.value)  # what reached the user
+            line = worker_error(raised.value, shard=2)
+            if kind == "kvbench":
+                assert type(line) is KvbenchError and line.exit_code == 2
+                assert str(line) == "task.data_dir=/shared/longbench: no such directory on this worker; mount it"
+            else:
+                assert isinstance(line, WorkerFailed) and line.exit_code == 3 and "\n" not in str(line)
+                assert str(line).startswith("shard 2 failed on a Ray worker (RuntimeError: CUDA error: an illegal")
+    finally:
+        ray.shutdown()
