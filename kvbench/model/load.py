@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,13 +252,59 @@ MARKER = "kvbench-converted.json"  # written last into a conversion: what it was
 
 def convert_gguf(gguf: Path, target: Path, source: dict) -> None:
     """Dequantize the GGUF once into a safetensors directory (fp32: Q4_1 values are exact in fp32). `source` (what
-    the GGUF is, `gguf_source`/`package_source`) goes into the completion marker, written last."""
-    model, tokenizer = read_gguf(gguf)
-    save_conversion(model, tokenizer, target, source)
+    the GGUF is, `gguf_source`/`package_source`) goes into the completion marker, written last. Each stage says
+    what it does and how long it took; the weights show transformers' own progress bar."""
+    try:
+        model, tokenizer = read_gguf(gguf)
+    finally:
+        _READERS.clear()  # the memory map closes with the reader
+    with _stage(f"saving into {target}"):
+        save_conversion(model, tokenizer, target, source)
+
+
+@contextlib.contextmanager
+def _stage(what: str):
+    """One line per conversion stage: its name, then its time."""
+    print(f"[kvbench]   {what} ...", end="", flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" stopped", flush=True)  # the error's own line follows on a line of its own
+        raise
+    print(f" {time.perf_counter() - start:.0f} s", flush=True)
+
+
+_READERS: dict[str, Any] = {}  # path -> gguf.GGUFReader, while converting
+
+
+@contextlib.contextmanager
+def _one_parse():
+    """transformers opens the GGUF three times (the tokenizer's config, the model's config, the weights), and gguf's
+    reader parses every metadata field each time — 8.6 s for Gemma 3's 262K-token vocabulary: here one reader per
+    file serves every open (it memory-maps the file and is only read)."""
+    import gguf
+
+    opened = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        if args or kwargs:
+            return opened(path, *args, **kwargs)
+        if str(path) not in _READERS:
+            _READERS[str(path)] = opened(path)
+        return _READERS[str(path)]
+
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]  # transformers imports it from gguf at each call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = opened  # type: ignore[misc]
 
 
 def read_gguf(gguf: Path):
     """The model (fp32, dequantized) and tokenizer a GGUF file holds."""
+    from transformers.utils import logging as hf_logging
+
     kwargs = {}
     try:  # transformers ≥ 5.2x keeps GGUF blocks packed unless asked; older releases always dequantize
         from transformers import GgufConfig
@@ -265,10 +312,19 @@ def read_gguf(gguf: Path):
         kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:
         pass
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa", **kwargs
-    )
+    with _one_parse(), _stage("reading the tokenizer (the vocabulary)"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    print("[kvbench]   dequantizing the weights to float32", flush=True)
+    start = time.perf_counter()
+    hf_logging.enable_progress_bar()  # transformers' bar over the tensors: the long stage
+    try:
+        with _one_parse():
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+            )
+    finally:
+        hf_logging.disable_progress_bar()
+    print(f"[kvbench]   dequantized in {time.perf_counter() - start:.0f} s", flush=True)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None  # type: ignore[assignment]
