@@ -53,3 +53,25 @@ def test_auto_dtype_on_cuda_follows_bf16_support(monkeypatch):
     for supported, expected in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: supported)
         assert resolve_dtype("auto", torch.device("cuda")) == expected
+
+
+def test_a_conversion_parses_the_gguf_once(monkeypatch):
+    """transformers opens a GGUF three times while converting; inside `_one_parse` each open gets the same reader,
+    and gguf's own class is back afterwards."""
+    import gguf
+
+    from kvbench.model import load
+
+    made = []
+
+    class Reader:
+        def __init__(self, path):
+            made.append(path)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Reader)
+    with load._one_parse():
+        first, second = gguf.GGUFReader("a.gguf"), gguf.GGUFReader("a.gguf")
+        other = gguf.GGUFReader("b.gguf")
+    load._READERS.clear()
+    assert first is second and other is not first and made == ["a.gguf", "b.gguf"]
+    assert gguf.GGUFReader is Reader
