@@ -1,18 +1,21 @@
 """The run spec: a run's top-level settings as typed values, read once from the Hydra config after
 kvbench.config.validate has checked it (`check_config`), and handed down instead of the raw DictConfig.
 
-What stays a DictConfig: the `model`, `task` and `method` sections — each is its own registry entry's settings,
-checked by that entry's rules (a task's `Rule`s, a method's dataclass) and read by it alone. Everything a runner,
+The `model` and `task` sections ride along as plain dicts (what the config hash records); they stay the DictConfig
+their registry entry reads (a loader's keys, a task's `Rule`s) where that entry is built, as the `method` and `grid`
+sections do where the configurations are built (kvbench.run.configuration). Everything a runner,
 an engine mode or the config hash decides on is here, with its default, its type and its meaning in one place
 (conf/config.yaml documents the same keys for the command line).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+from kvbench.config.rules import plain
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class RunSpec:
     grid_padding: float | None = None  # a grid batch's memory bound; None: the engine's (grid_decode.MAX_PADDING)
     shard: tuple[int, int] | None = None  # (shard, n_shards) when a launcher runs this process on one shard
     attempt: str | None = None  # a launcher's attempt id for this shard (its rows' file name)
+    model: dict = field(default_factory=dict)  # the model section, plain
+    task: dict = field(default_factory=dict)  # the task section, plain (its `name` is the task's registry key)
+    verdict: dict = field(default_factory=dict)  # diagnose's thresholds (kvbench/guide/verdict.py Thresholds)
+
+    @property
+    def task_name(self) -> str:
+        return str(self.task.get("name", ""))
 
     @classmethod
     def of(cls, cfg: DictConfig | RunSpec) -> RunSpec:
@@ -70,4 +80,7 @@ class RunSpec:
             grid_padding=None if padding is None else float(padding),
             shard=None if shard is None else (int(shard), int(launcher["n_shards"])),
             attempt=launcher.get("attempt"),
+            model=plain(get("model")) or {},
+            task=plain(get("task")) or {},
+            verdict=plain(get("verdict")) or {},
         )

@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 
 import torch
-from omegaconf import DictConfig
 
 from kvbench import KvbenchError
+from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
@@ -40,22 +40,15 @@ from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 PREFILL_MODES = ("shared", "inline")
 
 
-def settings(cfg: DictConfig) -> tuple[str, int | None]:
-    """(prefill, prefill_chunk) of a run."""
-    chunk = cfg.get("prefill_chunk")
-    return str(cfg.get("prefill") or "shared"), None if chunk is None else int(chunk)
-
-
-def row_keys(cfg: DictConfig) -> dict:
+def row_keys(spec: RunSpec) -> dict:
     """The columns every row of a run records about its prefill."""
-    mode, chunk = settings(cfg)
-    return {"prefill": mode, "prefill_chunk": chunk}
+    return {"prefill": spec.prefill, "prefill_chunk": spec.prefill_chunk}
 
 
-def hash_keys(cfg: DictConfig) -> dict:
+def hash_keys(spec: RunSpec) -> dict:
     """Config-hash keys: an inline or chunked prefill is measured apart from a shared one (its peak memory, and a
     chunked prefill's kept entries, differ)."""
-    mode, chunk = settings(cfg)
+    mode, chunk = spec.prefill, spec.prefill_chunk
     return {} if mode == "shared" else {"prefill": mode, **({"prefill_chunk": chunk} if chunk else {})}
 
 
@@ -67,9 +60,9 @@ def compresses_per_layer(method: Method | type[Method]) -> bool:
     return cls.compress is Method.compress and method.caps.compresses_inline
 
 
-def check(cfg: DictConfig, methods: list[Method], task) -> None:
+def check(spec: RunSpec, methods: list[Method], task) -> None:
     """What `prefill`/`prefill_chunk` combine with, before the model loads (one line naming the fix)."""
-    mode, chunk = settings(cfg)
+    mode, chunk = spec.prefill, spec.prefill_chunk
     if chunk is not None and mode != "inline":
         raise KvbenchError(
             f"prefill_chunk={chunk} compresses each chunk as it lands, which needs prefill=inline "
@@ -83,9 +76,9 @@ def check(cfg: DictConfig, methods: list[Method], task) -> None:
             "drop prefill_chunk and set task.chunk"
         )
     others = {
-        "diagnose=true": cfg.get("diagnose"),
-        "prefix_cache=true": cfg.get("prefix_cache") or getattr(task, "workload", False),
-        f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
+        "diagnose=true": spec.diagnose,
+        "prefix_cache=true": spec.prefix_cache or getattr(task, "workload", False),
+        f"batch_size={spec.batch_size}": spec.batch_size > 1,
         f"task={task.name}": hasattr(task, "compute_rows"),
     }
     for what, present in others.items():

@@ -35,10 +35,11 @@ KEYS = [
 ]
 
 
-def thresholds_for(cfg, task) -> Thresholds:
+def thresholds_for(spec, task) -> Thresholds:
+    """A run's verdict thresholds (`spec`: its kvbench.config.spec.RunSpec)."""
     if task.streaming:
         raise KvbenchError(f"diagnose=true compares decoded answers; task {task.name} streams a text (no answer)")
-    return Thresholds.from_config(cfg.get("verdict"))
+    return Thresholds.from_config(spec.verdict)
 
 
 def diagnose_example(

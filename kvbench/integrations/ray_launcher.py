@@ -92,7 +92,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     from kvbench.run.runner import check_outputs, check_run, finish_run
     from kvbench.tasks import TASKS
 
-    check_run(cfg)
+    spec, _ = check_run(cfg)
     if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
         raise KvbenchError(
             "launcher=ray splits a run's examples across workers, which would split a workload's "
@@ -145,7 +145,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     frame = pd.concat(frames, ignore_index=True).sort_values("_order", kind="stable")
     frame = frame.drop(columns=["_order", "shard"]).reset_index(drop=True)
-    finish_run(cfg, frame, out_dir, store, int((~frame["reused"].astype(bool)).sum()), time.perf_counter() - started)
+    finish_run(spec, frame, out_dir, store, int((~frame["reused"].astype(bool)).sum()), time.perf_counter() - started)
     if failed:
         raise ConfigurationsFailed(
             f"{len(failed)} configuration(s) failed; the other rows are written:\n"

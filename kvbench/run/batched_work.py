@@ -15,7 +15,7 @@ from kvbench.tasks import Example
 class BatchedWork(ExampleWork):
     def __init__(self, *args):
         super().__init__(*args)
-        self.batch_size = int(self.cfg.batch_size)
+        self.batch_size = self.spec.batch_size
         self.waiting: dict[tuple, list[tuple[Example, list[Configuration]]]] = {}  # by (prompt, suffix) lengths
 
     def do(self, ex: Example) -> None:

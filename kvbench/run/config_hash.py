@@ -3,9 +3,7 @@ data digests, method, parameters, budget — and what changes rows' last bits (b
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
-
-from kvbench.config.rules import plain
+from kvbench.config.spec import RunSpec
 from kvbench.engine import inline, slots
 from kvbench.engine.grid_decode import MAX_PADDING
 from kvbench.kernels.backend import backend
@@ -15,21 +13,21 @@ from kvbench.store.results import config_hash
 from kvbench.tasks import TASKS
 
 
-def grid_batching(cfg: DictConfig, lm, requested: int) -> bool:
+def grid_batching(spec: RunSpec, lm, requested: int) -> bool:
     """Whether a grid's configurations of one example decode together (kvbench.engine.grid_decode): grid_batch=auto does
     where the rows are identical to one by one (tested) and the run requests more than one configuration besides the
     full-cache baseline — a single method's run (the default job) decodes each configuration alone, so the first
     decode_ms_per_token a user reads is each method's own, not a batch's shared step; true always; false never."""
     if lm.layout.has_sliding:
         return False  # window layers (kvbench.model.cache.WindowLayer) decode alone: grid rows are plain layers
-    setting = cfg.get("grid_batch", "auto")
+    setting = spec.grid_batch
     return requested > 1 and grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 
 
-def grid_batch_forced(cfg: DictConfig, lm) -> bool:
+def grid_batch_forced(spec: RunSpec, lm) -> bool:
     """grid_batch=true where a grid row does not decode as it does alone: rows of their own (auto never batches
     there, so whatever the number of configurations its rows are the one-by-one rows)."""
-    setting = cfg.get("grid_batch", "auto")
+    setting = spec.grid_batch
     return setting != "auto" and bool(setting) and not grid_rows_as_alone(lm)
 
 
@@ -41,9 +39,14 @@ def grid_rows_as_alone(lm) -> bool:
     return decode_kernels(lm) or str(lm.dtype).removeprefix("torch.") == "float32"
 
 
-def forced_grid_keys(cfg: DictConfig) -> dict:
+def grid_padding(spec: RunSpec) -> float:
+    """A grid batch's memory bound (× its rows' own cache bytes): the run's, else the engine's default."""
+    return MAX_PADDING if spec.grid_padding is None else spec.grid_padding
+
+
+def forced_grid_keys(spec: RunSpec) -> dict:
     """Hash keys of rows grid-batched where rows depend on their batch: the setting, and a non-default padding."""
-    padding = float(cfg.get("grid_padding", MAX_PADDING))
+    padding = grid_padding(spec)
     return {"grid_batch": True, **({"grid_padding": padding} if padding != MAX_PADDING else {})}
 
 
@@ -61,28 +64,28 @@ def bf16_kernels(lm) -> bool:
     return cpu is not None and cpu.bf16_column_sums()
 
 
-def hash_configuration(c: Configuration, cfg: DictConfig, lm, data: dict[str, str] | None = None) -> str:
+def hash_configuration(c: Configuration, spec: RunSpec, lm, data: dict[str, str] | None = None) -> str:
     """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
-    selection = TASKS.get(cfg.task.name).selection_keys  # they pick examples, not change them: rows stay reusable
-    task = {k: v for k, v in plain(cfg.task).items() if k not in selection}
+    selection = TASKS.get(spec.task_name).selection_keys  # they pick examples, not change them: rows stay reusable
+    task = {k: v for k, v in spec.task.items() if k not in selection}
     return config_hash(
         {
-            "model": plain(cfg.model),
+            "model": spec.model,
             "dtype": str(lm.dtype),
             "device": lm.device.type,
             "task": task,
-            "seed": cfg.seed,
+            "seed": spec.seed,
             "method": c.method.name,
             "params": c.method.params(),
             "budget": c.budget_value,
             "query_aware": c.query_aware,
             **({"data": data} if data else {}),
-            **workload.hash_keys(cfg),
-            **inline.hash_keys(cfg),
-            **({"batch_size": int(cfg.batch_size)} if int(cfg.get("batch_size") or 1) > 1 else {}),  # its own timings
+            **workload.hash_keys(spec),
+            **inline.hash_keys(spec),
+            **({"batch_size": spec.batch_size} if spec.batch_size > 1 else {}),  # its own timings
             # outside float32, decoding configurations together may change a last bit (and a token), and which rows
             # share a batch (grid_padding) with it: apart
-            **(forced_grid_keys(cfg) if grid_batch_forced(cfg, lm) else {}),
+            **(forced_grid_keys(spec) if grid_batch_forced(spec, lm) else {}),
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
             **({"bf16_kernels": "column-sums"} if bf16_kernels(lm) else {}),

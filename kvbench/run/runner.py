@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
+from kvbench.config.spec import RunSpec
 from kvbench.config.support import refusal
 from kvbench.config.validate import check_config
 from kvbench.engine import inline
@@ -46,19 +47,21 @@ from kvbench.tasks import TASKS, build_task
 from kvbench.tasks.base import check_fits
 
 
-def check_run(cfg: DictConfig) -> list:
-    """Every key, knob and grid entry, before the model loads; returns the run's configurations."""
+def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
+    """Every key, knob and grid entry, before the model loads; returns the run's spec (its settings typed, read once
+    here) and its configurations."""
     check_config(cfg)
-    workload.check(cfg)
+    spec = RunSpec.of(cfg)
+    workload.check(spec)
     confs = configurations(cfg)
-    inline.check(cfg, [c.method for c in confs], TASKS.get(cfg.task.name))
+    inline.check(spec, [c.method for c in confs], TASKS.get(spec.task_name))
     config = model_config(cfg.model, cheap=True)
     if config is not None:  # else checked once the model is loaded
-        check_support(confs, config, cfg)
-    return confs
+        check_support(confs, config, spec)
+    return spec, confs
 
 
-def check_support(confs: list, config, cfg: DictConfig) -> None:
+def check_support(confs: list, config, spec: RunSpec) -> None:
     """Each configuration runs on this model (kvbench.config.support), the model's layers are ones kvbench knows
     (kvbench.model.layout), and the run's modes handle its sliding-window layers."""
     sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
@@ -67,10 +70,10 @@ def check_support(confs: list, config, cfg: DictConfig) -> None:
         if reason:
             raise KvbenchError(reason)
     modes = {
-        "prefill=inline": cfg.get("prefill", "shared") == "inline",
-        "prefix_cache=true": bool(cfg.get("prefix_cache")),
-        f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
-        f"task={cfg.task.name} (a streamed text)": bool(TASKS.get(cfg.task.name).streaming),
+        "prefill=inline": spec.prefill == "inline",
+        "prefix_cache=true": spec.prefix_cache,
+        f"batch_size={spec.batch_size}": spec.batch_size > 1,
+        f"task={spec.task_name} (a streamed text)": bool(TASKS.get(spec.task_name).streaming),
     }
     chosen = [name for name, on in modes.items() if on]
     if sliding and chosen:
@@ -83,42 +86,42 @@ def check_support(confs: list, config, cfg: DictConfig) -> None:
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job in this process (or one launcher shard of it); returns this run's rows (computed
     and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
-    confs = check_run(cfg)
-    lm = load_model(cfg.model, cfg.device, cfg.dtype)
-    check_support(confs, lm.config, cfg)
-    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
+    spec, confs = check_run(cfg)
+    lm = load_model(cfg.model, spec.device, spec.dtype)
+    check_support(confs, lm.config, spec)
+    task = build_task(cfg.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()
-    if cfg.get("limit"):
-        examples = examples[: int(cfg.limit)]
+    if spec.limit:
+        examples = examples[: spec.limit]
     if not examples:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     if not task.streaming:  # a stream may run past the context window: that is what it measures
         check_fits(examples, lm.max_context)
     data = {str(path): file_digest(path) for path in task.data_files()}
     for c in confs:
-        c.hash = hash_configuration(c, cfg, lm, data)
-    store = ResultStore(cfg.results_dir)  # checked only once the input is known to be good
+        c.hash = hash_configuration(c, spec, lm, data)
+    store = ResultStore(spec.results_dir)  # checked only once the input is known to be good
     out_dir = check_outputs(store, output_dir)
 
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-    shard = shard_of(cfg)
+    shard = spec.shard
     if shard:
         examples = examples[shard[0] :: shard[1]]  # a launcher's shard: every n-th example, prefills stay whole
-        run_id += f"-shard{shard[0]}-{cfg.launcher.get('attempt') or uuid.uuid4().hex[:6]}"
+        run_id += f"-shard{shard[0]}-{spec.attempt or uuid.uuid4().hex[:6]}"
         if not examples:
             return pd.DataFrame()
-    common = {"run_id": run_id, "seed": int(cfg.seed), **provenance(lm.device), **inline.row_keys(cfg)}
+    common = {"run_id": run_id, "seed": spec.seed, **provenance(lm.device), **inline.row_keys(spec)}
     batched = (
-        int(cfg.get("batch_size") or 1) > 1
+        spec.batch_size > 1
         and not task.streaming
-        and not cfg.get("diagnose")
-        and not cfg.get("prefix_cache")
+        and not spec.diagnose
+        and not spec.prefix_cache
         and not task.workload
         and not hasattr(task, "compute_rows")
     )
     if batched:
         from kvbench.run.batched_work import BatchedWork  # examples of equal length decoded together
-    work = (BatchedWork if batched else ExampleWork)(cfg, confs, task, Engine(lm), store, run_id, common, lm)
+    work = (BatchedWork if batched else ExampleWork)(spec, confs, task, Engine(lm), store, run_id, common, lm)
     started = time.perf_counter()
     try:
         for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):
@@ -133,7 +136,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     if shard:
         frame.attrs["failed"] = dict(work.failed)  # the driver names them with the other shards'
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
-    finish_run(cfg, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
+    finish_run(spec, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
     if work.failed:
         raise ConfigurationsFailed(
             f"{len(work.failed)} configuration(s) failed; the other rows are written:\n"
@@ -152,18 +155,12 @@ def check_outputs(store: ResultStore, output_dir: str | Path | None) -> Path:
     return out_dir
 
 
-def shard_of(cfg: DictConfig) -> tuple[int, int] | None:
-    """(shard, n_shards) when a launcher runs this process on one shard of the examples."""
-    launcher = cfg.get("launcher") or {}
-    return (int(launcher["shard"]), int(launcher["n_shards"])) if launcher.get("shard") is not None else None
-
-
 def finish_run(
-    cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
+    spec: RunSpec, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
 ) -> None:
     """The run's own outputs: rows.parquet, summary.csv, the printed summary and (unless report=false) plots."""
     try:
-        write_outputs(cfg, frame, out_dir, store, n_computed, seconds)
+        write_outputs(spec, frame, out_dir, store, n_computed, seconds)
     except OSError as error:  # every row is in the store already: only the run directory's copies are missing
         what, remedy = fault_text(error)
         raise StoreFault(
@@ -174,10 +171,10 @@ def finish_run(
 
 
 def write_outputs(
-    cfg: DictConfig, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
+    spec: RunSpec, frame: pd.DataFrame, out_dir: Path, store: ResultStore, n_computed: int, seconds: float
 ) -> None:
     write_rows(frame, out_dir / "rows.parquet")
-    if cfg.get("diagnose"):
+    if spec.diagnose:
         from kvbench.guide.diagnose_run import copy_side_records
 
         copy_side_records(store.rows_dir, frame, out_dir / "rows.parquet")
@@ -187,7 +184,7 @@ def write_outputs(
     print_summary(
         summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame), batches(labelled)
     )
-    if cfg.get("report", True):
+    if spec.report:
         from kvbench.report.build import build_report  # imported here: matplotlib only when a report is wanted
 
         files = build_report([out_dir / "rows.parquet"], out_dir / "report", tolerance=0.02)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from kvbench.engine import inline
-from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.config.spec import RunSpec
 from kvbench.run import workload
-from kvbench.run.config_hash import grid_batching
+from kvbench.run.config_hash import grid_batching, grid_padding
 from kvbench.run.configuration import Configuration
 from kvbench.run.rows import generation_rows, stream_rows
 from kvbench.store.claims import Claims
@@ -19,13 +18,13 @@ class ExampleWork:
     """Rows of one example × configurations: reused from the store, computed here, or — when another process
     has claimed them (concurrent writers, see kvbench.store.claims) — awaited and collected from the store."""
 
-    def __init__(self, cfg, confs, task, engine, store, run_id, common, lm):
-        self.cfg, self.confs, self.task, self.engine, self.store = cfg, confs, task, engine, store
+    def __init__(self, spec: RunSpec, confs, task, engine, store, run_id, common, lm):
+        self.spec, self.confs, self.task, self.engine, self.store = spec, confs, task, engine, store
         self.run_id, self.common, self.lm = run_id, common, lm
         # workload tasks and prefix caching run requests in order: a sequence is measured whole, never partly reused
-        self.requests = workload.WorkloadRunner(engine, cfg, lm) if cfg.get("prefix_cache") or task.workload else None
+        self.requests = workload.WorkloadRunner(engine, spec, lm) if spec.prefix_cache or task.workload else None
         self.seen = store.versions()  # before reading: a file written in between is read again, never missed
-        self.existing = {} if cfg.get("rerun") or self.requests else store.existing()
+        self.existing = {} if spec.rerun or self.requests else store.existing()
         self.claims = Claims(store.root)
         self.rows: list[dict] = []
         self.computed: list[dict] = []
@@ -35,15 +34,15 @@ class ExampleWork:
         self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.guide.diagnose_run)
         self.failed: dict[str, str] = {}  # configuration label → its first error line (its rows are skipped)
         self.diagnose = None
-        if cfg.get("diagnose"):
+        if spec.diagnose:
             from kvbench.guide.diagnose_run import thresholds_for
 
-            self.diagnose = thresholds_for(cfg, task)
+            self.diagnose = thresholds_for(spec, task)
 
     def _reuse(self, c: Configuration, ex: Example) -> list[dict] | None:
         old = [self.existing.get((c.hash, row_id)) for row_id in self.task.row_ids(ex)]
         done = all(r is not None and (self.diagnose is None or isinstance(r.get("verdict"), str)) for r in old)
-        return [{**r, "reused": True} for r in old] if done else None
+        return [{**r, "reused": True} for r in old if r is not None] if done else None
 
     def do(self, ex: Example) -> None:
         todo = [c for c in self.todo(ex) if label(c) not in self.failed]
@@ -77,10 +76,10 @@ class ExampleWork:
         if self.requests:
             return self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
         args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-        grid_batch = grid_batching(self.cfg, self.lm, requested=len(self.confs) - 1)  # confs[0]: the baseline
-        padding = float(self.cfg.get("grid_padding", MAX_PADDING))
+        grid_batch = grid_batching(self.spec, self.lm, requested=len(self.confs) - 1)  # confs[0]: the baseline
+        inline_chunk = (self.spec.prefill, self.spec.prefill_chunk)
         return generation_rows(
-            *args, inline_chunk=inline.settings(self.cfg), grid_batch=grid_batch, grid_padding=padding
+            *args, inline_chunk=inline_chunk, grid_batch=grid_batch, grid_padding=grid_padding(self.spec)
         )
 
     def todo(self, ex: Example) -> list[Configuration]:

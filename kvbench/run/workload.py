@@ -26,29 +26,30 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
+from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Prefill
 from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
 
 
-def check(cfg) -> None:
+def check(spec: RunSpec) -> None:
     """The prefix-cache keys together (each alone: kvbench.config.validate), before the model loads."""
-    if cfg.get("reuse", "per_question") == "compress_once" and not cfg.get("prefix_cache"):
+    if spec.reuse == "compress_once" and not spec.prefix_cache:
         raise KvbenchError(
             "reuse=compress_once keeps the compressed context in the prefix cache: add prefix_cache=true"
         )
 
 
-def hash_keys(cfg) -> dict:
+def hash_keys(spec: RunSpec) -> dict:
     """What the prefix cache changes in a configuration's rows (for config_hash); nothing when it is off."""
-    if not cfg.get("prefix_cache"):
+    if not spec.prefix_cache:
         return {}
     return {
         "prefix_cache": True,
-        "reuse": cfg.get("reuse", "per_question"),
-        "page_size": cfg.get("page_size", 16),
-        "prefix_cache_bytes": cfg.get("prefix_cache_bytes"),
+        "reuse": spec.reuse,
+        "page_size": spec.page_size,
+        "prefix_cache_bytes": spec.prefix_cache_bytes,
     }
 
 
@@ -108,14 +109,10 @@ def storages_of(cache) -> dict[int, int]:
 
 
 class WorkloadRunner:
-    def __init__(self, engine, cfg, lm):
+    def __init__(self, engine, spec: RunSpec, lm):
         self.engine, self.lm = engine, lm
-        self.reuse = cfg.get("reuse", "per_question")
-        self.store = (
-            PrefixCache(int(cfg.get("page_size", 16)), cfg.get("prefix_cache_bytes"))
-            if cfg.get("prefix_cache")
-            else None
-        )
+        self.reuse = spec.reuse
+        self.store = PrefixCache(spec.page_size, spec.prefix_cache_bytes) if spec.prefix_cache else None
         self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
         self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
 
@@ -180,6 +177,7 @@ class WorkloadRunner:
         """The row of configuration `c` for request `ex`, and the compressed context it was answered from."""
         from kvbench.run.rows import generation_row
 
+        assert self.store is not None  # reuse=compress_once runs with prefix_cache=true (workload.check)
         engine = self.engine.prepared(c.method)
         start = time.perf_counter()
         entry = self.store.get((c.hash, tuple(ex.context_ids)), len(ex.context_ids))
@@ -200,6 +198,7 @@ class WorkloadRunner:
                 out.peak_mem_bytes,
             )
             del cache, out
+        assert entry is not None  # found, or just stored
         reused = len(ex.context_ids) if hit else 0
         entry.refs += 1
         caches = []

@@ -157,6 +157,7 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     from kvbench.engine.slots import decode_kernels
     from kvbench.kernels.backend import backend
     from kvbench.run.config_hash import grid_batching, hash_configuration
+    from kvbench.config.spec import RunSpec
     from kvbench.run.configuration import configurations
 
     cpu = backend("cpu")
@@ -169,19 +170,19 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
         return SimpleNamespace(dtype=dtype, device=torch.device("cpu"), model=model, layout=layout)
 
     fp32, bf16 = lm(torch.float32, False), lm(torch.bfloat16, False)
-    assert grid_batching({"grid_batch": "auto"}, fp32, 2) and not grid_batching({}, bf16, 2)
-    assert grid_batching({"grid_batch": True}, bf16, 2)
-    assert not grid_batching({"grid_batch": False}, fp32, 2)
-    assert grid_batching({}, lm(torch.bfloat16, True), 2) and grid_batching({}, lm(torch.float32, True), 2)
+    assert grid_batching(RunSpec(grid_batch="auto"), fp32, 2) and not grid_batching(RunSpec(), bf16, 2)
+    assert grid_batching(RunSpec(grid_batch=True), bf16, 2)
+    assert not grid_batching(RunSpec(grid_batch=False), fp32, 2)
+    assert grid_batching(RunSpec(), lm(torch.bfloat16, True), 2) and grid_batching(RunSpec(), lm(torch.float32, True), 2)
     # one requested configuration besides the baseline (the default job): auto decodes each alone, true still batches
-    assert not grid_batching({}, lm(torch.bfloat16, True), 1) and not grid_batching({}, fp32, 1)
-    assert grid_batching({"grid_batch": True}, fp32, 1)
+    assert not grid_batching(RunSpec(), lm(torch.bfloat16, True), 1) and not grid_batching(RunSpec(), fp32, 1)
+    assert grid_batching(RunSpec(grid_batch=True), fp32, 1)
     hashes = {}
     for setting in ("auto", True, False):
         for model in (fp32, bf16, lm(torch.bfloat16, True)):
             cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
             kernel = decode_kernels(model.model)
-            hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], cfg, model)
+            hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], RunSpec.of(cfg), model)
     assert hashes["auto", "torch.float32", False] == hashes[True, "torch.float32", False]
     assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]
     assert hashes["auto", "torch.bfloat16", False] == hashes[False, "torch.bfloat16", False]

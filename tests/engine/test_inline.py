@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kvbench import KvbenchError
+from kvbench.config.spec import RunSpec
 from kvbench.engine import inline
 from kvbench.engine.memory import read_peak, reset_peak
 from kvbench.guide.diagnose import kept_positions
@@ -210,7 +211,7 @@ def test_a_method_that_needs_every_layer_is_refused(tmp_path):
         name, streaming = "niah", False
 
     with pytest.raises(KvbenchError, match="use prefill=shared for it"):
-        inline.check(cfg, [WholeCacheMethod()], Task())
+        inline.check(RunSpec.of(cfg), [WholeCacheMethod()], Task())
 
 
 @pytest.mark.parametrize("bad", ["prefill=streamed", "prefill_chunk=0", "prefill_chunk=abc"])
