@@ -34,7 +34,7 @@ from kvbench import KvbenchError
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import decode_time
+from kvbench.methods.modes import HooksPrefill, decode_time
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
 PREFILL_MODES = ("shared", "inline")
@@ -70,6 +70,7 @@ def compresses_per_layer(method: Method | type[Method]) -> bool:
 def check(cfg: DictConfig, methods: list[Method], task) -> None:
     """What `prefill`/`prefill_chunk` combine with, before the model loads (one line naming the fix)."""
     mode, chunk = settings(cfg)
+    check_hooked(cfg, methods, task, mode)
     if chunk is not None and mode != "inline":
         raise KvbenchError(
             f"prefill_chunk={chunk} compresses each chunk as it lands, which needs prefill=inline "
@@ -105,6 +106,25 @@ def check(cfg: DictConfig, methods: list[Method], task) -> None:
                 f"method {method.name} cannot re-compress its cache after each chunk ({method.caps.chunk_limit}); "
                 "drop prefill_chunk for it (prefill=inline alone works)"
             )
+
+
+def check_hooked(cfg: DictConfig, methods: list[Method], task, mode: str) -> None:
+    """Methods compressing by hooks of their own (kvpress) run their own prefill and Engine.decode's loop only."""
+    hooked = [m for m in methods if isinstance(m, HooksPrefill)]
+    modes = {
+        "prefill=inline": mode == "inline",
+        "diagnose=true": cfg.get("diagnose"),
+        "prefix_cache=true": cfg.get("prefix_cache") or getattr(task, "workload", False),
+        f"batch_size={cfg.get('batch_size')}": int(cfg.get("batch_size") or 1) > 1,
+        f"task={task.name}": hasattr(task, "compute_rows") or task.streaming,
+    }
+    on = [what for what, present in modes.items() if present]
+    if hooked and on:
+        raise KvbenchError(
+            f"method {hooked[0].name} compresses inside its own prefill (kvpress's hooks on the model), so it does "
+            f"not combine with {on[0]}; run it with prefill=shared, batch_size=1, no prefix cache or diagnose, on a "
+            "generation task"
+        )
 
 
 @torch.inference_mode()
