@@ -72,7 +72,7 @@ def press_classes() -> dict[str, type]:
 
 def press_spec(press: Any, press_kwargs: dict | None = None) -> dict:
     """`method.press` (a class name or a {name: ..., field: ...} mapping) + press_kwargs as one mapping."""
-    spec = {"name": press} if isinstance(press, str) else dict(press or {})
+    spec = {"name": press} if isinstance(press, str) else dict(press) if isinstance(press, dict) else {}
     if not isinstance(spec.get("name"), str):
         raise KvbenchError(
             f"method.press={press!r}: give a kvpress class name (method.press=SnapKVPress) or a mapping naming it, "
