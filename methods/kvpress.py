@@ -42,11 +42,6 @@ from kvbench.methods.base import METHODS, Budget, Capabilities, Method
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import ATTN_IMPLEMENTATION, kvbench_sdpa
 
-# kvpress's own statement (kvpress/attention_patch.py, attention_patch's docstring) on its head-wise presses
-MASKED_REASON = (
-    "The keys are updated with a fake key k whose scaled attention weight underflows to zero. This solution is not "
-    "optimal as it does not reduce peak memory and slightly increases runtime"
-)
 NEEDS_ATTENTION_WEIGHTS = {"ObservedAttentionPress": "kvbench's h2o with score=mean is its counterpart"}
 DECODE_PRESSES = ("DecodingPress", "PrefillDecodingPress")  # kvpress's pipeline hooks them while decoding
 NO_KVPRESS = (
@@ -122,7 +117,9 @@ def build_press(spec: dict, where: str = "method.press"):
     try:
         return cls(**kwargs)
     except (AssertionError, TypeError, ValueError) as error:
-        raise KvbenchError(f"{where}: kvpress refuses {name}({_show(given)}): {error or 'its own check failed'}") from None
+        raise KvbenchError(
+            f"{where}: kvpress refuses {name}({_show(given)}): {error or 'its own check failed'}"
+        ) from None
 
 
 def _show(kwargs: dict) -> str:
@@ -192,14 +189,16 @@ class KVPress(HooksPrefill, Method):
         attention = [layer.self_attn for layer in _layers(model)]
         hooks = [a.register_forward_hook(_fingerprint_hook(fingerprints), with_kwargs=True) for a in attention]
         try:
-            with _tokenizer_for(lm), (contextlib.nullcontext() if self.press_name in DECODE_PRESSES else press(model)):
+            with _tokenizer_for(lm), contextlib.nullcontext() if self.press_name in DECODE_PRESSES else press(model):
                 yield
         finally:
             for hook in hooks:
                 hook.remove()
         cache = fingerprints.pop("cache", None)
         self.kept_masks = [
-            None if i not in fingerprints else kept_mask_of(fingerprints[i], cache.layers[i].keys, getattr(a, "masked_key_indices", None))
+            None
+            if i not in fingerprints
+            else kept_mask_of(fingerprints[i], cache.layers[i].keys, getattr(a, "masked_key_indices", None))
             for i, a in enumerate(attention)
         ]
 

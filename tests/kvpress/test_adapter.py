@@ -15,7 +15,11 @@ pytestmark = pytest.mark.real_model
     ("press", "kwargs", "message"),
     [
         ("SnapKvPress", {}, "kvpress has no press 'SnapKvPress'; did you mean SnapKVPress"),
-        ("SnapKVPress", {"window": 64}, "SnapKVPress has no field 'window'; its fields: compression_ratio, window_size"),
+        (
+            "SnapKVPress",
+            {"window": 64},
+            "SnapKVPress has no field 'window'; its fields: compression_ratio, window_size",
+        ),
         ({"name": "AdaKVPress"}, {}, "AdaKVPress needs press (a press)"),
         ({"name": "AdaKVPress", "press": "KVzipPress"}, {}, "kvpress refuses AdaKVPress"),
         ({"name": "AdaKVPress", "press": "SnapKVPress"}, {"alpha_safeguard": 2.0}, "alpha_safeguard should be in"),
@@ -37,23 +41,31 @@ def test_a_bad_press_exits_2_before_the_model_loads(tmp_path, monkeypatch):
     with pytest.raises(KvbenchError, match="kvpress has no press 'NoSuchPress'"):
         check_run(cfg)
     cfg = compose_config(*tiny_overrides(tmp_path, "method=kvpress", "prefill=inline"))
-    with pytest.raises(KvbenchError, match="compresses inside its own prefill .* prefill=inline"):
+    with pytest.raises(KvbenchError, match=r"compresses inside its own prefill .* prefill=inline"):
         check_run(cfg)
 
 
 def test_budget_maps_to_compression_ratio():
     assert compression_ratio(Budget(0.25), 301) == 0.75
     assert int(301 * (1 - compression_ratio(Budget(75), 301))) == 75  # a token count survives kvpress's int()
-    assert build_method("kvpress", {"press": {"name": "DecodingPress", "base_press": "KnormPress"}}).caps.has_budget is False
+    assert (
+        build_method("kvpress", {"press": {"name": "DecodingPress", "base_press": "KnormPress"}}).caps.has_budget
+        is False
+    )
 
 
 @pytest.mark.parametrize(
     ("press", "held_in_full"),
-    [("SnapKVPress", False), ("KnormPress", False), ({"name": "AdaKVPress", "press": "SnapKVPress"}, True), ("KVzipPress", True)],
+    [
+        ("SnapKVPress", False),
+        ("KnormPress", False),
+        ({"name": "AdaKVPress", "press": "SnapKVPress"}, True),
+        ("KVzipPress", True),
+    ],
 )
 def test_measured_bytes_are_what_the_cache_holds(smol_fp32, niah_prompt, press, held_in_full):
     lm, engine = smol_fp32
-    task, ex = niah_prompt
+    _, ex = niah_prompt
     method = build_method("kvpress", {"press": press})
     prompt, suffix = ex.split(True)
     gen = engine.hooked_generate(method, Budget(0.25), prompt, suffix, 4)
