@@ -1,17 +1,12 @@
 """tests/kvpress/: the kvpress adapter (methods/kvpress.py). They run in the venv `make test-kvpress` builds (kvpress
-0.5.5 pins transformers < 5.3); in the main venv every test here skips, saying so."""
+0.5.5 pins transformers < 5.3); in the main venv every test module here skips, saying so (importorskip)."""
 
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.methods.kvpress import available
 from tests.conftest import CONF_DIR
 
-if not available():
-    pytest.skip(
-        "kvpress is not installed in this venv (it pins transformers < 5.3): `make test-kvpress` runs these",
-        allow_module_level=True,
-    )
+NO_KVPRESS = "kvpress is not installed in this venv (it pins transformers < 5.3): `make test-kvpress` runs these"
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,10 @@ model — gathered presses hold their ratio, head-wise (masking) presses the ful
 
 import pytest
 
+from tests.kvpress.conftest import NO_KVPRESS
+
+pytest.importorskip("kvpress", reason=NO_KVPRESS)
+
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method
 from kvbench.methods.kvpress import compression_ratio

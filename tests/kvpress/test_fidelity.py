@@ -11,6 +11,10 @@ down (int(T · (1 − ratio))) where kvbench rounds.
 from __future__ import annotations
 
 import pytest
+
+from tests.kvpress.conftest import NO_KVPRESS
+
+pytest.importorskip("kvpress", reason=NO_KVPRESS)
 import torch
 from transformers import DynamicCache
 
