@@ -104,14 +104,18 @@ def compare(smol_fp32, niah_prompt, pair, share) -> dict:
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[2] if isinstance(p[2], str) else p[2]['name']}")
 def test_native_methods_keep_what_kvpress_keeps(smol_fp32, niah_prompt, pair, share):
     got = compare(smol_fp32, niah_prompt, pair, share)
-    n_layers = len(got["ours"])
     if pair[3] == "identical":
         assert got["same"] == got["total"], got
-    elif pair[3] == "layer_counts":  # the budget is the same, its split over the layers is not
-        assert abs(sum(got["ours"]) - sum(got["theirs"])) <= n_layers, got  # per-layer rounding
-        assert got["ours"] != got["theirs"] and got["same"] < got["total"], got
-    else:
-        assert got["ours"] == got["theirs"] and got["same"] < got["total"], got
+        return
+    # kvpress rounds a layer's count its own way (int(T · (1 − ratio)), pruned counts floored): ±2 tokens per head
+    slack = 2 * got["total"] // len(got["ours"])
+    apart = max(abs(a - b) for a, b in zip(got["ours"], got["theirs"]))
+    assert abs(sum(got["ours"]) - sum(got["theirs"])) <= slack * len(got["ours"]), got  # the same budget
+    assert got["same"] < got["total"], got
+    if pair[3] == "layer_counts":  # ... split over the layers otherwise
+        assert apart > slack, got
+    else:  # ... split alike, other positions
+        assert apart <= slack, got
 
 
 if __name__ == "__main__":  # the fidelity table (docs/methods.md)
