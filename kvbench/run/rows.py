@@ -11,6 +11,7 @@ from kvbench.engine import inline
 from kvbench.engine.batched import batch_columns
 from kvbench.engine.engine import Engine, Generation
 from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import StatsRequest
 from kvbench.run.configuration import Configuration
 from kvbench.store.results import row_for
@@ -42,8 +43,16 @@ def generation_row(c: Configuration, ex: Example, task, common: dict, lm, gen: G
         decode_s=gen.decode_s,
         decode_ms_per_token=gen.decode_ms_per_token,
         **batch_columns(gen),
+        **nominal_columns(c, gen),
         **task.score(gen.text, ex),
     )
+
+
+def nominal_columns(c: Configuration, gen: Generation) -> dict:
+    """`kv_ratio_nominal` for methods that claim a ratio apart from what is measured (kvpress's presses)."""
+    if not isinstance(c.method, HooksPrefill):
+        return {}
+    return {"kv_ratio_nominal": c.method.kv_ratio_nominal(gen.context_tokens, gen.decode_steps)}
 
 
 def generation_rows(
@@ -89,6 +98,10 @@ def generation_rows(
             rows.append(generation_row(c, ex, task, common, lm, gen))
             continue
         own = engine if c.method.caps.shares_prefill else engine.prepared(c.method)
+        if isinstance(c.method, HooksPrefill):  # kvpress: prefill and decode under its own hooks
+            gen = own.hooked_generate(c.method, c.budget, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
+            rows.append(generation_row(c, ex, task, common, lm, gen))
+            continue
         if mode == "inline":
             source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
         elif prefill is not None and c.method.caps.shares_prefill:

@@ -14,6 +14,8 @@ def _names(group):
 
 @pytest.mark.parametrize("name", _names("method"))
 def test_method_configs_compose_and_build(name):
+    if name == "kvpress" and "kvpress" not in METHODS.names():  # its extra needs transformers < 5.3: tests/kvpress
+        pytest.skip("kvpress is not installed in this venv: `make test-kvpress` builds and tests it")
     cfg = compose_config(f"method={name}")
     assert cfg.method.name == name
     build_method(name, {k: v for k, v in cfg.method.items() if k != "name"})

@@ -304,4 +304,8 @@ def _yaml_names(group):
 )
 def test_every_shipped_config_passes_validation(override):
     """The rules never reject what the repo ships (a method's own defaults, a task's yaml, a preset)."""
+    from kvbench.methods import METHODS
+
+    if "kvpress" in override and "kvpress" not in METHODS.names():  # its extra pins transformers < 5.3
+        pytest.skip("kvpress is not installed in this venv: `make test-kvpress` builds and tests it")
     check_config(compose_config(override))
