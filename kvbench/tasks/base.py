@@ -63,6 +63,27 @@ class Task:
         self.cfg, self.tokenizer, self.seed, self.max_context = cfg, tokenizer, seed, max_context
 
     @classmethod
+    def not_diagnosable(cls) -> str:
+        """Why `diagnose=true` cannot run on this task (refused before any work), or "" where it can."""
+        if cls.streaming:
+            return "it streams a text, so there is no decoded answer to teacher-force"
+        if hasattr(cls, "compute_rows"):
+            return "lm-eval scores its requests itself, so there is no decoded answer to teacher-force"
+        return ""
+
+    @classmethod
+    def not_batchable(cls) -> str:
+        """Why this task's examples are never decoded together (batch_size > 1 is refused), or "" where they are
+        (the runner's own rule, kvbench.run.runner)."""
+        if cls.streaming:
+            return "it streams one text through the cache"
+        if cls.workload:
+            return "its requests run in order, each reusing the ones before"
+        if hasattr(cls, "compute_rows"):
+            return "lm-eval's requests run one at a time"
+        return ""
+
+    @classmethod
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
         and ranges come from `knobs` and the yaml defaults (kvbench.config.validate), this adds the rest."""
