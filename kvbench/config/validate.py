@@ -189,6 +189,7 @@ def check_task(task_cfg: dict) -> None:
         if rule is not None:
             check_value(f"task.{key}", value, rule)
     cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
+    cls.check_length(task_cfg)  # lengths no prompt should be built for (the model's window: kvbench.tasks.build_task)
 
 
 # ---- the whole configuration ----------------------------------------------------------------------------------
