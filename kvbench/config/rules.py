@@ -24,6 +24,8 @@ class Rule:
     nullable: bool = False
     min: float | None = None
     max: float | None = None
+    above: float | None = None  # exclusive bounds: a value must be > above and < below
+    below: float | None = None
     choices: tuple = ()
     item: Rule | None = None  # the rule every list item follows
     non_empty: bool = False  # lists: [] is an error (it would silently mean "the default")
@@ -46,6 +48,10 @@ def _show(value: Any) -> str:
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _problem(value: Any, rule: Rule) -> str | None:
@@ -89,9 +95,13 @@ def _problem(value: Any, rule: Rule) -> str | None:
     elif kind != "any":
         raise ValueError(f"unknown Rule kind {kind!r}")
     if rule.min is not None and isinstance(value, (int, float)) and value < rule.min:
-        return f"must be ≥ {rule.min:g}"
+        return f"must be ≥ {_bound(rule.min)}"
     if rule.max is not None and isinstance(value, (int, float)) and value > rule.max:
-        return f"must be ≤ {rule.max:g}"
+        return f"must be ≤ {_bound(rule.max)}"
+    if rule.above is not None and isinstance(value, (int, float)) and not value > rule.above:
+        return f"must be > {_bound(rule.above)}"
+    if rule.below is not None and isinstance(value, (int, float)) and not value < rule.below:
+        return f"must be < {_bound(rule.below)}"
     if rule.choices and value not in rule.choices:
         return f"is not one of {', '.join(map(_show, rule.choices))}"
     return None

@@ -292,3 +292,6 @@ def check_config(cfg) -> None:
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
     check_modes(config)
+    from kvbench.config.model_fields import check_model
+
+    check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
