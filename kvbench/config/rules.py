@@ -120,9 +120,11 @@ def _path_problem(value: Any, kind: str) -> str | None:
         return "is not a path"
     path = Path(value).expanduser()
     if kind == "file":
-        return None if path.is_file() else ("is a directory, not a file" if path.is_dir() else "does not exist")
+        if path.is_file():
+            return None
+        return "is a directory, not a file" if path.is_dir() else "does not exist (no such file or directory)"
     if kind == "path":
-        return None if path.exists() else "does not exist"
+        return None if path.exists() else "does not exist (no such file or directory)"
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -138,6 +140,24 @@ def check_value(key: str, value: Any, rule: Rule) -> None:
     problem = _problem(value, rule)
     if problem:
         raise KvbenchError(f"{key}={_show(value)} {problem}; use {rule.fix or 'a valid value'}")
+
+
+def check_args(args, rules: dict[str, Rule]) -> None:
+    """A command line's parsed arguments (argparse) checked by the same Rules, before any work: `rules` maps each
+    flag as typed (`--max-drop`, read from argparse's dest max_drop) or positional by its dest (`results`; each of
+    several values checked) to its Rule."""
+    import os
+
+    def plain_value(value):
+        return str(value) if isinstance(value, os.PathLike) else value
+
+    for flag, rule in rules.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if isinstance(value, list) and rule.kind != "list":  # a positional taking several values: each one
+            for item in value:
+                check_value(flag, plain_value(item), rule)
+        else:
+            check_value(flag, plain_value(value), rule)
 
 
 def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping) -> Rule:

@@ -186,10 +186,10 @@ def check_writable(directory: Path) -> None:
 
 
 def _read_or_skip(path: Path) -> pd.DataFrame | None:
-    """One Parquet file of the store; an unreadable one (truncated by a crash, not ours) is skipped with a warning
-    so that it does not block every later run."""
+    """One Parquet file of the store; an unreadable one (truncated by a crash) or a foreign one (no row keys) is
+    skipped with a warning naming it, so that it does not block every later run."""
     try:
-        return pd.read_parquet(path)
+        frame = pd.read_parquet(path)
     except Exception as error:  # pyarrow raises several types for a damaged file
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         print(
@@ -197,6 +197,15 @@ def _read_or_skip(path: Path) -> pd.DataFrame | None:
             file=sys.stderr,
         )
         return None
+    missing = [c for c in ("config_hash", "example_id", "timestamp") if c not in frame.columns]
+    if missing:  # a foreign Parquet file in the store: not rows, and it must not make the real rows unreadable
+        print(
+            f"[kvbench] warning: skipping {path}: not kvbench result rows (no {', '.join(missing)} column); move it "
+            "out of the results directory to silence this",
+            file=sys.stderr,
+        )
+        return None
+    return frame
 
 
 def read_rows(path: Path) -> pd.DataFrame:
