@@ -51,7 +51,8 @@ def check_model_fields(raw: dict, where: str) -> None:
     """`raw`: the config as written (a multimodal config's `text_config` is checked in its place)."""
     from kvbench.model.layout import GLOBAL_TYPES, LINEAR_TYPES, SLIDING_TYPES
 
-    fields = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text = raw.get("text_config")
+    fields: dict = text if isinstance(text, dict) else raw
     for name, aliases in REQUIRED.items():
         found = _field(fields, name, aliases)
         if found is None:

@@ -75,7 +75,7 @@ def check_plan(cfg) -> dict:
     for key, rule in PLAN.items():
         present, value = _lookup(config, key)
         if present and key in ("context", "batch") and not isinstance(value, list):
-            check_value(key, value, replace(rule.item, fix=rule.fix))  # type: ignore[arg-type]  # both have items
+            check_value(key, value, replace(rule.item or rule, fix=rule.fix))  # both have item rules
         elif present:
             check_value(key, value, rule)
     hardware = config.get("hardware") or {}

@@ -76,7 +76,8 @@ class Encoded(Sequence):
     """Text units tokenized on first use (each once): a long haystack costs only the units a prompt takes."""
 
     def __init__(self, texts: list[str], encode: Callable[[str], list[int]]):
-        self.texts, self.encode, self.ids = texts, encode, {}
+        self.texts, self.encode = texts, encode
+        self.ids: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.texts)

@@ -118,7 +118,7 @@ class NeedleInAHaystack(Task):
     def _encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
 
-    def _example(self, length: int, depth: float, encoded: list[list[int]]) -> Example:
+    def _example(self, length: int, depth: float, encoded: Sequence[list[int]]) -> Example:
         cfg = self.cfg
         rng = random.Random(f"{self.seed}:{cfg.haystack}:{cfg.value_type}:{length}:{depth}")
         singular, plural = VALUE_NAMES.get(cfg.value_type, ("", ""))

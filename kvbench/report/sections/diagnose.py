@@ -88,8 +88,8 @@ def verdict_counts(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def why(rows: pd.DataFrame) -> list[str]:
-    """One short paragraph per configuration with at least one lost example (verdict other than no loss or
-    model fails anyway)."""
+    """One short paragraph per configuration with at least one lost example (a verdict outside NOT_LOST: no loss,
+    answer intact, model fails anyway)."""
     out = []
     for (method, budget), g in rows[rows["method"] != "full"].groupby(CONFIG, sort=True):
         lost = g[~g["verdict"].isin(NOT_LOST)]
