@@ -15,19 +15,24 @@ from kvbench import KvbenchError
 
 @dataclass(frozen=True)
 class Rule:
-    """What a value may be. `kind`: int | float | bool | str | list | dict | budget | any."""
+    """What a value may be. `kind`: int | float | bool | str | list | dict | budget | any, or a path given as a
+    string: file (an existing file), path (an existing file or directory), out_dir (a directory that is or can be
+    created and written)."""
 
     kind: str
     fix: str = ""  # a good value to show, e.g. "limit=10 (at most 10 examples) or limit=null (all)"
     nullable: bool = False
     min: float | None = None
     max: float | None = None
+    above: float | None = None  # exclusive bounds: a value must be > above and < below
+    below: float | None = None
     choices: tuple = ()
     item: Rule | None = None  # the rule every list item follows
     non_empty: bool = False  # lists: [] is an error (it would silently mean "the default")
 
 
 BOOL_FIX = "true or false"
+INT_LIMIT = 2**63 - 1  # the largest integer a row's int64 column (and torch, numpy) holds: larger ones overflow later
 
 
 def _show(value: Any) -> str:
@@ -36,11 +41,17 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, int) and abs(value) > INT_LIMIT:
+        return f"{str(value)[:8]}…({len(str(abs(value)))} digits)"
     if isinstance(value, (list, tuple)):
         return f"[{','.join(map(_show, value))}]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def _problem(value: Any, rule: Rule) -> str | None:
@@ -53,10 +64,12 @@ def _problem(value: Any, rule: Rule) -> str | None:
     if kind in ("int", "float", "budget"):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return "is not a number"
-        if kind == "int" and not float(value).is_integer():
-            return "is not an integer"
         if isinstance(value, float) and not math.isfinite(value):
             return "is not a finite number"
+        if abs(value) > INT_LIMIT:  # checked before float(value): a 400-digit int does not fit a float
+            return "is too large (beyond 2^63 − 1)"
+        if kind == "int" and isinstance(value, float) and not value.is_integer():
+            return "is not an integer"
         if kind == "budget":
             if value <= 0:
                 return "must be > 0"
@@ -77,14 +90,48 @@ def _problem(value: Any, rule: Rule) -> str | None:
     elif kind == "dict":
         if not isinstance(value, dict):
             return "is not a mapping"
+    elif kind in PATH_KINDS:
+        return _path_problem(value, kind)
     elif kind != "any":
         raise ValueError(f"unknown Rule kind {kind!r}")
     if rule.min is not None and isinstance(value, (int, float)) and value < rule.min:
-        return f"must be ≥ {rule.min:g}"
+        return f"must be ≥ {_bound(rule.min)}"
     if rule.max is not None and isinstance(value, (int, float)) and value > rule.max:
-        return f"must be ≤ {rule.max:g}"
+        return f"must be ≤ {_bound(rule.max)}"
+    if rule.above is not None and isinstance(value, (int, float)) and not value > rule.above:
+        return f"must be > {_bound(rule.above)}"
+    if rule.below is not None and isinstance(value, (int, float)) and not value < rule.below:
+        return f"must be < {_bound(rule.below)}"
     if rule.choices and value not in rule.choices:
         return f"is not one of {', '.join(map(_show, rule.choices))}"
+    return None
+
+
+PATH_KINDS = ("file", "path", "out_dir")
+
+
+def _path_problem(value: Any, kind: str) -> str | None:
+    """What is wrong with `value` as a path of `kind` (nothing is created: out_dir looks for the nearest existing
+    parent and whether this process may write there)."""
+    import os
+    from pathlib import Path
+
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        return "is not a path"
+    path = Path(value).expanduser()
+    if kind == "file":
+        if path.is_file():
+            return None
+        return "is a directory, not a file" if path.is_dir() else "does not exist (no such file or directory)"
+    if kind == "path":
+        return None if path.exists() else "does not exist (no such file or directory)"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"is not a directory ({existing} is a file)" if existing != path else "is a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"is not writable ({existing}: permission denied)"
     return None
 
 
@@ -93,6 +140,24 @@ def check_value(key: str, value: Any, rule: Rule) -> None:
     problem = _problem(value, rule)
     if problem:
         raise KvbenchError(f"{key}={_show(value)} {problem}; use {rule.fix or 'a valid value'}")
+
+
+def check_args(args, rules: dict[str, Rule]) -> None:
+    """A command line's parsed arguments (argparse) checked by the same Rules, before any work: `rules` maps each
+    flag as typed (`--max-drop`, read from argparse's dest max_drop) or positional by its dest (`results`; each of
+    several values checked) to its Rule."""
+    import os
+
+    def plain_value(value):
+        return str(value) if isinstance(value, os.PathLike) else value
+
+    for flag, rule in rules.items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if isinstance(value, list) and rule.kind != "list":  # a positional taking several values: each one
+            for item in value:
+                check_value(flag, plain_value(item), rule)
+        else:
+            check_value(flag, plain_value(value), rule)
 
 
 def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping) -> Rule:

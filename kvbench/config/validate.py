@@ -65,19 +65,7 @@ TOP_LEVEL: dict[str, Rule] = {
     ),
     "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
     "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/guide/verdict.py)"),
-    **{
-        f"verdict.{name}": Rule("float", f"verdict.{name}=0.5 (a number ≥ 0; kvbench/guide/verdict.py)", min=0)
-        for name in (
-            "full_fails_below",
-            "score_tolerance",
-            "kl_tolerance",
-            "evicted_tolerance",
-            "recall_high",
-            "recall_low",
-            "evidence_retention_min",
-            "evidence_mass_min",
-        )
-    },
+    # the verdict's keys, ranges and order: kvbench.guide.verdict.Thresholds.from_config (one rule for both)
     "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
     "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
     "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
@@ -106,6 +94,10 @@ LAUNCHER: dict[str, Rule] = {
     "launcher.num_gpus": Rule("float", "launcher.num_gpus=0 (GPUs per worker, e.g. 1)", min=0),
     "launcher.shards": Rule("int", "launcher.shards=8, or null for 4 × workers", nullable=True, min=1),
     "launcher.max_retries": Rule("int", "launcher.max_retries=3 (retries of a shard whose worker died)", min=0),
+    # set by the Ray driver on each worker's copy of the config (kvbench.integrations.ray_launcher)
+    "launcher.shard": Rule("int", "(set by the Ray launcher)", nullable=True, min=0),
+    "launcher.n_shards": Rule("int", "(set by the Ray launcher)", nullable=True, min=1),
+    "launcher.attempt": Rule("str", "(set by the Ray launcher)", nullable=True),
 }
 # keys that are Hydra's, not the job's (config groups, conf/<group>/, are checked by their own code)
 NOT_JOB_KEYS = {"defaults", "hydra"}
@@ -197,6 +189,7 @@ def check_task(task_cfg: dict) -> None:
         if rule is not None:
             check_value(f"task.{key}", value, rule)
     cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
+    cls.check_length(task_cfg)  # lengths no prompt should be built for (the model's window: kvbench.tasks.build_task)
 
 
 # ---- the whole configuration ----------------------------------------------------------------------------------
@@ -227,6 +220,51 @@ def check_known_keys(config: dict) -> None:
             raise KvbenchError(f"{key} is not a kvbench setting; {hint}the settings are listed in conf/config.yaml")
 
 
+def check_launcher(config: dict) -> None:
+    """Every `launcher.` key is one the launcher reads: a misspelt one (launcher.worker=4) or a Ray key under
+    launcher=local would be ignored."""
+    import difflib
+
+    launcher = config.get("launcher")
+    if launcher is None:
+        return
+    if not isinstance(launcher, dict):
+        raise KvbenchError(f"launcher={_show(launcher)} is not a launcher; use launcher=local or launcher=ray")
+    name = launcher.get("name", "local")
+    keys = sorted(k.removeprefix("launcher.") for k in LAUNCHER)
+    for key in launcher:
+        if key not in keys:
+            close = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f"did you mean launcher.{close[0]}? " if close else ""
+            raise KvbenchError(f"launcher.{key} is not a launcher setting; {hint}the settings: conf/launcher/ray.yaml")
+        if name == "local" and key != "name":
+            raise KvbenchError(f"launcher.{key} applies to launcher=ray only; add launcher=ray or drop launcher.{key}")
+
+
+def check_modes(config: dict) -> None:
+    """Modes the task cannot honour are refused, never silently dropped: diagnose=true on a task without a decoded
+    answer, batch_size > 1 where examples run one at a time (their rows would hash as batched)."""
+    from kvbench.tasks import TASKS
+
+    task = str((config.get("task") or {}).get("name"))
+    cls = TASKS.get(task)
+    if config.get("diagnose") and cls.not_diagnosable():
+        raise KvbenchError(
+            f"diagnose=true cannot diagnose task={task}: {cls.not_diagnosable()}; run it with diagnose=false"
+        )
+    batch = int(config.get("batch_size") or 1)
+    if batch == 1:
+        return
+    alone = {
+        f"task={task}": cls.not_batchable(),
+        "diagnose=true": config.get("diagnose") and "each example is teacher-forced on its own",
+        "prefix_cache=true": config.get("prefix_cache") and "requests run in order, each reusing the ones before",
+    }
+    for what, why in alone.items():
+        if why:
+            raise KvbenchError(f"batch_size={batch} has no effect with {what} ({why}); use batch_size=1")
+
+
 def check_config(cfg) -> None:
     """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
     try:
@@ -236,10 +274,14 @@ def check_config(cfg) -> None:
             f"the configuration does not resolve ({str(error).splitlines()[0]}); fix the ${{...}} reference it names"
         ) from None
     check_known_keys(config)
+    check_launcher(config)
     for key, rule in {**TOP_LEVEL, **LAUNCHER}.items():
         present, value = _lookup(config, key)
         if present:
             check_value(key, value, rule)
+    from kvbench.guide.verdict import Thresholds
+
+    Thresholds.from_config(config.get("verdict"))  # keys, ranges and order of the verdict's thresholds
     from kvbench.methods import build_method
 
     method = config.get("method") or {}
@@ -249,3 +291,7 @@ def check_config(cfg) -> None:
     for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
+    check_modes(config)
+    from kvbench.config.model_fields import check_model
+
+    check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types

@@ -25,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule, check_args
 from kvbench.store.aggregate import MATCH_KEYS, add_results_argument, load_rows, lower_is_better, variant_label
 from kvbench.store.intervals import NO_INTERVAL_SHORT, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
@@ -251,6 +252,16 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
     return best[["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]]
 
 
+ARGS = {  # every argument, checked before any row is read (kvbench.config.rules)
+    "results": Rule("path", "a result store, run directory or rows .parquet file"),
+    "--scenario": Rule("str", "--scenario NAME (a value of the rows' scenario column)", nullable=True),
+    "--max-drop": Rule("float", "--max-drop 0.05 (the largest acceptable loss vs full, ≥ 0)", min=0),
+    "--max-kv-ratio": Rule("float", "--max-kv-ratio 0.5 (the largest acceptable measured kv_ratio, > 0)", above=0),
+    "--min-n": Rule("int", "--min-n 5 (fewer matched examples: not enough evidence)", min=1),
+    "--out": Rule("out_dir", "--out DIR (a directory guide.md and guide.csv can be written to)", nullable=True),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.guide", description=__doc__.split("\n\n")[0])
     add_results_argument(parser)
@@ -264,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        if not args.max_drop >= 0 or not args.max_kv_ratio > 0 or args.min_n < 1:
-            raise KvbenchError("--max-drop must be ≥ 0, --max-kv-ratio > 0 and --min-n ≥ 1")
+        check_args(args, ARGS)
         table = guide_table(load_rows(args.results), args.max_drop, args.max_kv_ratio, args.min_n, args.scenario)
         combos = compositions(table, args.max_drop, args.max_kv_ratio)
         if args.out:

@@ -3,7 +3,10 @@
 The rule, first match wins (thresholds: the `verdict` block of conf/config.yaml):
 
 1. `model fails anyway` — the full cache's own answer scores below `full_fails_below`: no compression to blame.
-2. `no loss` — the score is within `score_tolerance` of the full cache's and `kl_mean` ≤ `kl_tolerance`.
+2. `no loss` — the score is within `score_tolerance` of the full cache's and `kl_mean` ≤ `kl_tolerance`;
+   `answer intact` — the score is within `score_tolerance` but `kl_mean` is above `kl_tolerance`: the next-token
+   distribution moved (evidence partly evicted, or precision lost) and the answer still scores as the full cache's.
+   A fully correct answer is never called a loss, whatever was evicted.
 3. `precision loss` — nothing was evicted (`evicted_share` ≤ `evicted_tolerance`): the divergence comes from
    quantization or head merging.
 4. `wrong positions` — tokens were evicted but the full cache's attention mass mostly survived (`mass_recall` ≥
@@ -19,8 +22,11 @@ import math
 from dataclasses import dataclass, fields
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule, _show, check_value, plain
 
-VERDICTS = ("model fails anyway", "wrong positions", "budget too small", "precision loss", "no loss")
+VERDICTS = ("model fails anyway", "wrong positions", "budget too small", "precision loss", "answer intact", "no loss")
+NOT_LOST = ("no loss", "answer intact", "model fails anyway")  # the verdicts of rows that lost no quality
+SHARES = ("evicted_tolerance", "recall_high", "recall_low", "evidence_retention_min")  # thresholds on shares in [0, 1]
 
 
 @dataclass(frozen=True)
@@ -36,20 +42,34 @@ class Thresholds:
 
     @classmethod
     def from_config(cls, block) -> Thresholds:
-        given = dict(block or {})
+        """The `verdict:` block, every key checked (kvbench.config.validate runs this before the model loads)."""
+        import difflib
+
+        given = plain(block) or {}
+        if not isinstance(given, dict):
+            raise KvbenchError(f"verdict={_show(given)} is not a mapping; use e.g. verdict.recall_high=0.9")
         names = [f.name for f in fields(cls)]
-        unknown = sorted(set(given) - set(names))
-        if unknown:
-            raise KvbenchError(f"verdict.{unknown[0]} is not a threshold; valid: {', '.join(names)}")
-        values = {}
+        for key in given:
+            if key not in names:
+                close = difflib.get_close_matches(str(key), names, n=1)
+                hint = f"did you mean verdict.{close[0]}? " if close else ""
+                raise KvbenchError(f"verdict.{key} is not a threshold; {hint}valid: {', '.join(names)}")
+        defaults = cls()
         for key, value in given.items():
-            try:
-                values[key] = float(value)
-            except (TypeError, ValueError):
-                raise KvbenchError(f"verdict.{key}={value!r} must be a number") from None
-            if not math.isfinite(values[key]) or values[key] < 0:
-                raise KvbenchError(f"verdict.{key}={value} must be a finite number ≥ 0")
-        return cls(**values)
+            shown = getattr(defaults, key)
+            rule = Rule("float", f"verdict.{key}={shown:g} (a number ≥ 0; kvbench/guide/verdict.py)", min=0)
+            if key in SHARES:
+                rule = Rule(
+                    "float", f"verdict.{key}={shown:g} (a share in [0, 1]; kvbench/guide/verdict.py)", min=0, max=1
+                )
+            check_value(f"verdict.{key}", value, rule)
+        thresholds = cls(**{k: float(v) for k, v in given.items()})
+        if thresholds.recall_low > thresholds.recall_high:
+            raise KvbenchError(
+                f"verdict.recall_low={thresholds.recall_low:g} is above verdict.recall_high={thresholds.recall_high:g}"
+                "; recall_low must be ≤ recall_high (below recall_low lost evidence is put down to the budget)"
+            )
+        return thresholds
 
 
 def _nan(x) -> bool:
@@ -61,8 +81,8 @@ def verdict(row: dict, full_score: float, t: Thresholds = Thresholds()) -> str:
     columns) given the full cache's score on the same example."""
     if full_score < t.full_fails_below:
         return "model fails anyway"
-    if row["score"] >= full_score - t.score_tolerance and row["kl_mean"] <= t.kl_tolerance:
-        return "no loss"
+    if row["score"] >= full_score - t.score_tolerance:  # the answer scores as the full cache's: nothing lost
+        return "no loss" if row["kl_mean"] <= t.kl_tolerance else "answer intact"
     if not _nan(row.get("evicted_share")) and row["evicted_share"] <= t.evicted_tolerance:
         return "precision loss"
     recall = row.get("mass_recall", math.nan)  # a missing column reads as NaN, like a None

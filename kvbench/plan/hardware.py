@@ -69,13 +69,36 @@ def _cpu_key() -> str:
 def calibrated_cpu(recalibrate: bool = False) -> dict:
     """This CPU's memory, copy bandwidth and bf16 matmul FLOP/s; measured once per CPU model and thread count."""
     path, key = _cache_file(), _cpu_key()
-    cached = json.loads(path.read_text()) if path.exists() else {}
+    cached = read_calibration(path)
     if key not in cached or recalibrate:
         print(f"[kvbench.plan] calibrating this CPU ({key}): a few seconds; cached in {path}")
         cached[key] = {**measure_cpu(), "date": time.strftime("%Y-%m-%d")}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1)))
     return cached[key]
+
+
+MEASURED = ("memory_bytes", "bandwidth_bytes_s", "peak_flops", "date")
+
+
+def read_calibration(path: Path) -> dict:
+    """The cached measurements, each entry checked: a damaged file is one line saying to delete it."""
+    if not path.exists():
+        return {}
+    try:
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(cached, dict):
+            raise ValueError("not a JSON object")
+        for entry in cached.values():
+            bad = [k for k in MEASURED[:3] if not isinstance(entry.get(k), (int, float)) or not entry[k] > 0]
+            if bad or not isinstance(entry.get("date"), str):
+                raise ValueError(f"an entry lacks a positive {(bad or ['date'])[0]}")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        raise KvbenchError(
+            f"the CPU calibration cache {path} is damaged ({str(error).splitlines()[0]}); delete it (rm {path}): "
+            "the next plan measures this CPU again"
+        ) from None
+    return cached
 
 
 def _best_seconds(fn, repeats: int) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from kvbench import KvbenchError
 from kvbench.model import layout as layers
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.model.layout import CacheLayout, cache_layout
@@ -61,9 +62,16 @@ class Arch:
 def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
-    config = model_config(cfg)
-    with torch.device("meta"):  # shapes only: an 8B model costs no memory
-        model = AutoModelForCausalLM.from_config(config)
+    try:  # transformers' own checks of the fields kvbench.config.model_fields does not read
+        config = model_config(cfg)
+        with torch.device("meta"):  # shapes only: an 8B model costs no memory
+            model = AutoModelForCausalLM.from_config(config)
+    except (TypeError, ValueError, AttributeError) as error:
+        source = cfg.get("name_or_path") or f"conf/model/{cfg.name}.yaml"
+        raise KvbenchError(
+            f"the model config {source} is not one transformers can build ({str(error).splitlines()[0]}); fix "
+            "the field it names"
+        ) from None
     n_params = sum(p.numel() for p in model.parameters())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = cfg.name if cfg.name != "hub" else str(cfg.name_or_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import hydra
 import pandas as pd
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
 from kvbench import KvbenchError, conf_dir
 
@@ -40,30 +40,19 @@ PLAN_COLUMNS = [
 LIMIT_BATCHES = (1, 8, 32, 128)
 
 
-def as_ints(value, key: str) -> list[int]:
-    values = list(value) if isinstance(value, (list, tuple, ListConfig)) else [value]
-    try:
-        ints = [int(v) for v in values]
-    except (TypeError, ValueError):
-        raise KvbenchError(f"{key}={value}: give an integer or a list, e.g. '{key}=[4096,32768]'") from None
-    if not ints or min(ints) < 1:
-        raise KvbenchError(f"{key}={value}: every value must be a positive integer")
-    return ints
-
-
 def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(plan rows, limits rows, header) for the configured model, hardware, configurations, contexts, batches."""
     from kvbench.model.load import resolve_dtype
     from kvbench.plan.hardware import build_hardware
+    from kvbench.plan.inputs import check_contexts, check_plan, listed
     from kvbench.plan.model import arch_of, element_bytes, plan_point
     from kvbench.plan.reuse import Reuse, workload_shape
     from kvbench.run.configuration import configurations
     from kvbench.store.aggregate import variant_label
 
-    contexts, batches = as_ints(cfg.context, "context"), as_ints(cfg.batch, "batch")
-    headroom = float(cfg.headroom)
-    if not 0 <= headroom < 1:
-        raise KvbenchError(f"headroom={headroom}: a fraction in [0, 1) of device memory kept free")
+    config = check_plan(cfg)  # every key, the hardware, method, grid and model shape: before any arithmetic
+    contexts, batches = (list(map(int, listed(config[key]))) for key in ("context", "batch"))
+    headroom = float(config["headroom"])
     measured = workload_shape(cfg.reuse_from) if cfg.get("reuse_from") else None
     if measured is not None:  # the measured workload's shape replaces context, batch, prefix and reuse
         contexts, batches = [measured.context], [measured.batch]
@@ -73,6 +62,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     dtype = resolve_dtype(cfg.dtype)
     hw = build_hardware(cfg.hardware)
     arch = arch_of(cfg.model)
+    check_contexts(contexts, arch, bool(config.get("extrapolate")))
     rows, limits = [], []
     for c in configurations(cfg):
         label = variant_label(c.method.name, c.method.params())

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from kvbench import KvbenchError
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 
-MODES = ("per_question", "compress_once")
-
 
 @dataclass(frozen=True)
 class Reuse:
@@ -46,14 +44,9 @@ class Reuse:
 
     @classmethod
     def from_cfg(cls, cfg, contexts: list[int] | None = None) -> Reuse:
-        """The plan's `prefix`, `reuse`, `page_size`, checked (and against every context in `contexts`)."""
+        """The plan's `prefix`, `reuse`, `page_size` (their types and ranges: kvbench.plan.inputs, before this),
+        checked against every context in `contexts`."""
         prefix, mode, page = cfg.get("prefix") or 0, cfg.get("reuse") or "per_question", cfg.get("page_size") or 16
-        if not isinstance(prefix, int) or isinstance(prefix, bool) or prefix < 0:
-            raise KvbenchError(f"prefix={prefix}: tokens shared by every request of the batch, an integer >= 0")
-        if mode not in MODES:
-            raise KvbenchError(f"reuse={mode}: use reuse=per_question or reuse=compress_once")
-        if not isinstance(page, int) or isinstance(page, bool) or page < 1:
-            raise KvbenchError(f"page_size={page}: tokens per prefix-cache page, an integer >= 1")
         if contexts and prefix > min(contexts):
             raise KvbenchError(
                 f"prefix={prefix} is longer than context={min(contexts)}: the shared prefix is part of each "

@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule, check_args, check_value
 from kvbench.report import sections as _registered  # noqa: F401  (importing it registers the sections)
 from kvbench.report.page import Page
 from kvbench.report.section import PLACES, Context, build_sections
@@ -261,6 +262,14 @@ def _readable(paths: list[Path]) -> None:
         os.chmod(path, 0o666 & ~umask)
 
 
+RESULTS = Rule("path", "a result store, run directory or rows .parquet file")
+ARGS = {  # every argument, checked before any row is read (kvbench.config.rules)
+    "results": RESULTS,
+    "--out": Rule("out_dir", "--out DIR (a directory the report can be written to)", nullable=True),
+    "--tolerance": Rule("float", "--tolerance 0.02 (the largest score drop that counts as lossless, ≥ 0)", min=0),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.split("\n\n")[1])
     add_results_argument(parser)
@@ -276,12 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse exits 2 on bad usage: return it instead, as main() promises an int
         return int(exit_.code or 0)
     try:
-        if not args.tolerance >= 0:
-            raise KvbenchError(f"--tolerance must be >= 0, got {args.tolerance}")
-        for path in args.results:
-            if not path.exists():
-                raise KvbenchError(f"{path}: no such file or directory")
+        check_args(args, ARGS)
         out_dir = args.out or (args.results[0] if args.results[0].is_dir() else args.results[0].parent) / "report"
+        check_value("--out", str(out_dir), ARGS["--out"])  # the default too: RESULTS_DIR/report
         written = build_report(args.results, out_dir, args.tolerance)
     except KvbenchError as error:
         print(f"kvbench.report: error: {error}", file=sys.stderr)

@@ -17,6 +17,7 @@ import pandas as pd
 import yaml
 
 from kvbench import KvbenchError
+from kvbench.config.rules import Rule, check_args
 from kvbench.store.aggregate import add_results_argument, common_examples, drop_vs_full, load_rows, with_full_scores
 
 TOP_KEYS = ["description", "thresholds"]
@@ -50,10 +51,18 @@ def _unknown(keys, valid: list[str], where: str) -> None:
         raise KvbenchError(f"{where}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
 
 
-def _number(value, name: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise KvbenchError(f"{where}: {name} must be a number, got {value!r}")
-    return float(value)
+BOUND = Rule("float", "a number (finite: a score, or a drop in the metric's units)")
+MIN_EXAMPLES = Rule("int", "a positive integer", min=1)
+
+
+def _checked(value, name: str, where: str, rule: Rule):
+    """`value` under `rule`, or one line naming the entry and the key (the shared rules, kvbench.config.rules)."""
+    from kvbench.config.rules import _problem
+
+    problem = _problem(value, rule)
+    if problem:
+        raise KvbenchError(f"{where}: {name} must be {rule.fix}, got {value!r} ({name} {problem})")
+    return value
 
 
 def load_thresholds(path: Path) -> list[Threshold]:
@@ -89,12 +98,9 @@ def load_thresholds(path: Path) -> list[Threshold]:
         threshold = Threshold(select=dict(select))
         for bound in BOUNDS:
             if bound in entry:
-                setattr(threshold, bound, _number(entry[bound], bound, where))
+                setattr(threshold, bound, float(_checked(entry[bound], bound, where, BOUND)))
         if "min_examples" in entry:
-            n = entry["min_examples"]
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise KvbenchError(f"{where}: min_examples must be a positive integer, got {n!r}")
-            threshold.min_examples = n
+            threshold.min_examples = int(_checked(entry["min_examples"], "min_examples", where, MIN_EXAMPLES))
         out.append(threshold)
     return out
 
@@ -167,6 +173,12 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
     return f"ok {threshold.label}: {', '.join(measured)} (n={n}{note})", failures
 
 
+ARGS = {  # every argument, checked before any row is read (kvbench.config.rules)
+    "results": Rule("path", "a result store, run directory or rows .parquet file"),
+    "--thresholds": Rule("file", "--thresholds FILE (a YAML file: conf/thresholds/example.yaml)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvbench.check", description=__doc__.split("\n\n")[1])
     add_results_argument(parser)
@@ -176,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse exits 2 on bad usage: return it, as main() promises an int
         return int(exit_.code or 0)
     try:
+        check_args(args, ARGS)
         thresholds = load_thresholds(args.thresholds)
         rows = with_full_scores(load_rows(args.results))
         # evaluate every entry before printing any line: bad input anywhere gives exit 2 and no verdicts

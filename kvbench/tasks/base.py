@@ -11,6 +11,20 @@ from kvbench.config.registry import Registry
 from kvbench.tasks.facts import TaskFacts
 
 TASKS = Registry("task")
+MAX_PROMPT_TOKENS = 1 << 24  # the longest prompt a task config may ask for (16M tokens), whatever the model
+
+
+@dataclass(frozen=True)
+class LengthRequest:
+    """The longest prompt a task config asks for: `prompt` tokens from its knob `key`, + `new` generated ones."""
+
+    key: str
+    prompt: int
+    new: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + self.new
 
 
 @dataclass
@@ -63,6 +77,59 @@ class Task:
         self.cfg, self.tokenizer, self.seed, self.max_context = cfg, tokenizer, seed, max_context
 
     @classmethod
+    def not_diagnosable(cls) -> str:
+        """Why `diagnose=true` cannot run on this task (refused before any work), or "" where it can."""
+        if cls.streaming:
+            return "it streams a text, so there is no decoded answer to teacher-force"
+        if hasattr(cls, "compute_rows"):
+            return "lm-eval scores its requests itself, so there is no decoded answer to teacher-force"
+        return ""
+
+    @classmethod
+    def not_batchable(cls) -> str:
+        """Why this task's examples are never decoded together (batch_size > 1 is refused), or "" where they are
+        (the runner's own rule, kvbench.run.runner)."""
+        if cls.streaming:
+            return "it streams one text through the cache"
+        if cls.workload:
+            return "its requests run in order, each reusing the ones before"
+        if hasattr(cls, "compute_rows"):
+            return "lm-eval's requests run one at a time"
+        return ""
+
+    @classmethod
+    def longest_request(cls, cfg: dict) -> LengthRequest | None:
+        """The longest prompt + generation the config asks for, from its length knob (`context_lengths`, a list,
+        or `context_length`, `length`) and `max_new_tokens`; None where the task has no such knob."""
+        new = cfg.get("max_new_tokens")
+        new = new if isinstance(new, int) and not isinstance(new, bool) else 0
+        for key in ("context_lengths", "context_length", "length"):
+            value = cfg.get(key)
+            lengths = [v for v in (value if isinstance(value, list) else [value]) if type(v) is int]
+            if lengths:
+                return LengthRequest(f"task.{key}", max(lengths), new)
+        return None
+
+    @classmethod
+    def check_length(cls, cfg: dict, max_context: int | None = None) -> None:
+        """Refuse a length no prompt should be built for: above MAX_PROMPT_TOKENS, or (given the model's context
+        window `max_context`) above the model's context, before any prompt is tokenized. A streamed text may run
+        past the window: that is what it measures."""
+        want = cls.longest_request(cfg)
+        if want is None:
+            return
+        if want.tokens > MAX_PROMPT_TOKENS:
+            raise KvbenchError(
+                f"{want.key}: {want.prompt:,} tokens is above the {MAX_PROMPT_TOKENS:,} kvbench builds a prompt of; "
+                f"use lengths within the model's context"
+            )
+        if max_context and not cls.streaming and want.tokens > max_context:
+            raise KvbenchError(
+                f"{want.key}: {want.prompt:,} prompt + {want.new} new tokens is more than the model's context of "
+                f"{max_context:,} (max_position_embeddings); use lengths ≤ {max_context - want.new:,}"
+            )
+
+    @classmethod
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
         and ranges come from `knobs` and the yaml defaults (kvbench.config.validate), this adds the rest."""
@@ -90,7 +157,13 @@ class Task:
 
 
 def build_task(cfg, tokenizer, seed: int, max_context: int | None = None) -> Task:
-    return TASKS.get(cfg.name)(cfg, tokenizer, seed, max_context)
+    """The task, its lengths checked against the model's context first (no prompt is built for a length that
+    cannot run)."""
+    from kvbench.config.rules import plain
+
+    cls = TASKS.get(cfg.name)
+    cls.check_length(plain(cfg), max_context)
+    return cls(cfg, tokenizer, seed, max_context)
 
 
 def check_fits(examples: list[Example], max_context: int) -> None:

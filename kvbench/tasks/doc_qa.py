@@ -16,11 +16,12 @@ the question, the closing instruction and the generation prompt are each request
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example
-from kvbench.tasks.haystack import HAYSTACKS, check_files
+from kvbench.tasks.haystack import HAYSTACKS, Encoded
 from kvbench.tasks.longbench import score_prediction
 from kvbench.tasks.longbench.config import PROMPTS, subset_spec
 from kvbench.tasks.workloads import MARK, Fact, SharedPrefixTask, chat_split
@@ -191,16 +192,11 @@ class SharedDocumentQA(SharedPrefixTask):
         "max_new_tokens": Rule("int", "task.max_new_tokens=64 (LongBench's for multifieldqa_en)", min=1),
     }
 
-    @classmethod
-    def check(cls, cfg: dict) -> None:
-        if cfg.get("haystack") == "file":
-            check_files("task.haystack_files", cfg.get("haystack_files"))
-
-    def units(self, sentences: list[str]) -> list[list[int]]:
-        """Paragraphs of `paragraph_sentences` sentences, each after a blank line."""
+    def units(self, sentences: list[str]) -> Sequence[list[int]]:
+        """Paragraphs of `paragraph_sentences` sentences, each after a blank line (tokenized as taken)."""
         k = int(self.cfg.paragraph_sentences)
         paragraphs = [" ".join(sentences[i : i + k]) for i in range(0, len(sentences), k)]
-        return [self.encode("\n\n" + p) for p in paragraphs]
+        return Encoded(["\n\n" + p for p in paragraphs], self.encode)
 
     def request_facts(self, rng: random.Random, n: int) -> tuple[str, list[Fact]]:
         facts = draw_facts(rng, n)

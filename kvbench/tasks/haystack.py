@@ -1,8 +1,13 @@
-"""Offline haystack text: RULER's noise sentences, prose every Python install has, or the user's files."""
+"""Offline haystack text: RULER's noise sentences, prose every Python install has, or the user's files.
+
+A user's files are bounded: at most MAX_TEXT_BYTES in all (a prompt takes a few hundred KB of text; reading and
+splitting a larger file is slow for nothing), text rather than binary bytes (checked on the first 64 KiB of each),
+and their sentences are tokenized only as a prompt takes them (`Encoded`)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvbench import KvbenchError
@@ -37,13 +42,50 @@ def python_docs_prose() -> list[str]:
     return sentences
 
 
+MAX_TEXT_BYTES = 64 << 20  # the most haystack / perplexity text read from files (64 MiB ≈ 16M tokens)
+SAMPLE_BYTES = 1 << 16  # the start of each file checked to be text
+
+
 def check_files(key: str, files) -> None:
-    """`key` (a list of text files) is non-empty and every file exists."""
+    """`key` (a list of text files) is non-empty, every file exists and holds text, and all together are at most
+    MAX_TEXT_BYTES."""
     if not files:
         raise KvbenchError(f"{key} is empty; give plain-text files: {key}=[path,...]")
+    total = 0
     for path in files:
-        if not Path(str(path)).expanduser().is_file():
+        p = Path(str(path)).expanduser()
+        if not p.is_file():
             raise KvbenchError(f"{key}: {path} is not a file; fix the path in {key}=[...]")
+        with open(p, "rb") as f:
+            sample = f.read(SAMPLE_BYTES)
+        undecodable = sample.decode("utf-8", errors="replace").count("\ufffd")
+        if b"\x00" in sample or undecodable > len(sample) // 100:
+            raise KvbenchError(
+                f"{key}: {path} is not UTF-8 text (binary bytes in its first {len(sample):,}); give a plain-text "
+                "file (a legacy encoding: iconv -t utf-8 FILE > FILE.txt)"
+            )
+        total += p.stat().st_size
+    if total > MAX_TEXT_BYTES:
+        raise KvbenchError(
+            f"{key}: {total / (1 << 20):,.0f} MiB of text, above the {MAX_TEXT_BYTES >> 20} MiB kvbench reads (a "
+            f"prompt takes a few hundred KB); give an excerpt, e.g. head -c {MAX_TEXT_BYTES >> 21}M FILE > part.txt"
+        )
+
+
+class Encoded(Sequence):
+    """Text units tokenized on first use (each once): a long haystack costs only the units a prompt takes."""
+
+    def __init__(self, texts: list[str], encode: Callable[[str], list[int]]):
+        self.texts, self.encode = texts, encode
+        self.ids: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i):  # type: ignore[override]  # integer indices only (fill_haystack's)
+        if i not in self.ids:
+            self.ids[i] = self.encode(self.texts[i])
+        return self.ids[i]
 
 
 def sentence_files(kind: str, files: list[str] | None = None) -> list[Path]:
@@ -57,19 +99,18 @@ def sentence_files(kind: str, files: list[str] | None = None) -> list[Path]:
     return []
 
 
-def load_sentences(kind: str, files: list[str] | None = None) -> list[str]:
+def load_sentences(kind: str, files: list[str] | None = None, key: str = "task.haystack_files") -> list[str]:
     if kind == "noise":
         return list(NOISE)
     if kind == "prose":
         return python_docs_prose()
     if kind == "file":
         if not files:
-            raise KvbenchError("task.haystack=file needs task.haystack_files=[path, ...] (plain-text files)")
+            raise KvbenchError(f"task.haystack=file needs {key}=[path, ...] (plain-text files)")
+        check_files(key, files)
         sentences = []
         for path in files:
             p = Path(path).expanduser()
-            if not p.is_file():
-                raise KvbenchError(f"haystack file {p} does not exist")
             sentences.extend(split_sentences(p.read_text(encoding="utf-8", errors="replace")))
         if not sentences:
             raise KvbenchError(f"haystack files {files} hold no sentences")

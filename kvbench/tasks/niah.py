@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Sequence
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.haystack import HAYSTACKS, check_files, load_sentences, sentence_files
+from kvbench.tasks.haystack import HAYSTACKS, Encoded, check_files, load_sentences, sentence_files
 from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.prompts import PromptBuilder, encode
 
@@ -44,7 +45,7 @@ def random_value(rng: random.Random, value_type: str, length: int) -> str:
     raise KvbenchError(f"task.value_type={value_type!r}: use one of {', '.join(VALUE_NAMES)}")
 
 
-def fill_haystack(encoded: list[list[int]], start: int, n_tokens: int) -> list[list[int]]:
+def fill_haystack(encoded: Sequence[list[int]], start: int, n_tokens: int) -> list[list[int]]:
     """Sentences (cycling from `start`) adding up to exactly `n_tokens` tokens; the last one cut to fit."""
     out, total, i = [], 0, start
     while total < n_tokens:
@@ -106,7 +107,7 @@ class NeedleInAHaystack(Task):
             if not 0 <= float(depth) <= 1:
                 raise KvbenchError(f"task.depths: {depth} is outside [0, 1] (0 = start of the context, 1 = end)")
         sentences = load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))
-        encoded = [self._encode(" " + s) for s in sentences]
+        encoded = Encoded([" " + s for s in sentences], self._encode)  # tokenized as prompts take them
         return [
             self._example(int(length), float(depth), encoded) for length in cfg.context_lengths for depth in cfg.depths
         ]
@@ -117,7 +118,7 @@ class NeedleInAHaystack(Task):
     def _encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
 
-    def _example(self, length: int, depth: float, encoded: list[list[int]]) -> Example:
+    def _example(self, length: int, depth: float, encoded: Sequence[list[int]]) -> Example:
         cfg = self.cfg
         rng = random.Random(f"{self.seed}:{cfg.haystack}:{cfg.value_type}:{length}:{depth}")
         singular, plural = VALUE_NAMES.get(cfg.value_type, ("", ""))

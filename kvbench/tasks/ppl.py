@@ -48,7 +48,7 @@ class Perplexity(Task):
         cfg = self.cfg
         if int(cfg.length) < 2 * self.chunk or self.chunk < 1:
             raise KvbenchError(f"task ppl: length={cfg.length} must be at least two chunks of chunk={cfg.chunk}")
-        sentences = load_sentences(cfg.text, list(cfg.get("text_files") or []))
+        sentences = load_sentences(cfg.text, list(cfg.get("text_files") or []), "task.text_files")
         start = random.Random(f"{self.seed}:ppl").randrange(len(sentences)) if cfg.text == "prose" else 0
         ids: list[int] = []
         i = start

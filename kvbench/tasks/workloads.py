@@ -16,11 +16,12 @@ Rows carry `workload`, `turn` and `request_index` (the request's position in its
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
 from kvbench.tasks.base import TASKS, Example, Task
-from kvbench.tasks.haystack import load_sentences, sentence_files
+from kvbench.tasks.haystack import Encoded, check_files, load_sentences, sentence_files
 from kvbench.tasks.metrics import partial_match, string_match
 from kvbench.tasks.niah import ADJECTIVES, NOUNS, VALUE_NAMES, fill_haystack, random_value
 
@@ -91,9 +92,15 @@ class SharedPrefixTask(Task):
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def units(self, sentences: list[str]) -> list[list[int]]:
-        """The haystack's text units, token ids, in order (facts go between units): sentences."""
-        return [self.encode(" " + s) for s in sentences]
+    @classmethod
+    def check(cls, cfg: dict) -> None:
+        if cfg.get("haystack") == "file":
+            check_files("task.haystack_files", cfg.get("haystack_files"))
+
+    def units(self, sentences: list[str]) -> Sequence[list[int]]:
+        """The haystack's text units, token ids, in order (facts go between units): sentences, tokenized as the
+        document takes them."""
+        return Encoded([" " + s for s in sentences], self.encode)
 
     def request_facts(self, rng: random.Random, n: int) -> tuple[str, list[Fact]]:
         """(the instruction before the document, `n` facts), drawn with `rng`: RULER's key → value needles."""
@@ -127,7 +134,7 @@ class SharedPrefixTask(Task):
         cfg = self.cfg
         return f"{self.seed}:{self.name}:{cfg.haystack}:{cfg.value_type}:{cfg.context_length}:{doc}"
 
-    def _workload(self, doc: int, n: int, units: list[list[int]]) -> list[Example]:
+    def _workload(self, doc: int, n: int, units: Sequence[list[int]]) -> list[Example]:
         cfg = self.cfg
         rng = random.Random(self.rng_seed(doc))
         instruction, facts = self.request_facts(rng, n)

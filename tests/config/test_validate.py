@@ -17,6 +17,8 @@ from tests.conftest import CONF_DIR, compose_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
+BIG = "1" + "0" * 400  # an integer no float holds
+
 # (category, overrides, text the one-line message must contain: the flag and its fix)
 CASES = [
     # top-level types: a string/number where a boolean or number is meant is never read as true
@@ -113,6 +115,47 @@ CASES = [
     ("task knob", ["task=longbench", "task.max_length=abc"], "task.max_length=3500"),
     ("task knob", ["task=longbench", "task.data_dir=/no/such/dir"], "task.data_dir=null"),
     ("task knob", ["task=longbench", "task.stop_at_newline=sometimes"], "task.stop_at_newline=true"),
+    # integers too large for the int64 rows, torch and numpy: refused, never an overflow inside the check or later
+    ("huge integer", ["seed=99999999999999999999999"], "beyond 2^63"),
+    (
+        "huge integer",
+        [f"limit={BIG}"],
+        "limit=10",
+    ),
+    (
+        "huge integer",
+        [f"budget={BIG}"],
+        "budget=0.25",
+    ),
+    (
+        "huge integer",
+        [
+            "method=snapkv",
+            f"method.window_size={BIG}",
+        ],
+        "method.window_size=32",
+    ),
+    (
+        "huge integer",
+        [f"task.context_lengths=[{BIG}]"],
+        "task.context_lengths=[1024,2048]",
+    ),
+    # verdict and launcher blocks: every key is one the code reads, values in range and in a possible order
+    ("verdict/launcher key", ["+verdict.recal_high=0.5"], "did you mean verdict.recall_high"),
+    ("verdict/launcher key", ["verdict.recall_low=0.95"], "recall_low must be ≤ recall_high"),
+    ("verdict/launcher key", ["verdict.kl_tolerance=inf"], "verdict.kl_tolerance=0.05"),
+    ("verdict/launcher key", ["verdict.recall_high=abc"], "verdict.recall_high=0.9"),
+    ("verdict/launcher key", ["launcher=ray", "+launcher.worker=4"], "did you mean launcher.workers"),
+    ("verdict/launcher key", ["+launcher.workers=4"], "add launcher=ray"),
+    ("verdict/launcher key", ["launcher=ray", "launcher.num_gpus=-1"], "launcher.num_gpus=0"),
+    # modes a task cannot honour: refused, not ignored (and never hashed as if honoured)
+    ("ignored mode", ["task=lm_eval", "diagnose=true"], "diagnose=true cannot diagnose task=lm_eval"),
+    ("ignored mode", ["task=ppl", "diagnose=true"], "no decoded answer"),
+    ("ignored mode", ["task=shared_doc", "batch_size=4"], "batch_size=4 has no effect with task=shared_doc"),
+    ("ignored mode", ["task=lm_eval", "batch_size=2"], "use batch_size=1"),
+    ("ignored mode", ["task=ppl", "batch_size=2"], "use batch_size=1"),
+    ("ignored mode", ["prefix_cache=true", "batch_size=2"], "with prefix_cache=true"),
+    ("ignored mode", ["diagnose=true", "batch_size=2"], "with diagnose=true"),
 ]
 
 
@@ -139,6 +182,9 @@ def test_there_are_at_least_60_cases_in_5_categories():
         ["task=ppl", "budget=512"],
         ["task=longbench", "task.subsets=all"],
         ["dtype=bf16", "device=cpu", "seed=-3"],
+        ["diagnose=true", "verdict.recall_low=0.9", "verdict.recall_high=0.9"],
+        ["launcher=ray", "launcher.workers=4", "launcher.address=auto"],
+        ["batch_size=4", "seed=9223372036854775807"],
     ],
 )
 def test_good_input_passes(overrides):

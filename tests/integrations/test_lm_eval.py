@@ -210,3 +210,39 @@ def test_console_script_runs_lm_eval_with_the_kvbench_model(tiny_dir, tmp_path, 
         main()
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kvbench-lm-eval: error: budget=1.5")
+
+
+# (class, --model_args as lm-eval types them, --batch_size, text of the one line)
+MODEL_ARG_CASES = [
+    ("type", {"budget": "abc"}, None, "budget=abc is not a number; use budget=0.5"),
+    ("type", {"query_aware": "maybe"}, None, "query_aware=true or query_aware=false"),
+    ("type", {"max_length": 1.5}, None, "max_length=4096"),
+    ("range", {"budget": 1.5}, None, "must be an integer"),
+    ("range", {"max_gen_toks": 0}, None, "max_gen_toks=256"),
+    ("range", {"dtype": "int8"}, None, "dtype=auto"),
+    ("huge integer", {"chunk": 10**30}, None, "too large"),
+    ("method knob", {"method": "snapkv", "window_size": "x"}, None, "window_size=32"),
+    ("method knob", {"method": "snapkv", "windowsize": 8}, None, "valid parameters"),
+    ("method knob", {"method": "nope"}, None, "valid methods"),
+    ("model", {"model": "nope"}, None, "no such kvbench model"),
+    ("ignored batch", {}, "8", "--batch_size 8 has no effect"),
+    ("ignored batch", {"batch_size": 4}, None, "batch_size=4 has no effect"),
+]
+
+
+@pytest.mark.parametrize("kind,model_args,batch,fix", MODEL_ARG_CASES, ids=[c[0] + str(c[1]) for c in MODEL_ARG_CASES])
+def test_model_args_are_checked_before_lm_eval_runs(kind, model_args, batch, fix):
+    from kvbench.integrations.lm_eval_cli import check_model_args
+
+    with pytest.raises(KvbenchError) as error:
+        check_model_args({"model": "tiny-random", **model_args}, batch)
+    assert fix in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_good_model_args_pass():
+    from kvbench.integrations.lm_eval_cli import check_model_args
+
+    check_model_args(
+        {"model": "tiny-random", "method": "snapkv", "budget": 0.5, "window_size": 8, "model.init_seed": 1}
+    )
+    check_model_args({"pretrained": "some/hub-id", "query_aware": False, "question_tokens": 8}, "1")

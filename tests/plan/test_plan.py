@@ -125,7 +125,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
         _main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "kvbench.plan: error: context=abc: give an integer or a list, e.g. 'context=[4096,32768]'"
+        "kvbench.plan: error: context=abc is not a number; use context=4096 or 'context=[4096,32768]' (tokens per "
+        "request)"
     ]
     assert not (tmp_path / "plan.csv").exists()
 

@@ -43,17 +43,41 @@ def test_gemma_3_27b_holds_its_window_on_52_of_62_layers(tmp_path, capsys):
     [
         # Falcon-7B-style multi_query: one cached KV head although num_kv_heads defaults to the query heads
         (
-            {"model_type": "falcon", "hidden_size": 4544, "num_hidden_layers": 32, "num_attention_heads": 71,
-             "multi_query": True, "new_decoder_architecture": False, "vocab_size": 65024, "alibi": False},
+            {
+                "model_type": "falcon",
+                "hidden_size": 4544,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 71,
+                "multi_query": True,
+                "new_decoder_architecture": False,
+                "vocab_size": 65024,
+                "alibi": False,
+            },
             32 * 2 * 1 * 64 * 2,
         ),
         # DeepSeek-V3-style latent attention: kv_lora_rank 512 + qk_rope_head_dim 64 per layer and token
         (
-            {"model_type": "deepseek_v3", "hidden_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 16,
-             "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": 256, "qk_rope_head_dim": 64,
-             "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 2048, "moe_intermediate_size": 256,
-             "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-             "first_k_dense_replace": 1, "vocab_size": 1000, "max_position_embeddings": 8192},
+            {
+                "model_type": "deepseek_v3",
+                "hidden_size": 1024,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "kv_lora_rank": 512,
+                "q_lora_rank": 256,
+                "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 128,
+                "v_head_dim": 128,
+                "intermediate_size": 2048,
+                "moe_intermediate_size": 256,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+                "first_k_dense_replace": 1,
+                "vocab_size": 1000,
+                "max_position_embeddings": 8192,
+            },
             4 * (512 + 64) * 2,
         ),
     ],
@@ -62,5 +86,8 @@ def test_gemma_3_27b_holds_its_window_on_52_of_62_layers(tmp_path, capsys):
 def test_bytes_per_token_follow_what_the_cache_holds(tmp_path, config, per_token):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    rows = plan(tmp_path, str(path), "hardware=h200", "dtype=bfloat16", "context=[4096]", "batch=[1]")
+    # extrapolate: Falcon-7B's config writes no position limit, so transformers' default (2048) applies
+    rows = plan(
+        tmp_path, str(path), "hardware=h200", "dtype=bfloat16", "context=[4096]", "batch=[1]", "extrapolate=true"
+    )
     assert rows.loc[(4096, 1), "kv_bytes_full"] == per_token * 4096

@@ -97,7 +97,10 @@ def test_plan_csv_has_the_reuse_columns_and_bad_input_names_the_fix(tmp_path):
     assert rows.loc[("full", 1), "reuse"] == "compress_once"
     with pytest.raises(KvbenchError, match="prefix=2000 is longer than context=1000"):
         run_plan(plan_config("context=1000", "prefix=2000"), tmp_path)
-    with pytest.raises(KvbenchError, match="reuse=once: use reuse=per_question or reuse=compress_once"):
+    with pytest.raises(
+        KvbenchError,
+        match="reuse=once is not one of per_question, compress_once; use reuse=per_question or reuse=compress_once",
+    ):
         run_plan(plan_config("context=1000", "prefix=10", "reuse=once"), tmp_path)
 
 

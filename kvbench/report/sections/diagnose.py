@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.guide.selection import markdown
-from kvbench.guide.verdict import VERDICTS
+from kvbench.guide.verdict import NOT_LOST, VERDICTS
 from kvbench.report.section import Context, Section, report_section
 
 CONFIG = ["method", "budget"]  # `method` is already the variant label (kivi(bits=2)) in the report's rows
@@ -88,11 +88,11 @@ def verdict_counts(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def why(rows: pd.DataFrame) -> list[str]:
-    """One short paragraph per configuration with at least one lost example (verdict other than no loss or
-    model fails anyway)."""
+    """One short paragraph per configuration with at least one lost example (a verdict outside NOT_LOST: no loss,
+    answer intact, model fails anyway)."""
     out = []
     for (method, budget), g in rows[rows["method"] != "full"].groupby(CONFIG, sort=True):
-        lost = g[~g["verdict"].isin(["no loss", "model fails anyway"])]
+        lost = g[~g["verdict"].isin(NOT_LOST)]
         if lost.empty:
             continue
         verdicts = ", ".join(f"{v} ×{n}" for v, n in lost["verdict"].value_counts().items())

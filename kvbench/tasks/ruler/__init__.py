@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from kvbench import KvbenchError
@@ -91,6 +91,12 @@ class Ruler(Task):
                 f"{', '.join(SUBTASKS)} (the QA subtasks need downloads and are not offered)"
             )
         return names
+
+    @classmethod
+    def longest_request(cls, cfg: dict):
+        """RULER's lengths already count the generated tokens."""
+        want = super().longest_request(cfg)
+        return want and replace(want, new=0)
 
     def _lengths(self) -> list[int]:
         lengths = list(self.cfg.get("context_lengths") or [])
