@@ -79,4 +79,4 @@ def test_a_foreign_parquet_file_is_named_and_skipped(results, capsys, command):
     extra = ["--out", str(results / "out")] if command != "check" else []
     assert COMMANDS[command](_argv(results, command, extra)) == 0
     err = capsys.readouterr().err
-    assert f"skipping {foreign}: not kvbench result rows" in err and "Traceback" not in err
+    assert f"skipping foreign results file {foreign} (not kvbench result rows" in err and "Traceback" not in err
