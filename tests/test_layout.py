@@ -14,7 +14,8 @@ SOURCES = {"kvbench": ROOT / "kvbench", "kvbench.methods": ROOT / "methods", "kv
 
 # lowest first: a package may import its own layer's packages and any below, never one above
 LAYERS = [
-    ["kvbench", "kvbench.config.registry", "kvbench.config.rules"],  # KvbenchError, registries, declarative rules
+    # KvbenchError, registries, declarative rules, the typed run spec
+    ["kvbench", "kvbench.config.registry", "kvbench.config.rules", "kvbench.config.spec"],
     ["kvbench.tasks", "kvbench.kernels"],  # examples, prompts and metrics (torch-free facts); torch kernels
     ["kvbench.store"],  # rows on disk, the row builder, claims, aggregation (torch-free)
     ["kvbench.model"],  # loading, attention statistics, RoPE, cache layers and their bytes
