@@ -54,3 +54,9 @@ def test_only_examples_every_model_has_count_and_one_model_shows_nothing():
     assert model_ranking(rows[rows.model == "m1"], pd.DataFrame(), Context(out_dir=None)) is None
     section = model_ranking(rows, pd.DataFrame(), Context(out_dir=None))
     assert "Spearman" in section.html and "| m1 vs m2 |" in section.markdown
+
+
+def test_a_configuration_only_one_model_ran_is_left_out_not_the_examples():
+    rows = _rows({"m1": {"a": [1, 1, 0, 1, 1], "b": [0, 0, 1, 0, 0], "c": [1] * 5}, "m2": {"a": [1] * 5, "b": [0] * 5}})
+    ranking, pairs = rank_transfer(rows)
+    assert list(ranking["configuration"]) == ["a 0.25", "b 0.25"] and pairs["examples"].iloc[0] == 5

@@ -43,14 +43,15 @@ def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray | float:
 
 
 def score_cube(rows: pd.DataFrame) -> tuple[np.ndarray, list[str], list[tuple], list[str]]:
-    """scores (M models, C configurations, E examples) on the examples every (model, configuration) has; the models,
-    configurations and example ids along each axis."""
+    """scores (M models, C configurations, E examples): the configurations every model ran, on the examples every
+    (model, configuration) has; the models, configurations and example ids along each axis."""
     frame = rows[rows["method"] != "full"].assign(budget=rows["budget"].astype(float).round(4))
     frame = frame.assign(query_aware=frame["query_aware"].fillna(True).astype(bool))
     cells = frame.groupby(["model", *CONFIG, "example_id"], dropna=False)["score"].mean()  # reruns counted once
     wide = cells.unstack("example_id")  # (model × configuration, example)
     models = sorted(wide.index.get_level_values("model").unique())
-    configs = sorted({key[1:] for key in wide.index}, key=str)
+    by_model = [{key[1:] for key in wide.index if key[0] == m} for m in models]
+    configs = sorted(set.intersection(*by_model), key=str)  # configurations every model ran
     full_grid = pd.MultiIndex.from_tuples([(m, *c) for m in models for c in configs], names=wide.index.names)
     wide = wide.reindex(full_grid).dropna(axis=1)  # only examples every model × configuration has
     cube = wide.to_numpy().reshape(len(models), len(configs), wide.shape[1])
@@ -79,6 +80,8 @@ def rank_transfer(rows: pd.DataFrame, seed: int = 0) -> tuple[pd.DataFrame, pd.D
         draws = np.asarray(spearman(resampled[i], resampled[j]))  # (R,)
         draws = draws[~np.isnan(draws)]
         low, high = np.quantile(draws, [0.025, 0.975]) if len(draws) else (math.nan, math.nan)
+        if not math.isnan(rho):  # ties make rho's resamples run low: the interval always holds the estimate
+            low, high = min(low, rho), max(high, rho)
         pairs.append(
             {
                 "models": f"{models[i]} vs {models[j]}",
