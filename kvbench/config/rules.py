@@ -190,3 +190,11 @@ def plain(node: Any) -> Any:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def did_you_mean(key, known, prefix: str = "", suffix: str = "") -> str:
+    """ "did you mean PREFIX<closest>SUFFIX? " for a misspelt `key` among `known`, or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key), sorted(map(str, known)), n=1)
+    return f"did you mean {prefix}{close[0]}{suffix}? " if close else ""

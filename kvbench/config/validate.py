@@ -19,7 +19,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvbench import KvbenchError
-from kvbench.config.rules import Rule, _show, check_value, plain, rule_from_annotation
+from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
 
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 
@@ -204,8 +204,6 @@ def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
 
 def check_known_keys(config: dict) -> None:
     """A key added with `+key=...` that kvbench does not know (a typo: `+limt=5`) is an error, not ignored."""
-    import difflib
-
     from omegaconf import OmegaConf
 
     from kvbench import conf_dir
@@ -215,16 +213,13 @@ def check_known_keys(config: dict) -> None:
     known |= {p.name for p in root.iterdir() if p.is_dir()} | set(OmegaConf.load(root / "config.yaml"))
     for key in config:
         if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"did you mean {close[0]}=...? " if close else ""
+            hint = did_you_mean(key, known, suffix="=...")
             raise KvbenchError(f"{key} is not a kvbench setting; {hint}the settings are listed in conf/config.yaml")
 
 
 def check_launcher(config: dict) -> None:
     """Every `launcher.` key is one the launcher reads: a misspelt one (launcher.worker=4) or a Ray key under
     launcher=local would be ignored."""
-    import difflib
-
     launcher = config.get("launcher")
     if launcher is None:
         return
@@ -234,8 +229,7 @@ def check_launcher(config: dict) -> None:
     keys = sorted(k.removeprefix("launcher.") for k in LAUNCHER)
     for key in launcher:
         if key not in keys:
-            close = difflib.get_close_matches(str(key), keys, n=1)
-            hint = f"did you mean launcher.{close[0]}? " if close else ""
+            hint = did_you_mean(key, keys, prefix="launcher.")
             raise KvbenchError(f"launcher.{key} is not a launcher setting; {hint}the settings: conf/launcher/ray.yaml")
         if name == "local" and key != "name":
             raise KvbenchError(f"launcher.{key} applies to launcher=ray only; add launcher=ray or drop launcher.{key}")

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, fields
 
 from kvbench import KvbenchError
-from kvbench.config.rules import Rule, _show, check_value, plain
+from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain
 
 VERDICTS = ("model fails anyway", "wrong positions", "budget too small", "precision loss", "answer intact", "no loss")
 NOT_LOST = ("no loss", "answer intact", "model fails anyway")  # the verdicts of rows that lost no quality
@@ -43,16 +43,13 @@ class Thresholds:
     @classmethod
     def from_config(cls, block) -> Thresholds:
         """The `verdict:` block, every key checked (kvbench.config.validate runs this before the model loads)."""
-        import difflib
-
         given = plain(block) or {}
         if not isinstance(given, dict):
             raise KvbenchError(f"verdict={_show(given)} is not a mapping; use e.g. verdict.recall_high=0.9")
         names = [f.name for f in fields(cls)]
         for key in given:
             if key not in names:
-                close = difflib.get_close_matches(str(key), names, n=1)
-                hint = f"did you mean verdict.{close[0]}? " if close else ""
+                hint = did_you_mean(key, names, prefix="verdict.")
                 raise KvbenchError(f"verdict.{key} is not a threshold; {hint}valid: {', '.join(names)}")
         defaults = cls()
         for key, value in given.items():

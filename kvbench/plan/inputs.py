@@ -4,12 +4,11 @@ written-down shape (kvbench.config.model_fields); each bad value is one `Kvbench
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import replace
 from typing import Any
 
 from kvbench import KvbenchError
-from kvbench.config.rules import Rule, check_value, plain
+from kvbench.config.rules import Rule, check_value, did_you_mean, plain
 from kvbench.config.validate import TOP_LEVEL, _lookup, check_grid_entry, check_method_params, method_class
 
 MAX_CONTEXT = 1 << 24  # the longest context planned (16M tokens), as the fit search's cap (kvbench.plan.model)
@@ -55,8 +54,7 @@ NOT_JOB_KEYS = ("defaults", "hydra")
 def _unknown(keys, known, where: str, source: str) -> None:
     for key in keys:
         if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"did you mean {where}{close[0]}? " if close else ""
+            hint = did_you_mean(key, known, prefix=where)
             raise KvbenchError(f"{where}{key} is not a planner setting; {hint}the settings are listed in {source}")
 
 
