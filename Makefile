@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-VENV_KVPRESS ?= .venv-kvpress   # method=kvpress: kvpress 0.5.5 pins transformers < 5.3, so a venv of its own
+# method=kvpress: kvpress 0.5.5 pins transformers < 5.3, so a venv of its own
+VENV_KVPRESS ?= .venv-kvpress
 
 .PHONY: install demo test test-fast test-kvpress gate reference bench lint clean
 
