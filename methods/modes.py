@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import abc
+
 from kvbench.model.attention import StatsRecorder, StatsRequest
 
 
@@ -61,16 +63,17 @@ class ChangesModel:
         return model
 
 
-class HooksPrefill:
-    """Mixin: the method's own hooks on the model compress the cache during the prompt's forward pass."""
+class HooksPrefill(abc.ABC):
+    """Mixin: the method's own hooks on the model compress the cache during the prompt's forward pass. A subclass
+    supplies both context managers (an abstract class cannot be built without them)."""
 
+    @abc.abstractmethod
     def hooked_prefill(self, lm, n_prompt: int, budget):
         """A context manager around the prompt's forward (`n_prompt` tokens, the run's budget)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def hooked_decode(self, lm):
         """A context manager around appending the suffix and decoding; on exit the model is as before."""
-        raise NotImplementedError
 
     def kv_ratio_nominal(self, context_tokens: int, decoded: int) -> float | None:
         """The cache the method claims after the last prefill, as a share of the full cache at
