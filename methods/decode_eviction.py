@@ -25,6 +25,7 @@ k = 1 is the originals' per-step eviction, unchanged (the default).
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -39,7 +40,7 @@ from kvbench.model.cache import layer_lengths, layer_select
 
 
 @dataclass
-class DecodeEviction(DecodeTime, Method):
+class DecodeEviction(DecodeTime, Method, abc.ABC):
     """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`,
     `observe_step`)."""
 
@@ -122,9 +123,9 @@ class DecodeEviction(DecodeTime, Method):
         """Called once after compression when the cache will be held; returns the cache to decode from."""
         return cache
 
+    @abc.abstractmethod
     def decode_keep(self, layer_idx: int, layer, size: int, stats: StatsRecorder) -> torch.Tensor:
         """Positions (B, H_kv, size) of `layer` to keep, sorted ascending; called only when it is over its size."""
-        raise NotImplementedError  # abstract: H2O and StreamingLLM implement it
 
     def observe_step(self, layer_idx: int, layer, stats: StatsRecorder) -> None:
         """Called after every forward while decoding (also the steps that do not evict): accumulate scores."""

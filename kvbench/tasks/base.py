@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,7 +60,7 @@ class Example:
         return self.context_ids, self.question_ids
 
 
-class Task:
+class Task(abc.ABC):
     """Subclasses are registered with `@TASKS.register(name)` and built from conf/task/<name>.yaml."""
 
     name: str
@@ -133,9 +134,11 @@ class Task:
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
         and ranges come from `knobs` and the yaml defaults (kvbench.config.validate), this adds the rest."""
+        return  # nothing more by default: a task with cross-knob rules overrides it
 
+    @abc.abstractmethod
     def examples(self) -> list[Example]:
-        raise NotImplementedError  # abstract: every registered task implements it
+        """The task's examples, in order."""
 
     def data_files(self) -> list[Path]:
         """Every file whose content shapes this task's examples, whatever the selection keys pick (they are
@@ -151,9 +154,9 @@ class Task:
         """The metric's name for this example's row (tasks mixing metrics, e.g. LongBench, override it)."""
         return self.metric
 
+    @abc.abstractmethod
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         """{'score': ..., and any extra score columns}."""
-        raise NotImplementedError  # abstract: every registered task implements it
 
 
 def build_task(cfg, tokenizer, seed: int, max_context: int | None = None) -> Task:

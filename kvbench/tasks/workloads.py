@@ -15,6 +15,7 @@ Rows carry `workload`, `turn` and `request_index` (the request's position in its
 
 from __future__ import annotations
 
+import abc
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,8 +172,9 @@ class SharedPrefixTask(Task):
             for i, (_, tail) in enumerate(prompts)
         ]
 
+    @abc.abstractmethod
     def prompt(self, instruction: str, facts: list[Fact], i: int) -> tuple[list[int], list[int]]:
-        raise NotImplementedError  # abstract: each workload lays out its chat
+        """Request i's (shared prefix ids, its own ids): each workload lays out its chat."""
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         value = example.answers[0]
