@@ -13,7 +13,7 @@ Decode tokens are appended to every head; there is no decode-time eviction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,7 @@ def adaptive_keep(scores: torch.Tensor, n_keep: int, alpha_safeguard: float) -> 
 class AdaKV(WrapsScorer):
     scorer: str = "snapkv"  # the per-head scores redistributed: snapkv | pyramidkv | tova | knorm | keydiff | ...
     alpha_safeguard: float = 0.2  # share of each head's uniform budget it keeps whatever the other heads score
+    scorer_params: dict = field(default_factory=dict)  # the scorer's knobs over its defaults, e.g. {window_size: 64}
 
     caps = Capabilities(
         chunk_limit="its ragged layers give no attention statistics to a later chunk",
@@ -50,7 +51,7 @@ class AdaKV(WrapsScorer):
     )
 
     def __post_init__(self):
-        self.wrap(self.scorer)
+        self.wrap(self.scorer, self.scorer_params)
         if not 0 <= self.alpha_safeguard <= 1:
             raise KvbenchError(f"alpha_safeguard={self.alpha_safeguard}: must be in [0, 1]")
         self.reset()

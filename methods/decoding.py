@@ -15,7 +15,7 @@ path as generated ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -34,12 +34,13 @@ class Decoding(DecodeTime, WrapsScorer):
     scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
     compress_every: int = 64  # generated tokens between two compressions
     decode_budget: int = 256  # tokens per layer kept by each decode-time compression
+    scorer_params: dict = field(default_factory=dict)  # the scorer's knobs over its defaults
 
     # appended tokens are decode steps (engine._extend)
     caps = Capabilities(evicts_while_decoding=True, extends_token_by_token=True)
 
     def __post_init__(self):
-        self.wrap(self.scorer)
+        self.wrap(self.scorer, self.scorer_params)
         if self.compress_every < 1 or self.decode_budget < 1:
             raise KvbenchError(
                 f"decoding: compress_every={self.compress_every} and decode_budget={self.decode_budget} must be ≥ 1"

@@ -13,6 +13,14 @@ from dataclasses import dataclass
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, Capabilities, Method
 
+
+def fp8_available() -> bool:
+    """transformers' QuantizedCache offers "fp8" where it has Fp8QuantizedLayer (not in 5.2, kvpress's pin)."""
+    import transformers.cache_utils
+
+    return hasattr(transformers.cache_utils, "Fp8QuantizedLayer")
+
+
 BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
 
 
@@ -35,10 +43,18 @@ class HFQuantizedCache(Method):
         if self.backend not in BACKENDS:
             raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
         module, extra = BACKENDS[self.backend]
+        if self.backend == "fp8" and not fp8_available():
+            import transformers
+
+            raise KvbenchError(
+                f"hf-quant backend=fp8: transformers {transformers.__version__} has no fp8 QuantizedCache (it came "
+                "with Fp8QuantizedLayer); use backend=quanto or hqq, or a newer transformers"
+            )
         if module and importlib.util.find_spec(module.split(".")[0]) is None:
             raise KvbenchError(
                 f"hf-quant backend={self.backend} needs its optional package: "
-                f"pip install 'kvbench[{extra}]'   (or use backend=fp8, which needs none)"
+                f"pip install 'kvbench[{extra}]'"
+                + ("   (or use backend=fp8, which needs none)" if fp8_available() else "")
             )
         self._config = None
 

@@ -22,7 +22,9 @@ view of any press (tests/kvpress/). kvbench's own AdaKV and KVzip store such cho
 
 Decode-time presses (DecodingPress, PrefillDecodingPress, DMSPress with decoding) keep their hooks on while the
 suffix is appended and tokens are generated, as kvpress's pipeline does; prefill presses only around the prefill.
-Presses that need eager attention weights (ObservedAttentionPress: use kvbench's h2o score=mean) are refused.
+Presses that read attention weights (ObservedAttentionPress, kvpress's H2O-like press; kvbench's counterpart is
+`h2o score=mean`) run their prompt's forward with transformers' eager attention, as kvpress requires: its
+(B, H_q, T, T) weights per layer are part of their peak.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from kvbench.methods.base import METHODS, Budget, Capabilities, Method
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import ATTN_IMPLEMENTATION, kvbench_sdpa
 
-NEEDS_ATTENTION_WEIGHTS = {"ObservedAttentionPress": "kvbench's h2o with score=mean is its counterpart"}
+EAGER_PRESSES = ("ObservedAttentionPress",)  # read the attention weights: their prefill runs eager attention
 DECODE_PRESSES = ("DecodingPress", "PrefillDecodingPress")  # kvpress's pipeline hooks them while decoding
 NO_KVPRESS = (
     "method=kvpress needs the kvpress extra: pip install -e '.[kvpress]' torch==2.13.0 in a venv of its own "
@@ -58,6 +60,7 @@ def press_classes() -> dict[str, type]:
     """kvpress's presses by class name (everything it exports that is a BasePress)."""
     import kvpress
 
+    _patch_kvbench_attention()  # its import wrapped every registered attention function, kvbench's included
     return {
         name: cls
         for name in kvpress.__all__
@@ -85,11 +88,6 @@ def build_press(spec: dict, where: str = "method.press"):
         close = difflib.get_close_matches(name, classes, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise KvbenchError(f"{where}: kvpress has no press {name!r}; {hint}presses: {', '.join(sorted(classes))}")
-    if name in NEEDS_ATTENTION_WEIGHTS:
-        raise KvbenchError(
-            f"{where}: {name} reads eager attention weights, which kvbench's attention does not return; "
-            f"{NEEDS_ATTENTION_WEIGHTS[name]}"
-        )
     cls = classes[name]
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(given) - set(fields))
@@ -120,6 +118,18 @@ def build_press(spec: dict, where: str = "method.press"):
         raise KvbenchError(
             f"{where}: kvpress refuses {name}({_show(given)}): {error or 'its own check failed'}"
         ) from None
+
+
+def describe(press) -> str:
+    """A built press with all its fields but the ratio kvbench sets, nested presses alike:
+    AdaKVPress(press=SnapKVPress(window_size=64, kernel_size=5), alpha_safeguard=0.2)."""
+    fields = []
+    for f in dataclasses.fields(press):
+        if not f.init or f.name == "compression_ratio":
+            continue
+        value = getattr(press, f.name)
+        fields.append(f"{f.name}={describe(value) if dataclasses.is_dataclass(value) else repr(value)}")
+    return f"{type(press).__name__}({', '.join(fields)})"
 
 
 def _show(kwargs: dict) -> str:
@@ -189,7 +199,11 @@ class KVPress(HooksPrefill, Method):
         attention = [layer.self_attn for layer in _layers(model)]
         hooks = [a.register_forward_hook(_fingerprint_hook(fingerprints), with_kwargs=True) for a in attention]
         try:
-            with _tokenizer_for(lm), contextlib.nullcontext() if self.press_name in DECODE_PRESSES else press(model):
+            with (
+                _tokenizer_for(lm),
+                _eager_attention(model) if self.press_name in EAGER_PRESSES else contextlib.nullcontext(),
+                contextlib.nullcontext() if self.press_name in DECODE_PRESSES else press(model),
+            ):
                 yield
         finally:
             for hook in hooks:
@@ -232,7 +246,9 @@ class KVPress(HooksPrefill, Method):
         return None  # every press at compression_ratio 0 is the full cache, but that is a budget, not a knob
 
     def params(self) -> dict:
-        return {"press": self._spec}
+        """The press as given, and as built with every field kvpress defaults (`resolved`, e.g. SnapKVPress's
+        window_size=64 where kvbench's snapkv has 32: a default that can decide a verdict shows in the report)."""
+        return {"press": self._spec, "resolved": describe(self._press)}
 
 
 # registered only where kvpress imports: the main venv's every-method tests never meet it; `method=kvpress` there
@@ -250,21 +266,37 @@ def _layers(model):
 
 
 def _patch_kvbench_attention() -> None:
-    """kvpress patches the attention functions registered when it is imported (its head-wise masks act while
-    decoding); kvbench registers its own when a model loads, so it is wrapped here by the same patch — around an
-    adapter, as kvpress's wrapper passes `dropout` positionally and kvbench's function takes it by name. Once."""
+    """kvbench's attention function with kvpress's patch (its head-wise masks act while decoding) — for attention
+    modules that hold kvpress's masks only: kvpress's wrapper reads `key.shape`, which kvbench's own ragged and
+    quantized layers (adakv, kivi) do not have, so every other configuration of the process keeps the plain
+    function. kvpress wraps every registered function when it is imported and kvbench registers its own when a
+    model loads: this runs after both (press_classes, hooked_prefill) and is idempotent."""
     from kvpress.attention_patch import attention_patch
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if getattr(ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION], "_kvpress_patched", False):
+    if getattr(ALL_ATTENTION_FUNCTIONS.get(ATTN_IMPLEMENTATION), "_kvpress_routed", False):
         return
+    patched = attention_patch(kvbench_sdpa)
 
-    def by_name(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
-        return kvbench_sdpa(module, query, key, value, attention_mask, dropout=dropout, **kwargs)
+    def routed(module, query, key, value, attention_mask, dropout=0.0, **kwargs):
+        if getattr(module, "masked_key_indices", None) is None:
+            return kvbench_sdpa(module, query, key, value, attention_mask, dropout, **kwargs)
+        return patched(module, query, key, value, attention_mask, dropout, **kwargs)
 
-    patched = attention_patch(by_name)
-    patched._kvpress_patched = True  # type: ignore[attr-defined]
-    ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = patched
+    routed._kvpress_routed = True  # type: ignore[attr-defined]
+    ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = routed
+
+
+@contextlib.contextmanager
+def _eager_attention(model):
+    """transformers' eager attention around the prompt's forward, for presses that read its weights (kvpress
+    requires attn_implementation="eager" for them): (B, H_q, T, T) per layer, as kvpress itself holds them."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 @contextlib.contextmanager

@@ -6,11 +6,13 @@ After the prefill the model is asked to repeat its prompt: a second forward, on 
 score is the largest attention any of these reconstruction queries of its KV head's group pays it; each KV head
 keeps its top scores (`adakv scorer=kvzip alpha_safeguard=0` shares a layer's budget across its heads instead, as
 kvpress's `layerwise=True`; kvpress's default ranks all layers together, which kvbench does not offer).
-The first `n_sink` positions are always kept and are not repeated; everything after them is (kvpress repeats the
-user content after the chat template's prefix). Prompts longer than `chunk_size` are repeated chunk by chunk as
-kvpress does: each chunk's forward runs on the prefilled cache alone, starts with "Repeat the part of the previous
-context exactly, starting with" + the previous chunk's last 8 tokens, and normalises its attention over the sinks,
-the chunk and itself.
+The first `n_sink` positions are always kept and are not repeated; everything after them is. kvpress repeats only
+what follows the chat template's opening (system prompt, user header: its positions after the sinks score 0 and go
+first): `skip_template=true`, with which `adakv scorer=kvzip alpha_safeguard=0 'scorer_params={skip_template:
+true}'` keeps what KVzipPress(layerwise=True) keeps (tests/kvpress). Prompts longer than `chunk_size` are repeated
+chunk by chunk as kvpress does: each chunk's forward runs on the prefilled cache alone, starts with "Repeat the part
+of the previous context exactly, starting with" + the previous chunk's last 8 tokens, and normalises its attention
+over the sinks, the chunk and itself.
 
 Cost: the second forward is as long as the prompt again (+ ~20 tokens per chunk) and attends to up to twice the
 keys; it is part of the configuration's compression time, so its `prefill_s` shows it. Queries are rebuilt from
@@ -35,16 +37,19 @@ OVERLAP = 8  # tokens of the previous chunk that lead each later chunk (kvpress'
 QUERY_BLOCK = 256  # reconstruction queries per softmax block (bounds the (H_q, Q, keys) temporary)
 
 
-def turn_switch(tokenizer) -> list[int]:
-    """The chat template's tokens between a user message and the assistant's answer (kvpress's suffix)."""
+def template_parts(tokenizer) -> tuple[list[int], list[int]]:
+    """The chat template's tokens before a user message's content (its opening: system prompt, user header) and
+    between the message and the assistant's answer (kvpress's suffix); ([], "\n") without a template."""
     if tokenizer.chat_template is None:
-        return tokenizer.encode("\n", add_special_tokens=False)
+        return [], tokenizer.encode("\n", add_special_tokens=False)
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
     )
-    return tokenizer.encode(text.split(separator)[1], add_special_tokens=False)
+    head, switch = text.split(separator)
+    encode = lambda piece: tokenizer.encode(piece, add_special_tokens=False)
+    return encode(head.split(dummy)[0]), encode(switch)
 
 
 def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_scored: tuple[int, int]) -> torch.Tensor:
@@ -83,6 +88,9 @@ class KVzip(Method):
 
     n_sink: int = 4  # first positions always kept, not repeated
     chunk_size: int = 2048  # prompt tokens repeated per reconstruction forward (kvpress's chunk_size)
+    # true: as kvpress's KVzipPress, the chat template's opening (system prompt, user header) is not repeated and
+    # its positions after the sinks score 0, evicted first; false: everything after the sinks is repeated
+    skip_template: bool = False
 
     def __post_init__(self):
         if self.n_sink < 0 or self.chunk_size < 1:
@@ -113,8 +121,10 @@ class KVzip(Method):
         n_prompt = len(ids)
         scores = [torch.zeros(1, k.shape[1], n_prompt, device=k.device) for k, _ in kv]  # per layer (1, H_kv, T)
         tokenizer = lm.tokenizer
-        switch = turn_switch(tokenizer)
-        starts = range(self.n_sink, n_prompt, self.chunk_size)
+        opening, switch = template_parts(tokenizer)
+        # kvpress starts at the template's opening length, whatever the sinks (kvzip_press.py: start_idx)
+        first = len(opening) if self.skip_template else self.n_sink
+        starts = range(first, n_prompt, self.chunk_size)
         for i, start in enumerate(starts):
             stop = min(start + self.chunk_size, n_prompt)
             lead_ids = tokenizer.encode(FIRST_PROMPT if i == 0 else NEXT_PROMPT, add_special_tokens=False)

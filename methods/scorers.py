@@ -52,10 +52,11 @@ class WrapsScorer(Method):
 
     _scorer: Method  # built by `wrap` from the subclass's `scorer` knob
 
-    def wrap(self, scorer: str) -> None:
-        """Build the wrapped scorer from its conf/method/<scorer>.yaml defaults (one line naming the scorers else)."""
+    def wrap(self, scorer: str, params: dict | None = None) -> None:
+        """Build the wrapped scorer from its conf/method/<scorer>.yaml defaults and `params` over them (the
+        subclass's `scorer_params`, e.g. {window_size: 64}); one line naming the scorers or its knobs else."""
         check_choice("scorer", scorer, scorer_names())
-        self._scorer = build_method(scorer, method_defaults(scorer))
+        self._scorer = build_method(scorer, {**method_defaults(scorer), **dict(params or {})})
 
     def bind(self, lm) -> None:
         self._scorer.bind(lm)

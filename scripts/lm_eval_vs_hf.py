@@ -2,7 +2,7 @@
 
     python scripts/lm_eval_vs_hf.py [--limit N] [--tasks kvbench_qa,kvbench_mc] [--include_path DIR]
 
-Loads the bundled model's converted directory (~/.cache/kvbench/smollm2-135m, `python -m kvbench` creates it) with
+Loads the bundled model's converted directory (~/.cache/kvbench/smollm2-135m/transformers-<version>, `python -m kvbench` creates it) with
 `hf`, and the same directory with `kvbench` (method=full), runs lm-eval's evaluator on the offline fixture tasks
 (tests/fixtures/lm_eval; run from the repository root), and prints each task's metrics side by side, how many
 generations are identical and the largest log-likelihood difference.
@@ -30,9 +30,9 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     from kvbench.integrations.lm_eval_model import from_model_args
-    from kvbench import cache_root
+    from kvbench.model.load import converted_dir
 
-    path = str(cache_root() / "smollm2-135m")
+    path = str(converted_dir("smollm2-135m"))
     names = args.tasks.split(",")
 
     def evaluate(lm):

@@ -108,3 +108,11 @@ def ppl_window_rows():
             "peak_mem_bytes": [900 * mib, 950 * mib, 850 * mib, 860 * mib],
         }
     )
+
+
+def native_method_names() -> list[str]:
+    """Every registered method but the kvpress adapter: it is registered only where kvpress imports (its own venv,
+    transformers 5.2), compresses inside its own prefill, and its invariants are tests/kvpress/'s."""
+    from kvbench.methods import METHODS
+
+    return [name for name in METHODS.names() if name != "kvpress"]

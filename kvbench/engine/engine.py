@@ -279,6 +279,7 @@ class Engine:
         suffix_ids: list[int],
         max_new_tokens: int,
         stop: tuple[str, ...] = (),
+        keep_logits: bool = False,
     ) -> Generation:
         """A method compressing by hooks of its own (methods/modes.py's HooksPrefill, kvpress's presses): the
         prompt's forward inside its `hooked_prefill` — the time and peak of the prefill are its own, compression
@@ -304,7 +305,9 @@ class Engine:
             prompt_tokens=len(prompt_ids),
         )
         with method.hooked_decode(self.lm):
-            return self.generate(prefill, cast(Method, method), budget, list(suffix_ids), max_new_tokens, stop)
+            return self.generate(
+                prefill, cast(Method, method), budget, list(suffix_ids), max_new_tokens, stop, keep_logits=keep_logits
+            )
 
     def prepared(self, method: Method) -> Engine:
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""

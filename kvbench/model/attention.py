@@ -281,8 +281,10 @@ def recording(request: StatsRequest, recorder: StatsRecorder | None = None):
         _active.recorder = previous
 
 
-def kvbench_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """transformers attention signature: query (B, H_q, Q, D); key/value (B, H_kv, T, D) from the cache."""
+def kvbench_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention signature (sdpa_attention_forward's: `dropout` may come positionally, as kvpress's
+    attention patch passes it; inference ignores it): query (B, H_q, Q, D); key/value (B, H_kv, T, D) from the
+    cache."""
     hook = getattr(_active, "layer_hook", None)
     if hook is not None:
         if hasattr(key, "attend"):  # a quantized layer's view of its storage (chunked prefill into KIVI): dense K/V

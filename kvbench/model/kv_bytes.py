@@ -48,8 +48,9 @@ class KVShape:
         return kind.window if kind is not None and kind.kind == "sliding" else None
 
     def kept_layer_bytes(self, layer: int, tokens: int, batch: int = 1) -> int:
-        """A compressed layer holding `tokens` dense tokens (latent layers at their latent width)."""
-        if self.layout is not None and self.layout.layers[layer].kind == "latent":
+        """A compressed layer holding `tokens` dense tokens at the layer's own width (latent layers at their latent
+        width; expanded latent-attention layers with K and V of different head widths)."""
+        if self.layout is not None:
             kind = self.layout.layers[layer]
             return batch * (kind.key_width + kind.value_width) * tokens * self.element_bytes
         return self.dense_layer_bytes(tokens, batch)

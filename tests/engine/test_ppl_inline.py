@@ -10,11 +10,11 @@ from kvbench.engine.streaming import Stream, stream_chunks
 from kvbench.guide.diagnose import kept_positions
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.cache import layer_lengths
-from tests.conftest import compose_config
+from tests.conftest import compose_config, native_method_names
 from tests.engine.test_inline import assert_same_cache, built
 
 CHUNK, BOUND = 64, 100  # 400 tokens: 7 chunks, the cache bounded from the second on
-VARIANTS = [(name, {}) for name in METHODS.names()] + [
+VARIANTS = [(name, {}) for name in native_method_names()] + [
     ("streamingllm", {"positions": "rolling"}),  # RollingLayer caches, positions inside the cache
     ("snapkv", {"aggregate": "none"}),  # one K/V head per query head
     ("h2o", {"score": "mean"}),

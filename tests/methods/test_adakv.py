@@ -120,3 +120,18 @@ def test_full_safeguard_is_the_scorers_own_selection_through_the_ragged_path(tin
     assert ours.token_ids == snap.token_ids and ours.kv_bytes == snap.kv_bytes
     for a, b in zip(ours.logits, snap.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_scorer_params_set_the_wrapped_scorers_knobs(tiny_engine, prompt_ids):
+    """`scorer_params` over the scorer's defaults (kvpress's AdaKVPress(SnapKVPress()) has window 64, kvbench 32);
+    a knob the scorer lacks is one line naming its knobs."""
+    method = build_method("adakv", {"scorer": "snapkv", "scorer_params": {"window_size": 64}})
+    assert method._scorer.window_size == 64 and build_method("adakv")._scorer.window_size == 32
+    assert build_method("decoding", {"scorer_params": {}})._scorer.name == "knorm"
+    with pytest.raises(KvbenchError, match="window") as error:
+        build_method("adakv", {"scorer": "snapkv", "scorer_params": {"windw_size": 64}})
+    assert "\n" not in str(error.value)
+    wide, narrow = (build_method("adakv", {"scorer_params": {"window_size": w}}) for w in (64, 32))
+    prefill = tiny_engine.prefill(prompt_ids, wide.stats_request() | narrow.stats_request())
+    kept = [m.compress(prefill.kv, prefill.stats, Budget.parse(0.25)).layers[0].lengths for m in (wide, narrow)]
+    assert kept[0] != kept[1]  # the window changes what the heads keep

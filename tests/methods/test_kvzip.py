@@ -6,7 +6,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method
-from kvbench.methods.kvzip import FIRST_PROMPT, turn_switch
+from kvbench.methods.kvzip import FIRST_PROMPT, template_parts
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from tests.conftest import eager_attentions
 
@@ -15,7 +15,7 @@ def _reference(lm, ids: list[int], n_sink: int = 4) -> list[torch.Tensor]:
     """Per layer (1, H_kv, T): max over the reconstruction queries and the KV head's query group of eager softmax
     weights onto each prompt key (one chunk: the softmax runs over every key, as in the definition)."""
     tok = lm.tokenizer
-    repeat = tok.encode(FIRST_PROMPT, add_special_tokens=False) + turn_switch(tok) + ids[n_sink:]
+    repeat = tok.encode(FIRST_PROMPT, add_special_tokens=False) + template_parts(tok)[1] + ids[n_sink:]
     attentions = eager_attentions(lm, ids + repeat)  # per layer (1, H_q, N, N)
     out = []
     for weights in attentions:
@@ -56,6 +56,23 @@ def test_kvzip_chunks_cover_every_position_once(tiny, tiny_engine, prompt_ids):
         parts = chunked.scores(layer_idx, keys, values, prefill.stats)[..., 4:]
         assert torch.isfinite(parts).all() and (parts > 0).all()
         assert not torch.allclose(parts, one)  # normalised over fewer keys: a different number, not a copy
+
+
+def test_skip_template_repeats_what_follows_the_chat_templates_opening(tiny, tiny_engine):
+    """skip_template (kvpress's KVzipPress): the template's opening is not repeated, its positions after the sinks
+    score 0 (evicted first); what follows it is scored. tests/kvpress pins the selection to kvpress's own."""
+    tok = tiny.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "a needle in a haystack " * 12}], tokenize=False)
+    ids = tok.encode(text, add_special_tokens=False)
+    opening, _ = template_parts(tok)
+    assert len(opening) > 4 and ids[: len(opening)] == opening  # the prompt opens with it
+    prefill = tiny_engine.prefill(ids, StatsRequest())
+    default, skipping = build_method("kvzip"), build_method("kvzip", {"skip_template": True})
+    for layer_idx, (keys, values) in enumerate(prefill.kv):
+        ours = skipping.scores(layer_idx, keys, values, prefill.stats)  # (1, H_kv, T)
+        assert torch.isinf(ours[..., :4]).all() and (ours[..., 4 : len(opening)] == 0).all()
+        assert (ours[..., len(opening) :] > 0).all()
+        assert (default.scores(layer_idx, keys, values, prefill.stats)[..., 4 : len(opening)] > 0).all()
 
 
 def test_kvzip_refuses_without_the_whole_prompt(tiny, tiny_engine, prompt_ids):

@@ -6,8 +6,9 @@ import torch
 from kvbench import KvbenchError
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.attention import StatsRequest
+from tests.conftest import native_method_names
 
-ALL_METHODS = METHODS.names()
+ALL_METHODS = native_method_names()
 EVICTING = [n for n in ALL_METHODS if METHODS.get(n).caps.family == "eviction"]
 
 

@@ -8,7 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from kvbench import KvbenchError
-from kvbench.model.layout import cache_layout
+from kvbench.model.layout import cache_layout, caches_latent
+from kvbench.model.load import cache_kwarg
 from tests.model.families import FAMILIES, WINDOW, build
 
 PROMPT, DECODE = 300, 5
@@ -16,14 +17,14 @@ PROMPT, DECODE = 300, 5
 
 def transformers_cache_bytes(model, tokens: int, decode: int) -> int:
     """Prefill `tokens` random ids, decode `decode` greedy steps with the model's own DynamicCache; its nbytes."""
-    cache = DynamicCache(config=model.config)
+    cache, kwarg = DynamicCache(config=model.config), cache_kwarg(model)
     ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        out = model(input_ids=ids, position_ids=torch.arange(tokens)[None], cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, position_ids=torch.arange(tokens)[None], **{kwarg: cache}, use_cache=True, logits_to_keep=1)
         for step in range(decode):
             token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
             position = torch.tensor([[tokens + step]])
-            out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=token, position_ids=position, **{kwarg: cache}, use_cache=True, logits_to_keep=1)
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
@@ -44,8 +45,15 @@ def test_the_figures_the_issue_names():
     assert gemma3.kinds == ("sliding",) * 5 + ("global",)
     assert gemma3.growing_share(4096) == pytest.approx(4096 / (4096 + 5 * (WINDOW - 1)))
     # latent attention: kv_lora_rank + qk_rope_head_dim per token and layer, not heads x head_dim
-    mla = cache_layout(FAMILIES["deepseek-v3"](), torch.float32)
-    assert mla.kinds == ("latent",) * 4 and mla.full_bytes(305) == 4 * (32 + 8) * 305 * 4
+    # (transformers 5.2, kvpress's pin, caches every head's expanded K and V: that is then the model's own cache)
+    config = FAMILIES["deepseek-v3"]()
+    mla = cache_layout(config, torch.float32)
+    if caches_latent(config):
+        assert mla.kinds == ("latent",) * 4 and mla.full_bytes(305) == 4 * (32 + 8) * 305 * 4
+    else:
+        qk, v = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+        assert mla.kinds == ("global",) * 4
+        assert mla.full_bytes(305) == 4 * config.num_attention_heads * (qk + v) * 305 * 4
     # Falcon's multi_query caches one head although config.num_kv_heads says 4
     falcon = cache_layout(FAMILIES["falcon"](), torch.float32)
     assert falcon.full_bytes(1) == 4 * 2 * 1 * 16 * 4

@@ -48,7 +48,7 @@ def bundled(tmp_path, monkeypatch):
         lm = load.load_bundled_gguf(cfg, torch.device("cpu"), torch.float32)
         return lm, capsys.readouterr().out
 
-    run.gguf, run.target, run.conversions = gguf, tmp_path / "cache" / cfg.name, conversions
+    run.gguf, run.target, run.conversions = gguf, load.converted_dir(cfg.name), conversions
     return run
 
 
