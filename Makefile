@@ -37,7 +37,8 @@ test-fast: install
 	$(BIN)/python -m pytest -m "not real_model and not slow"   # the fast tier (~2 min): no real model, no whole sweeps or clusters
 
 # The kvpress adapter (methods/kvpress.py) and its fidelity against kvbench's native methods, in the second venv:
-# kvpress and a transformers it allows (5.2.x); tests/kvpress/ on the bundled model (they skip in the main venv).
+# kvpress and a transformers it allows (5.2.x); tests/kvpress/ on the bundled model (they skip in the main venv),
+# then the fast tier on that transformers, kvbench's minimum.
 $(VENV_KVPRESS)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV_KVPRESS)
 	$(VENV_KVPRESS)/bin/pip install -q --upgrade pip
@@ -47,6 +48,7 @@ $(VENV_KVPRESS)/.installed: pyproject.toml setup.py Makefile
 
 test-kvpress: $(VENV_KVPRESS)/.installed
 	$(VENV_KVPRESS)/bin/python -m pytest tests/kvpress
+	$(VENV_KVPRESS)/bin/python -m pytest -q -m "not real_model and not slow"
 
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
 # reference_ruler_new + ~45 min for the two-model experiments, 2 cores).

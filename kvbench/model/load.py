@@ -492,7 +492,20 @@ def converted_dir(name: str) -> Path:
     return cache_root() / name / f"transformers-{transformers.__version__}"
 
 
+def drop_unversioned_conversion(folder: Path) -> None:
+    """A conversion written straight into `folder` (the model's cache folder, before one folder per transformers
+    version): its marked files are removed when the versioned one is made, saying so — kvbench's own cache, 0.5 GB."""
+    marker = read_marker(folder)
+    if marker is None:
+        return
+    with contextlib.suppress(OSError):
+        for name in [*marker["files"], MARKER]:
+            (folder / name).unlink(missing_ok=True)
+        print(f"[kvbench] removed the conversion in {folder} made before one folder per transformers version")
+
+
 def _make_cache_dir(target: Path) -> None:
+    drop_unversioned_conversion(target.parent)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:

@@ -160,3 +160,16 @@ def test_a_hub_checkpoint_missing_weights_is_refused_unless_allowed(partial_chec
 
 def test_random_architecture_models_still_build_their_random_weights(tiny):
     assert tiny.n_layers == OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml").architecture.num_hidden_layers
+
+
+def test_a_conversion_from_before_versioned_folders_is_removed(tmp_path, monkeypatch):
+    """One folder per transformers version: the files an older kvbench converted straight into the model's folder
+    (its marker lists them) go when the versioned folder is made; anything else there stays."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    folder = load.converted_dir("smollm2-135m").parent
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\0" * 8)
+    load.write_marker(folder, {"file": "x.gguf", "sha256": "0"})  # lists model.safetensors
+    (folder / "notes.txt").write_text("mine")
+    load._make_cache_dir(load.converted_dir("smollm2-135m"))
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
