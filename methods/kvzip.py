@@ -16,8 +16,8 @@ over the sinks, the chunk and itself.
 
 Cost: the second forward is as long as the prompt again (+ ~20 tokens per chunk) and attends to up to twice the
 keys; it is part of the configuration's compression time, so its `prefill_s` shows it. Queries are rebuilt from
-q_proj on the attention modules' inputs (forward hooks, as kvpress does); the softmax is computed in query chunks
-in fp32 — the model's own attention stays sdpa.
+q_proj on the attention modules' inputs (forward hooks, as kvpress does); the logits are products in the model's
+dtype, the softmax is computed in query chunks in fp32 — the model's own attention stays sdpa.
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ def max_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, n_sco
     bsz, n_heads, n_queries, head_dim = query.shape
     n_kv = keys.shape[1]
     start, stop = n_scored
-    keys_t = keys.float().transpose(-1, -2)[:, :, None]  # (B, H_kv, 1, D, K)
+    keys_t = keys.to(query.dtype).transpose(-1, -2)[:, :, None]  # (B, H_kv, 1, D, K)
     n_keys = keys.shape[2]
     own = torch.arange(n_keys - n_queries, n_keys, device=query.device)  # (R,) the queries' own key slots
     best = torch.zeros(bsz, n_kv, stop - start, device=query.device)
     for first in range(0, n_queries, QUERY_BLOCK):
-        q = query[:, :, first : first + QUERY_BLOCK].float()  # (B, H_q, r, D)
+        q = query[:, :, first : first + QUERY_BLOCK]  # (B, H_q, r, D)
         q = q.view(bsz, n_kv, n_heads // n_kv, q.shape[2], head_dim)  # (B, H_kv, G, r, D)
-        logits = q @ keys_t * scaling  # (B, H_kv, G, r, K)
+        # the products in the model's dtype (as its attention and kvpress: bf16 5× fp32's speed on this CPU),
+        # the softmax in fp32
+        logits = (q @ keys_t).float() * scaling  # (B, H_kv, G, r, K)
         future = own[None, :] > own[first : first + q.shape[3], None]  # (r, R) later reconstruction tokens
         logits[..., n_keys - n_queries :].masked_fill_(future, float("-inf"))
         weights = logits.softmax(dim=-1)[..., start:stop]  # (B, H_kv, G, r, C)
