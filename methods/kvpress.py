@@ -163,16 +163,16 @@ class KVPress(HooksPrefill, Method):
         chunk_limit="kvpress compresses once, inside its own prefill",
         stream_limit="a kvbench method (kvpress's presses compress a prompt once)",
         shares_prefill=False,  # its hooks run inside a prefill of its own
-        needs=frozenset({"kvbench_attention"}),  # its hooks and attention patch sit on the model's attention
+        # its hooks and attention patch sit on model.model.layers[i].self_attn; a sliding layer's window would be
+        # compressed as if it were the prompt (tests/model/test_architectures.py: logits differ at budget 1.0)
+        needs=frozenset({"kvbench_attention", "llama_layout", "no_sliding_layers"}),
     )
 
     def __post_init__(self):
         self._spec = press_spec(self.press, self.press_kwargs)
         self._press = build_press(self._spec)
-        name = self._spec["name"]
-        needs = self.caps.needs | ({"full_attention_layers"} if name == "KVzipPress" else set())
         # a press without compression_ratio (DecodingPress) keeps what its own fields say: no budget
-        self.caps = dataclasses.replace(self.caps, has_budget=has_ratio(self._press), needs=frozenset(needs))
+        self.caps = dataclasses.replace(self.caps, has_budget=has_ratio(self._press))
         self.kept_masks: list[torch.Tensor | None] = []
         self._claim: tuple[int, int] | None = None  # (prompt tokens, tokens the press claims to keep of them)
 

@@ -14,6 +14,8 @@ traceback mid-run and never a silent wrong number. The rules follow what each me
 - kvzip re-derives queries with per-head q norms (not OLMo 2's full-width ones);
 - transformers' QuantizedCache (hf-quant) holds only full-attention layers; KIVI attends inside kvbench's attention
   function (not Falcon's own attention), and its groups must divide head_dim.
+- kvpress's presses (method=kvpress) hook model.model.layers[i].self_attn and would compress a sliding layer's
+  window as if it were the prompt: full-attention models with that layout only.
 tests/model/test_architectures.py runs every registered method on every family: a pair runs and holds its
 invariants, or it is refused here.
 """
@@ -77,6 +79,8 @@ NEEDS = {  # Capabilities.needs (methods/base.py): what a method reads of the mo
     "per_head_qk_norm": "q/k norms per head, if any (it re-derives queries with them)",
     "full_attention_layers": "full-attention layers only (transformers' QuantizedCache)",
     "kvbench_attention": "the model's attention to call kvbench's attention function (its packed cache)",
+    "llama_layout": "decoder layers under model.model.layers with a self_attn each (where kvpress hooks)",
+    "no_sliding_layers": "full-attention layers only (kvpress's presses treat a sliding layer's window as the prompt)",
 }
 
 
@@ -95,6 +99,9 @@ def lacks(config) -> dict[str, str]:
         out["per_head_qk_norm"] = "normalises q and k over the full projection width"
     if set(layout.layer_types(config)) & set(layout.SLIDING_TYPES):
         out["full_attention_layers"] = "has sliding-window layers: use kivi"
+        out["no_sliding_layers"] = "has sliding-window layers"
+    if kind in NOT_LLAMA_LAYOUT:
+        out["llama_layout"] = "keeps its decoder layers elsewhere"
     if kind in NO_ATTENTION_INTERFACE:
         out["kvbench_attention"] = "runs its own attention: use hf-quant"
     return out
