@@ -1,5 +1,5 @@
 """The run spec: a run's top-level settings as typed values, read once from the Hydra config after
-kvbench.config.validate has checked it (`check_config`), and handed down instead of the raw DictConfig.
+kvbench.run.check has checked it (`check_config`), and handed down instead of the raw DictConfig.
 
 The `model` and `task` sections ride along as plain dicts (what the config hash records); they stay the DictConfig
 their registry entry reads (a loader's keys, a task's `Rule`s) where that entry is built, as the `method` and `grid`

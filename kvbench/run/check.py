@@ -18,8 +18,13 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
+from omegaconf import DictConfig
+
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
+from kvbench.config.spec import RunSpec
+from kvbench.run import modes
+from kvbench.run.modes import RunFacts
 
 DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 
@@ -235,30 +240,6 @@ def check_launcher(config: dict) -> None:
             raise KvbenchError(f"launcher.{key} applies to launcher=ray only; add launcher=ray or drop launcher.{key}")
 
 
-def check_modes(config: dict) -> None:
-    """Modes the task cannot honour are refused, never silently dropped: diagnose=true on a task without a decoded
-    answer, batch_size > 1 where examples run one at a time (their rows would hash as batched)."""
-    from kvbench.tasks import TASKS
-
-    task = str((config.get("task") or {}).get("name"))
-    cls = TASKS.get(task)
-    if config.get("diagnose") and cls.not_diagnosable():
-        raise KvbenchError(
-            f"diagnose=true cannot diagnose task={task}: {cls.not_diagnosable()}; run it with diagnose=false"
-        )
-    batch = int(config.get("batch_size") or 1)
-    if batch == 1:
-        return
-    alone = {
-        f"task={task}": cls.not_batchable(),
-        "diagnose=true": config.get("diagnose") and "each example is teacher-forced on its own",
-        "prefix_cache=true": config.get("prefix_cache") and "requests run in order, each reusing the ones before",
-    }
-    for what, why in alone.items():
-        if why:
-            raise KvbenchError(f"batch_size={batch} has no effect with {what} ({why}); use batch_size=1")
-
-
 def check_config(cfg) -> None:
     """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
     try:
@@ -285,7 +266,42 @@ def check_config(cfg) -> None:
     for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
-    check_modes(config)
-    from kvbench.config.model_fields import check_model
+    from kvbench.run.model_fields import check_model
 
     check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
+
+
+def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
+    """Every key, knob, grid entry and run mode, before the model loads; returns the run's spec (its settings typed,
+    read once here) and its configurations. The model's own refusals follow once its config is read (here when it
+    is cheap to read, else by `check_model_support` after loading)."""
+    from kvbench.model.load import model_config
+    from kvbench.run.configuration import configurations
+    from kvbench.tasks import TASKS
+
+    check_config(cfg)
+    spec = RunSpec.of(cfg)
+    confs = configurations(cfg)
+    modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
+    config = model_config(cfg.model, cheap=True)
+    if config is not None:  # else checked once the model is loaded
+        check_model_support(spec, confs, config)
+    return spec, confs
+
+
+def check_model_support(spec: RunSpec, confs: list, config) -> None:
+    """Each configuration runs on this model (kvbench.run.support), the model's layers are ones kvbench knows
+    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.run.modes)."""
+    import torch
+
+    from kvbench.model.layout import cache_layout
+    from kvbench.run.support import refusal
+    from kvbench.tasks import TASKS
+
+    sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
+    for c in confs:
+        reason = refusal(c.method, config)
+        if reason:
+            raise KvbenchError(reason)
+    methods = tuple(c.method for c in confs)
+    modes.check(RunFacts(spec, TASKS.get(spec.task_name), methods, sliding))
