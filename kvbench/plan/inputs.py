@@ -9,7 +9,8 @@ from typing import Any
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_value, did_you_mean, plain
-from kvbench.run.check import TOP_LEVEL, _lookup, check_grid_entry, check_method_params, method_class
+from kvbench.config.spec import TOP_LEVEL
+from kvbench.run.check import _lookup, check_grid_entry, check_method_params, method_class
 
 MAX_CONTEXT = 1 << 24  # the longest context planned (16M tokens), as the fit search's cap (kvbench.plan.model)
 MAX_BATCH = 1 << 20

@@ -2,14 +2,16 @@
 knob, grid entry and task knob, each bad value → one `KvbenchError` line naming the fix (exit 2).
 
 Declarative, so a new key is one line:
-- a top-level key: one `Rule` in `TOP_LEVEL` below (a test fails when conf/config.yaml has a key not listed);
+- a top-level key: one field of kvbench.config.spec.RunSpec with its `setting(...)` rule (TOP_LEVEL is derived from
+  it; a test fails when conf/config.yaml has a key the spec lacks);
 - a method knob: its dataclass field's annotation (`int`, `float`, `bool`, `str`, `list[str]`, `dict`, `X | None`,
   `Literal[...]`) is the type; numbers are ≥ 0 unless the field says otherwise with
   `knob(default, min=..., max=..., choices=...)` (kvbench.config.registry); the method's `__post_init__` adds its own
   checks;
 - a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
 
-Importable without torch (tasks declare their `knobs` with `Rule`).
+The run's modes together (kvbench.run.modes) and each method against the model's layers (kvbench.run.support) are
+checked by `check_run` and `check_model_support`.
 """
 
 from __future__ import annotations
@@ -22,72 +24,10 @@ from omegaconf import DictConfig
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
-from kvbench.config.spec import RunSpec
+from kvbench.config.spec import TOP_LEVEL, RunSpec
 from kvbench.run import modes
 from kvbench.run.modes import RunFacts
 
-DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-
-# ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
-TOP_LEVEL: dict[str, Rule] = {
-    "budget": Rule(
-        "budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True
-    ),
-    "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
-    "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
-    "seed": Rule("int", "seed=0 (any integer)"),
-    "device": Rule("str", "device=auto, device=cpu or device=cuda (cuda:N)"),
-    "dtype": Rule("str", "dtype=auto (native bf16 else fp32), bfloat16, float16 or float32", choices=DTYPE_CHOICES),
-    "results_dir": Rule("str", "results_dir=PATH (a directory for the results store)"),
-    "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
-    "report": Rule("bool", "report=true or report=false"),
-    "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
-    "grid_batch": Rule(
-        "any",
-        "grid_batch=auto (a grid's configurations decoded together where rows stay identical), grid_batch=true or "
-        "grid_batch=false",
-        choices=("auto", True, False),
-    ),
-    "grid_padding": Rule(
-        "float",
-        "grid_padding=2 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
-        min=1,
-    ),
-    "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
-    "grid.method": Rule(
-        "list",
-        "grid.method=[snapkv,h2o] (a list; null: the selected method)",
-        nullable=True,
-        non_empty=True,
-        item=Rule("any"),
-    ),
-    "grid.budget": Rule(
-        "list",
-        "grid.budget=[0.25,0.5] (a list; null: budget)",
-        nullable=True,
-        non_empty=True,
-        item=Rule("budget", "budget fractions in (0, 1] or token counts"),
-    ),
-    "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
-    "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/guide/verdict.py)"),
-    # the verdict's keys, ranges and order: kvbench.guide.verdict.Thresholds.from_config (one rule for both)
-    "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
-    "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
-    "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
-    "reuse": Rule("str", "reuse=per_question or reuse=compress_once", choices=("per_question", "compress_once")),
-    "prefill": Rule(
-        "str",
-        "prefill=shared (compress after the whole prefill; grids share it) or prefill=inline (each layer "
-        "compressed inside the forward pass)",
-        choices=("shared", "inline"),
-    ),
-    "prefill_chunk": Rule(
-        "int",
-        "prefill_chunk=1024 (tokens per chunk, with prefill=inline) or prefill_chunk=null (whole prompt)",
-        nullable=True,
-        min=1,
-    ),
-}
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {
     "launcher.name": Rule("str", "launcher=local or launcher=ray", choices=("local", "ray")),
@@ -280,10 +220,10 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     from kvbench.tasks import TASKS
 
     check_config(cfg)
-    spec = RunSpec.of(cfg)
-    confs = configurations(cfg)
+    spec = RunSpec.of(cfg)  # the Hydra config ends here: what follows reads the spec
+    confs = configurations(spec)
     modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
-    config = model_config(cfg.model, cheap=True)
+    config = model_config(spec.model, cheap=True)
     if config is not None:  # else checked once the model is loaded
         check_model_support(spec, confs, config)
     return spec, confs

@@ -181,6 +181,41 @@ CONFLICTS: list[tuple[str, str, str]] = [
 ]
 
 
+WHEN = {  # when each mode is active, in words (the table's second column)
+    "inline": "`prefill=inline`",
+    "chunked": "`prefill_chunk=N`",
+    "prefix_cache": "`prefix_cache=true`",
+    "compress_once": "`reuse=compress_once`",
+    "batch": "`batch_size` > 1",
+    "diagnose": "`diagnose=true`",
+    "stream": "a task of kind `stream` (`ppl`)",
+    "workload": "a task of kind `workload` (`shared_doc`, `multiturn`, ...)",
+    "external": "a task of kind `external` (`lm_eval`)",
+    "hooked": "`method=kvpress`",
+    "whole_prefill_method": "a method selecting across layers (`kvzip`)",
+    "chunk_limited_method": "a method that cannot re-compress per chunk (`adakv`, `compose`, ...)",
+    "sliding": "a model with sliding-window layers (Gemma 2/3, Mistral, gpt-oss)",
+}
+
+
+def markdown() -> str:
+    """The run-mode table of docs/cli.md, from MODES, NEEDS and CONFLICTS (tests/run/test_modes.py holds them equal)."""
+    lines = [
+        "| mode | active with | needs | does not combine with | config hash adds | rows add |",
+        "|---|---|---|---|---|---|",
+    ]
+    example = RunSpec(prefill="inline", prefill_chunk=256, prefix_cache=True, reuse="compress_once", batch_size=4)
+    for key, mode in MODES.items():
+        needs = NEEDS.get(key, ("", ""))[0]
+        others = [b if a == key else a for a, b, _ in CONFLICTS if key in (a, b)]
+        hashed = ", ".join(f"`{k}`" for k in mode.hash_keys(example))
+        lines.append(
+            f"| {key} | {WHEN[key]} | {needs or '–'} | {', '.join(dict.fromkeys(others)) or '–'} | {hashed or '–'} "
+            f"| {', '.join(f'`{c}`' for c in mode.columns) or '–'} |"
+        )
+    return "\n".join(lines)
+
+
 def active(facts: RunFacts) -> list[str]:
     return [key for key, mode in MODES.items() if mode.active(facts)]
 

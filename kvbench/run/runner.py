@@ -49,9 +49,9 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job in this process (or one launcher shard of it); returns this run's rows (computed
     and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
     spec, confs = check_run(cfg)
-    lm = load_model(cfg.model, spec.device, spec.dtype)
+    lm = load_model(spec.model, spec.device, spec.dtype)
     check_model_support(spec, confs, lm.config)
-    task = build_task(cfg.task, lm.tokenizer, spec.seed, lm.max_context)
+    task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()
     if spec.limit:
         examples = examples[: spec.limit]

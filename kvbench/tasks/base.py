@@ -152,8 +152,11 @@ class Task(abc.ABC):
 def build_task(cfg, tokenizer, seed: int, max_context: int | None = None) -> Task:
     """The task, its lengths checked against the model's context first (no prompt is built for a length that
     cannot run)."""
+    from omegaconf import OmegaConf
+
     from kvbench.config.rules import plain
 
+    cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg  # tasks read their knobs as attributes
     cls = TASKS.get(cfg.name)
     cls.check_length(plain(cfg), max_context)
     return cls(cfg, tokenizer, seed, max_context)
