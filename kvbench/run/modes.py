@@ -19,6 +19,7 @@ from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.engine.inline import compresses_per_layer
 from kvbench.methods.modes import HooksPrefill
+from kvbench.tasks.base import Task
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class RunFacts:
     """What decides a run's modes: its settings, its task's class, its configurations' methods, the model's layers."""
 
     spec: RunSpec
-    task: type  # the task's class (kvbench.tasks.base.Task): its `kind` and name
+    task: type[Task]  # the task's class: its `kind` and name
     methods: tuple = ()  # the built methods of the run's configurations
     sliding: bool | None = None  # the model has sliding-window layers; None: its config is not read yet
 
@@ -238,7 +239,7 @@ def check(facts: RunFacts) -> None:
         raise KvbenchError(reason)
 
 
-def hash_keys(spec: RunSpec, task: type) -> dict:
+def hash_keys(spec: RunSpec, task: type[Task]) -> dict:
     """What the active settings add to a configuration's hash (rows of another mode never answer for these)."""
     facts = RunFacts(spec, task)
     out: dict = {}

@@ -153,10 +153,10 @@ def stream_rows(ctx: RowContext, c: Configuration, ex: Example) -> list[dict]:
     from kvbench.engine.streaming import stream_budget, stream_perplexity
 
     engine, task = ctx.engine, ctx.task
-    ids = ex.context_ids
+    ids, chunk = ex.context_ids, task.chunk  # type: ignore[attr-defined]  # a stream task's step (tasks/ppl.py)
     budget = stream_budget(c.budget, len(ids))  # fraction of the text → tokens
     windows = stream_perplexity(  # headmerge: its model; prefill=inline bounds each layer inside the forward
-        engine.prepared(c.method), c.method, budget, ids, task.chunk, inline=ctx.prefill == "inline"
+        engine.prepared(c.method), c.method, budget, ids, chunk, inline=ctx.prefill == "inline"
     )
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
