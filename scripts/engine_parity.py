@@ -8,6 +8,7 @@ task code. Per prompt: kvbench's Engine (full cache) and the engine's `full` opt
 ids; the table says "identical" or the first divergent step, with the cause measured there:
 - `kvb_gap`: kvbench's logit of its own token minus its logit of the engine's token (how far kvbench was from
   choosing the engine's token), and `eng_m`: the engine's top-1 - top-2 logit margin at that step;
+- `fa_off`: the engine's full run with flash attention off (what snapkv runs with) against its default;
 - `f32kv`: the same engine run with an f32 K/V cache (llama.cpp): identical to kvbench there means the f16 cache
   rounding decided it; still divergent means the weights as the engine computes with them (the Q4_1/Q4_K blocks,
   with activations quantized to Q8 for the dot products) against kvbench's dequantized fp32 conversion.
@@ -80,6 +81,7 @@ def main() -> None:
                 "kvb_gap": "",
                 "eng_m": "",
                 "f32kv": "",
+                "fa_off": "",
                 "kvb_s": f"{kv_s:.1f}",
                 "eng_s": f"{theirs.prefill_s + theirs.decode_s:.1f}",
             }
@@ -95,15 +97,28 @@ def main() -> None:
                 probe_step = first_divergence(ours.token_ids, probe.token_ids)
                 row["f32kv"] = "identical" if probe_step is None else f"step {probe_step}"
             rows.append(row)
+            references = {"auto": theirs.token_ids}  # the engine's full run per flash-attention setting
             for option in options:
+                flash = backend.knobs(option)["flash_attn"]  # snapkv reads attention: flash attention off
+                if flash not in references:
+                    knobs = {"flash_attn": flash}
+                    references[flash] = backend.generate(
+                        EngineRequest(ids, ex.max_new_tokens, "full", knobs, None, stop_ids)
+                    ).token_ids
                 other = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, budget=1.0, stop_ids=stop_ids))
-                same = other.token_ids == theirs.token_ids
-                no_compression.append((row["prompt"], option, "identical" if same else f"differs: {other.token_ids}"))
+                same = other.token_ids == references[flash]
+                verdict = "identical" if same else f"differs: {other.token_ids}"
+                no_compression.append((row["prompt"], f"{option} (vs full flash_attn={flash})", verdict))
+            if "off" in references:
+                step = first_divergence(references["off"], theirs.token_ids)
+                row["fa_off"] = "identical" if step is None else f"step {step}"
             print(" | ".join(str(v) for v in row.values()), flush=True)
     finally:
         backend.close()
-    print(f"\n{args.engine} ({backend.info.get('engine_version')}) vs kvbench Engine full cache, {args.model} "
-          f"{args.dtype}, task=niah defaults ({len(rows)} prompts)\n")
+    print(
+        f"\n{args.engine} ({backend.info.get('engine_version')}) vs kvbench Engine full cache, {args.model} "
+        f"{args.dtype}, task=niah defaults ({len(rows)} prompts)\n"
+    )
     head = list(rows[0])
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
@@ -113,7 +128,7 @@ def main() -> None:
     if options:
         print(f"\nno compression (budget 1.0) vs {args.engine} full:")
         for prompt, option, verdict in no_compression:
-            print(f"  {prompt:>16}  {option:<14} {verdict}")
+            print(f"  {prompt:>16}  {option:<38} {verdict}")
         ok = sum(v == "identical" for _, _, v in no_compression)
         print(f"{ok}/{len(no_compression)} identical")
 

@@ -52,7 +52,7 @@ class LlamaCpp(Backend):
     }
     eviction_knobs = {
         "streamingllm": {"evict": "streamingllm", "start_size": 4, "evict_during_decode": True, "positions": "kept"},
-        "snapkv": {"evict": "snapkv", "window_size": 32, "kernel_size": 5, "positions": "kept"},
+        "snapkv": {"evict": "snapkv", "window_size": 32, "kernel_size": 5, "positions": "kept", "flash_attn": "off"},
     }
 
     def __init__(self, root: Path | None = None, n_threads: int | None = None):
@@ -131,10 +131,10 @@ def check_knobs(option: str, knobs: dict) -> None:
         raise KvbenchError(f"flash_attn={knobs.get('flash_attn')!r}: use auto, on or off")
     if knobs["type_v"] in QUANTIZED and knobs["flash_attn"] != "on":
         raise KvbenchError(f"type_v={knobs['type_v']} needs flash_attn=on in llama.cpp (a quantized V is untransposed)")
-    if knobs.get("evict") == "snapkv" and knobs["type_v"] in QUANTIZED:
+    if knobs.get("evict") == "snapkv" and (knobs["type_v"] in QUANTIZED or knobs["flash_attn"] != "off"):
         raise KvbenchError(
-            "snapkv on llama.cpp reads attention with flash attention off, which a quantized V cache cannot run; "
-            "use type_v=f16 (type_k may be q8_0)"
+            "snapkv on llama.cpp reads attention with flash attention off (flash_attn=off), which a quantized V "
+            "cache cannot run; use type_v=f16 (type_k may be q8_0)"
         )
     if knobs.get("positions", "kept") not in ("kept", "shifted"):
         raise KvbenchError(f"positions={knobs['positions']!r}: use kept or shifted")

@@ -235,7 +235,7 @@ class Engine:
         stops = {int(t) for t in request.get("stop_ids") or []}
         type_k, type_v = knobs.get("type_k", "f16"), knobs.get("type_v", "f16")
         method = knobs.get("evict")  # None | "streamingllm" | "snapkv"
-        flash = "off" if method == "snapkv" else knobs.get("flash_attn", "auto")
+        flash = knobs.get("flash_attn", "auto")  # snapkv: off (kvbench's side checks it), to read attention
         need = len(ids) + max_new + 1
         if need > self.n_ctx_train:
             raise KvbenchError(f"{len(ids)}+{max_new} tokens exceed the model's context {self.n_ctx_train}")
