@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="kvbench's dtype (llama.cpp computes in f32)")
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
     parser.add_argument("--options", nargs="*", default=None, help="eviction options checked at no compression")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-token table of the options")
     args = parser.parse_args()
 
     model_cfg = OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml")
@@ -113,6 +114,19 @@ def main() -> None:
                 step = first_divergence(references["off"], theirs.token_ids)
                 row["fa_off"] = "identical" if step is None else f"step {step}"
             print(" | ".join(str(v) for v in row.values()), flush=True)
+        bytes_rows = []
+        if not args.no_bytes:  # each precision option on the first prompt: what llama.cpp holds per token
+            ex = examples[0]
+            ids = ex.context_ids + ex.question_ids
+            for option, knobs in backend.options.items():
+                g = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, stop_ids=stop_ids))
+                fed = len(ids) + g.decode_steps
+                found = ex.answers[0] in lm.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+                bytes_rows.append(
+                    f"| {option} | {knobs['type_k']}/{knobs['type_v']} fa={knobs['flash_attn']} | {fed} | "
+                    f"{g.kv_bytes:,} | {g.kv_bytes / fed:,.0f} | {g.kv_bytes / g.kv_bytes_full:.4f} | "
+                    f"{'yes' if found else 'no'} | {g.peak_mem_bytes / 2**20:.0f} |"
+                )
     finally:
         backend.close()
     print(
@@ -131,6 +145,11 @@ def main() -> None:
             print(f"  {prompt:>16}  {option:<38} {verdict}")
         ok = sum(v == "identical" for _, _, v in no_compression)
         print(f"{ok}/{len(no_compression)} identical")
+    if bytes_rows:
+        print(f"\ncache bytes llama.cpp holds, first prompt ({examples[0].n_tokens} tokens), {args.model}:\n")
+        print("| option | K/V | tokens | kv_bytes | bytes/token | kv_ratio | needle | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(bytes_rows))
 
 
 if __name__ == "__main__":
