@@ -47,6 +47,18 @@ class Backend(abc.ABC):
     options: dict[str, dict]  # kvbench method name -> the engine's knobs ({} for "full")
     applies: dict[str, str] = {}  # kvbench method name -> granularity note ("token positions, all layers and heads")
 
+    info: dict = {}  # what the worker's start reported (`engine_version`, the model's shape)
+
+    @classmethod
+    def evicts(cls, option: str) -> bool:
+        """Whether `option` evicts tokens (it takes kvbench's budget): kvbench's methods applied inside the engine,
+        unless a backend says otherwise for its own eviction options."""
+        return option in cls.applies
+
+    @property
+    def version(self) -> str:
+        return str(self.info.get("engine_version", ""))
+
     @abc.abstractmethod
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         """Why this engine cannot run `option` on this model here, in one line naming the fix (the make target, or

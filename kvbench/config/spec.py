@@ -61,6 +61,7 @@ class RunSpec:
     model: dict = section("model=smollm2-135m (conf/model/)")
     task: dict = section("task=niah (conf/task/)")
     method: dict = section("method=snapkv (conf/method/)")
+    engine: dict = section("engine=kvbench (conf/engine/: kvbench, llamacpp, vllm, openvino)")
     budget: float | int | None = setting(None, "budget", BUDGET_FIX, nullable=True)  # None: 0.5 where one is taken
     grid: dict = setting(None, "dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]", factory=dict, keys=GRID_KEYS)
     query_aware: bool = setting(True, "bool", "query_aware=true or query_aware=false")
@@ -124,6 +125,10 @@ class RunSpec:
     def task_name(self) -> str:
         return str(self.task.get("name", ""))
 
+    @property
+    def engine_name(self) -> str:
+        return str(self.engine.get("name") or "kvbench")
+
     @classmethod
     def of(cls, cfg: DictConfig | RunSpec) -> RunSpec:
         """The spec of a checked config (a RunSpec is returned as it is): each setting typed by its rule."""
@@ -167,4 +172,6 @@ def top_level_rules() -> dict[str, Rule]:
 
 
 # ★ every top-level key of conf/config.yaml (config groups are checked by their own code)
-TOP_LEVEL: dict[str, Rule] = {k: r for k, r in top_level_rules().items() if k not in ("model", "task", "method")}
+TOP_LEVEL: dict[str, Rule] = {
+    k: r for k, r in top_level_rules().items() if k not in ("model", "task", "method", "engine")
+}

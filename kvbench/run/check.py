@@ -203,12 +203,30 @@ def check_config(cfg) -> None:
     params = {k: v for k, v in method.items() if k != "name"}
     check_method_params("method", method_class("method", method.get("name")), params)
     build_method(method["name"], params)  # the method's own __post_init__ checks
+    engine = str((config.get("engine") or {}).get("name") or "kvbench")
+    if engine != "kvbench":  # the grid names the engine's options: kvbench.run.configuration.engine_options
+        check_engine(engine, config)
+        return check_task(config.get("task") or {})
     for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
     from kvbench.run.model_fields import check_model
 
     check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
+
+
+def check_engine(name: str, config: dict) -> None:
+    """engine=<name>: a registered backend whose venv is built, able to run every requested option on this model."""
+    from kvbench.backends import BACKENDS
+
+    backend = BACKENDS.get(name)()
+    grid = config.get("grid") or {}
+    for entry in grid.get("method") or [config.get("method") or {}]:
+        option = entry.get("name") if isinstance(entry, dict) else entry
+        if option in (*backend.options, *backend.applies):  # else engine_options names the valid ones
+            reason = backend.unavailable(config.get("model") or {}, option)
+            if reason:
+                raise KvbenchError(reason)
 
 
 def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
@@ -239,7 +257,7 @@ def check_model_support(spec: RunSpec, confs: list, config) -> None:
     from kvbench.tasks import TASKS
 
     sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
-    for c in confs:
+    for c in confs if spec.engine_name == "kvbench" else ():  # a serving engine says what it runs (check_engine)
         reason = refusal(c.method, config)
         if reason:
             raise KvbenchError(reason)

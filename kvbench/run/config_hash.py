@@ -64,8 +64,11 @@ def bf16_kernels(lm) -> bool:
     return cpu is not None and cpu.bf16_column_sums()
 
 
-def hash_configuration(c: Configuration, spec: RunSpec, lm, data: dict[str, str] | None = None) -> str:
-    """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key."""
+def hash_configuration(
+    c: Configuration, spec: RunSpec, lm, data: dict[str, str] | None = None, engine_version: str | None = None
+) -> str:
+    """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key.
+    `engine_version`: a serving engine's (engine=llamacpp, ...): another build's rows are other rows."""
     selection = TASKS.get(spec.task_name).selection_keys  # they pick examples, not change them: rows stay reusable
     task = {k: v for k, v in spec.task.items() if k not in selection}
     return config_hash(
@@ -80,7 +83,8 @@ def hash_configuration(c: Configuration, spec: RunSpec, lm, data: dict[str, str]
             "budget": c.budget_value,
             "query_aware": c.query_aware,
             **({"data": data} if data else {}),
-            **modes.hash_keys(spec, TASKS.get(spec.task_name)),  # prefix cache, inline/chunked prefill, batch size
+            **modes.hash_keys(spec, TASKS.get(spec.task_name)),  # prefix cache, inline/chunked prefill, batch, engine
+            **({"engine_version": engine_version} if engine_version else {}),
             # outside float32, decoding configurations together may change a last bit (and a token), and which rows
             # share a batch (grid_padding) with it: apart
             **(forced_grid_keys(spec) if grid_batch_forced(spec, lm) else {}),

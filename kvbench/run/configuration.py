@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.methods import Budget, Method, build_method, method_defaults
+from kvbench.methods import METHODS, Budget, Capabilities, Method, build_method, method_defaults
 
 DEFAULT_BUDGET = 0.5  # for methods that take a budget, when `budget` is not given
 
@@ -22,6 +22,56 @@ class Configuration:
     @property
     def budget_value(self) -> float:
         return 1.0 if self.budget is None else self.budget.value
+
+
+PRECISION = Capabilities(family="precision", has_budget=False)
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """What stands for a method in a configuration run by a serving engine (kvbench.backends): one of the engine's
+    own KV options (`q8_0`, `fp8_e5m2`, `sum`) or a kvbench method it applies inside the engine (`streamingllm` on
+    llama.cpp), with the engine knobs the run overrides. `caps.has_budget`: it evicts, with kvbench's budget."""
+
+    name: str
+    knobs: tuple = ()  # (knob, value) pairs the run sets beyond the option's own
+    caps: Capabilities = PRECISION
+
+    def params(self) -> dict:
+        return dict(self.knobs)
+
+
+def engine_options(spec: RunSpec) -> list[Configuration]:
+    """The run's configurations on a serving engine: its uncompressed `full` first, then the requested options
+    (method / grid.method: option names, or {name: option, knob: value}), each refused in one line when the engine
+    lacks it (kvbench.backends.<engine>)."""
+    from kvbench.backends import BACKENDS
+
+    backend = BACKENDS.get(spec.engine_name)
+    valid = [*backend.options, *backend.applies]
+
+    def option(entry, budget) -> Configuration:
+        entry = dict(entry) if isinstance(entry, dict) else {"name": entry}
+        name = entry.pop("name", None)
+        if name not in valid:
+            raise KvbenchError(
+                f"engine={spec.engine_name} has no option {name!r}; valid: {', '.join(valid)} "
+                f"(e.g. 'grid.method=[{valid[1] if len(valid) > 1 else valid[0]}]')"
+            )
+        defaults = method_defaults(name) if name in METHODS.names() else {}  # the kvbench method's yaml knobs
+        knobs = tuple(sorted((k, v) for k, v in entry.items() if defaults.get(k, object()) != v))
+        evicts = backend.evicts(name)
+        caps = Capabilities(family="eviction" if evicts else "precision", has_budget=evicts)
+        return Configuration(EngineOption(name, knobs, caps), Budget.parse(budget) if evicts else None, True)  # type: ignore[arg-type]  # stands for a Method
+
+    grid = spec.grid
+    entries = list(grid.get("method") or [spec.method])
+    budgets = list(grid.get("budget") or [DEFAULT_BUDGET if spec.budget is None else spec.budget])
+    out = [option("full", 1.0)]
+    for c in (option(e, b) for e in entries for b in budgets):
+        if all((c.method != o.method or c.budget != o.budget) for o in out):
+            out.append(c)
+    return out
 
 
 def method_config(name: str) -> dict:
@@ -49,6 +99,8 @@ def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configura
 
 def configurations(spec: RunSpec) -> list[Configuration]:
     """Baseline first, then the requested configurations (duplicates dropped)."""
+    if spec.engine_name != "kvbench":
+        return engine_options(spec)
     query_aware, budget, grid = spec.query_aware, spec.budget, spec.grid
     if grid.get("method") or grid.get("budget"):
         entries = list(grid.get("method") or [spec.method["name"]])

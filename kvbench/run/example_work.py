@@ -10,7 +10,7 @@ from kvbench.config.spec import RunSpec
 from kvbench.run import modes, requests
 from kvbench.run.configuration import Configuration
 from kvbench.run.modes import RunFacts
-from kvbench.run.rows import RowContext, generation_rows, stream_rows
+from kvbench.run.rows import RowContext, engine_rows, generation_rows, stream_rows
 from kvbench.store.claims import Claims
 from kvbench.store.results import fault_text
 from kvbench.tasks import Example
@@ -41,6 +41,7 @@ class ExampleWork:
             "stream": lambda ex, todo: [row for c in todo for row in stream_rows(ctx, c, ex)],
             "workload": lambda ex, todo: self.requests.rows(ctx, todo, ex),  # type: ignore[union-attr]
             "external": lambda ex, todo: self.task.compute_rows(ctx, todo, ex),
+            "engine": lambda ex, todo: engine_rows(ctx, todo, ex),  # a serving engine (kvbench.backends)
         }
 
     @property
@@ -93,8 +94,8 @@ class ExampleWork:
 
     def compute(self, ex: Example, todo: list[Configuration]) -> list[dict]:
         """The rows of `todo` on example `ex`: by the task's kind (any task runs as requests in order under the
-        prefix cache)."""
-        kind = "workload" if self.requests is not None else self.task.kind
+        prefix cache; a serving engine's rows come from its process)."""
+        kind = "engine" if self.ctx.backend else "workload" if self.requests is not None else self.task.kind
         return self.kinds[kind](ex, todo)
 
     def todo(self, ex: Example) -> list[Configuration]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.engine.inline import compresses_per_layer
+from kvbench.methods import Method
 from kvbench.methods.modes import HooksPrefill
 from kvbench.tasks.base import Task
 
@@ -50,7 +51,7 @@ def _hooked(method) -> bool:
 
 
 def _whole_prefill(method) -> bool:
-    return not compresses_per_layer(method)
+    return isinstance(method, Method) and not compresses_per_layer(method)
 
 
 def _chunk_limited(method) -> bool:
@@ -125,6 +126,14 @@ MODES = {
             lambda f: any(m.caps.chunk_limit for m in f.methods),
         ),
         Mode("sliding", lambda f: "a model with sliding-window layers", lambda f: bool(f.sliding)),
+        Mode("context_only", lambda f: "query_aware=false", lambda f: not f.spec.query_aware),
+        Mode(
+            "engine",
+            lambda f: f"engine={f.spec.engine_name}",
+            lambda f: f.spec.engine_name != "kvbench",
+            lambda spec: {"engine": spec.engine_name},  # + the engine's version, once it has started (config_hash)
+            ("engine", "engine_version", "engine_extra"),
+        ),
     )
 }
 
@@ -147,6 +156,11 @@ _WINDOWS = (
     "sliding-window layers are not yet kept at their window there; run it with prefill=shared, batch_size=1, no "
     "prefix cache and a generation task"
 )
+_ENGINE = (
+    "a serving engine runs each whole prompt greedily in its own process, one request at a time; use engine=kvbench "
+    "for it"
+)
+ENGINE_ALONE = "inline chunked prefix_cache batch diagnose stream workload external hooked context_only".split()
 # (mode, other, why and fix): both active → refused, in this order (the first that applies is the message)
 CONFLICTS: list[tuple[str, str, str]] = [
     ("hooked", "inline", _HOOKS),
@@ -175,6 +189,7 @@ CONFLICTS: list[tuple[str, str, str]] = [
         "chunk_limited_method",
         "it cannot re-compress its cache after each chunk; drop prefill_chunk for it (prefill=inline alone works)",
     ),
+    *(("engine", other, _ENGINE) for other in ENGINE_ALONE),
     ("inline", "sliding", _WINDOWS),
     ("prefix_cache", "sliding", _WINDOWS),
     ("batch", "sliding", _WINDOWS),
@@ -196,6 +211,8 @@ WHEN = {  # when each mode is active, in words (the table's second column)
     "whole_prefill_method": "a method selecting across layers (`kvzip`)",
     "chunk_limited_method": "a method that cannot re-compress per chunk (`adakv`, `compose`, ...)",
     "sliding": "a model with sliding-window layers (Gemma 2/3, Mistral, gpt-oss)",
+    "context_only": "`query_aware=false`",
+    "engine": "`engine=llamacpp`, `vllm`, `openvino` (kvbench.backends)",
 }
 
 

@@ -35,6 +35,7 @@ class RowContext:
     prefill_chunk: int | None = None
     grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.engine.grid_decode)
     grid_padding: float = MAX_PADDING
+    backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
 
     @property
     def lm(self):
@@ -186,4 +187,48 @@ def stream_rows(ctx: RowContext, c: Configuration, ex: Example) -> list[dict]:
             perplexity_so_far=math.exp(nll / predicted),
         )
         rows.append(row)
+    return rows
+
+
+def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list[dict]:
+    """Each configuration's row from a serving engine (kvbench.backends): the whole prompt through the engine's own
+    process, greedy. kv_bytes is what the engine holds for the sequence, kv_bytes_full the same engine's uncompressed
+    cache at the same tokens (its own baseline); the dense and MHA byte baselines are kvbench's accounting, not the
+    engine's: left empty. The answer is cut at the task's stop strings as kvbench's engine cuts it."""
+    from kvbench.backends.base import EngineRequest
+
+    prompt = ex.context_ids + ex.question_ids
+    rows = []
+    for c in todo:
+        budget = None if c.budget is None else c.budget.value
+        request = EngineRequest(prompt, ex.max_new_tokens, c.method.name, c.method.params(), budget, [])
+        request.stop_ids = sorted(int(t) for t in ctx.engine.eos_ids if isinstance(t, int))
+        gen = ctx.backend.generate(request)
+        text = ctx.engine.answer_text(gen.token_ids, ex.stop)
+        rows.append(
+            row_for(
+                c,
+                ex,
+                ctx,
+                example_id=ex.example_id,
+                context_tokens=len(prompt),
+                new_tokens=len(gen.token_ids),
+                metric=ctx.task.metric_of(ex),
+                prediction=text,
+                answers=json.dumps(ex.answers),
+                kv_bytes=gen.kv_bytes,
+                kv_bytes_full=gen.kv_bytes_full,
+                kv_bytes_full_dense=math.nan,
+                kv_ratio=gen.kv_bytes / gen.kv_bytes_full,
+                kv_bytes_mha=math.nan,
+                peak_mem_bytes=gen.peak_mem_bytes,
+                peak_mem_delta_bytes=None,
+                prefill_s=gen.prefill_s,
+                decode_s=gen.decode_s,
+                decode_ms_per_token=1000 * gen.decode_s / gen.decode_steps if gen.decode_steps else math.nan,
+                engine_version=gen.engine_version,
+                engine_extra=json.dumps(gen.extra, sort_keys=True, default=str),
+                **ctx.task.score(text, ex),
+            )
+        )
     return rows

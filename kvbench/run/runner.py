@@ -60,10 +60,33 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     if task.kind != "stream":  # a stream may run past the context window: that is what it measures
         check_fits(examples, lm.max_context)
     data = {str(path): file_digest(path) for path in task.data_files()}
-    for c in confs:
-        c.hash = hash_configuration(c, spec, lm, data)
     store = ResultStore(spec.results_dir)  # checked only once the input is known to be good
     out_dir = check_outputs(store, output_dir)
+    backend = start_backend(spec)  # a serving engine's worker process (engine=kvbench: None)
+    try:
+        return run_examples(spec, confs, lm, task, examples, data, store, out_dir, backend)
+    finally:
+        if backend is not None:
+            backend.close()
+
+
+def start_backend(spec: RunSpec):
+    """engine=<serving engine>: its backend, its worker started on the run's model (kvbench.backends)."""
+    if spec.engine_name == "kvbench":
+        return None
+    from kvbench.backends import BACKENDS
+
+    backend = BACKENDS.get(spec.engine_name)()
+    print(f"[kvbench] starting engine={spec.engine_name} in its own process ({backend.venv})", flush=True)
+    backend.start(spec.model, spec.dtype)
+    return backend
+
+
+def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir: Path, backend) -> pd.DataFrame:
+    """The examples × configurations of a checked run, into the store and the run directory."""
+    version = backend.version if backend is not None else None
+    for c in confs:
+        c.hash = hash_configuration(c, spec, lm, data, version)
 
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     shard = spec.shard
@@ -73,6 +96,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         if not examples:
             return pd.DataFrame()
     common = {"run_id": run_id, "seed": spec.seed, **provenance(lm.device), **modes.row_keys(spec)}
+    common.update(engine=spec.engine_name, engine_version=version or common["kvbench_version"])
     ctx = RowContext(
         Engine(lm),
         task,
@@ -82,6 +106,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         prefill_chunk=spec.prefill_chunk,
         grid_batch=grid_batching(spec, lm, requested=len(confs) - 1),  # confs[0]: the baseline
         grid_padding=grid_padding(spec),
+        backend=backend,
     )
     facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding)
     if modes.batched(facts):

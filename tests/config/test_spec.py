@@ -17,7 +17,7 @@ def test_the_spec_has_every_top_level_setting_with_the_configs_default():
     names = {f.name for f in fields(RunSpec)}
     assert set(written) - SECTIONS <= names, set(written) - SECTIONS - names
     spec, default = RunSpec.of(compose_config()), RunSpec()
-    for name in names - {"model", "task", "method", "grid", "verdict"}:
+    for name in names - {"model", "task", "method", "engine", "grid", "verdict"}:
         assert getattr(spec, name) == getattr(default, name), name
     assert spec.grid_padding == 2.0 and spec.task_name == "niah" and spec.verdict["recall_high"] == 0.9
     assert spec.method["name"] == "streamingllm" and spec.grid == {"method": None, "budget": None}
@@ -27,7 +27,7 @@ def test_top_level_rules_come_from_the_spec():
     """A setting is declared once: its rule is its RunSpec field's, so the entrance check and the spec agree."""
     from kvbench.config.spec import TOP_LEVEL
 
-    declared = {f.name for f in fields(RunSpec) if "rule" in f.metadata} - {"model", "task", "method"}
+    declared = {f.name for f in fields(RunSpec) if "rule" in f.metadata} - {"model", "task", "method", "engine"}
     assert set(TOP_LEVEL) == declared | {"grid.method", "grid.budget"}
     assert TOP_LEVEL["limit"].min == 1 and TOP_LEVEL["prefill"].choices == ("shared", "inline")
 
