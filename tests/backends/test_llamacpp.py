@@ -94,6 +94,10 @@ def test_seq_rm_drops_exactly_the_removed_tokens_and_a_removed_needle_is_lost(en
     assert evicted.kv_bytes_full == full.kv_bytes_full  # the reference stays the uncompressed cache
     assert example.answers[0] in smol_fp32.tokenizer.decode(full.token_ids)
     assert example.answers[0] not in smol_fp32.tokenizer.decode(evicted.token_ids)
+    # the same budget, chosen by attention (snapkv pooled over layers and heads), keeps the needle
+    snap = run(engine, example, "snapkv", budget=0.5)
+    assert snap.extra["evicted_tokens"] == n_removed
+    assert example.answers[0] in smol_fp32.tokenizer.decode(snap.token_ids)
 
 
 def test_no_compression_equals_full_and_snapkv_evicts_by_attention(engine, prompts):
