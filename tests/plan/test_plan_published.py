@@ -18,8 +18,10 @@ import pandas as pd
 import pytest
 
 from kvbench import KvbenchError
-from tests.plan.test_plan_layers import plan
-from tests.plan.test_plan_layers import GEMMA3_27B  # noqa: F401  # (the fixtures folder)
+from tests.plan.test_plan_layers import (
+    GEMMA3_27B,  # (the fixtures folder)
+    plan,
+)
 
 FIXTURES = GEMMA3_27B.parent
 
@@ -44,7 +46,9 @@ def test_deepseek_v2_with_a_6_bit_cache(tmp_path):
 
 @pytest.mark.parametrize(("kv_dtype", "ratio"), [("fp8", 0.5), ("int8", 0.5), ("int4", 0.25), (3, 3 / 16)])
 def test_kv_dtypes_scale_the_cache(tmp_path, kv_dtype, ratio):
-    rows = plan(tmp_path, str(FIXTURES / "lwm-text-chat-1m"), "dtype=bfloat16", "context=[8192]", f"kv_dtype={kv_dtype}")
+    rows = plan(
+        tmp_path, str(FIXTURES / "lwm-text-chat-1m"), "dtype=bfloat16", "context=[8192]", f"kv_dtype={kv_dtype}"
+    )
     assert rows.loc[(8192, 1), "kv_ratio"] == pytest.approx(ratio)
 
 
@@ -60,8 +64,16 @@ def test_snapkv_at_380k_on_an_a100_80gb_in_both_prefill_modes(tmp_path):
 
 def test_fits_agrees_with_max_batch(tmp_path):
     rows = plan(
-        tmp_path, str(FIXTURES / "mistral-7b-v0.1"), "hardware=l40s", "dtype=bfloat16", "context=[1024,8192,32768]",
-        "batch=[1,4,16,64]", "grid.method=[full,snapkv]", "grid.budget=[0.25]", "prefix=1024", "reuse=compress_once",
+        tmp_path,
+        str(FIXTURES / "mistral-7b-v0.1"),
+        "hardware=l40s",
+        "dtype=bfloat16",
+        "context=[1024,8192,32768]",
+        "batch=[1,4,16,64]",
+        "grid.method=[full,snapkv]",
+        "grid.budget=[0.25]",
+        "prefix=1024",
+        "reuse=compress_once",
     ).reset_index()
     assert (rows["fits"] == (rows["batch"] <= rows["max_batch"])).all()
     assert not (rows["fits"] & (rows["max_batch"] == 0)).any()
@@ -84,8 +96,14 @@ def test_the_runs_refusals_hold_in_the_planner(tmp_path):
 
 
 BASE = {
-    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "max_position_embeddings": 8192,
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 100,
+    "max_position_embeddings": 8192,
 }
 
 
