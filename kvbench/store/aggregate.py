@@ -140,7 +140,7 @@ def variant_label(name: str, params: dict) -> str:
 def with_experiment_labels(rows: pd.DataFrame) -> pd.DataFrame:
     """Readers that draw one curve per (model, method) — plots, takeaways — see different experiments apart: where the
     rows hold several dtypes the model is labelled with its dtype (`SmolLM2 (float32)`), and a configuration whose
-    rows come from several versions of the code is labelled with each one's fingerprint (`snapkv @1a2b3c4d`)."""
+    rows come from several versions of the code is labelled with each one's fingerprint (`snapkv @` + 8 characters)."""
     rows = with_experiment_keys(rows)
     if rows["dtype"].nunique() > 1:
         rows = rows.assign(model=rows["model"].astype(str) + " (" + rows["dtype"] + ")")
