@@ -6,8 +6,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # method=kvpress: kvpress 0.5.5 pins transformers < 5.3, so a venv of its own
 VENV_KVPRESS ?= .venv-kvpress
+# engine=llamacpp: llama.cpp's C API (llama-cpp-py-sync's prebuilt CPU wheel, no compile) in a venv of its own
+VENV_LLAMACPP ?= .venv-llamacpp
 
-.PHONY: install demo test test-fast test-kvpress gate reference bench lint clean
+.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp gate reference bench lint clean
 
 install: $(VENV)/.installed
 
@@ -50,6 +52,21 @@ test-kvpress: $(VENV_KVPRESS)/.installed
 	$(VENV_KVPRESS)/bin/python -m pytest tests/kvpress "tests/model/test_architectures.py" -k "kvpress or not test_every_method"
 	$(VENV_KVPRESS)/bin/python -m pytest -q -m "not real_model and not slow"
 
+# engine=llamacpp (kvbench/backends/llamacpp.py): ~20 s. The wheel needs glibc 2.38 for four C23 symbols only;
+# scripts/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
+# dependencies: the worker imports only kvbench.backends.protocol.
+engine-llamacpp: $(VENV_LLAMACPP)/.installed
+
+$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile scripts/llamacpp_glibc.py
+	$(PYTHON) -m venv $(VENV_LLAMACPP)
+	$(VENV_LLAMACPP)/bin/pip install -q llama-cpp-py-sync==0.11739
+	$(VENV_LLAMACPP)/bin/pip install -q --no-deps -e .
+	$(VENV_LLAMACPP)/bin/python scripts/llamacpp_glibc.py $(VENV_LLAMACPP)
+	touch $@
+
+test-llamacpp: install $(VENV_LLAMACPP)/.installed
+	$(BIN)/python -m pytest tests/backends -q
+
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
 # reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
 reference: install
@@ -72,4 +89,4 @@ lint: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_KVPRESS) outputs multirun results/runs .pytest_cache
+	rm -rf $(VENV) $(VENV_KVPRESS) $(VENV_LLAMACPP) outputs multirun results/runs .pytest_cache

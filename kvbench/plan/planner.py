@@ -43,6 +43,7 @@ LIMIT_BATCHES = (1, 8, 32, 128)
 
 def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(plan rows, limits rows, header) for the configured model, hardware, configurations, contexts, batches."""
+    from kvbench.config.spec import RunSpec
     from kvbench.model.load import resolve_dtype
     from kvbench.plan.hardware import build_hardware
     from kvbench.plan.inputs import check_contexts, check_options, check_plan, kv_bits, listed
@@ -64,7 +65,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     hw = build_hardware(cfg.hardware)
     arch = arch_of(cfg.model)
     check_contexts(contexts, arch, bool(config.get("extrapolate")))
-    confs = configurations(cfg)
+    confs = configurations(RunSpec.of(cfg))
     check_options(config, confs, arch)
     options = Options(kv_bits(config.get("kv_dtype")), config.get("prefill") or "shared", config.get("prefill_chunk"))
     rows, limits = [], []

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -328,24 +327,3 @@ class ResultStore:
         write_rows(pd.DataFrame(rows), path)
         SAVED[str(path)] = len(rows)
         return path
-
-
-def row_for(c, ex, task, common: dict, lm, **measured) -> dict:
-    """The one builder of a result row: provenance and what ran (configuration `c`, example `ex`, task, model `lm`,
-    shared by every task kind) + the measured columns. COLUMNS above lists what every row has."""
-    return {
-        **common,
-        "config_hash": c.hash,
-        "timestamp": datetime.now(timezone.utc).isoformat(),
-        "model": lm.name,
-        "task": task.name,
-        "subset": ex.subset,
-        "method": c.method.name,
-        "budget": c.budget_value,
-        "method_params": json.dumps(c.method.params(), sort_keys=True),
-        "query_aware": c.query_aware,
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "reused": False,
-        **measured,
-        **ex.meta,
-    }
