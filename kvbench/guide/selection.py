@@ -26,7 +26,14 @@ import pandas as pd
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_args
-from kvbench.store.aggregate import MATCH_KEYS, add_results_argument, load_rows, lower_is_better, variant_label
+from kvbench.store.aggregate import (
+    MATCH_KEYS,
+    add_results_argument,
+    load_rows,
+    lower_is_better,
+    variant_label,
+    with_experiment_keys,
+)
 from kvbench.store.intervals import NO_INTERVAL_SHORT, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
 
@@ -51,6 +58,7 @@ def guide_table(
     rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0, min_n: int = 5, scenario: str | None = None
 ) -> pd.DataFrame:
     """One line per (scenario, budget, configuration), ranked by score within (scenario, task, budget)."""
+    rows = with_experiment_keys(rows)  # a configuration is ranked on one model, dtype and code version's rows
     rows = rows.assign(scenario=rows["scenario"].fillna("(none)") if "scenario" in rows else "(none)")
     if scenario is not None:
         present = sorted(rows["scenario"].unique())
@@ -60,8 +68,9 @@ def guide_table(
     key = rows[MATCH_KEYS].astype(str).agg("\x1f".join, axis=1)
     full = rows[rows["method"] == "full"].assign(key=key).drop_duplicates("key").set_index("key")
     records = []
-    for (scen, task, method, params, budget), group in rows[rows["method"] != "full"].groupby(
-        ["scenario", "task", "method", "method_params", "budget"], sort=True
+    experiment = ["model", "dtype", "code_fingerprint"]
+    for (scen, task, model, dtype, code, method, params, budget), group in rows[rows["method"] != "full"].groupby(
+        ["scenario", "task", *experiment, "method", "method_params", "budget"], sort=True
     ):
         group_keys = key[group.index]
         matched = group_keys.isin(full.index)
@@ -79,6 +88,9 @@ def guide_table(
             {
                 "scenario": scen,
                 "task": task,
+                "model": model,
+                "dtype": dtype,
+                "code_fingerprint": code,
                 "budget": NO_BUDGET if no_budget else f"{budget:g}",
                 "config": _label(method, params),
                 "method": method,
@@ -108,7 +120,7 @@ def guide_table(
             "(run `python -m kvbench` with a method first)"
         )
     ranked = []
-    for _, group in table.groupby(["scenario", "task", "budget"], sort=True):
+    for _, group in table.groupby(["scenario", "task", "model", "dtype", "budget"], sort=True):
         higher_first = not group["lower_is_better"].all()  # equal scores: the smaller cache first
         group = group.sort_values(["score", "kv_ratio"], ascending=[not higher_first, True]).reset_index(drop=True)
         group["rank"] = range(1, len(group) + 1)
@@ -159,7 +171,7 @@ def _fit(drop_low, drop_high, kv_ratio, n, max_drop, max_kv_ratio, min_n) -> str
 def compositions(table: pd.DataFrame, max_drop: float, max_kv_ratio: float) -> pd.DataFrame:
     """Eviction × precision pairs that each keep quality (drop ≤ max_drop) and together fit the kv budget."""
     records = []
-    for (scen, task), group in table.groupby(["scenario", "task"], sort=True):
+    for (scen, task, _, _), group in table.groupby(["scenario", "task", "model", "dtype"], sort=True):
         good = group[(group["drop"] <= max_drop) & (group["method"] != "compose")]
         precision = good[good["method"].isin(PRECISION)]
         eviction = good[~good["method"].isin(PRECISION | CHANGES_MODEL)]
@@ -223,8 +235,12 @@ def with_interval_texts(table: pd.DataFrame) -> pd.DataFrame:
 def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False) -> str:
     """The guide as text (or Markdown): one block per (scenario, task, budget), then composition candidates."""
     out = []
-    for (scen, task, budget), group in table.groupby(["scenario", "task", "budget"], sort=True):
-        head = f"{scen} — {task} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
+    several = table["model"].nunique() > 1 or table["dtype"].nunique() > 1
+    for (scen, task, model, dtype, budget), group in table.groupby(
+        ["scenario", "task", "model", "dtype", "budget"], sort=True
+    ):
+        on = f" — {model} ({dtype})" if several else ""  # each block ranks one model's rows in one dtype
+        head = f"{scen} — {task}{on} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
         body = with_interval_texts(group)[COLUMNS]
         out.append(
             f"### {head}\n\n{markdown(body)}"
@@ -249,7 +265,10 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
     best = table[table["rank"] == 1].copy()
     best["score [95% CI]"] = [score_with_interval(r.score, r.ci_low, r.ci_high) for r in best.itertuples()]
     best["ties"] = best["ties"].replace("", "none")
-    return best[["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]]
+    columns = ["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]
+    if best["model"].nunique() > 1 or best["dtype"].nunique() > 1:
+        columns[2:2] = ["model", "dtype"]
+    return best[columns]
 
 
 ARGS = {  # every argument, checked before any row is read (kvbench.config.rules)

@@ -108,7 +108,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     n_shards = int(launcher.shards) if launcher.get("shards") else 4 * workers
     if cfg.get("limit"):
         n_shards = min(n_shards, int(cfg.limit))
-    store = ResultStore(Path(cfg.results_dir).resolve())  # workers may run elsewhere: absolute paths only
+    store = ResultStore(Path(cfg.results_dir).expanduser().resolve())  # workers may run elsewhere: absolute paths
     out_dir = check_outputs(store, output_dir)
     cfg_dict = cast(dict, OmegaConf.to_container(cfg, resolve=True))  # cfg is a DictConfig
     cfg_dict["results_dir"] = str(store.root)

@@ -9,7 +9,9 @@ predicts the same number without running the model, from the same rules the code
 - storage layout: dense K/V (`kvbench.model.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
   (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque);
 - layer kinds (kvbench.model.layout, when the shape carries the model's layout): a sliding layer holds its window,
-  min(tokens, W − 1), whatever the method (kvbench.model.cache.keep_windows); a latent layer its latent width.
+  min(tokens, W − 1), whatever the method (kvbench.model.cache.keep_windows), unless its window never fills in the
+  tokens counted (`CacheLayout.at`: then it is compressed as a global layer); a latent layer its latent width (and
+  DeepSeek-V3.2's indexer key); a layer reusing another layer's K/V (Gemma 3n) nothing.
 tests/plan/test_plan_bytes.py checks predicted == measured for every registered method.
 """
 
@@ -52,7 +54,7 @@ class KVShape:
         width; expanded latent-attention layers with K and V of different head widths)."""
         if self.layout is not None:
             kind = self.layout.layers[layer]
-            return batch * (kind.key_width + kind.value_width) * tokens * self.element_bytes
+            return batch * kind.width * tokens * self.element_bytes
         return self.dense_layer_bytes(tokens, batch)
 
     @property
@@ -141,6 +143,9 @@ def predict_kv_bytes(
     """Bytes the cache of `batch` requests holds after compressing a `prompt_tokens` prompt with `method` at
     `budget`, appending `appended_tokens` uncompressed (query_aware=false) and feeding `decoded_tokens`."""
     structure, eviction, precision = _parts(method)
+    seen = prompt_tokens + appended_tokens + decoded_tokens
+    if shape.layout is not None:  # a window that never fills in these tokens grows like a global layer
+        shape = KVShape(shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, shape.layout.at(seen))
     if structure is not None:
         shape = KVShape(shape.n_layers, structure.kv_heads, shape.head_dim, shape.dtype, shape.layout)
     counts = eviction.layer_keep_counts(prompt_tokens, shape.n_layers, budget) if eviction is not None else None
@@ -152,11 +157,14 @@ def predict_kv_bytes(
     # evicts while decoding (H2O, StreamingLLM, TOVA, decoding)
     stays = (evicted and eviction.caps.evicts_while_decoding) or held
     exact, bound = True, False
-    seen = prompt_tokens + appended_tokens + decoded_tokens
     windows = {i: min(seen, w - 1) for i in range(shape.n_layers) if (w := shape.window(i)) is not None}
     tokens = [windows.get(i, t) for i, t in enumerate(tokens)]
     window_bytes = sum(shape.dense_layer_bytes(t, batch) for t in windows.values())
-    compressed = [(i, t) for i, t in enumerate(tokens) if i not in windows]  # the layers a method compresses
+    shared = {i for i in range(shape.n_layers) if shape.layout is not None and shape.layout.layers[i].kind == "shared"}
+    tokens = [0 if i in shared else t for i, t in enumerate(tokens)]  # a layer reusing another's K/V holds none
+    compressed = [
+        (i, t) for i, t in enumerate(tokens) if i not in windows and i not in shared
+    ]  # what a method compresses
     if precision is None:
         total = window_bytes + sum(shape.kept_layer_bytes(i, t, batch) for i, t in compressed)
     elif precision.name == "kivi":

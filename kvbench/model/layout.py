@@ -9,8 +9,17 @@ Each decoder layer has a kind:
              (B, 1, T, kv_lora_rank), its values the shared RoPE key part (B, 1, T, qk_rope_head_dim) — where the
              installed transformers caches the latent (`caches_latent`); older ones (5.2) cache every query head's
              K and V, and those layers are `global` of that width;
+  DeepSeek-V3.2's `indexed_attention` layers are latent layers that also cache one indexer key of
+             `index_head_dim` per token (transformers' DynamicIndexedLayer): `extra_width`;
+- `shared`   a layer that reuses another layer's K/V (Gemma 3n / Gemma 4 `num_kv_shared_layers`, transformers'
+             `kv_sharing_modes` "reuse": a DummyLayer): it caches nothing;
 - `linear`   linear-attention / state-space layers of hybrid models (Qwen3-Next, Jamba, ...): a constant-size state,
              no K/V. kvbench refuses such models (one line naming the layer type): its methods select tokens.
+
+Whether a layer grows depends on the context, not only on its type: a sliding layer whose window is longer than every
+token the run sees (W − 1 ≥ tokens: Mistral-7B-v0.1's 4,096 below 4K tokens) holds every token and is masked like a
+global layer, so `CacheLayout.at(tokens)` types it `global` and a budget compresses it. Its bytes are the same either
+way (held(T) = T for T ≤ W − 1), so the full cache's accounting does not change.
 
 The full cache of a model at T tokens is Σ_layers width · held(T) · bytes, width = the K plus V elements per token
 (2 · H_kv · D for attention, kv_lora_rank + qk_rope_head_dim for latent layers), held(T) = T, or min(T, W − 1) for a
@@ -32,24 +41,34 @@ from kvbench import KvbenchError
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 GLOBAL_TYPES = ("full_attention", "attention", "global")
+INDEXED_TYPES = ("indexed_attention",)  # DeepSeek-V3.2: latent K/V plus one indexer key per token
+MAX_LAYERS = 4096  # the most decoder layers a config may declare (the largest published models have ~130)
 LINEAR_TYPES = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding", "recurrent")
 
 
 @dataclass(frozen=True)
 class LayerKind:
-    kind: str  # global | sliding | latent
+    kind: str  # global | sliding | latent | shared
     key_width: int  # key elements per token: H_kv · D_k (latent: kv_lora_rank)
     value_width: int  # value elements per token: H_kv · D_v (latent: qk_rope_head_dim)
     window: int | None = None  # sliding: W (the layer holds the last W − 1 tokens)
+    extra_width: int = 0  # further elements cached per token (DeepSeek-V3.2's indexer key)
+
+    @property
+    def width(self) -> int:
+        """Elements cached per token: K + V (+ the indexer key)."""
+        return self.key_width + self.value_width + self.extra_width
 
     def held(self, tokens: int) -> int:
         """Tokens transformers' cache layer holds after `tokens` tokens went through it."""
+        if self.kind == "shared":
+            return 0
         return min(tokens, self.window - 1) if self.kind == "sliding" and self.window else tokens
 
     @property
     def grows(self) -> bool:
-        """Whether the layer's cache grows with the context (what a budget compresses by default)."""
-        return self.kind != "sliding"
+        """Whether the layer's cache grows with the context at any length (`CacheLayout.at` decides per context)."""
+        return self.kind not in ("sliding", "shared")
 
 
 @dataclass(frozen=True)
@@ -65,7 +84,7 @@ class CacheLayout:
 
     def layer_bytes(self, layer: int, tokens: int, batch: int = 1) -> int:
         kind = self.layers[layer]
-        return batch * (kind.key_width + kind.value_width) * kind.held(tokens) * self.element_bytes
+        return batch * kind.width * kind.held(tokens) * self.element_bytes
 
     def full_bytes(self, tokens: int, batch: int = 1) -> int:
         """What the model's own uncompressed transformers cache holds at `tokens` tokens (sliding layers at W − 1)."""
@@ -73,7 +92,7 @@ class CacheLayout:
 
     def dense_bytes(self, tokens: int, batch: int = 1) -> int:
         """Every token in every layer (no window): the figure a formula without layer types gives."""
-        return batch * sum(k.key_width + k.value_width for k in self.layers) * tokens * self.element_bytes
+        return batch * sum(k.width for k in self.layers) * tokens * self.element_bytes
 
     def mha_bytes(self, tokens: int, batch: int = 1) -> int:
         """The same layers with one KV head per query head (what GQA/MQA/latent caching already saved)."""
@@ -85,6 +104,18 @@ class CacheLayout:
         full = self.full_bytes(tokens)
         grows = sum(self.layer_bytes(i, tokens) for i, k in enumerate(self.layers) if k.grows)
         return grows / full if full else 0.0
+
+    def at(self, tokens: int) -> CacheLayout:
+        """This layout for a run that sees at most `tokens` tokens (prompt, appended question and decoded ones): a
+        sliding layer whose window never fills (W − 1 ≥ tokens) holds and sees every token, as a global layer does,
+        so it is typed global and a budget compresses it; its bytes at ≤ `tokens` tokens are unchanged."""
+        kinds = tuple(
+            LayerKind("global", k.key_width, k.value_width, None, k.extra_width)
+            if k.kind == "sliding" and k.window and k.window - 1 >= tokens
+            else k
+            for k in self.layers
+        )
+        return CacheLayout(kinds, self.dtype, self.n_q_heads, self.mha_width)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -126,21 +157,55 @@ def n_layers(config) -> int:
     return int(_get(config, "num_hidden_layers", "n_layer"))
 
 
+def layer_configs(config) -> list:
+    """One config per decoder layer: transformers' `per_layer_config` where a model's layers differ (Gemma 4's
+    global layers have their own head_dim), else the config itself for every layer."""
+    try:
+        per_layer = getattr(config, "per_layer_config", None)
+    except Exception:  # a config class whose per-layer view does not build: the config itself
+        per_layer = None
+    return list(per_layer) if per_layer else [config] * n_layers(config)
+
+
 def layer_types(config) -> list[str]:
-    """transformers' own per-layer types (cache_utils.get_layer_types_and_kwargs): `layer_types`, else sliding for
-    every layer when `sliding_window` (or `attention_chunk_size`) is set, else full attention."""
+    """transformers' own per-layer types (cache_utils.get_layer_types_and_kwargs): `layer_types`, else per layer
+    sliding when `sliding_window` is set, chunked when `attention_chunk_size` is, else full attention; a layer whose
+    `kv_sharing_modes` is "reuse" reads another layer's K/V and caches nothing ("shared")."""
     declared = getattr(config, "layer_types", None)
     if declared:
-        return list(declared)
-    if getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None):
-        return ["sliding_attention"] * n_layers(config)
-    return ["full_attention"] * n_layers(config)
+        types = list(declared)
+    else:
+        types = [
+            "sliding_attention"
+            if getattr(layer, "sliding_window", None) is not None
+            else "chunked_attention"
+            if getattr(layer, "attention_chunk_size", None)
+            else "full_attention"
+            for layer in layer_configs(config)
+        ]
+    try:
+        sharing = getattr(config, "kv_sharing_modes", None)
+    except (ValueError, TypeError) as error:  # transformers' own check of num_kv_shared_layers
+        raise KvbenchError(
+            f"{type(config).__name__}: num_kv_shared_layers does not fit its layer_types ({str(error).splitlines()[0]})"
+            "; fix num_kv_shared_layers"
+        ) from None
+    if sharing:
+        types = ["shared" if mode == "reuse" else t for t, mode in zip(types, sharing)]
+    return types
 
 
 def window_of(config, layer_type: str) -> int:
-    if layer_type == "chunked_attention":
-        return int(config.attention_chunk_size)
-    return int(config.sliding_window)
+    name = "attention_chunk_size" if layer_type == "chunked_attention" else "sliding_window"
+    window = getattr(config, name, None)
+    if window is None and name == "attention_chunk_size":  # transformers' chunked layers without a chunk size
+        window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 2:
+        raise KvbenchError(
+            f"{type(config).__name__}: {name}={window} for a {layer_type} layer, which holds its last {name} − 1 "
+            f"tokens; set {name} to an integer ≥ 2"
+        )
+    return window
 
 
 def caches_latent(config) -> bool:
@@ -158,28 +223,54 @@ def caches_latent(config) -> bool:
     return not attention or any(hasattr(c, "expand_kv") for c in attention)
 
 
+def _layer_width(config, layer: int, layer_config) -> int:
+    """K (= V) elements per token of one attention layer: its KV heads × head_dim (read from the layer's own config
+    where layers differ)."""
+    try:
+        return n_kv_heads(layer_config) * head_dim(layer_config)
+    except (AttributeError, TypeError, ValueError) as error:
+        raise KvbenchError(
+            f"layer {layer} of {type(config).__name__}: its KV width cannot be read from the config "
+            f"({str(error).splitlines()[0]}); set num_key_value_heads and head_dim"
+        ) from None
+
+
 def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
     """The layout of `config` (a transformers config; multimodal configs give their text config)."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
+    layers = n_layers(config)
+    if layers > MAX_LAYERS:
+        raise KvbenchError(
+            f"{type(config).__name__}: num_hidden_layers={layers} is beyond {MAX_LAYERS} (the largest published "
+            "models have about 130); fix num_hidden_layers"
+        )
     heads = n_q_heads(config)
     if getattr(config, "kv_lora_rank", None):  # multi-head latent attention
         latent, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
         qk = int(_get(config, "qk_head_dim", default=config.qk_nope_head_dim + rope))
         expanded = heads * (qk + int(config.v_head_dim))  # per-head K (qk) and V (v_head_dim) of every query head
         if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
-            kinds = tuple(
-                LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in range(n_layers(config))
-            )
+            kinds = tuple(LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in range(layers))
             return CacheLayout(kinds, dtype, heads, expanded)
-        kinds = tuple(LayerKind("latent", latent, rope) for _ in range(n_layers(config)))  # one latent + RoPE key
+        types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+        index = int(getattr(config, "index_head_dim", 0) or 0)  # DeepSeek-V3.2: one indexer key per token
+        kinds = tuple(
+            LayerKind("latent", latent, rope, None, index if t in INDEXED_TYPES else 0) for t in types
+        )  # one latent + RoPE key (+ the indexer key)
         return CacheLayout(kinds, dtype, heads, expanded)
-    width = n_kv_heads(config) * head_dim(config)
+    per_layer = layer_configs(config)
     kinds_list = []
     for i, layer_type in enumerate(layer_types(config)):
+        if layer_type == "shared":
+            kinds_list.append(LayerKind("shared", 0, 0))
+            continue
+        layer_config = per_layer[i] if i < len(per_layer) else config
         if layer_type in SLIDING_TYPES:
-            kinds_list.append(LayerKind("sliding", width, width, window_of(config, layer_type)))
+            width = _layer_width(config, i, layer_config)
+            kinds_list.append(LayerKind("sliding", width, width, window_of(layer_config, layer_type)))
         elif layer_type in GLOBAL_TYPES:
+            width = _layer_width(config, i, layer_config)
             kinds_list.append(LayerKind("global", width, width))
         elif layer_type in LINEAR_TYPES:
             raise KvbenchError(
@@ -192,4 +283,5 @@ def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
                 f"layer {i} has layer type {layer_type!r}, which kvbench does not know; supported: "
                 f"{', '.join(GLOBAL_TYPES + SLIDING_TYPES)}"
             )
-    return CacheLayout(tuple(kinds_list), dtype, heads, 2 * heads * head_dim(config))
+    mha = 2 * heads * max((head_dim(c) for c in per_layer), default=0) if per_layer is not None else 0
+    return CacheLayout(tuple(kinds_list), dtype, heads, mha)

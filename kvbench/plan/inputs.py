@@ -14,6 +14,8 @@ from kvbench.run.check import _lookup, check_grid_entry, check_method_params, me
 
 MAX_CONTEXT = 1 << 24  # the longest context planned (16M tokens), as the fit search's cap (kvbench.plan.model)
 MAX_BATCH = 1 << 20
+KV_BITS = {"fp8": 8, "float8": 8, "int8": 8, "int4": 4}  # named cache storages, bits per element
+KV_DTYPE_FIX = "kv_dtype=fp8, int8, int4, a bit count from 1 to 32 (kv_dtype=6) or null (the compute dtype)"
 
 PLAN: dict[str, Rule] = {
     "context": Rule(
@@ -35,7 +37,9 @@ PLAN: dict[str, Rule] = {
     "extrapolate": Rule(
         "bool", "extrapolate=true (plan contexts beyond the model's max_position_embeddings) or extrapolate=false"
     ),
+    "kv_dtype": Rule("any", KV_DTYPE_FIX, nullable=True),
     **{key: TOP_LEVEL[key] for key in ("budget", "dtype", "query_aware", "reuse", "page_size")},
+    **{key: TOP_LEVEL[key] for key in ("prefill", "prefill_chunk")},
     **{key: TOP_LEVEL[key] for key in ("grid", "grid.method", "grid.budget")},
 }
 HARDWARE: dict[str, Rule] = {
@@ -91,7 +95,43 @@ def check_plan(cfg) -> dict:
     for index, entry in enumerate((config.get("grid") or {}).get("method") or []):
         check_grid_entry(index, entry)
     check_model(config.get("model") or {})
+    kv_bits(config.get("kv_dtype"))
     return config
+
+
+def kv_bits(value: Any) -> int | None:
+    """Bits per cached element of `kv_dtype` (None: the compute dtype's)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.lower() in KV_BITS:
+        return KV_BITS[value.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 32:
+        return value
+    raise KvbenchError(f"kv_dtype={value} is not a cache storage the planner knows; use {KV_DTYPE_FIX}")
+
+
+def check_options(config: dict, configurations, arch) -> None:
+    """What a run would refuse: a (method, model) pair (kvbench.run.support, the run's rule), `prefill_chunk`
+    without `prefill=inline`, and a `kv_dtype` beside a method that sets the cache's precision itself."""
+    from kvbench.run.support import refusal
+
+    if config.get("prefill_chunk") is not None and config.get("prefill", "shared") != "inline":
+        raise KvbenchError(
+            f"prefill_chunk={config['prefill_chunk']} needs prefill=inline (a shared prefill has no chunks); add "
+            "prefill=inline or set prefill_chunk=null"
+        )
+    bits = kv_bits(config.get("kv_dtype"))
+    for c in configurations:
+        why = refusal(c.method, arch.config)
+        if why:
+            raise KvbenchError(f"{why} (the run refuses it; the planner plans what runs)")
+        family = c.method.caps.family
+        quantizes = family == "precision" or (family == "composite" and c.method.precision is not None)
+        if bits is not None and quantizes:
+            raise KvbenchError(
+                f"kv_dtype={config.get('kv_dtype')} with method {c.method.name}: the method sets the cache's "
+                "precision itself; plan one of them (kv_dtype=null, or a method without quantization)"
+            )
 
 
 def check_contexts(contexts: list[int], arch, extrapolate: bool) -> None:

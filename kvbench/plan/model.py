@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,10 +25,12 @@ from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.model.layout import CacheLayout, cache_layout
 from kvbench.model.load import model_config
 from kvbench.plan.hardware import Hardware
+from kvbench.plan.quant import quant_bits, quantized_params, weights_bytes
 from kvbench.plan.reuse import Reuse, batch_prefill_flops, held_bytes
 
 NO_REUSE = Reuse()
 MAX_SEARCH_CONTEXT = 1 << 24  # largest context the fit search tries (16M tokens)
+MAX_BATCH = 1 << 20  # the largest batch planned (kvbench.plan.inputs): max_batch's cap
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,16 @@ class Arch:
     tied_embeddings: bool
     max_context: int
     config: object = None  # the transformers config: its per-layer cache layout (kvbench.model.layout)
+    quantized_params: int = 0  # weights stored quantized by the checkpoint (`quantization_config`: kvbench.plan.quant)
+    quant_method: str | None = None
+    quant_bits: float | None = None  # bits per quantized element, its scales included
 
     def layout(self, dtype: torch.dtype) -> CacheLayout:
         return cache_layout(self.config, dtype)
+
+    def weights_bytes(self, dtype: torch.dtype) -> int:
+        """The weights as the checkpoint holds them: quantized matrices at their bits, the rest in `dtype`."""
+        return weights_bytes(self.n_params, self.quantized_params, element_bytes(dtype), self.quant_bits)
 
     def kv_shape(self, dtype: torch.dtype) -> KVShape:
         return KVShape(
@@ -59,40 +69,87 @@ class Arch:
         return self.n_params - embedding + (embedding if self.tied_embeddings else 0)
 
 
+def _reason(error: Exception) -> str:
+    """transformers' own words for a config it cannot build, on one line (its validation errors span several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:300]
+
+
 def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
+    source = cfg.get("name_or_path") or f"conf/model/{cfg.name}.yaml"
     try:  # transformers' own checks of the fields kvbench.run.model_fields does not read
         config = model_config(cfg)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        cache_layout(text, torch.float32)  # bounds and layer types first: 2^40 layers never reach the meta build
         with torch.device("meta"):  # shapes only: an 8B model costs no memory
             model = AutoModelForCausalLM.from_config(config)
-    except (TypeError, ValueError, AttributeError) as error:
-        source = cfg.get("name_or_path") or f"conf/model/{cfg.name}.yaml"
+    except KvbenchError:
+        raise
+    except Exception as error:  # any of transformers' refusals (strict fields, unknown classes)
         raise KvbenchError(
-            f"the model config {source} is not one transformers can build ({str(error).splitlines()[0]}); fix "
-            "the field it names"
+            f"the model config {source} is not one transformers can build ({_reason(error)}); fix the field it names"
         ) from None
     n_params = sum(p.numel() for p in model.parameters())
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    written: Any = getattr(config, "quantization_config", None)
+    qc: dict = written.to_dict() if hasattr(written, "to_dict") else written if isinstance(written, dict) else {}
+    method, bits = quant_bits(qc) if qc else (None, None)
+    quantized = quantized_params(model, qc) if bits is not None else 0
     name = cfg.name if cfg.name != "hub" else str(cfg.name_or_path)
-    cache_layout(text, torch.float32)  # refuses layer types kvbench does not support, before any arithmetic
+    first = layers.layer_configs(text)[0]  # Gemma 4's layers differ: the first layer's heads (the cache: its layout)
     return Arch(
         name,
         layers.n_layers(text),
         layers.n_q_heads(text),
-        layers.n_kv_heads(text),
-        layers.head_dim(text),
+        layers.n_kv_heads(first),
+        layers.head_dim(first),
         getattr(text, "hidden_size", None) or text.n_embd,
         text.vocab_size,
         n_params,
         bool(getattr(text, "tie_word_embeddings", False)),
         int(getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", 0) or 0),
         text,
+        quantized,
+        method,
+        bits,
     )
 
 
 def element_bytes(dtype: torch.dtype) -> int:
     return torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the cache is stored and filled: `kv_bits` per cached element (None: the compute dtype's; fp8/int8 = 8,
+    int4 = 4, DeepSeek-V2's deployment 6), `prefill` shared (the whole prompt's K/V exists before a method
+    compresses it) or inline (one layer's, or with `prefill_chunk` one layer's chunk, at a time)."""
+
+    kv_bits: int | None = None
+    prefill: str = "shared"
+    prefill_chunk: int | None = None
+
+    def kv(self, nbytes: int, element: int) -> int:
+        """`nbytes` of cache in the compute dtype (`element` bytes each) at `kv_bits` per element, rounded up."""
+        return nbytes if self.kv_bits is None else -(-nbytes * self.kv_bits // (8 * element))
+
+
+DEFAULT = Options()
+
+
+def prefill_extra(arch: Arch, method, dtype: torch.dtype, context: int, options: Options) -> int:
+    """Uncompressed K/V one request holds while its prompt is prefilled, beside the compressed caches: with
+    `prefill=shared` every layer's whole prompt (kvbench.engine: the methods compress after the forward), inline the
+    largest layer's prompt (compressed right after its attention), chunked the largest layer's chunk. The full
+    cache compresses nothing: its prefill is its cache."""
+    if method.name == "full":
+        return 0
+    layout = arch.layout(dtype)
+    if options.prefill == "shared":
+        return layout.full_bytes(context)
+    tokens = min(context, options.prefill_chunk or context)
+    return max((layout.layer_bytes(i, tokens) for i in range(len(layout.layers))), default=0)
 
 
 def plan_point(
@@ -106,20 +163,25 @@ def plan_point(
     headroom: float,
     limits: bool = True,
     reuse: Reuse = NO_REUSE,
+    options: Options = DEFAULT,
 ) -> dict:
     """Memory and roofline for `batch` requests of `context` tokens each under one configuration (sharing
     `reuse.prefix` tokens: kvbench.plan.reuse); with `limits`, also the largest batch at this context and the
-    largest context at this batch."""
+    largest context at this batch. Fits: weights + the compressed caches + one prompt's prefill peak ≤ usable, the
+    rule `max_batch` and `max_context` follow (so `fits` is `batch ≤ max_batch`)."""
     shape = arch.kv_shape(dtype)
+    eb = element_bytes(dtype)
     held = held_bytes(method, budget, shape, context, reuse)
+    once, private, view = (options.kv(n, eb) for n in (held.once, held.private, held.view))
     request = predict_kv_bytes(method, budget, shape, context)
-    kv_batch = held.once + batch * held.private
-    weights = arch.n_params * element_bytes(dtype)
+    kv_batch = once + batch * private
+    weights = arch.weights_bytes(dtype)
     usable = int(hw.memory_bytes * (1 - headroom))
-    total = weights + kv_batch
+    extra = prefill_extra(arch, method, dtype, context, options)
+    total = weights + kv_batch + extra
     fits = total <= usable
     kept_q_heads = arch.n_q_heads  # head merging shares K/V across more query heads; queries are unchanged
-    decode_bytes = weights + batch * held.view  # each request reads its whole view (no shared-prefix kernel)
+    decode_bytes = weights + batch * view  # each request reads its whole view (no shared-prefix kernel)
     decode_flops = batch * (2 * arch.matmul_params + 4 * kept_q_heads * arch.head_dim * sum(request.layer_tokens))
     memory_s, compute_s = decode_bytes / hw.bandwidth_bytes_s, decode_flops / hw.peak_flops
     decode_s = max(memory_s, compute_s)
@@ -131,21 +193,24 @@ def plan_point(
         "batch": batch,
         "kv_bytes_per_token_full": full_bytes / context,  # averaged over the context (sliding layers stop growing)
         "kv_bytes_full_dense": cache.dense_bytes(context) * batch,
-        "compressible_share": cache.growing_share(context),
-        "kv_bytes_per_request": held.view,
+        "compressible_share": cache.at(context).growing_share(context),
+        "kv_bytes_per_request": view,
         "kv_bytes": kv_batch,
         "kv_bytes_full": full_bytes * batch,
-        "kv_ratio": kv_batch / (full_bytes * batch),
+        "kv_ratio": kv_batch / (full_bytes * batch) if full_bytes else float("nan"),
         "bytes_exact": held.exact,
         "weights_bytes": weights,
+        "prefill_peak_bytes": extra,
         "total_bytes": total,
         "device_bytes": hw.memory_bytes,
         "usable_bytes": usable,
         "fits": fits,
         **(
             {
-                "max_batch": max_batch(weights + held.once, held.private, usable),
-                "max_context": max_context(shape, method, budget, weights, batch, usable, reuse, arch.max_context),
+                "max_batch": max_batch(weights + once + extra, private, usable),
+                "max_context": max_context(
+                    arch, method, budget, dtype, batch, usable, reuse, arch.max_context, options
+                ),
             }
             if limits
             else {}
@@ -160,27 +225,41 @@ def plan_point(
         "prefill_s_bound": prefill / hw.peak_flops,
         "reuse": reuse.label,
         "prefix_tokens": held.shared_tokens,
-        "kv_bytes_shared": held.once,
-        "kv_bytes_private": held.private,
+        "kv_bytes_shared": once,
+        "kv_bytes_private": private,
         "prefill_flops_saved": prefill_saved,
         "prefill_s_saved": prefill_saved / hw.peak_flops,
     }
 
 
 def max_batch(fixed: int, kv_per_request: int, usable: int) -> int:
-    """The most requests that fit beside `fixed` bytes (weights, and what the batch shares once)."""
-    return max(0, (usable - fixed) // kv_per_request) if kv_per_request else 0
+    """The most requests that fit beside `fixed` bytes (weights, what the batch shares once, one prefill's peak);
+    requests holding nothing of their own are bounded by the planner's batch limit, never 0 beside a fit."""
+    if fixed > usable:
+        return 0
+    return min(MAX_BATCH, (usable - fixed) // kv_per_request) if kv_per_request else MAX_BATCH
 
 
 def max_context(
-    shape: KVShape, method, budget, weights: int, batch: int, usable: int, reuse: Reuse = NO_REUSE, limit: int = 0
+    arch: Arch,
+    method,
+    budget,
+    dtype: torch.dtype,
+    batch: int,
+    usable: int,
+    reuse: Reuse = NO_REUSE,
+    limit: int = 0,
+    options: Options = DEFAULT,
 ) -> int:
-    """The longest context at which `batch` requests fit (bytes grow with context: binary search; a shared prefix
-    stays `reuse.prefix` tokens, or the whole context below that), at most the model's position limit `limit`."""
+    """The longest context at which `batch` requests fit by `plan_point`'s rule (bytes grow with context: binary
+    search; a shared prefix stays `reuse.prefix` tokens, or the whole context below that), at most the model's
+    position limit `limit`."""
+    shape, eb, weights = arch.kv_shape(dtype), element_bytes(dtype), arch.weights_bytes(dtype)
 
     def fits(tokens: int) -> bool:
         held = held_bytes(method, budget, shape, tokens, reuse)
-        return weights + held.once + batch * held.private <= usable
+        kv = options.kv(held.once, eb) + batch * options.kv(held.private, eb)
+        return weights + kv + prefill_extra(arch, method, dtype, tokens, options) <= usable
 
     if not fits(1):
         return 0

@@ -34,6 +34,7 @@ PLAN_COLUMNS = [
     "total_bytes",
     "device_bytes",
     "fits",
+    "max_batch",
     "decode_bound",
     "decode_s_bound",
 ]
@@ -45,8 +46,8 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     from kvbench.config.spec import RunSpec
     from kvbench.model.load import resolve_dtype
     from kvbench.plan.hardware import build_hardware
-    from kvbench.plan.inputs import check_contexts, check_plan, listed
-    from kvbench.plan.model import arch_of, element_bytes, plan_point
+    from kvbench.plan.inputs import check_contexts, check_options, check_plan, kv_bits, listed
+    from kvbench.plan.model import Options, arch_of, plan_point
     from kvbench.plan.reuse import Reuse, workload_shape
     from kvbench.run.configuration import configurations
     from kvbench.store.aggregate import variant_label
@@ -64,8 +65,11 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     hw = build_hardware(cfg.hardware)
     arch = arch_of(cfg.model)
     check_contexts(contexts, arch, bool(config.get("extrapolate")))
+    confs = configurations(RunSpec.of(cfg))
+    check_options(config, confs, arch)
+    options = Options(kv_bits(config.get("kv_dtype")), config.get("prefill") or "shared", config.get("prefill_chunk"))
     rows, limits = [], []
-    for c in configurations(RunSpec.of(cfg)):
+    for c in confs:
         label = variant_label(c.method.name, c.method.params())
         common = {
             "model": arch.name,
@@ -74,29 +78,44 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             "variant": label,
             "budget": c.budget_value,
             "dtype": str(dtype).removeprefix("torch."),
+            "kv_dtype": str(config.get("kv_dtype") or str(dtype).removeprefix("torch.")),
+            "weights_quant": arch.quant_method or "none",
+            "prefill": options.prefill,
+            "prefill_chunk": options.prefill_chunk,
         }
+
+        def point_at(context: int, batch: int, c=c) -> dict:
+            return plan_point(
+                arch, hw, c.method, c.budget, dtype, context, batch, headroom, reuse=reuse, options=options
+            )
+
         for context in contexts:
             for batch in batches:
-                point = plan_point(arch, hw, c.method, c.budget, dtype, context, batch, headroom, reuse=reuse)
-                rows.append({**common, **point})
+                rows.append({**common, **point_at(context, batch)})
         for batch in sorted(set(batches) | set(LIMIT_BATCHES)):
-            point = plan_point(arch, hw, c.method, c.budget, dtype, contexts[0], batch, headroom, reuse=reuse)
+            point = point_at(contexts[0], batch)
             limits.append(
                 {"variant": label, "budget": c.budget_value, "batch": batch, "max_context": point["max_context"]}
             )
         for context in contexts:
-            point = plan_point(arch, hw, c.method, c.budget, dtype, context, 1, headroom, reuse=reuse)
+            point = point_at(context, 1)
             limits.append(
                 {"variant": label, "budget": c.budget_value, "context": context, "max_batch": point["max_batch"]}
             )
-    eb = element_bytes(dtype)
     header = {
         "model": {k: v for k, v in arch.__dict__.items() if k != "config"},
         "hardware": hw.__dict__,
         "headroom": headroom,
         "dtype": str(dtype),
-        "kv_bytes_per_token": per_layer_type_formula(arch.layout(dtype)),
-        "weights_bytes": arch.n_params * eb,
+        "kv_bytes_per_token": per_layer_type_formula(arch.layout(dtype), options.kv_bits),
+        "weights_bytes": arch.weights_bytes(dtype),
+        "weights_quant": (
+            f"{arch.quant_method}: {arch.quantized_params / 1e9:.2f} B of {arch.n_params / 1e9:.2f} B params at "
+            f"{arch.quant_bits:.4g} bits"
+            if arch.quant_method
+            else None
+        ),
+        "prefill": options.prefill + (f", chunks of {options.prefill_chunk}" if options.prefill_chunk else ""),
         "reuse": {"prefix": reuse.prefix, "mode": reuse.label, "page_size": reuse.page_size},
         "reuse_from": measured.describe() if measured else None,
     }
@@ -115,7 +134,7 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
     hw = Hardware(**header["hardware"])
     print(
         f"model:    {header['model']['name']}: {header['model']['n_params'] / 1e9:.2f} B params, weights "
-        f"{_gb(header['weights_bytes'])} GB ({header['dtype'].removeprefix('torch.')})"
+        f"{_gb(header['weights_bytes'])} GB ({header.get('weights_quant') or header['dtype'].removeprefix('torch.')})"
     )
     print(f"KV/token: {header['kv_bytes_per_token']} (uncompressed)")
     print(f"hardware: {describe(hw)}")
@@ -128,7 +147,8 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
             f"(page_size {r['page_size']}): held once, prefilled once (kvbench/plan/reuse.py)"
         )
     print(
-        f"fits:     weights + KV ≤ device × (1 − headroom {header['headroom']}) = "
+        f"fits:     weights + KV + the prefill's peak (prefill={header['prefill']}) ≤ device × (1 − headroom "
+        f"{header['headroom']}) = "
         f"{hw.memory_bytes * (1 - header['headroom']) / GIB:.1f} GiB (headroom: activations, runtime, fragmentation)"
     )
     table = pd.DataFrame(
@@ -139,6 +159,7 @@ def print_plan(frame: pd.DataFrame, limits: pd.DataFrame, header: dict, out_dir:
             "batch": frame.batch,
             "kv_GB": frame.kv_bytes.map(_gb),
             "ratio": frame.kv_ratio.map(lambda v: f"{v:.3f}"),
+            "prefill_GB": frame.prefill_peak_bytes.map(_gb),
             "total_GB": frame.total_bytes.map(_gb),
             "fits": frame.fits,
             "max_batch": frame.max_batch,
@@ -195,14 +216,18 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def per_layer_type_formula(layout) -> str:
-    """The full cache per token, by layer kind: `L_kind × width × bytes` summed; sliding layers stop at W − 1 tokens."""
+def per_layer_type_formula(layout, kv_bits: int | None = None) -> str:
+    """The full cache per token, by layer kind: `L_kind × width × bytes` summed; sliding layers stop at W − 1 tokens,
+    layers reusing another layer's K/V hold none; with `kv_bits`, elements are stored at that many bits."""
     from collections import Counter
 
     eb = layout.element_bytes
-    groups = Counter((k.kind, k.key_width + k.value_width, k.window) for k in layout.layers)
+    size = f"{eb} B" if kv_bits is None else f"{kv_bits} bits"
+    groups = Counter((k.kind, k.width, k.window) for k in layout.layers)
     parts = []
     for (kind, width, window), count in groups.items():
         held = f" for the last {window - 1} tokens" if kind == "sliding" else ""
-        parts.append(f"{count} {kind} layers × {width} (K+V) × {eb} B = {count * width * eb:,} B{held}")
+        total = count * width * eb if kv_bits is None else -(-count * width * kv_bits // 8)
+        what = "(K+V+indexer key)" if kind == "latent" and any(k.extra_width for k in layout.layers) else "(K+V)"
+        parts.append(f"{count} {kind} layers × {width} {what} × {size} = {total:,} B{held}")
     return "; ".join(parts)

@@ -30,7 +30,16 @@ from kvbench.report.page import Page
 from kvbench.report.section import PLACES, Context, build_sections
 from kvbench.report.tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report.takeaways import takeaways
-from kvbench.store.aggregate import ALL, add_results_argument, knees, load_rows, pareto, summarize, with_variants
+from kvbench.store.aggregate import (
+    ALL,
+    add_results_argument,
+    knees,
+    load_rows,
+    pareto,
+    summarize,
+    with_experiment_labels,
+    with_variants,
+)
 from kvbench.store.intervals import MIN_N
 from kvbench.store.results import check_writable, write_atomic, write_csv
 
@@ -115,7 +124,8 @@ def provenance_table(rows: pd.DataFrame, paths: list[Path]) -> pd.DataFrame:
 def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Path]:
     from kvbench.report.plots import plot_all  # matplotlib import only once the input is known to be good
 
-    rows = load_rows(paths)
+    # different experiments (dtypes, code versions) apart: kvbench.store.aggregate.with_experiment_labels
+    rows = with_experiment_labels(load_rows(paths))
     # one line per configuration variant: kivi bits=2 and bits=4 are different curves, each with its own colour
     rows = rows.assign(method=with_variants(rows)["variant"])
     summary = summarize(rows)

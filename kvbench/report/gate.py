@@ -60,6 +60,8 @@ def _checked(value, name: str, where: str, rule: Rule):
     from kvbench.config.rules import _problem
 
     problem = _problem(value, rule)
+    if problem is None and rule.kind == "int" and isinstance(value, float):  # 6.0: a count written as a float
+        problem = "is a float, not an integer"
     if problem:
         raise KvbenchError(f"{where}: {name} must be {rule.fix}, got {value!r} ({name} {problem})")
     return value
@@ -137,12 +139,32 @@ def select_rows(rows: pd.DataFrame, threshold: Threshold) -> pd.DataFrame:
     return rows[mask]
 
 
+def one_experiment(rows: pd.DataFrame, threshold: Threshold) -> None:
+    """A bound holds for one experiment: rows of several models or dtypes (different config hashes), or one
+    configuration's rows from several versions of the code, are not pooled — one line naming what to select."""
+    for column in ("model", "dtype"):
+        values = sorted(rows[column].astype(str).unique()) if column in rows else []
+        if len(values) > 1:
+            raise KvbenchError(
+                f"selector {threshold.label} pools rows of {len(values)} {column}s ({', '.join(values)}): different "
+                f"experiments; add {column}: <one of them> to its select"
+            )
+    config = rows[["method", "method_params", "budget", "query_aware"]].astype(str).agg("\x1f".join, axis=1)
+    codes = rows.groupby(config)["code_fingerprint"].nunique()
+    if (codes > 1).any():
+        raise KvbenchError(
+            f"selector {threshold.label} pools one configuration's rows computed by {int(codes.max())} versions of "
+            "the code (code_fingerprint): rerun it with rerun=true, or add code_fingerprint: <one> to its select"
+        )
+
+
 def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
     """(the ok line's measurements, one FAIL line per violated bound). `rows` carry `full_score`.
 
     A selector spanning several configurations is measured on the examples every one of them ran (the report's
     rule: never pool unlike example sets); the line says how many rows that left out."""
     matched = select_rows(rows, threshold)
+    one_experiment(matched, threshold)
     selected = common_examples(matched)
     left_out = len(matched) - len(selected)
     n = int(selected["score"].notna().sum())

@@ -31,12 +31,18 @@ from kvbench.store.intervals import mean_interval
 from kvbench.store.results import COLUMNS, SCHEMA_VERSION, read_rows
 from kvbench.tasks.facts import task_facts
 
-GROUP_KEYS = ["model", "task", "subset", "method", "budget", "query_aware"]
+# Rows are one experiment only if they share the model, the resolved dtype (float32 and bfloat16 runs of one
+# configuration have different config hashes) and the code that computed them (`code_fingerprint`): those are group
+# keys everywhere, so two n=3 runs never pool to n=6. The machine (`device_name`) changes timings, not scores: a
+# group computed on several machines reports no pooled latency (`machines` > 1).
+EXPERIMENT_KEYS = ["dtype", "code_fingerprint"]
+GROUP_KEYS = ["model", "dtype", "task", "subset", "method", "budget", "query_aware", "code_fingerprint"]
 # an example of a method is compared with the full cache's result on the same example in the same setting
-MATCH_KEYS = ["model", "task", "subset", "query_aware", "example_id"]
-CONFIG_KEYS = ["model", "method", "budget", "query_aware"]  # one configuration's rows
+MATCH_KEYS = ["model", "dtype", "task", "subset", "query_aware", "example_id"]
+CONFIG_KEYS = ["model", "dtype", "method", "budget", "query_aware", "code_fingerprint"]  # one configuration's rows
 EXAMPLE_KEYS = ["task", "subset", "example_id"]  # one example
-SCOPE_KEYS = ["level", "model", "task", "subset", "query_aware"]  # one curve per method inside a scope
+SCOPE_KEYS = ["level", "model", "dtype", "task", "subset", "query_aware"]  # one curve per method inside a scope
+TIMING = ["prefill_s", "decode_ms_per_token"]
 ALL = "(all)"
 FULL = "full"
 
@@ -75,7 +81,17 @@ def load_rows(paths: Iterable[str | Path]) -> pd.DataFrame:
         pd.to_datetime(rows["timestamp"], utc=True, errors="coerce").sort_values(ascending=False, kind="stable").index
     )
     rows = rows.loc[newest_first].drop_duplicates(["config_hash", "example_id"])
-    return rows.reset_index(drop=True)
+    return with_experiment_keys(rows.reset_index(drop=True))
+
+
+def with_experiment_keys(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows with every `EXPERIMENT_KEYS` column and `device_name` present as text ("" where a row has none), so
+    they group and match (rows written before a column existed form their own group)."""
+    out = {}
+    for column in EXPERIMENT_KEYS + ["device_name"]:
+        values = rows[column] if column in rows else pd.Series("", index=rows.index)
+        out[column] = values.astype(object).where(values.notna(), "").astype(str)
+    return rows.assign(**out)
 
 
 def validate(rows: pd.DataFrame) -> None:
@@ -121,6 +137,21 @@ def variant_label(name: str, params: dict) -> str:
     return f"{name}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else name
 
 
+def with_experiment_labels(rows: pd.DataFrame) -> pd.DataFrame:
+    """Readers that draw one curve per (model, method) — plots, takeaways — see different experiments apart: where the
+    rows hold several dtypes the model is labelled with its dtype (`SmolLM2 (float32)`), and a configuration whose
+    rows come from several versions of the code is labelled with each one's fingerprint (`snapkv @` + 8 characters)."""
+    rows = with_experiment_keys(rows)
+    if rows["dtype"].nunique() > 1:
+        rows = rows.assign(model=rows["model"].astype(str) + " (" + rows["dtype"] + ")")
+    config = _text_keys(rows, ["model", "dtype", "method", "method_params", "budget", "query_aware"])
+    mixed = config.map(rows.groupby(config)["code_fingerprint"].nunique()) > 1
+    if mixed.any():
+        suffix = " @" + rows["code_fingerprint"].str[:8]
+        rows = rows.assign(method=rows["method"].where(~mixed, rows["method"].astype(str) + suffix))
+    return rows
+
+
 def with_variants(rows: pd.DataFrame) -> pd.DataFrame:
     """Add `variant`: the method with its non-default knobs (kivi bits=2 and bits=4 are different lines)."""
     labels = [variant_label(m, json.loads(p)) for m, p in zip(rows["method"], rows["method_params"])]
@@ -138,6 +169,7 @@ def with_full_scores(rows: pd.DataFrame) -> pd.DataFrame:
     """Adds `full_score`: the full cache's score on the same example in the same setting (NaN if none ran)."""
     # match on the keys' text: a merge on the columns fails when an all-missing column (e.g. no subsets) reads
     # back as object in one frame and float in another, and None/NaN keys must still match each other
+    rows = with_experiment_keys(rows)
     keys = _text_keys(rows, MATCH_KEYS)
     full = rows["score"].where(rows["method"] == FULL).groupby(keys).mean()  # mean skips the non-full NaNs
     return rows.assign(full_score=keys.map(full).to_numpy())
@@ -177,7 +209,7 @@ def _comparison(scope: pd.DataFrame) -> pd.Series:
     The common examples are one configuration's example set: the one covering the most tasks, then ranking
     the most (configurations that ran all of it × its size), then the full cache's. Configurations that ran
     all of it are compared on exactly it; the others are shown apart, on their own examples."""
-    config = _text_keys(scope, ["method", "budget"])
+    config = _text_keys(scope, ["method", "budget", "code_fingerprint"])
     example = _text_keys(scope, ["task_of_example", "subset_of_example", "example_id"])
     sets = {c: frozenset(example[config == c]) for c in config.unique()}
     tasks = {c: scope.loc[config == c, "task_of_example"].nunique() for c in sets}
@@ -197,7 +229,7 @@ def _comparison(scope: pd.DataFrame) -> pd.Series:
 
 def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
     rows = rows.assign(compared=None)
-    for _, scope in rows.groupby(["model", "task", "subset", "query_aware"], dropna=False, sort=False):
+    for _, scope in rows.groupby(["model", "dtype", "task", "subset", "query_aware"], dropna=False, sort=False):
         rows.loc[scope.index, "compared"] = _comparison(scope)
     rows = rows[rows["compared"].notna()]
     out = []
@@ -226,8 +258,9 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
             kv_ratio=group["kv_ratio"].mean(),
             kv_bytes=group["kv_bytes"].mean(),
             peak_mem_bytes=group["peak_mem_bytes"].max(),
-            prefill_s=group["prefill_s"].mean(),
-            decode_ms_per_token=group["decode_ms_per_token"].mean(),
+            machines=int(group["device_name"].nunique()),
+            # latency measured on several machines is not one experiment's: not pooled
+            **{t: group[t].mean() if group["device_name"].nunique() <= 1 else math.nan for t in TIMING},
         )
         out.append(record)
     return out
@@ -235,7 +268,9 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
 
 def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring."""
-    rows = with_full_scores(rows).assign(task_of_example=rows["task"], subset_of_example=rows["subset"])
+    rows = with_full_scores(with_experiment_keys(rows)).assign(
+        task_of_example=rows["task"], subset_of_example=rows["subset"]
+    )
     levels = [("subset", rows)]
     if "scenario" in rows and rows["scenario"].notna().any():
         levels.append(("scenario", rows[rows["scenario"].notna()].assign(subset=lambda r: r["scenario"])))

@@ -59,9 +59,11 @@ class Claims:
     """Claims of one process in one store."""
 
     def __init__(self, store_root: str | Path):
-        self.root = Path(store_root) / "claims"
+        self.root = Path(store_root).expanduser() / "claims"
         self.held: set[Path] = set()
         self.me = _owner()
+        for folder in self.root.iterdir() if self.root.is_dir() else []:  # left by runs before (a SIGKILL)
+            _remove_if_empty(folder)
 
     def _path(self, config_hash: str, example_id: str) -> Path:
         return self.root / config_hash / hashlib.sha1(str(example_id).encode()).hexdigest()
@@ -71,10 +73,12 @@ class Claims:
         path = self._path(config_hash, example_id)
         if path in self.held:
             return True
-        path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
+            path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileNotFoundError:  # another process removed the folder as it emptied: make it again
+                continue
             except FileExistsError:
                 if not self._take_over_if_stale(path):
                     return False
@@ -111,6 +115,7 @@ class Claims:
             if path in self.held:
                 path.unlink(missing_ok=True)
                 self.held.discard(path)
+                _remove_if_empty(path.parent)
 
     def release_all(self) -> None:
         """Every claim still held (the run ends, fails or is interrupted). Never raises: it runs while another
@@ -118,6 +123,7 @@ class Claims:
         for path in list(self.held):
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
+            _remove_if_empty(path.parent)
         self.held.clear()
 
     def stopped_owners(self, keys) -> dict[int, int]:
@@ -128,6 +134,13 @@ class Claims:
             if owner and owner.get("host") == HOST and process_state(int(owner["pid"])) in ("T", "t"):
                 stopped[int(owner["pid"])] = stopped.get(int(owner["pid"]), 0) + 1
         return stopped
+
+
+def _remove_if_empty(folder: Path) -> None:
+    """A configuration's claim folder once it holds no claim (another process's claims keep it; a race with a
+    process creating a claim there is harmless: its mkdir(exist_ok) runs again before the O_EXCL create)."""
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def read_owner(path: Path) -> dict | None:

@@ -7,12 +7,15 @@ same command picks up the rows already there (keyed by `config_hash` + `example_
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
 import json
 import os
 import platform
+import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -181,13 +184,22 @@ def config_hash(payload: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+HOST = socket.gethostname()
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>.+?)\.[^.]+\.tmp$")  # write_atomic's names
+# rows each ResultStore of this process saved, by its rows file: what an interrupted run tells the user is safe
+SAVED: dict[str, int] = {}
+
+
 def write_atomic(path: Path, write) -> None:
     """Write via a temporary file in the same directory, then rename: readers never see half a file (a failed
-    write — disk full, a signal — leaves the previous version and no temporary file)."""
+    write — disk full, a signal — leaves the previous version and no temporary file). The temporary file is named
+    after this process (`.NAME.<pid>@<host>.XXXX.tmp`), so what a SIGKILL leaves is swept by the next process
+    (`sweep_temporaries`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = ""
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}@{HOST}.", suffix=".tmp")
+        os.close(fd)
         write(tmp)
         umask = os.umask(0)
         os.umask(umask)
@@ -197,8 +209,23 @@ def write_atomic(path: Path, write) -> None:
         error.filename = str(path)  # the file the user knows, not the temporary one
         raise
     finally:
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def sweep_temporaries(folder: Path) -> int:
+    """Remove the temporary files of write_atomic left in `folder` by processes of this host that no longer run
+    (SIGKILL, a power cut); the number removed. Files of live processes and of other hosts stay."""
+    from kvbench.store.claims import _process_start
+
+    removed = 0
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
+        match = TEMPORARY.match(tmp.name)
+        if match and match["host"] == HOST and _process_start(int(match["pid"])) is None:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed += 1
+    return removed
 
 
 def write_rows(rows: pd.DataFrame, path: Path) -> None:
@@ -258,8 +285,10 @@ def read_rows(path: Path) -> pd.DataFrame:
 
 class ResultStore:
     def __init__(self, results_dir: str | Path):
-        self.root = Path(results_dir)
+        self.root = Path(results_dir).expanduser()  # `~/store` is the home's store, never a folder named `~`
         self.rows_dir = self.root / "rows"
+        with contextlib.suppress(OSError):
+            sweep_temporaries(self.rows_dir)
 
     def existing(self) -> dict[tuple[str, str], dict]:
         """(config_hash, example_id) → row, for every row already in the store."""
@@ -296,4 +325,5 @@ class ResultStore:
     def save_run(self, run_id: str, rows: list[dict]) -> Path:
         path = self.rows_dir / f"{run_id}.parquet"
         write_rows(pd.DataFrame(rows), path)
+        SAVED[str(path)] = len(rows)
         return path

@@ -1,7 +1,7 @@
 """Offline haystack text: RULER's noise sentences, prose every Python install has, or the user's files.
 
 A user's files are bounded: at most MAX_TEXT_BYTES in all (a prompt takes a few hundred KB of text; reading and
-splitting a larger file is slow for nothing), text rather than binary bytes (checked on the first 64 KiB of each),
+splitting a larger file is slow for nothing), text rather than binary bytes (checked through the whole of each),
 and their sentences are tokenized only as a prompt takes them (`Encoded`)."""
 
 from __future__ import annotations
@@ -46,6 +46,23 @@ MAX_TEXT_BYTES = 64 << 20  # the most haystack / perplexity text read from files
 SAMPLE_BYTES = 1 << 16  # the start of each file checked to be text
 
 
+def binary_at(path: Path) -> int | None:
+    """The offset of the first block (SAMPLE_BYTES) of `path` that is not text — a NUL byte, or more than 1 % of it
+    not decodable as UTF-8 (a character split across blocks decodes whole: the decoder is incremental) — else None.
+    The whole file is read: binary after a text start is still binary."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offset = 0
+    with open(path, "rb") as f:
+        while block := f.read(SAMPLE_BYTES):
+            undecodable = decoder.decode(block).count("\ufffd")
+            if b"\x00" in block or undecodable > len(block) // 100:
+                return offset
+            offset += len(block)
+    return offset if decoder.decode(b"", final=True).count("\ufffd") else None
+
+
 def check_files(key: str, files) -> None:
     """`key` (a list of text files) is non-empty, every file exists and holds text, and all together are at most
     MAX_TEXT_BYTES."""
@@ -56,15 +73,15 @@ def check_files(key: str, files) -> None:
         p = Path(str(path)).expanduser()
         if not p.is_file():
             raise KvbenchError(f"{key}: {path} is not a file; fix the path in {key}=[...]")
-        with open(p, "rb") as f:
-            sample = f.read(SAMPLE_BYTES)
-        undecodable = sample.decode("utf-8", errors="replace").count("\ufffd")
-        if b"\x00" in sample or undecodable > len(sample) // 100:
+        total += p.stat().st_size
+        if total > MAX_TEXT_BYTES:
+            break  # refused below without reading the rest
+        offset = binary_at(p)
+        if offset is not None:
             raise KvbenchError(
-                f"{key}: {path} is not UTF-8 text (binary bytes in its first {len(sample):,}); give a plain-text "
+                f"{key}: {path} is not UTF-8 text (binary bytes at byte {offset:,}); give a plain-text "
                 "file (a legacy encoding: iconv -t utf-8 FILE > FILE.txt)"
             )
-        total += p.stat().st_size
     if total > MAX_TEXT_BYTES:
         raise KvbenchError(
             f"{key}: {total / (1 << 20):,.0f} MiB of text, above the {MAX_TEXT_BYTES >> 20} MiB kvbench reads (a "

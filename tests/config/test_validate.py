@@ -312,8 +312,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     proc = _cli(tiny_overrides(tmp_path), tmp_path, code=code)
     assert proc.returncode == 130 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "kvbench: interrupted; the rows computed so far are in the store: rerun the same command to resume"
-    ]
+        "kvbench: interrupted; no row was computed before it: rerun the same command to start again"
+    ]  # stopped before any row was saved: the store holds nothing of this run
 
 
 def test_knob_ranges_and_choices_are_checked_from_the_dataclass():

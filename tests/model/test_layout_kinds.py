@@ -1,0 +1,122 @@
+"""Layer kinds the first layout did not know, to the byte of transformers' own DynamicCache: layers reusing another
+layer's K/V (Gemma 3n, Gemma 4: `kv_sharing_modes` "reuse") cache nothing, DeepSeek-V3.2's indexed layers cache one
+indexer key per token beside the latent, Gemma 4's global layers have their own head_dim; and a sliding layer whose
+window never fills this run is typed global (`CacheLayout.at`) with unchanged bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from transformers import DynamicCache
+
+from kvbench import KvbenchError
+from kvbench.model.layout import cache_layout, caches_latent
+from kvbench.model.load import cache_kwarg
+from tests.model.families import BASE, FAMILIES, WINDOW
+
+PROMPT, DECODE = 80, 3
+
+
+def held_bytes(cache) -> int:
+    """nbytes of every tensor the cache's layers hold (K, V and DeepSeek-V3.2's indexer keys)."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values", "indexer_keys"):
+            tensor = getattr(layer, name, None)
+            total += tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
+    return total
+
+
+def own_cache_bytes(model, tokens: int, decode: int) -> int:
+    cache, kwarg = DynamicCache(config=model.config), cache_kwarg(model)
+    ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = model(input_ids=ids, **{kwarg: cache}, use_cache=True, logits_to_keep=1)
+        for _ in range(decode):
+            out = model(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), **{kwarg: cache}, use_cache=True)
+    return held_bytes(cache)
+
+
+SMALL = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}
+CONFIGS = {
+    "gemma3n": lambda: tf.Gemma3nTextConfig(  # the last 2 of 6 layers reuse earlier layers' K/V
+        **{k: v for k, v in SMALL.items() if k != "intermediate_size"},
+        intermediate_size=[128] * 6,
+        head_dim=16,
+        sliding_window=WINDOW,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=1000,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
+    "gemma4": lambda: tf.AutoConfig.for_model(  # alternating sliding/global, global head_dim 32, last 2 layers reuse K/V
+        "gemma4_text", **{k: v for k, v in SMALL.items() if k not in ("pad_token_id", "bos_token_id")}, head_dim=16,
+        global_head_dim=32, sliding_window=WINDOW, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=1000, layer_types=["sliding_attention", "full_attention"] * 3,
+    ),
+    "deepseek-v32": lambda: tf.AutoConfig.for_model(  # latent + one indexer key of 16 per token and layer
+        "deepseek_v32",
+        **{**BASE, "num_hidden_layers": 2},
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        num_experts_per_tok=2,
+        index_head_dim=16,
+        index_n_heads=2,
+        index_topk=16,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_full_bytes_equal_transformers_own_cache(name):
+    try:
+        config = CONFIGS[name]()
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config).eval()
+    except (TypeError, ValueError, KeyError) as error:  # this transformers has no such class or knob
+        pytest.skip(f"{name} not buildable on transformers {tf.__version__}: {error}")
+    layout = cache_layout(model.config, torch.float32)
+    assert layout.full_bytes(PROMPT + DECODE) == own_cache_bytes(model, PROMPT, DECODE)
+    if name in ("gemma3n", "gemma4"):
+        assert layout.kinds[-2:] == ("shared", "shared")  # before: counted as caching layers
+    if name == "gemma4":  # before: transformers' AmbiguousGlobalPerLayerAttributeError on config.head_dim
+        assert layout.layers[3].key_width == 2 * 32 and layout.layers[0].key_width == 2 * 16
+    if name == "deepseek-v32" and caches_latent(config):
+        assert layout.layers[0].extra_width == 16  # before: the indexer keys were left out
+
+
+def test_a_window_that_never_fills_is_global_at_this_context():
+    mistral = cache_layout(FAMILIES["mistral"](), torch.float32)  # every layer slides, W = 64
+    short, long = mistral.at(WINDOW - 1), mistral.at(WINDOW)
+    assert short.kinds == ("global",) * 4 and long.kinds == ("sliding",) * 4
+    for tokens in (1, 30, WINDOW - 1):  # the bytes the model's own cache holds are unchanged
+        assert short.full_bytes(tokens) == mistral.full_bytes(tokens)
+    assert short.growing_share(WINDOW - 1) == 1.0 and mistral.growing_share(WINDOW - 1) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"sliding_window": 1}, "sliding_window=1 for a sliding_attention layer"),
+        ({"num_hidden_layers": 2**40}, "num_hidden_layers=1099511627776 is beyond 4096"),
+    ],
+)
+def test_degenerate_configs_are_one_line(fields, message):
+    config = tf.MistralConfig(**{**BASE, "num_key_value_heads": 2, "sliding_window": WINDOW})
+    for key, value in fields.items():
+        config.__dict__[key] = value  # past transformers' own validation, as a hand-written file reaches it
+    with pytest.raises(KvbenchError, match=message):
+        cache_layout(config, torch.float32)

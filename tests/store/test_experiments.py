@@ -1,0 +1,86 @@
+"""Rows are pooled only within one experiment: a configuration's float32 and bfloat16 runs (different config
+hashes), two models' rows, or one configuration's rows from two code versions are never counted as one n, in the
+summary (report), the gate and the guide; latency measured on several machines is not pooled."""
+
+from __future__ import annotations
+
+import math
+
+from kvbench.guide.selection import guide_table
+from kvbench.report.gate import main as check_main
+from kvbench.store.aggregate import load_rows, summarize
+from tests.report.test_report import row, store
+
+
+def runs(dtypes=("float32", "bfloat16"), models=("tiny",), **extra) -> list[dict]:
+    """full and snapkv@0.25 on 3 examples per (model, dtype): a configuration's own run is n=3."""
+    rows = []
+    for model in models:
+        for dtype in dtypes:
+            for method, budget, score in (("full", 1.0, 1.0), ("snapkv", 0.25, 1.0 if dtype == "float32" else 0.0)):
+                for i in range(3):
+                    rows.append(
+                        row(
+                            method,
+                            budget,
+                            f"e{i}",
+                            score,
+                            model=model,
+                            dtype=dtype,
+                            config_hash=f"{model}-{dtype}-{method}",
+                            **extra,
+                        )
+                    )
+    return rows
+
+
+def test_two_dtypes_are_two_experiments_in_the_summary(tmp_path):
+    summary = summarize(load_rows([store(tmp_path, runs())]))
+    snap = summary[(summary["level"] == "subset") & (summary["method"] == "snapkv")].set_index("dtype")
+    assert sorted(snap.index) == ["bfloat16", "float32"]  # before: one line, n=6, score 0.5
+    assert (snap["n"] == 3).all()
+    assert snap.loc["float32", "drop_vs_full"] == 0.0 and snap.loc["bfloat16", "drop_vs_full"] == 1.0
+
+
+def test_the_gate_refuses_to_pool_two_dtypes_into_one_n(tmp_path, capsys):
+    thresholds = tmp_path / "t.yaml"
+    thresholds.write_text("thresholds:\n  - select: {method: snapkv}\n    min_score: 0\n    min_examples: 6\n")
+    code = check_main([str(store(tmp_path, runs())), "--thresholds", str(thresholds)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2  # before: exit 0, "examples 6 >= 6 (n=6)"
+    assert err.endswith(
+        "pools rows of 2 dtypes (bfloat16, float32): different experiments; add dtype: <one of them> to its select"
+    )
+
+
+def test_a_float_min_examples_is_bad_input(tmp_path, capsys):
+    thresholds = tmp_path / "t.yaml"
+    thresholds.write_text(
+        "thresholds:\n  - select: {method: snapkv, dtype: float32}\n    min_score: 0\n    min_examples: 3.0\n"
+    )
+    code = check_main([str(store(tmp_path, runs())), "--thresholds", str(thresholds)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1  # before: exit 0, "examples 3 >= 3"
+    assert "min_examples must be a positive integer, got 3.0 (min_examples is a float, not an integer)" in err[0]
+
+
+def test_the_guide_ranks_a_configuration_per_model(tmp_path):
+    table = guide_table(load_rows([store(tmp_path, runs(dtypes=("float32",), models=("a", "b")))]), min_n=1)
+    assert sorted(table["model"]) == ["a", "b"] and (table["n"] == 3).all()  # before: one line over both, n=6
+
+
+def test_one_configuration_across_code_versions_is_not_pooled(tmp_path):
+    rows = runs(dtypes=("float32",))
+    for r in rows[3:]:
+        r["code_fingerprint"] = "new" if r["example_id"] == "e2" else "old"
+    summary = summarize(load_rows([store(tmp_path, rows)]))
+    snap = summary[(summary["level"] == "subset") & (summary["method"] == "snapkv")]
+    assert sorted(snap["n"]) == [1, 2]
+
+
+def test_latency_from_several_machines_is_not_pooled(tmp_path):
+    rows = runs(dtypes=("float32",))
+    for i, r in enumerate(rows):
+        r["device_name"] = "cpu: a" if i % 2 else "cuda: H100"
+    snap = summarize(load_rows([store(tmp_path, rows)])).query("level == 'subset' and method == 'snapkv'").iloc[0]
+    assert snap["machines"] == 2 and math.isnan(snap["prefill_s"]) and snap["n"] == 3
