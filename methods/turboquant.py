@@ -59,10 +59,10 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value: keys beyond it saturate
 
 # ---- the quantizer ---------------------------------------------------------------------------------------------
 @functools.cache
-def lloyd_max(dim: int, bits: int, grid: int = 40001, iterations: int = 300) -> tuple[torch.Tensor, float]:
+def lloyd_max(dim: int, bits: int, grid: int = 40000, iterations: int = 300) -> tuple[torch.Tensor, float]:
     """Lloyd-Max codebook (2^bits centroids, ascending, fp32) for one coordinate of a uniform unit vector in R^dim,
     density f(x) ∝ (1 − x²)^((dim−3)/2) on [−1, 1], and its distortion E[(x − c(x))²] per coordinate."""
-    x = torch.linspace(-1, 1, grid, dtype=torch.float64)[1:-1]  # (G,): open interval (the density may vanish there)
+    x = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid * 2 - 1  # (G,) cell midpoints: symmetric, never ±1
     log_f = (dim - 3) / 2 * torch.log1p(-x * x)
     weight = torch.exp(log_f - log_f.max())
     weight = weight / weight.sum()  # (G,) probability mass per grid point
@@ -74,6 +74,7 @@ def lloyd_max(dim: int, bits: int, grid: int = 40001, iterations: int = 300) -> 
         mass = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, weight)
         moment = torch.zeros(levels, dtype=torch.float64).index_add_(0, cell, weight * x)
         centroids = torch.where(mass > 0, moment / mass.clamp_min(1e-300), centroids)
+    centroids = (centroids - centroids.flip(0)) / 2  # exactly symmetric, as the density is
     cell = torch.bucketize(x, (centroids[1:] + centroids[:-1]) / 2)
     distortion = float((weight * (x - centroids[cell]) ** 2).sum())
     return centroids.float(), distortion
