@@ -100,6 +100,11 @@ def rotation_matrix(dim: int, kind: str, seed: int) -> torch.Tensor:
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes (..., D) integers in [0, 2^bits) → (..., ⌈D·bits/8⌉) uint8, least significant bit first."""
+    if 8 % bits == 0:  # whole codes per byte: code c sits in byte c·bits // 8 at shift c·bits % 8
+        per_byte = 8 // bits
+        padded = torch.nn.functional.pad(codes.to(torch.uint8), (0, -codes.shape[-1] % per_byte))
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (8/bits,)
+        return (padded.unflatten(-1, (-1, per_byte)) << shifts).sum(-1, dtype=torch.uint8)  # disjoint bits: sum = or
     shifts = torch.arange(bits, device=codes.device)
     flat = ((codes.long().unsqueeze(-1) >> shifts) & 1).flatten(-2)  # (..., D·bits) bits
     pad = -flat.shape[-1] % 8
@@ -109,6 +114,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """(..., ⌈D·bits/8⌉) uint8 → codes (..., D) int64."""
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (8/bits,)
+        codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., bytes, 8/bits) uint8
+        return codes.flatten(-2)[..., :dim].long()
     flat = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)  # (..., 8·bytes)
     per_code = flat[..., : dim * bits].unflatten(-1, (dim, bits))  # (..., D, bits)
     return (per_code << torch.arange(bits, device=packed.device)).sum(-1)
