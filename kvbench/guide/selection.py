@@ -38,9 +38,9 @@ from kvbench.store.intervals import NO_INTERVAL_SHORT, interval_text, mean_inter
 from kvbench.tasks.facts import task_facts
 
 # what each method does, kept torch-free here (tests/guide/test_guide.py checks them against the method registry)
-NEEDS_STATISTICS = {"snapkv", "pyramidkv", "h2o", "adakv", "tova", "expected_attention"}
+NEEDS_STATISTICS = {"snapkv", "pyramidkv", "h2o", "adakv", "tova", "expected_attention", "rkv", "kvcrush", "chunkkv"}
 CHANGES_MODEL = {"headmerge"}
-PRECISION = {"kivi", "hf-quant"}
+PRECISION = {"kivi", "hf-quant", "turboquant"}
 NO_BUDGET = "none"  # the budget label of methods that keep every token (quantization, head merging)
 
 

@@ -7,7 +7,8 @@ predicts the same number without running the model, from the same rules the code
   by their own `Method.held_after_decoding`;
 - KV heads: the model's, or head merging's `kv_heads`;
 - storage layout: dense K/V (`kvbench.model.cache.full_cache_nbytes`, the seed's formula), KIVI's packed layout
-  (methods/kivi.py docstring), or transformers' QuantizedCache (quanto: an estimate, its packing is opaque);
+  (methods/kivi.py docstring), TurboQuant's packed codes (methods/turboquant.py), or transformers' QuantizedCache
+  (quanto: an estimate, its packing is opaque);
 - layer kinds (kvbench.model.layout, when the shape carries the model's layout): a sliding layer holds its window,
   min(tokens, W − 1), whatever the method (kvbench.model.cache.keep_windows), unless its window never fills in the
   tokens counted (`CacheLayout.at`: then it is compressed as a global layer); a latent layer its latent width (and
@@ -181,6 +182,14 @@ def predict_kv_bytes(
                 for _, t in compressed
             )
             exact, bound = False, True
+    elif precision.name == "turboquant":  # every token packed on store (methods/turboquant.py); boundary layers dense
+        full = precision.full_precision_layers(shape.n_layers)
+        total = window_bytes + sum(
+            shape.kept_layer_bytes(i, t, batch)
+            if i in full
+            else batch * precision.layer_bytes(t, shape.n_kv_heads, shape.head_dim, shape.element_bytes, False)
+            for i, t in compressed
+        )
     elif precision.name == "hf-quant" and precision.backend == "quanto":
         updates = ([appended_tokens] if appended_tokens else []) + [1] * decoded_tokens
         total = window_bytes + sum(
@@ -193,6 +202,6 @@ def predict_kv_bytes(
     else:
         raise KvbenchError(
             f"no byte accounting for {precision.name} {precision.params().get('backend', '')}; "
-            "the planner supports kivi and hf-quant backend=quanto"
+            "the planner supports kivi, turboquant and hf-quant backend=quanto"
         )
     return Prediction(total, exact, tuple(tokens), bound)
