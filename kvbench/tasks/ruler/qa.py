@@ -3,7 +3,7 @@ i-th answerable question, its gold paragraphs among as many distractor paragraph
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, partial
 
 from kvbench.tasks.ruler import source
 from kvbench.tasks.ruler.stream import Sample, Stream, retry
@@ -90,4 +90,7 @@ class QA:
                 break
         if num_samples > len(self.qas):
             num_samples = len(self.qas)
-        return [retry(lambda m, i=i: self.sample(i, m), n, step, length, ttg, self.s, "qa") for i in range(num_samples)]
+        return [retry(partial(self._at, i), n, step, length, ttg, self.s, "qa") for i in range(num_samples)]
+
+    def _at(self, index: int, num_docs: int) -> Sample:
+        return self.sample(index, num_docs)

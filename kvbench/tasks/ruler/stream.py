@@ -68,6 +68,6 @@ def retry(
                 stuck += 1
                 if stuck > 100:
                     raise KvbenchError(
-                        f"task.context_lengths: {limit} tokens is too short for RULER's {what} with this tokenizer; "
-                        f"use longer lengths"
+                        f"task.context_lengths: RULER's {what} does not fit in {limit} tokens with this tokenizer; "
+                        f"use longer lengths or leave the task out of task.tasks"
                     ) from None

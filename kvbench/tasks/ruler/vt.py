@@ -50,6 +50,7 @@ class VariableTracking:
         return Sample(whole.format(**fill), variables[0], after.format(**fill), self.answer_prefix.format(**fill))
 
     def _run(self, num_samples: int, length: int, ttg: int, step: int, icl: Sample | None) -> list[Sample]:
+        what = "vt" if icl is not None else "vt's solved example (RULER draws it at 500 tokens, whatever the length)"
         example, example_tokens = "", 0
         if icl is not None:
             example = icl.text + " " + " ".join(icl.answers) + "\n\n"
@@ -65,7 +66,7 @@ class VariableTracking:
         out = []
         for _ in range(num_samples):
             sample = retry(
-                lambda m: self.sample(m, is_icl=icl is None), n, step, length - example_tokens, ttg, self.s, "vt", False
+                lambda m: self.sample(m, is_icl=icl is None), n, step, length - example_tokens, ttg, self.s, what, False
             )
             if icl is not None:  # the solved example goes in front of the task template (at 0 for RULER's base)
                 cut = sample.text.index(self.template[:20])
