@@ -56,6 +56,9 @@ def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
     line = next(x for x in section.markdown.splitlines() if "snapkv" in x and "| 0.5 |" in x)
     assert "83.3" in line and "0.520" in line  # score, measured kv_ratio
     assert "niah" not in section.markdown
+    page = (tmp_path / "leaderboard.html").read_text()  # the page alone: table, sorting script, plot inline
+    assert '<table class="sortable' in page and "addEventListener('click'" in page and "data:image/png" in page
+    assert "| 83.3 |" in (tmp_path / "leaderboard.md").read_text()
 
 
 def test_no_ruler_rows_no_section(tmp_path):

@@ -101,9 +101,13 @@ def test_key_words_are_the_scripts_list():
         index[len(words)]
 
 
+# every task at 4K (the leaderboard's length); below 4096 cwe repeats its words 6/1 times, the noise and needle
+# haystacks grow in steps of 5: those paths at 2K
+CASES = [(name, 4096) for name in NAMES] + [("cwe", 2048), ("niah_multikey_3", 2048), ("niah_single_1", 2048)]
+
+
 @slow
-@pytest.mark.parametrize("length", [4096])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name, length", CASES)
 def test_samples_identical_to_the_official_generator(name, length, tokenizer_dir, tokenizer, nltk_data, tmp_path):
     expected = official(name, length, tokenizer_dir, nltk_data, tmp_path)
     count = lambda text: len(tokenizer.tokenize(text))

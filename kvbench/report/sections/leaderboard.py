@@ -11,6 +11,7 @@ import math
 
 import pandas as pd
 
+from kvbench.report.page import Page
 from kvbench.report.section import Context, Section, report_section
 from kvbench.report.tables import Column, fixed, html_table, markdown_table, mib, seconds
 from kvbench.store.intervals import mean_interval
@@ -110,9 +111,21 @@ def ruler_leaderboard(rows: pd.DataFrame, summary: pd.DataFrame, context: Contex
         "really held (kvpress reports the ratio it asked for). Click a header to sort."
     )
     ratios = ", ".join(f"{r:g}" for r in sorted(table["ratio"].unique()) if not math.isclose(r, 0.0))
+    files = plot(table, context.out_dir)
+    standalone(table, few, note, files, context.out_dir)
     return Section(
-        html=f"<p>{html.escape(note)}</p><p>compression ratios: {html.escape(ratios)}</p>"
-        + html_table(table, COLUMNS, few),
+        html=f"<p>{html.escape(note)}</p><p>compression ratios: {html.escape(ratios)}; the page alone: "
+        "leaderboard.html, leaderboard.md</p>" + html_table(table, COLUMNS, few),
         markdown=note + "\n\n" + markdown_table(table, COLUMNS),
-        files=plot(table, context.out_dir),
+        files=files,
     )
+
+
+def standalone(table: pd.DataFrame, few: pd.Series, note: str, plots: list, out_dir) -> None:
+    """The leaderboard as a page of its own (self-contained HTML with the plot inline, and Markdown), to publish."""
+    page = Page("RULER leaderboard")
+    page.note(note)
+    page.images(plots)
+    page.table(table, COLUMNS, few)
+    (out_dir / "leaderboard.html").write_text(page.html([]))
+    (out_dir / "leaderboard.md").write_text(page.markdown())
