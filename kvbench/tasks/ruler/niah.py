@@ -1,149 +1,154 @@
-"""RULER's needle-in-a-haystack variants (hsiehjackson/RULER scripts/synthetic.yaml and synthetic/niah.py).
-
-Haystacks: `repeat` (RULER's noise sentences, one line each repetition), `essay` (RULER: Paul Graham's essays,
-which need a download; here the prose of Python's bundled docs, kvbench.tasks.haystack, ~29K words, started over
-when a context needs more) and `needle` (lines of distractor needles with other random keys). Keys and values:
-"adjective-noun" words, 7-digit numbers or UUIDs.
-"""
+"""RULER's needle-in-a-haystack generator (data/synthetic/niah.py), draw for draw: the 8 niah_* tasks."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
-from dataclasses import dataclass
-from functools import lru_cache, partial
-from itertools import cycle, islice
+import re
+import uuid
+from bisect import bisect_right
+from collections.abc import Sequence
+from functools import cache
+from itertools import accumulate
 
-from kvbench.tasks.haystack import NOISE, python_docs_prose, split_sentences
-from kvbench.tasks.niah import random_value
-from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout
-from kvbench.tasks.ruler.words import key_words
+import numpy as np
 
-NEEDLE = "One of the special magic {kind} for {key} is: {value}."
-TEMPLATE = (
-    "Some special magic {kind} are hidden within the following text. Make sure to memorize it. I will quiz "
-    "you about the {kind} afterwards.\n{context}\nWhat are all the special magic {kind} for {query} mentioned "
-    "in the provided text?"
-)
-ANSWER_PREFIX = " The special magic {kind} for {query} mentioned in the provided text are"
-NOISE_LINE = " ".join(NOISE)
-DEPTHS = tuple(round(100 * i / 39) for i in range(40))  # RULER's essay depths: np.linspace(0, 100, 40), rounded
+from kvbench.tasks.ruler import source
+from kvbench.tasks.ruler.stream import Sample, Stream, retry
+
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+REPEAT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+DEPTHS = list(np.round(np.linspace(0, 100, num=40, endpoint=True)).astype(int))  # np.int64s, as the script's
 
 
-@dataclass(frozen=True)
-class NiahVariant:
-    haystack: str  # repeat | essay | needle
-    key: str  # words | uuids
-    value: str  # numbers | uuids
-    n_keys: int = 1  # needles with different keys (one of them queried unless n_queries says otherwise)
-    n_values: int = 1  # needles (values) per key
-    n_queries: int = 1  # keys asked at once
+@cache
+def essay_words() -> list[str]:
+    return re.sub(r"\s+", " ", source.essay()).split(" ")
 
 
-VARIANTS = {
-    "niah_single_1": NiahVariant("repeat", "words", "numbers"),
-    "niah_single_2": NiahVariant("essay", "words", "numbers"),
-    "niah_single_3": NiahVariant("essay", "words", "uuids"),
-    "niah_multikey_1": NiahVariant("essay", "words", "numbers", n_keys=4),
-    "niah_multikey_2": NiahVariant("needle", "words", "numbers"),
-    "niah_multikey_3": NiahVariant("needle", "uuids", "uuids"),
-    "niah_multivalue": NiahVariant("essay", "words", "numbers", n_values=4),
-    "niah_multiquery": NiahVariant("essay", "words", "numbers", n_queries=4),
-}
+class KeyWords(Sequence):
+    """The script's `words`: every `adjective-noun` of wonderwords' lists, distinct and sorted (6.2M strings, 25 s and
+    0.8 GB to build), read by index without building it. Strings under one prefix `adj-` are contiguous once sorted,
+    and prefixes neither of which starts the other order their strings as they order themselves; so the list is
+    the runs of prefixes that start with the run's first one, in order, each run its sorted distinct strings (a run
+    of one prefix: its nouns in order; of more, e.g. `blue-` and `blue-eyed-`: built, 2 × 6.8K strings)."""
+
+    def __init__(self, adjs, nouns):
+        self.nouns = sorted(set(nouns))
+        runs: list[list[str]] = []
+        for p in sorted({f"{a}-" for a in adjs}):
+            if runs and p.startswith(runs[-1][0]):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        self.runs = [r[0] if len(r) == 1 else sorted({p + n for p in r for n in self.nouns}) for r in runs]
+        sizes = (len(self.nouns) if isinstance(r, str) else len(r) for r in self.runs)
+        self.starts = list(accumulate(sizes, initial=0))  # where each run begins in the sorted list
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i):  # type: ignore[override]  # ints only: what random.choice asks
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect_right(self.starts, i) - 1
+        run, at = self.runs[k], i - self.starts[k]
+        return run + self.nouns[at] if isinstance(run, str) else run[at]
 
 
-def random_item(rng: random.Random, kind: str) -> str:
-    if kind == "numbers":
-        return random_value(rng, "digits", 7)
-    if kind == "uuids":
-        return random_value(rng, "uuid", 0)
-    adjectives, nouns = key_words()
-    return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
+@cache
+def key_words() -> KeyWords:
+    return KeyWords(source.wonderwords_list("adjectivelist.txt"), source.wonderwords_list("nounlist.txt"))
 
 
-def fresh_item(rng: random.Random, kind: str, taken: set[str]) -> str:
-    """A random item not in `taken` (then added to it): keys and values never repeat within a sample."""
-    while (item := random_item(rng, kind)) in taken:
-        pass
-    taken.add(item)
-    return item
+class Niah:
+    def __init__(self, args: dict, template: str, answer_prefix: str, stream: Stream):
+        self.a = {"num_needle_k": 1, "num_needle_v": 1, "num_needle_q": 1, **args}
+        self.a["num_needle_k"] = max(self.a["num_needle_k"], self.a["num_needle_q"])
+        self.template, self.answer_prefix, self.s = template, answer_prefix, stream
 
+    def random(self, kind: str) -> str:
+        rng = self.s.rng
+        if kind == "numbers":
+            return str(rng.randint(10**6, 10**7 - 1))
+        if kind == "words":
+            return rng.choice(key_words())
+        if kind == "uuids":
+            return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        raise ValueError(f"RULER's niah has no needle type {kind!r}")
 
-@lru_cache(maxsize=1)
-def prose_words() -> tuple[str, ...]:
-    return tuple(" ".join(python_docs_prose()).split())
+    def sample(self, num_haystack: int) -> Sample:
+        a, rng = self.a, self.s.rng
+        keys, values, needles = [], [], []
+        for _ in range(a["num_needle_k"]):
+            keys.append(self.random(a["type_needle_k"]))
+            value = []
+            for _ in range(a["num_needle_v"]):
+                value.append(self.random(a["type_needle_v"]))
+                needles.append(NEEDLE.format(type_needle_v=a["type_needle_v"], key=keys[-1], value=value[-1]))
+            values.append(value)
+        self.s.shuffled(needles)
 
-
-def niah_draft(variant: NiahVariant, rng: random.Random, length: int, params, encode) -> Draft:
-    n_keys = max(variant.n_keys, variant.n_queries)  # as RULER: every queried key has its needle
-    taken: set[str] = set()
-    keys = [fresh_item(rng, variant.key, taken) for _ in range(n_keys)]
-    values = [[fresh_item(rng, variant.value, taken) for _ in range(variant.n_values)] for _ in keys]
-    needles = [(k, NEEDLE.format(kind=variant.value, key=keys[k], value=v)) for k in range(n_keys) for v in values[k]]
-    rng.shuffle(needles)
-    queried = rng.sample(range(n_keys), variant.n_queries)
-    answers = [v for k in queried for v in values[k]]
-    names = [keys[k] for k in queried]
-    query = f"{', '.join(names[:-1])}, and {names[-1]}" if len(names) > 1 else names[0]
-
-    template, prefix, kind = TEMPLATE, ANSWER_PREFIX, variant.value
-    if len(answers) == 1:  # RULER's singular wording for one answer
-        for plural, singular in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
-            template, prefix = template.replace(plural, singular), prefix.replace(plural, singular)
-        kind = kind[:-1]
-    # the queried needle's position is reported when it is the only answer
-    target = next(i for i, (k, _) in enumerate(needles) if k == queried[0]) if len(answers) == 1 else None
-    texts = [text for _, text in needles]
-    seed = rng.getrandbits(64)  # every haystack size lays out the same random stream
-    if variant.haystack == "essay":
-        layout = partial(essay_haystack, texts, target, prose_words(), seed)
-        min_units = 1
-    else:
-        if variant.haystack == "repeat":
-
-            def line(r: random.Random) -> str:
-                return NOISE_LINE
+        if a["type_haystack"] == "essay":
+            sents = source.sent_tokenizer().tokenize(" ".join(essay_words()[:num_haystack]).strip())
+            depths = rng.sample(DEPTHS, len(needles))
+            cuts = [0] + sorted(int(len(sents) * (d / 100)) for d in depths) + [len(sents)]
+            parts = []
+            for i in range(1, len(cuts)):
+                parts.append(" ".join(sents[cuts[i - 1] : cuts[i]]))
+                if i - 1 < len(needles):
+                    parts.append(needles[i - 1])
+            context = " ".join(parts)
         else:
+            if a["type_haystack"] == "repeat":
+                sentences = [REPEAT] * num_haystack
+            else:  # "needle": a haystack of needles with random keys and values
+                sentences = [
+                    NEEDLE.format(
+                        type_needle_v=a["type_needle_v"],
+                        key=self.random(a["type_needle_k"]),
+                        value=self.random(a["type_needle_v"]),
+                    )
+                    for _ in range(num_haystack)
+                ]
+            for index, needle in zip(sorted(rng.sample(range(num_haystack), len(needles)), reverse=True), needles):
+                sentences.insert(index, needle)
+            context = "\n".join(sentences)
 
-            def line(r: random.Random) -> str:  # distractors: other keys and values than the sample's
-                distinct = set(taken)
-                key = fresh_item(r, variant.key, distinct)
-                return NEEDLE.format(kind=variant.value, key=key, value=fresh_item(r, variant.value, distinct))
+        indices = rng.sample(range(a["num_needle_k"]), a["num_needle_q"])
+        queries = [keys[i] for i in indices]
+        answers = [v for i in indices for v in values[i]]
+        query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
 
-        layout = partial(line_haystack, texts, target, line, seed)
-        min_units = len(texts)  # RULER inserts each needle before a different line
-    return Draft(
-        template=template.format(kind=kind, query=query, context=CONTEXT),
-        answer_prefix=prefix.format(kind=kind, query=query),
-        answers=answers,
-        layout=layout,
-        min_units=min_units,
-    )
+        # the script's singular rewrite runs over its whole template (task template + answer prefix), here over the
+        # two parts: no replaced word spans their joint
+        template, prefix, type_v = self.template, self.answer_prefix, a["type_needle_v"]
+        if a["num_needle_q"] * a["num_needle_v"] == 1:
+            template, prefix = (_singular(t) for t in (template, prefix))
+            type_v = type_v[:-1]
+        fill = {"type_needle_v": type_v, "context": context, "query": query}
+        text = (template + prefix).format(**fill)
+        after = (template + prefix).split("{context}", 1)[1]
+        head = f"for {queries[0]} is: {answers[0]}."
+        depth = context.find(head) / max(1, len(context)) if len(answers) == 1 else None
+        return Sample(text, answers, after.format(**fill), prefix.format(**fill), depth)
+
+    def generate(self, length: int, ttg: int, num_samples: int) -> list[Sample]:
+        kind = self.a["type_haystack"]
+        step = 500 if kind == "essay" else 25
+        if kind != "essay" and length < 4096:
+            step = 5
+        n, total = step, 0
+        while total + ttg < length:  # the script's haystack-size search, on its first draws
+            sample = self.sample(n)
+            total = self.s.count(sample.text + " ".join(sample.answers))
+            if total + ttg > length:
+                n -= step
+                break
+            if kind == "essay" and n > len(essay_words()):
+                n = len(essay_words())
+                break
+            n += step
+        return [retry(self.sample, n, step, length, ttg, self.s, "niah") for _ in range(num_samples)]
 
 
-def line_haystack(
-    needles: list[str], target: int | None, line: Callable[[random.Random], str], seed: int, n: int
-) -> Layout:
-    """RULER's repeat/needle haystacks: n lines, each needle inserted as a line before a random line."""
-    rng = random.Random(seed)
-    lines = [line(rng) for _ in range(n)]
-    indexes = sorted(rng.sample(range(n), len(needles)), reverse=True)
-    for index, needle in zip(indexes, needles):
-        lines.insert(index, needle)
-    depth = None if target is None else indexes[target] / n
-    return Layout("\n".join(lines), filler="\n" + line(rng), depth=depth)
-
-
-def essay_haystack(needles: list[str], target: int | None, words: tuple[str, ...], seed: int, n: int) -> Layout:
-    """RULER's essay haystack: the first n words, the needles placed between sentences at random depths."""
-    rng = random.Random(seed)
-    stream = cycle(words)
-    sentences = split_sentences(" ".join(islice(stream, n)))
-    depths = sorted(rng.sample(DEPTHS, len(needles)))
-    cuts = [0] + [int(len(sentences) * d / 100) for d in depths]
-    parts = []
-    for i, needle in enumerate(needles):
-        parts += sentences[cuts[i] : cuts[i + 1]] + [needle]
-    parts += sentences[cuts[-1] :]
-    depth = None if target is None else depths[target] / 100
-    return Layout(" ".join(parts), filler=" " + " ".join(islice(stream, 64)), depth=depth)
+def _singular(t: str) -> str:
+    return t.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")

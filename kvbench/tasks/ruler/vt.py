@@ -1,99 +1,86 @@
-"""RULER's variable tracking (hsiehjackson/RULER synthetic/variable_tracking.py): chains of `VAR X = Y`
-assignments hidden in noise lines; the answer is every variable that ends up holding the queried value.
-
-As RULER, the task is preceded by one solved example of about 500 tokens (3-letter variables), in the same user
-turn, with RULER's quirk of collapsing that example's whitespace and dropping its template's last word.
-"""
+"""RULER's variable tracking generator (data/synthetic/variable_tracking.py), draw for draw: a solved example at
+500 tokens first (3-letter variables), then the samples, each with that example's variables renamed in front."""
 
 from __future__ import annotations
 
-import random
 import string
-from functools import partial
 
-from kvbench import KvbenchError
-from kvbench.tasks.haystack import NOISE
-from kvbench.tasks.ruler.draft import CONTEXT, Draft, Layout, largest_fitting
+from kvbench.tasks.ruler.stream import Sample, Stream, retry
 
-TEMPLATE = (
-    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
-    "Question: Find all variables that are assigned the value {query} in the text above."
-)
-# "assgined" is RULER's spelling: kept, the prompt is the benchmark's
-ANSWER_PREFIX = (
-    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables "
-    "are assgined the value {query}, they are: "
-)
-NOISE_LINE = " ".join(NOISE) + "\n"
-EXAMPLE_TOKENS = 470  # RULER sizes its solved example to 500 tokens, 30 of them for the generated answer
-PROMPT_TEXT = (TEMPLATE + ANSWER_PREFIX + NOISE_LINE).lower()
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 
 
-def chains_of(variables: list[str], values: list[int], hops: int) -> list[list[str]]:
-    """One chain per value: `VAR A = 12345`, then `VAR B = VAR A ` ... (RULER's trailing space included)."""
-    chains = []
-    for c, value in enumerate(values):
-        names = variables[c * (hops + 1) : (c + 1) * (hops + 1)]
-        chains.append([f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(hops)])
-    return chains
+class VariableTracking:
+    def __init__(self, args: dict, template: str, answer_prefix: str, stream: Stream):
+        self.chains, self.hops = int(args.get("num_chains", 1)), int(args.get("num_hops", 4))
+        self.template, self.answer_prefix, self.s = template, answer_prefix, stream
 
+    def _name(self, k: int) -> str:
+        return "".join(self.s.rng.choices(string.ascii_uppercase, k=k)).upper()
 
-def noise_with_chains(chains: list[list[str]], seed: int, n: int) -> Layout:
-    """n noise lines, each chain's statements inserted in order at random lines (RULER's layout)."""
-    rng = random.Random(seed)
-    lines = [NOISE_LINE] * n
-    for chain in chains:
-        positions = sorted(rng.sample(range(len(lines)), len(chain)))
-        for j, (position, statement) in enumerate(zip(positions, chain)):
-            lines.insert(position + j, statement)
-    return Layout(" ".join(lines).replace(". \n", ".\n"), filler=" " + NOISE_LINE)
+    def _chains(self, is_icl: bool) -> tuple[list[list[str]], list[list[str]]]:
+        k, hops = (3, min(10, self.hops)) if is_icl else (5, self.hops)
+        names = [self._name(k) for _ in range((hops + 1) * self.chains)]
+        while len(set(names)) < self.chains * (hops + 1):
+            names.append(self._name(k))
+        variables, chains = [], []
+        for i in range(0, len(names), hops + 1):  # a repeated name leaves a short chain at the end, as the script's
+            these = names[i : i + hops + 1]
+            variables.append(these)
+            chain = [f"VAR {these[0]} = {self.s.np_rng.randint(10000, 99999)}"]
+            chain += [f"VAR {these[j + 1]} = VAR {these[j]} " for j in range(hops)]
+            chains.append(chain)
+        return variables, chains
 
+    def sample(self, num_noises: int, is_icl: bool = False) -> Sample:
+        variables, chains = self._chains(is_icl)
+        sentences = [NOISE] * num_noises
+        if len(sentences) <= len(chains[0]):
+            sentences = [n + "." if n.strip() else n for n in (x for noise in sentences for x in noise.split("."))]
+            if len(sentences) <= len(chains[0]):
+                chains = [chain[: len(sentences) - 1] for chain in chains]
+        for chain in chains:
+            positions = sorted(self.s.rng.sample(range(len(sentences)), len(chain)))
+            for j, at in enumerate(positions):
+                sentences.insert(at + j, chain[j])
+        context = " ".join(sentences).replace(". \n", ".\n")
+        fill = {"context": context, "query": chains[0][0].split("=")[-1].strip(), "num_v": self.hops + 1}
+        whole = self.template + self.answer_prefix
+        after = whole.split("{context}", 1)[1]
+        return Sample(whole.format(**fill), variables[0], after.format(**fill), self.answer_prefix.format(**fill))
 
-def solved_example(rng: random.Random, num_chains: int, hops: int, taken: set[str], encode) -> str:
-    """RULER's in-context example: 3-letter variables, at most 10 hops, about EXAMPLE_TOKENS long."""
-    hops = min(10, hops)
-    variables = [fresh_variable(rng, 3, taken) for _ in range(num_chains * (hops + 1))]
-    values = fresh_values(rng, num_chains, taken)
-    layout = partial(noise_with_chains, chains_of(variables, values, hops), rng.getrandbits(64))
-    template = " ".join(TEMPLATE.split()[:-1]) + ANSWER_PREFIX  # RULER: collapsed, last word ("above.") dropped
-    answer = " ".join(variables[: hops + 1])
+    def _run(self, num_samples: int, length: int, ttg: int, step: int, icl: Sample | None) -> list[Sample]:
+        what = "vt" if icl is not None else "vt's solved example (RULER draws it at 500 tokens, whatever the length)"
+        example, example_tokens = "", 0
+        if icl is not None:
+            example = icl.text + " " + " ".join(icl.answers) + "\n\n"
+            example_tokens = self.s.count(example)
+        n, total = step, 0
+        while total + ttg + example_tokens < length:
+            sample = self.sample(n, is_icl=icl is None)
+            total = self.s.count(sample.text + f" {sample.answers}")  # the list's repr, as the script counts it
+            if total + ttg + example_tokens > length:
+                n -= step
+                break
+            n += step
+        out = []
+        for _ in range(num_samples):
+            sample = retry(
+                lambda m: self.sample(m, is_icl=icl is None), n, step, length - example_tokens, ttg, self.s, what, False
+            )
+            if icl is not None:  # the solved example goes in front of the task template (at 0 for RULER's base)
+                cut = sample.text.index(self.template[:20])
+                sample.text = sample.text[:cut] + " " + self._renamed(example) + "\n\n" + sample.text[cut:]
+            out.append(sample)
+        return out
 
-    def text(n: int) -> str:
-        return template.format(context=layout(n).text, query=values[0], num_v=hops + 1) + " " + answer + "\n\n"
+    def _renamed(self, example: str) -> str:
+        """randomize_icl: the example's answer variables renamed, every occurrence."""
+        cut = example.index(self.answer_prefix[-10:])
+        for item in example[cut + 10 :].strip().split():
+            example = example.replace(item, self._name(len(item)))
+        return example
 
-    return text(largest_fitting(hops + 1, lambda n: len(encode(text(n))) <= EXAMPLE_TOKENS))
-
-
-def fresh_variable(rng: random.Random, letters: int, taken: set[str]) -> str:
-    """Upper-case letters, not yet used and not a word of the prompt (answers are matched case-insensitively)."""
-    while (name := "".join(rng.choices(string.ascii_uppercase, k=letters))) in taken or name.lower() in PROMPT_TEXT:
-        pass
-    taken.add(name)
-    return name
-
-
-def fresh_values(rng: random.Random, count: int, taken: set[str]) -> list[int]:
-    values: list[int] = []
-    while len(values) < count:
-        value = rng.randint(10000, 99998)  # RULER: np.random.randint(10000, 99999), high end exclusive
-        if str(value) not in taken:
-            taken.add(str(value))
-            values.append(value)
-    return values
-
-
-def vt_draft(rng: random.Random, length: int, params: dict, encode) -> Draft:
-    num_chains, hops = int(params["num_chains"]), int(params["num_hops"])
-    if num_chains < 1 or hops < 1:
-        raise KvbenchError(f"task.vt: num_chains={num_chains} and num_hops={hops} must both be at least 1")
-    taken: set[str] = set()
-    variables = [fresh_variable(rng, 5, taken) for _ in range(num_chains * (hops + 1))]
-    values = fresh_values(rng, num_chains, taken)
-    example = solved_example(rng, num_chains, hops, taken, encode)
-    return Draft(
-        template=example + "\n\n" + TEMPLATE.format(context=CONTEXT, query=values[0]),
-        answer_prefix=ANSWER_PREFIX.format(num_v=hops + 1, query=values[0]),
-        answers=variables[: hops + 1],
-        layout=partial(noise_with_chains, chains_of(variables, values, hops), rng.getrandbits(64)),
-        min_units=hops + 1,
-    )
+    def generate(self, length: int, ttg: int, num_samples: int) -> list[Sample]:
+        (icl,) = self._run(1, 500, ttg, 5, None)
+        return self._run(num_samples, length, ttg, 10, icl)

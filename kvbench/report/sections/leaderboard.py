@@ -1,0 +1,131 @@
+"""The report's RULER leaderboard (kvpress's protocol, conf/experiment/leaderboard.yaml): per model, setting and
+method, the RULER score at each compression ratio (1 − budget) with its 95 % interval, beside what kvpress's
+leaderboard does not show: the cache bytes held (measured kv_ratio), the peak memory, prefill and decode time. A
+sortable table and kvpress's plot (score vs compression ratio, a line per method, the intervals as bands).
+Rows of task=ruler only (the official RULER; task=ruler_synthetic's scores do not compare). Torch-free."""
+
+from __future__ import annotations
+
+import html
+import math
+
+import pandas as pd
+
+from kvbench.report.page import Page
+from kvbench.report.section import Context, Section, report_section
+from kvbench.report.tables import Column, fixed, html_table, markdown_table, mib, seconds
+from kvbench.store.intervals import mean_interval
+
+TASK = "ruler"
+FULL = "full"
+KEYS = ["model", "query_aware", "method", "budget"]
+
+
+def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
+    """One line per model × setting × method × budget (fractions only): RULER's score (100 × the mean over every
+    example of every task, as kvpress averages equal-sized tasks) with its 95 % interval, and the measurements."""
+    rows = rows[(rows["task"] == TASK) & (rows["budget"] <= 1)]
+    out = []
+    for key, group in rows.groupby(KEYS, dropna=False, sort=True):
+        mean, low, high, _ = mean_interval(group["score"], (0.0, 1.0))
+        peak = group["peak_mem_bytes"] if "peak_mem_bytes" in group else pd.Series(dtype=float)
+        out.append(
+            dict(
+                zip(KEYS, key),
+                ratio=round(1.0 - float(key[3]), 6),
+                n=int(group["score"].notna().sum()),
+                tasks=group["subset"].nunique(),
+                score=100 * mean,
+                ci_low=100 * low,
+                ci_high=100 * high,
+                kv_ratio=group["kv_ratio"].mean(),
+                peak_mem_bytes=peak.max(),
+                prefill_s=group["prefill_s"].mean(),
+                decode_ms_per_token=group["decode_ms_per_token"].mean(),
+            )
+        )
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    return table.sort_values(["model", "query_aware", "ratio", "score"], ascending=[True, True, True, False])
+
+
+COLUMNS = [
+    Column("model", lambda r: r["model"], left=True),
+    Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
+    Column("method", lambda r: r["method"], left=True),
+    Column("compression ratio", lambda r: r["ratio"], lambda v: f"{v:g}", title="kvpress's ratio: 1 − budget"),
+    Column("n", lambda r: r["n"], title="examples (every task's samples)"),
+    Column("score", lambda r: r["score"], fixed(1), title="RULER's score: 100 × the mean over the n examples"),
+    Column(  # its text is tables.interval's (cells() fills this heading from ci_low, ci_high and n)
+        "95 % interval",
+        lambda r: r["ci_low"],
+        title="Wilson for 0/1 scores, bootstrap otherwise; none below 5 examples",
+    ),
+    Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
+    Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
+    Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
+    Column("decode ms/token", lambda r: r["decode_ms_per_token"], fixed(1)),
+]
+
+
+def plot(table: pd.DataFrame, out_dir) -> list:
+    """kvpress's leaderboard plot per model × setting: score vs compression ratio, a line per method starting at
+    the full cache's score (ratio 0), its 95 % interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(table.groupby(["model", "query_aware"], sort=True))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    for ax, ((model, aware), part) in zip(axes[0], panels):
+        full = part[part["method"] == FULL]
+        for method, line in part[part["method"] != FULL].groupby("method", sort=True):
+            line = pd.concat([full, line]).sort_values("ratio")  # every line starts at the full cache
+            (drawn,) = ax.plot(line["ratio"], line["score"], marker="o", ms=3, label=str(method))
+            band = line.dropna(subset=["ci_low"])
+            ax.fill_between(band["ratio"], band["ci_low"], band["ci_high"], color=drawn.get_color(), alpha=0.12)
+        if not full.empty:
+            ax.axhline(full["score"].iloc[0], color="black", ls="--", lw=0.8, label="full cache")
+        ax.set(xlabel="compression ratio (1 − budget)", ylabel="RULER score", ylim=(0, 100))
+        ax.set_title(f"{model} · query_aware={str(bool(aware)).lower()}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = out_dir / "leaderboard_ruler.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+@report_section("RULER leaderboard (kvpress's protocol)", needs=["score", "kv_ratio"], where="plots")
+def ruler_leaderboard(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
+    table = leaderboard(rows)
+    if table.empty or table["method"].nunique() < 2:
+        return None
+    few = table["n"] < 5  # greyed: no interval
+    note = (
+        "RULER (task=ruler) as kvpress's leaderboard ranks methods: score = 100 × the mean over every example of "
+        "every task (equal samples per task), at compression ratio = 1 − budget. kv_ratio is the cache the method "
+        "really held (kvpress reports the ratio it asked for). Click a header to sort."
+    )
+    ratios = ", ".join(f"{r:g}" for r in sorted(table["ratio"].unique()) if not math.isclose(r, 0.0))
+    files = plot(table, context.out_dir)
+    standalone(table, few, note, files, context.out_dir)
+    return Section(
+        html=f"<p>{html.escape(note)}</p><p>compression ratios: {html.escape(ratios)}; the page alone: "
+        "leaderboard.html, leaderboard.md</p>" + html_table(table, COLUMNS, few),
+        markdown=note + "\n\n" + markdown_table(table, COLUMNS),
+        files=files,
+    )
+
+
+def standalone(table: pd.DataFrame, few: pd.Series, note: str, plots: list, out_dir) -> None:
+    """The leaderboard as a page of its own (self-contained HTML with the plot inline, and Markdown), to publish."""
+    page = Page("RULER leaderboard")
+    page.note(note)
+    page.images(plots)
+    page.table(table, COLUMNS, few)
+    (out_dir / "leaderboard.html").write_text(page.html([]))
+    (out_dir / "leaderboard.md").write_text(page.markdown())

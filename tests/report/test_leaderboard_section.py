@@ -1,0 +1,75 @@
+"""The report's RULER leaderboard (kvbench/report/sections/leaderboard.py), torch-free, on a small synthetic rows
+frame: one line per method × compression ratio with RULER's 0–100 score and its interval, the measured kv_ratio
+and the timings; other tasks' rows left out; kvpress's plot written; the section inside the whole report."""
+
+import pandas as pd
+import pytest
+
+from kvbench.report.build import build_report
+from kvbench.report.section import Context
+from kvbench.report.sections.leaderboard import leaderboard, ruler_leaderboard
+from tests.report.test_report import row, store
+
+N = 6  # examples per configuration: 3 tasks × 2 samples
+
+
+def ruler_rows(method: str, budget: float, hits: int, kv_ratio: float, query_aware: bool = False) -> list[dict]:
+    """N examples over 3 RULER tasks, the first `hits` answered."""
+    return [
+        row(method, budget, f"ruler-t{i % 3}-i{i}", float(i < hits), task="ruler", subset=f"t{i % 3}",
+            kv_ratio=kv_ratio, query_aware=query_aware, prefill_s=0.25 + budget, decode_ms_per_token=7.0)
+        for i in range(N)
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def frame():
+    rows = ruler_rows("full", 1.0, 6, 1.0)
+    rows += ruler_rows("snapkv", 0.5, 5, 0.52) + ruler_rows("snapkv", 0.25, 3, 0.27)
+    rows += ruler_rows("streamingllm", 0.5, 4, 0.5) + ruler_rows("streamingllm", 0.25, 1, 0.25)
+    rows += [row("snapkv", 0.5, f"n{i}", 0.0, task="niah") for i in range(N)]  # not RULER: left out
+    rows += [row("snapkv", 1024, f"r{i}", 1.0, task="ruler") for i in range(N)]  # a token budget: no ratio
+    return pd.DataFrame(rows)
+
+
+def test_one_line_per_method_and_ratio_with_measurements(frame):
+    table = leaderboard(frame).set_index(["method", "ratio"])
+    assert sorted(table.index) == [("full", 0.0), ("snapkv", 0.5), ("snapkv", 0.75)] + [
+        ("streamingllm", 0.5),
+        ("streamingllm", 0.75),
+    ]
+    snap = table.loc[("snapkv", 0.5)]
+    assert snap["n"] == N and snap["tasks"] == 3
+    assert snap["score"] == pytest.approx(100 * 5 / 6)
+    assert snap["ci_low"] < snap["score"] < snap["ci_high"] <= 100  # Wilson on 0/1 scores, RULER's scale
+    assert snap["kv_ratio"] == pytest.approx(0.52)  # measured, not the knob
+    assert snap["prefill_s"] == pytest.approx(0.75) and snap["decode_ms_per_token"] == 7.0
+    assert table.loc[("full", 0.0), "score"] == 100
+    assert table.loc[("streamingllm", 0.75), "score"] == pytest.approx(100 / 6)
+
+
+def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
+    section = ruler_leaderboard(frame, pd.DataFrame(), Context(out_dir=tmp_path))
+    assert section is not None
+    assert '<table class="sortable' in section.html and "compression ratios: 0.5, 0.75" in section.html
+    assert section.files == [tmp_path / "leaderboard_ruler.png"] and section.files[0].stat().st_size > 10_000
+    line = next(x for x in section.markdown.splitlines() if "snapkv" in x and "| 0.5 |" in x)
+    assert "83.3" in line and "0.520" in line  # score, measured kv_ratio
+    assert "niah" not in section.markdown
+    page = (tmp_path / "leaderboard.html").read_text()  # the page alone: table, sorting script, plot inline
+    assert '<table class="sortable' in page and "addEventListener('click'" in page and "data:image/png" in page
+    assert "| 83.3 |" in (tmp_path / "leaderboard.md").read_text()
+
+
+def test_no_ruler_rows_no_section(tmp_path):
+    frame = pd.DataFrame([row("snapkv", 0.5, f"n{i}", 1.0) for i in range(N)])
+    assert ruler_leaderboard(frame, pd.DataFrame(), Context(out_dir=tmp_path)) is None
+
+
+def test_in_the_report(frame, tmp_path):
+    written = build_report([store(tmp_path, frame.to_dict("records"))], tmp_path / "report", 0.02)
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "RULER leaderboard (kvpress&#x27;s protocol)" in page or "RULER leaderboard (kvpress's protocol)" in page
+    assert (tmp_path / "report" / "leaderboard_ruler.png") in written or (
+        tmp_path / "report" / "leaderboard_ruler.png"
+    ).exists()
