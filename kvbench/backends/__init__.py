@@ -1,0 +1,1 @@
+"""Serving engines as kvbench backends (base.py: the interface; protocol.py: the worker protocol)."""
