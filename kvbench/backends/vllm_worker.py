@@ -8,6 +8,7 @@ bytes per block) is read from the scheduler and the peak RSS of this process is 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP_NUM_THREADS, not every core
@@ -27,7 +28,7 @@ def held_blocks(manager, request_id: str) -> int:
 
 class VllmWorker:
     def __init__(self) -> None:
-        self.llm = None
+        self.llm: Any = None  # vllm.LLM once started
         self.next_id = 0
 
     def start(self, model_dir: str, dtype: str, kv_cache_dtype: str, kv_cache_memory_bytes: int, **engine) -> dict:
