@@ -22,6 +22,7 @@ LAYERS = [
     ["kvbench.methods"],
     ["kvbench.run.configuration"],  # a configuration = a method, its budget, query-aware or not
     ["kvbench.engine"],  # prefill, compress, decode
+    ["kvbench.backends"],  # serving engines in their own venvs and processes (the model folder from kvbench.model)
     # the lm-eval task drives kvbench's model as lm-eval's LM: both sit on the engine
     ["kvbench.integrations.lm_eval_model", "kvbench.tasks.lm_eval"],
     ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
