@@ -80,8 +80,8 @@ class OpenvinoWorker:
         config = genai.GenerationConfig()
         config.max_new_tokens = max_new_tokens
         config.do_sample = False
-        config.ignore_eos = True  # stops only at kvbench's stop ids, as kvbench's own decode
-        config.stop_token_ids = set(stop_ids)
+        config.ignore_eos = False  # ignore_eos=True would ignore stop_token_ids too
+        config.stop_token_ids = set(stop_ids)  # kvbench's end-of-turn ids (the model's eos among them)
         ids = ov.Tensor(np.array([prompt_ids], dtype=np.int64))  # (1, T)
         peak_rss_reset()
         self.next_id += 1
