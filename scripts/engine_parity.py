@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--options", default="", help="comma-separated; default: every option but full")
     parser.add_argument("--limit", type=int, default=9)
     parser.add_argument("--broken", action="store_true", help="vllm: also the options that generate garbage")
+    parser.add_argument("--budget", type=float, default=None, help="also run the options at this budget")
     args = parser.parse_args()
     model_cfg = OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml")
     lm = load_model(model_cfg, "cpu", args.dtype)
@@ -79,6 +80,8 @@ def main() -> None:
     started = time.perf_counter()
     be.start(OmegaConf.to_container(model_cfg), args.dtype)
     print(f"engine started in {time.perf_counter() - started:.1f} s")
+    kvbench_scores = [task.score(ours[ex.example_id].text, ex)["score"] for ex in examples]
+    print(f"kvbench full score {sum(kvbench_scores) / len(kvbench_scores):.2f}")
     print("\nparity, full: example | tokens | first divergence | kvbench's logit gap there | answer (kvbench / engine)")
     engine_full = {}
     for ex in examples:
@@ -97,12 +100,21 @@ def main() -> None:
         print(f"{ex.example_id} | {len(ids)} | {same} | {gap} | {a!r} / {b!r}")
         print(f"    bytes/token {got.kv_bytes_full / (len(ids) + got.decode_steps):.0f} full, extra {got.extra}")
 
-    print("\noptions: option | examples equal to the engine's full | kv_ratio | bytes/token | score | notes")
+    for budget in [1.0] + ([args.budget] if args.budget is not None else []):
+        table(be, task, lm, examples, options, engine_full, stop, budget)
+    be.close()
+
+
+def table(be, task, lm, examples, options, engine_full, stop, budget) -> None:
+    print(
+        f"\noptions at budget {budget} (eviction options only; others hold every token): option | equal to the "
+        "engine's full | kv_ratio | bytes/token | score | notes"
+    )
     for option in options:
         equal, ratios, per_token, scores, notes = 0, [], [], [], set()
         for ex in examples:
             ids = ex.context_ids + ex.question_ids
-            request = EngineRequest(ids, ex.max_new_tokens, option, budget=1.0, stop_ids=stop)
+            request = EngineRequest(ids, ex.max_new_tokens, option, budget=budget, stop_ids=stop)
             try:
                 got = be.generate(request)
             except Exception as error:  # the engine's one-line failure (KvbenchError)
@@ -122,7 +134,6 @@ def main() -> None:
             )
         else:
             print(f"{option} | - | - | - | - | {'; '.join(sorted(notes))}")
-    be.close()
 
 
 if __name__ == "__main__":
