@@ -67,7 +67,7 @@ class VllmWorker:
             temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=True
         )  # greedy; stops only at kvbench's stop ids, as kvbench's own decode
         engine = self.llm.llm_engine
-        manager = engine.engine_core.engine_core.scheduler.kv_cache_manager
+        scheduler = engine.engine_core.engine_core.scheduler
         self.next_id += 1
         request_id = str(self.next_id)
         peak_rss_reset()
@@ -81,7 +81,9 @@ class VllmWorker:
             if out is not None and out.outputs[0].token_ids and not first:
                 first = time.perf_counter()
             if not (out is not None and out.finished):  # the engine's own block table while the request runs
-                blocks = max(blocks, held_blocks(manager, out.request_id if out is not None else request_id))
+                # the scheduler knows the request by its internal id; it runs alone, so every id is this one's
+                held = sum(held_blocks(scheduler.kv_cache_manager, rid) for rid in list(scheduler.requests))
+                blocks = max(blocks, held)
         end = time.perf_counter()
         assert out is not None and out.finished
         tokens = list(out.outputs[0].token_ids)
