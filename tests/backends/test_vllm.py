@@ -32,7 +32,8 @@ def test_full_matches_kvbench(vllm, short_prompts):
         got = vllm.generate(EngineRequest(ids, len(ours), "full", stop_ids=stop))
         assert got.token_ids == ours
         assert got.kv_bytes == got.kv_bytes_full
-        assert got.extra["blocks_seen"] <= got.extra["blocks_held"]
+        # the engine's own block table (read before the last step) against the blocks kvbench counts
+        assert got.extra["blocks_held"] - 1 <= got.extra["blocks_seen"] <= got.extra["blocks_held"]
 
 
 def test_fp8_holds_half_the_bytes(vllm, short_prompts):
