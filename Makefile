@@ -6,6 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 # method=kvpress: kvpress 0.5.5 pins transformers < 5.3, so a venv of its own
 VENV_KVPRESS ?= .venv-kvpress
+<<<<<<< HEAD
 # engine=vllm and engine=openvino: each engine in a venv of its own (kvbench installed --no-deps: the workers import
 # only the standard library, their engine and kvbench.backends.protocol)
 VENV_VLLM ?= .venv-vllm
@@ -13,6 +14,12 @@ VENV_OPENVINO ?= .venv-openvino
 VENV_OV_CONVERT ?= .venv-ov-convert
 
 .PHONY: install demo test test-fast test-kvpress engine-vllm engine-openvino gate reference bench lint clean
+=======
+# engine=llamacpp: llama.cpp's C API (llama-cpp-py-sync's prebuilt CPU wheel, no compile) in a venv of its own
+VENV_LLAMACPP ?= .venv-llamacpp
+
+.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp gate reference bench lint clean
+>>>>>>> main
 
 install: $(VENV)/.installed
 
@@ -55,6 +62,7 @@ test-kvpress: $(VENV_KVPRESS)/.installed
 	$(VENV_KVPRESS)/bin/python -m pytest tests/kvpress "tests/model/test_architectures.py" -k "kvpress or not test_every_method"
 	$(VENV_KVPRESS)/bin/python -m pytest -q -m "not real_model and not slow"
 
+<<<<<<< HEAD
 # engine=vllm: the CPU build of vLLM 0.32 on torch 2.13 (a 3.5 GB venv, ~6 min). torchvision, torchaudio and
 # torchcodec come as its dependencies and break `import vllm` on the CPU torch: removed.
 engine-vllm: $(VENV_VLLM)/.installed
@@ -82,6 +90,22 @@ $(VENV_OV_CONVERT)/.installed: Makefile
 	  openvino==2026.4.1 openvino-tokenizers==2026.4.1.0
 	$(VENV_OV_CONVERT)/bin/pip uninstall -q -y torchvision   # optimum-intel's dependency; its CUDA-era ops break transformers' import
 	touch $@
+=======
+# engine=llamacpp (kvbench/backends/llamacpp.py): ~20 s. The wheel needs glibc 2.38 for four C23 symbols only;
+# scripts/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
+# dependencies: the worker imports only kvbench.backends.protocol.
+engine-llamacpp: $(VENV_LLAMACPP)/.installed
+
+$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile scripts/llamacpp_glibc.py
+	$(PYTHON) -m venv $(VENV_LLAMACPP)
+	$(VENV_LLAMACPP)/bin/pip install -q llama-cpp-py-sync==0.11739
+	$(VENV_LLAMACPP)/bin/pip install -q --no-deps -e .
+	$(VENV_LLAMACPP)/bin/python scripts/llamacpp_glibc.py $(VENV_LLAMACPP)
+	touch $@
+
+test-llamacpp: install $(VENV_LLAMACPP)/.installed
+	$(BIN)/python -m pytest tests/backends -q
+>>>>>>> main
 
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
 # reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
@@ -105,4 +129,8 @@ lint: install
 	$(BIN)/mypy
 
 clean:
+<<<<<<< HEAD
 	rm -rf $(VENV) $(VENV_KVPRESS) $(VENV_VLLM) $(VENV_OPENVINO) $(VENV_OV_CONVERT) outputs multirun results/runs .pytest_cache
+=======
+	rm -rf $(VENV) $(VENV_KVPRESS) $(VENV_LLAMACPP) outputs multirun results/runs .pytest_cache
+>>>>>>> main

@@ -1,5 +1,5 @@
 """Print the architecture matrix as a Markdown table: which registered method runs on which model family
-(tests/model/families.py), from the refusal rules kvbench checks before a model loads (kvbench/config/support.py).
+(tests/model/families.py), from the refusal rules kvbench checks before a model loads (kvbench/run/support.py).
 A ✓ pair is run by tests/model/test_architectures.py (budget 1.0 = the full cache, bytes = the accounting).
 
     python scripts/architecture_matrix.py
@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvbench.config.support import refusal  # noqa: E402
+from kvbench.run.support import refusal  # noqa: E402
 from kvbench.methods import METHODS, build_method, method_defaults  # noqa: E402
 from kvbench.model.layout import cache_layout  # noqa: E402
 from tests.model.families import FAMILIES  # noqa: E402

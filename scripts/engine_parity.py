@@ -1,140 +1,157 @@
-"""Parity of a serving engine with kvbench's own engine on the same token ids, and the engine's options.
+"""Parity of a serving engine's uncompressed run with kvbench's full cache, on the same token ids.
 
-The 9 default NIAH prompts (task=niah: 1K/2K/4K x depths 10/50/90 %, seed 0), built in kvbench's venv, run through
-kvbench's full cache and the engine's `full`: identical greedy tokens, or the first divergence with kvbench's
-top-1 - top-2 logit gap at that step (a gap near 0 is a near-tie that rounding in another dtype or kernel flips; a
-large gap points at the weights or a bug). Then each option of the engine on the same prompts: eviction options at
-budget 1.0 (nothing to evict) must equal the engine's full run; every option's bytes per token.
+    python scripts/engine_parity.py --engine llamacpp [--model smollm2-135m] [--dtype float32] [--limit N]
+                                    [--options streamingllm snapkv]
 
-    python scripts/engine_parity.py --engine openvino [--dtype float32] [--options u8,u4,sum] [--limit 9]
+The prompts are the default task's (task=niah: 1K/2K/4K x depths 10/50/90 %, query-aware), built by kvbench's own
+task code. Per prompt: kvbench's Engine (full cache) and the engine's `full` option decode greedily from the same
+ids; the table says "identical" or the first divergent step, with the cause measured there:
+- `kvb_gap`: kvbench's logit of its own token minus its logit of the engine's token (how far kvbench was from
+  choosing the engine's token), and `eng_m`: the engine's top-1 - top-2 logit margin at that step;
+- `fa_off`: the engine's full run with flash attention off (what snapkv runs with) against its default;
+- `f32kv`: the same engine run with an f32 K/V cache (llama.cpp): identical to kvbench there means the f16 cache
+  rounding decided it; still divergent means the weights as the engine computes with them (the Q4_1/Q4_K blocks,
+  with activations quantized to Q8 for the dot products) against kvbench's dequantized fp32 conversion.
+Then each eviction option at no compression (budget 1.0 >= the prompt) against the engine's own `full`, token for
+token. Run it under the lock: `flock /tmp/kvbench-heavy.lock python scripts/engine_parity.py --engine llamacpp`.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import os
 import time
 
 import torch
 from omegaconf import OmegaConf
 
 from kvbench import conf_dir
-from kvbench.backends.base import EngineRequest
+from kvbench.backends import BACKENDS, EngineRequest
 from kvbench.engine.engine import Engine
-from kvbench.methods import build_method
+from kvbench.methods import METHODS
+from kvbench.model.attention import StatsRequest
 from kvbench.model.load import load_model
-from kvbench.tasks import build_task
+from kvbench.tasks.base import build_task
 
 
-def backend(name: str, broken_ok: bool):
-    if name == "vllm":
-        from kvbench.backends.vllm import VllmBackend
-
-        return VllmBackend(broken_ok=broken_ok)
-    if name == "openvino":
-        from kvbench.backends.openvino import OpenvinoBackend
-
-        return OpenvinoBackend()
-    raise SystemExit(f"--engine vllm or openvino, not {name}")
-
-
-def divergence(a: list[int], b: list[int]) -> int | None:
-    """The first index where a and b differ (a shorter one differs where it ends); None when identical."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """The first step where a and b differ over their common length (None: identical there)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", required=True)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default="llamacpp")
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="float32", help="kvbench's and the engine's dtype")
-    parser.add_argument("--options", default="", help="comma-separated; default: every option but full")
-    parser.add_argument("--limit", type=int, default=9)
-    parser.add_argument("--broken", action="store_true", help="vllm: also the options that generate garbage")
-    parser.add_argument("--budget", type=float, default=None, help="also run the options at this budget")
+    parser.add_argument("--dtype", default="float32", help="kvbench's dtype (llama.cpp computes in f32)")
+    parser.add_argument("--limit", type=int, default=None, help="the first N prompts only")
+    parser.add_argument("--options", nargs="*", default=None, help="eviction options checked at no compression")
+    parser.add_argument("--no-bytes", action="store_true", help="skip the bytes-per-token table of the options")
     args = parser.parse_args()
+
     model_cfg = OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml")
-    lm = load_model(model_cfg, "cpu", args.dtype)
-    engine, full = Engine(lm), build_method("full")
-    task = build_task(OmegaConf.load(conf_dir() / "task" / "niah.yaml"), lm.tokenizer, seed=0, max_context=8192)
-    examples = task.examples()[: args.limit]
-    stop = sorted(engine.eos_ids)
-    cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name'"], capture_output=True, text=True).stdout
-    print(f"{args.engine} vs kvbench, {args.model} {args.dtype}, {cpu.split(':')[-1].strip()}")
-
-    ours = {}
-    for ex in examples:
-        ids = ex.context_ids + ex.question_ids
-        gen = engine.run(full, None, ids, max_new_tokens=ex.max_new_tokens, keep_logits=True)
-        ours[ex.example_id] = gen
-
-    be = backend(args.engine, args.broken)
-    options = [o for o in (args.options.split(",") if args.options else be.options) if o and o != "full"]
+    backend = BACKENDS.get(args.engine)(n_threads=int(os.environ.get("OMP_NUM_THREADS") or 1))
+    options = list(backend.applies) if args.options is None else args.options
     for option in ["full", *options]:
-        why = be.unavailable(OmegaConf.to_container(model_cfg), option)
+        why = backend.unavailable(OmegaConf.to_container(model_cfg), option)
         if why:
-            raise SystemExit(why)
-    started = time.perf_counter()
-    be.start(OmegaConf.to_container(model_cfg), args.dtype)
-    print(f"engine started in {time.perf_counter() - started:.1f} s")
-    kvbench_scores = [task.score(ours[ex.example_id].text, ex)["score"] for ex in examples]
-    print(f"kvbench full score {sum(kvbench_scores) / len(kvbench_scores):.2f}")
-    print("\nparity, full: example | tokens | first divergence | kvbench's logit gap there | answer (kvbench / engine)")
-    engine_full = {}
-    for ex in examples:
-        ids = ex.context_ids + ex.question_ids
-        request = EngineRequest(ids, ex.max_new_tokens, "full", stop_ids=stop)
-        got = be.generate(request)
-        engine_full[ex.example_id] = got
-        mine = ours[ex.example_id]
-        at = divergence(mine.token_ids, got.token_ids)
-        gap = ""
-        if at is not None and at < len(mine.logits):
-            top = torch.topk(mine.logits[at].float(), 2).values  # (2,)
-            gap = f"{float(top[0] - top[1]):.3f}"
-        same = "identical" if at is None else f"differ at {at}"
-        a, b = lm.tokenizer.decode(mine.token_ids[:10]), lm.tokenizer.decode(got.token_ids[:10])
-        print(f"{ex.example_id} | {len(ids)} | {same} | {gap} | {a!r} / {b!r}")
-        print(f"    bytes/token {got.kv_bytes_full / (len(ids) + got.decode_steps):.0f} full, extra {got.extra}")
-
-    for budget in [1.0] + ([args.budget] if args.budget is not None else []):
-        table(be, task, lm, examples, options, engine_full, stop, budget)
-    be.close()
-
-
-def table(be, task, lm, examples, options, engine_full, stop, budget) -> None:
-    print(
-        f"\noptions at budget {budget} (eviction options only; others hold every token): option | equal to the "
-        "engine's full | kv_ratio | bytes/token | score | notes"
-    )
-    for option in options:
-        equal, ratios, per_token, scores, notes = 0, [], [], [], set()
+            raise SystemExit(f"error: {why}")
+    lm = load_model(model_cfg, "cpu", args.dtype)
+    engine = Engine(lm)
+    task_cfg = OmegaConf.load(conf_dir() / "task" / "niah.yaml")
+    examples = build_task(task_cfg, lm.tokenizer, 0, lm.max_context).examples()[: args.limit]
+    backend.start(OmegaConf.to_container(model_cfg), args.dtype)
+    full = METHODS.get("full")()
+    stop_ids = sorted(engine.eos_ids)
+    rows, no_compression = [], []
+    try:
         for ex in examples:
             ids = ex.context_ids + ex.question_ids
-            request = EngineRequest(ids, ex.max_new_tokens, option, budget=budget, stop_ids=stop)
-            try:
-                got = be.generate(request)
-            except Exception as error:  # the engine's one-line failure (KvbenchError)
-                notes.add(f"failed: {error}")
-                break
-            equal += got.token_ids == engine_full[ex.example_id].token_ids
-            ratios.append(got.kv_bytes / got.kv_bytes_full)
-            per_token.append(got.kv_bytes / (len(ids) + got.decode_steps))
-            scores.append(task.score(lm.tokenizer.decode(got.token_ids, skip_special_tokens=True), ex)["score"])
-            if got.extra.get("garbage"):
-                notes.add(f"garbage (match_full {got.extra['match_full']})")
-        n = len(ratios)
-        if n:
-            print(
-                f"{option} | {equal}/{n} | {sum(ratios) / n:.3f} | {sum(per_token) / n:.0f} | "
-                f"{sum(scores) / n:.2f} | {'; '.join(sorted(notes))}"
-            )
-        else:
-            print(f"{option} | - | - | - | - | {'; '.join(sorted(notes))}")
+            t0 = time.perf_counter()
+            prefill = engine.prefill(ids, StatsRequest())
+            ours = engine.generate(prefill, full, None, [], ex.max_new_tokens, keep_logits=True)
+            kv_s = time.perf_counter() - t0
+            request = EngineRequest(ids, ex.max_new_tokens, "full", stop_ids=stop_ids)
+            theirs = backend.generate(request)
+            step = first_divergence(ours.token_ids, theirs.token_ids)
+            row = {
+                "prompt": f"{len(ids)} tok d={ex.meta.get('depth', '')}",
+                "kvbench": lm.tokenizer.decode(ours.token_ids, skip_special_tokens=True).strip()[:18],
+                "engine": lm.tokenizer.decode(theirs.token_ids, skip_special_tokens=True).strip()[:18],
+                "parity": "identical" if step is None else f"step {step}",
+                "kvb_gap": "",
+                "eng_m": "",
+                "f32kv": "",
+                "fa_off": "",
+                "kvb_s": f"{kv_s:.1f}",
+                "eng_s": f"{theirs.prefill_s + theirs.decode_s:.1f}",
+            }
+            if step is None and len(ours.token_ids) != len(theirs.token_ids):
+                row["parity"] = f"identical for {min(len(ours.token_ids), len(theirs.token_ids))} (lengths differ)"
+            if step is not None:
+                logits = ours.logits[step].float()  # (V,) kvbench's logits at the divergent step
+                row["kvb_gap"] = f"{float(logits[ours.token_ids[step]] - logits[theirs.token_ids[step]]):.3f}"
+                row["eng_m"] = f"{theirs.extra['top2_margins'][step]:.3f}"
+                probe = backend.generate(
+                    EngineRequest(ids, ex.max_new_tokens, "full", {"type_k": "f32", "type_v": "f32"}, None, stop_ids)
+                )
+                probe_step = first_divergence(ours.token_ids, probe.token_ids)
+                row["f32kv"] = "identical" if probe_step is None else f"step {probe_step}"
+            rows.append(row)
+            references = {"auto": theirs.token_ids}  # the engine's full run per flash-attention setting
+            for option in options:
+                flash = backend.knobs(option)["flash_attn"]  # snapkv reads attention: flash attention off
+                if flash not in references:
+                    knobs = {"flash_attn": flash}
+                    references[flash] = backend.generate(
+                        EngineRequest(ids, ex.max_new_tokens, "full", knobs, None, stop_ids)
+                    ).token_ids
+                other = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, budget=1.0, stop_ids=stop_ids))
+                same = other.token_ids == references[flash]
+                verdict = "identical" if same else f"differs: {other.token_ids}"
+                no_compression.append((row["prompt"], f"{option} (vs full flash_attn={flash})", verdict))
+            if "off" in references:
+                step = first_divergence(references["off"], theirs.token_ids)
+                row["fa_off"] = "identical" if step is None else f"step {step}"
+            print(" | ".join(str(v) for v in row.values()), flush=True)
+        bytes_rows = []
+        if not args.no_bytes:  # each precision option on the first prompt: what llama.cpp holds per token
+            ex = examples[0]
+            ids = ex.context_ids + ex.question_ids
+            for option, knobs in backend.options.items():
+                g = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, stop_ids=stop_ids))
+                fed = len(ids) + g.decode_steps
+                found = ex.answers[0] in lm.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+                bytes_rows.append(
+                    f"| {option} | {knobs['type_k']}/{knobs['type_v']} fa={knobs['flash_attn']} | {fed} | "
+                    f"{g.kv_bytes:,} | {g.kv_bytes / fed:,.0f} | {g.kv_bytes / g.kv_bytes_full:.4f} | "
+                    f"{'yes' if found else 'no'} | {g.peak_mem_bytes / 2**20:.0f} |"
+                )
+    finally:
+        backend.close()
+    print(
+        f"\n{args.engine} ({backend.info.get('engine_version')}) vs kvbench Engine full cache, {args.model} "
+        f"{args.dtype}, task=niah defaults ({len(rows)} prompts)\n"
+    )
+    head = list(rows[0])
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(str(row[h]) for h in head) + " |")
+    same = sum(r["parity"] == "identical" for r in rows)
+    print(f"\n{same}/{len(rows)} identical to kvbench's full cache")
+    if options:
+        print(f"\nno compression (budget 1.0) vs {args.engine} full:")
+        for prompt, option, verdict in no_compression:
+            print(f"  {prompt:>16}  {option:<38} {verdict}")
+        ok = sum(v == "identical" for _, _, v in no_compression)
+        print(f"{ok}/{len(no_compression)} identical")
+    if bytes_rows:
+        print(f"\ncache bytes llama.cpp holds, first prompt ({examples[0].n_tokens} tokens), {args.model}:\n")
+        print("| option | K/V | tokens | kv_bytes | bytes/token | kv_ratio | needle | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(bytes_rows))
 
 
 if __name__ == "__main__":
+    torch.set_grad_enabled(False)
     main()

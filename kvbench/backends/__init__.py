@@ -1,1 +1,13 @@
-"""Serving engines as kvbench backends (base.py: the interface; protocol.py: the worker protocol)."""
+"""Serving engines as kvbench backends (engine=<name>): each one module behind `base.Backend`, its engine in its own
+venv and worker process (`protocol.py`). Importing this package loads no engine and no torch."""
+
+from __future__ import annotations
+
+from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
+from kvbench.config.registry import Registry
+
+BACKENDS = Registry("engine")  # engine name -> Backend subclass
+
+from kvbench.backends import llamacpp, openvino, vllm  # noqa: E402,F401  (each registers itself)
+
+__all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest"]

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from kvbench import KvbenchError, cache_root
+from kvbench.backends import BACKENDS
 from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
 from kvbench.backends.protocol import Worker
 from kvbench.backends.source import CacheShape, budget_tokens, hf_model_dir, venv_python
@@ -39,6 +40,7 @@ BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "u8": 1.0, "u4": 0.5}
 EVICTION = {"sum": "SUM", "norm_sum": "NORM_SUM", "kvcrush": "SUM", "adaptive_rkv": "ADAPTIVE_RKV"}
 
 
+@BACKENDS.register("openvino")
 class OpenvinoBackend(Backend):
     name = "openvino"
     venv = ".venv-openvino"
@@ -75,9 +77,8 @@ class OpenvinoBackend(Backend):
         ir = self.converted(model_cfg)
         self.shape = CacheShape.read(ir)
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-        log = Path(tempfile.gettempdir()) / f"kvbench-openvino-{os.getpid()}.log"
-        self.worker = Worker(venv_python(self.venv), "kvbench.backends.openvino_worker", log=log)
-        reply = self.worker.call(
+        self.worker = Worker(venv_python(self.venv), "kvbench.backends.openvino_worker", "the openvino worker")
+        reply = self.worker.request(
             "start", model_dir=str(ir), inference_precision=self.precision, kv_blocks=self.kv_blocks, threads=threads
         )
         self.version = reply["engine_version"]
@@ -118,7 +119,7 @@ class OpenvinoBackend(Backend):
         if self.worker is None or self.shape is None:
             raise KvbenchError("OpenvinoBackend.generate before start()")
         knobs = self.knobs(request)
-        reply = self.worker.call(
+        reply = self.worker.request(
             "generate",
             prompt_ids=list(request.prompt_ids),
             max_new_tokens=request.max_new_tokens,

@@ -9,13 +9,14 @@ eviction happens between decode steps, so the usage before the request ends is w
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
 import openvino as ov
 import openvino_genai as genai
 
-from kvbench.backends.protocol import peak_rss_bytes, peak_rss_reset, serve
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
 
 MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
 
@@ -72,9 +73,10 @@ class OpenvinoWorker:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int], knobs: dict) -> dict:
         try:
             return self._generate(self.pipeline(knobs), prompt_ids, max_new_tokens, stop_ids)
-        except Exception:
+        except Exception as error:
             self.pipelines.pop(json.dumps(knobs, sort_keys=True), None)  # a failed step leaves its blocks leaked
-            raise
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise RuntimeError(re.sub(r" at /\S+:\d+:?$", "", first)) from None  # a C++ check's source location
 
     def _generate(self, pipe, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> dict:
         config = genai.GenerationConfig()
@@ -83,7 +85,7 @@ class OpenvinoWorker:
         config.ignore_eos = False  # ignore_eos=True would ignore stop_token_ids too
         config.stop_token_ids = set(stop_ids)  # kvbench's end-of-turn ids (the model's eos among them)
         ids = ov.Tensor(np.array([prompt_ids], dtype=np.int64))  # (1, T)
-        peak_rss_reset()
+        reset_peak_rss()
         self.next_id += 1
         handle = pipe.add_request(self.next_id, ids, config)
         tokens: list[int] = []

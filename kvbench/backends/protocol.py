@@ -1,105 +1,160 @@
-"""The JSON-lines protocol between kvbench's process and an engine worker (standard library only).
+"""The JSON-lines protocol between kvbench and an engine's worker process (standard library only: a worker runs in the
+engine's venv, where kvbench is installed without its dependencies).
 
-kvbench starts `<venv>/bin/python -m kvbench.backends.<name>_worker`; each request is one JSON object on the
-worker's stdin (`{"op": "start" | "generate" | "close", ...}`), each reply one JSON object on its stdout
-(`{"ok": true, ...}` or `{"ok": false, "error": "<one line>"}`). Engines print to stdout themselves (vLLM's
-logger, OpenVINO's plugins), so the worker keeps a private copy of fd 1 for replies and points fd 1 at stderr.
+kvbench's side (`Worker`) starts `<venv>/bin/python -m kvbench.backends.<name>_worker`, writes one request object
+per line to its stdin and reads one reply per line from its stdout: `{"ok": true, "result": {...}}` or
+`{"ok": false, "error": "one line"}`. The worker's stderr (the engine's own logs) is kept, its last lines only, so
+that a worker that dies is named in one KvbenchError line with its exit code and what it last said.
+
+The worker's side (`serve`) moves the process's fd 1 to stderr before the engine loads: C libraries that print to
+stdout cannot corrupt the replies, which go to a private copy of the original stdout.
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import json
 import os
-import re
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from kvbench import KvbenchError
 
-
-def one_line(error: BaseException) -> str:
-    """An engine's exception as one line: its type and the first non-empty line of its message."""
-    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    text = re.sub(r" at /\S+:\d+:?$", "", text)  # a C++ check's source location: not the user's concern
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def peak_rss_reset() -> None:
-    """Start a new peak-RSS window for this process (Linux: writing 5 to clear_refs resets VmHWM)."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set since the last reset (VmHWM), in bytes; 0 where /proc is absent."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    return 0
-
-
-def serve(handle: Callable[[dict], dict]) -> None:
-    """The worker's loop: one reply per request line, until `close` or the end of stdin."""
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # the engine's own prints go to stderr, never into the protocol
-    sys.stdout = sys.stderr
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            reply = {"ok": True, **handle(request)}
-        except Exception as error:  # the engine's failure, whatever its type: one line back to kvbench
-            reply = {"ok": False, "error": one_line(error)}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
-        if request.get("op") == "close":
-            break
+STDERR_LINES = 20  # kept from a worker's stderr: what a death message quotes (its last 3)
 
 
 class Worker:
-    """kvbench's side: one worker process of an engine venv, called one request at a time."""
+    """One worker process: `request(op, **fields)` sends a request and returns its reply's result."""
 
-    def __init__(self, python: Path, module: str, env: dict | None = None, log: Path | None = None):
-        self.module = module
-        self.log = log
-        stderr = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115  # the worker's lifetime
+    def __init__(self, python: str | Path, module: str, what: str, env: dict[str, str] | None = None):
+        self.what = what  # names the worker in messages: "the llamacpp worker"
+        self.command = [str(python), "-m", module]
+        if not Path(python).exists():
+            raise KvbenchError(f"{what}: {python} does not exist")
+        self.stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self.proc = subprocess.Popen(
-            [str(python), "-m", module],
+            self.command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=stderr,
+            stderr=subprocess.PIPE,
             text=True,
+            bufsize=1,
             env={**os.environ, **(env or {})},
         )
+        self._drain = threading.Thread(target=self._read_stderr, daemon=True)
+        self._drain.start()
 
-    def call(self, op: str, **fields) -> dict:
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            if line.strip():
+                self.stderr.append(line.rstrip())
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def request(self, op: str, **fields) -> dict:
+        """Send {"op": op, **fields}; the reply's result, or a KvbenchError naming the error or the death."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
-        except BrokenPipeError:
+        except (BrokenPipeError, OSError):
             line = ""
         if not line:
+            raise self.died()
+        try:
+            reply = json.loads(line)
+        except json.JSONDecodeError:
+            raise KvbenchError(f"{self.what} replied with a line that is not JSON: {line.strip()[:200]!r}") from None
+        if not reply.get("ok"):
+            raise KvbenchError(f"{self.what}: {reply.get('error', 'failed without a message')}")
+        return reply.get("result", {})
+
+    def died(self) -> KvbenchError:
+        """The one-line error for a worker that stopped answering: its exit code (and signal) and last stderr."""
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
             code = self.proc.wait()
-            where = f"; its log: {self.log}" if self.log else ""
-            raise KvbenchError(f"the {self.module} worker exited (code {code}) during {op!r}{where}")
-        reply = json.loads(line)
-        if not reply.pop("ok"):
-            raise KvbenchError(f"{self.module}: {reply['error']}")
-        return reply
+        self._drain.join(timeout=2)
+        return KvbenchError(f"{self.what} died ({describe_exit(code)}){last_words(self.stderr)}")
 
     def close(self) -> None:
+        """Ask the worker to exit; kill it if it does not within 10 s."""
         if self.proc.poll() is None:
-            with contextlib.suppress(KvbenchError):
-                self.call("close")
             try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # end of input: serve() returns and the process exits
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            if stream:
+                stream.close()
+
+
+def describe_exit(code: int) -> str:
+    """ "exit code 3", or "exit code -9: killed by SIGKILL" (Popen's negative codes are signals)."""
+    if code < 0:
+        try:
+            return f"exit code {code}: killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+def last_words(lines, n: int = 3) -> str:
+    """The last `n` stderr lines, joined on one line ("" when it said nothing)."""
+    tail = [line.strip() for line in list(lines)[-n:]]
+    return f"; its last stderr: {' | '.join(tail)}" if tail else "; it wrote nothing to stderr"
+
+
+def serve(handle: Callable[[dict], dict]) -> None:
+    """The worker's loop: one request per stdin line -> `handle(request)` -> one reply line. A KvbenchError (or any
+    exception) becomes an error reply in one line; the worker keeps serving. Returns at end of input."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # fd 1 (C printf, print()) now goes to stderr
+    sys.stdout = sys.stderr
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            reply = {"ok": True, "result": handle(json.loads(line))}
+        except KvbenchError as error:
+            reply = {"ok": False, "error": str(error)}
+        except Exception as error:  # an engine failure: named, one line, the worker stays up
+            first = (str(error).strip().splitlines() or [""])[0]
+            reply = {"ok": False, "error": f"{type(error).__name__}: {first}"}
+        replies.write(json.dumps(reply) + "\n")
+
+
+def reset_peak_rss() -> None:
+    """Reset the process's peak RSS (VmHWM) so the next `peak_rss_bytes` covers one request (Linux)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux or not permitted: the peak then covers the process's life
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size since the last reset (VmHWM), in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from kvbench import KvbenchError
+from kvbench.backends import BACKENDS
 from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
 from kvbench.backends.protocol import Worker
 from kvbench.backends.source import CacheShape, hf_model_dir, venv_python
@@ -33,6 +33,7 @@ BROKEN = ("int8_per_token_head", "turboquant_k8v4")  # accepted on this CPU, gar
 GARBAGE_TOKENS = 4
 
 
+@BACKENDS.register("vllm")
 class VllmBackend(Backend):
     name = "vllm"
     venv = ".venv-vllm"
@@ -79,10 +80,10 @@ class VllmBackend(Backend):
                 raise KvbenchError("VllmBackend.generate before start()")
             while len(self.workers) >= 2:  # each holds the model and its KV space
                 self.workers.pop(next(iter(self.workers)))[0].close()
-            log = Path(tempfile.gettempdir()) / f"kvbench-vllm-{os.getpid()}.log"
             threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-            worker = Worker(venv_python(self.venv), "kvbench.backends.vllm_worker", {"OMP_NUM_THREADS": threads}, log)
-            info = worker.call(
+            module, env = "kvbench.backends.vllm_worker", {"OMP_NUM_THREADS": threads}
+            worker = Worker(venv_python(self.venv), module, f"the vllm worker ({kv_cache_dtype})", env)
+            info = worker.request(
                 "start",
                 model_dir=str(self.model_dir),
                 dtype=self.dtype,
@@ -96,7 +97,7 @@ class VllmBackend(Backend):
 
     def run(self, request: EngineRequest, kv_cache_dtype: str, prefix_caching: bool) -> tuple[dict, dict]:
         worker, info = self.worker(kv_cache_dtype, prefix_caching)
-        reply = worker.call(
+        reply = worker.request(
             "generate",
             prompt_ids=list(request.prompt_ids),
             max_new_tokens=request.max_new_tokens,

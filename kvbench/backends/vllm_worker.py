@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP
 
 import time
 
-from kvbench.backends.protocol import peak_rss_bytes, peak_rss_reset, serve
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
 
 
 def held_blocks(manager, request_id: str) -> int:
@@ -70,7 +70,7 @@ class VllmWorker:
         scheduler = engine.engine_core.engine_core.scheduler
         self.next_id += 1
         request_id = str(self.next_id)
-        peak_rss_reset()
+        reset_peak_rss()
         start = time.perf_counter()
         engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
         out, first, blocks = None, 0.0, 0

@@ -14,6 +14,7 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Any] = {}
         self._unavailable: dict[str, str] = {}  # name → why it is not registered here (an extra not installed)
+        self._lazy: dict[str, str] = {}  # name → the module that registers it when imported (integrations)
 
     def register(self, name: str) -> Callable[[Any], Any]:
         def wrap(obj: Any) -> Any:
@@ -29,10 +30,18 @@ class Registry:
         """`name` exists but cannot run in this environment: `get(name)` raises `why` (how to install it)."""
         self._unavailable[name] = why
 
+    def lazy(self, name: str, module: str) -> None:
+        """`name` is registered by `module` (an integration above this registry's layer), imported on first `get`."""
+        self._lazy[name] = module
+
     def names(self) -> list[str]:
-        return sorted(self._entries)
+        return sorted({*self._entries, *self._lazy})
 
     def get(self, name: str) -> Any:
+        if name not in self._entries and name in self._lazy:
+            import importlib
+
+            importlib.import_module(self._lazy.pop(name))
         if name not in self._entries and name in self._unavailable:
             raise KvbenchError(self._unavailable[name])
         if name not in self._entries:
@@ -63,7 +72,7 @@ def knob(
     choices: tuple = (),
     **field_kwargs: Any,
 ) -> Any:
-    """A dataclass field with the range kvbench.config.validate checks before the model loads, e.g.
+    """A dataclass field with the range kvbench.run.check checks before the model loads, e.g.
     `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
     a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf."""
     metadata: dict[str, Any] = {}

@@ -33,7 +33,7 @@ class Prefill:
     last_logits: torch.Tensor  # (V,) at the last prompt token
     seconds: float
     peak_mem_bytes: int
-    # prefix caching (kvbench.run.workload): called with each configuration's compressed cache before decoding
+    # prefix caching (kvbench.run.requests): called with each configuration's compressed cache before decoding
     adopt: Callable | None = None
     baseline_bytes: int = 0  # memory in use when the prefill started (kvbench.engine.memory): deltas are over it
     # prefill=inline (kvbench.engine.inline): the cache was compressed inside the forward pass; `kv` is then empty

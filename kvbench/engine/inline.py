@@ -30,26 +30,13 @@ import time
 import torch
 
 from kvbench import KvbenchError
-from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import HooksPrefill, decode_time
+from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
 PREFILL_MODES = ("shared", "inline")
-
-
-def row_keys(spec: RunSpec) -> dict:
-    """The columns every row of a run records about its prefill."""
-    return {"prefill": spec.prefill, "prefill_chunk": spec.prefill_chunk}
-
-
-def hash_keys(spec: RunSpec) -> dict:
-    """Config-hash keys: an inline or chunked prefill is measured apart from a shared one (its peak memory, and a
-    chunked prefill's kept entries, differ)."""
-    mode, chunk = spec.prefill, spec.prefill_chunk
-    return {} if mode == "shared" else {"prefill": mode, **({"prefill_chunk": chunk} if chunk else {})}
 
 
 def compresses_per_layer(method: Method | type[Method]) -> bool:
@@ -58,66 +45,6 @@ def compresses_per_layer(method: Method | type[Method]) -> bool:
     hooks (e.g. one needing every layer first)."""
     cls: type[Method] = method if isinstance(method, type) else type(method)
     return cls.compress is Method.compress and method.caps.compresses_inline
-
-
-def check(spec: RunSpec, methods: list[Method], task) -> None:
-    """What `prefill`/`prefill_chunk` combine with, before the model loads (one line naming the fix)."""
-    mode, chunk = spec.prefill, spec.prefill_chunk
-    check_hooked(spec, methods, task)
-    if chunk is not None and mode != "inline":
-        raise KvbenchError(
-            f"prefill_chunk={chunk} compresses each chunk as it lands, which needs prefill=inline "
-            "(a shared prefill keeps the whole prompt); add prefill=inline or drop prefill_chunk"
-        )
-    if mode != "inline":
-        return
-    if chunk is not None and task.streaming:
-        raise KvbenchError(
-            f"task={task.name} streams its text in task.chunk tokens, so prefill_chunk={chunk} has nothing to split; "
-            "drop prefill_chunk and set task.chunk"
-        )
-    others = {
-        "diagnose=true": spec.diagnose,
-        "prefix_cache=true": spec.prefix_cache or getattr(task, "workload", False),
-        f"batch_size={spec.batch_size}": spec.batch_size > 1,
-        f"task={task.name}": hasattr(task, "compute_rows"),
-    }
-    for what, present in others.items():
-        if present:
-            raise KvbenchError(
-                f"prefill=inline does not combine with {what} (they need the prompt's uncompressed K/V or their own "
-                "prefill); use prefill=shared for this run"
-            )
-    for method in methods:
-        if not compresses_per_layer(method):
-            raise KvbenchError(
-                f"method {method.name} compresses after the whole prefill (it needs every layer first), so it cannot "
-                "compress inside the forward pass; use prefill=shared for it"
-            )
-        if chunk is not None and method.caps.chunk_limit:
-            raise KvbenchError(
-                f"method {method.name} cannot re-compress its cache after each chunk ({method.caps.chunk_limit}); "
-                "drop prefill_chunk for it (prefill=inline alone works)"
-            )
-
-
-def check_hooked(spec: RunSpec, methods: list[Method], task) -> None:
-    """Methods compressing by hooks of their own (kvpress) run their own prefill and Engine.decode's loop only."""
-    hooked = [m for m in methods if isinstance(m, HooksPrefill)]
-    modes = {
-        "prefill=inline": spec.prefill == "inline",
-        "diagnose=true": spec.diagnose,
-        "prefix_cache=true": spec.prefix_cache or getattr(task, "workload", False),
-        f"batch_size={spec.batch_size}": spec.batch_size > 1,
-        f"task={task.name}": hasattr(task, "compute_rows") or task.streaming,
-    }
-    on = [what for what, present in modes.items() if present]
-    if hooked and on:
-        raise KvbenchError(
-            f"method {hooked[0].name} compresses inside its own prefill (kvpress's hooks on the model), so it does "
-            f"not combine with {on[0]}; run it with prefill=shared, batch_size=1, no prefix cache or diagnose, on a "
-            "generation task"
-        )
 
 
 @torch.inference_mode()

@@ -37,7 +37,7 @@ KEYS = [
 
 def thresholds_for(spec, task) -> Thresholds:
     """A run's verdict thresholds (`spec`: its kvbench.config.spec.RunSpec)."""
-    if task.streaming:
+    if task.kind == "stream":
         raise KvbenchError(f"diagnose=true compares decoded answers; task {task.name} streams a text (no answer)")
     return Thresholds.from_config(spec.verdict)
 
@@ -55,7 +55,7 @@ def diagnose_example(
 ) -> list[dict]:
     """Add the diagnostic columns and `verdict` to `rows` (one per configuration in `todo`, same order); returns
     the side-table records. `reused`: per configuration the (method, cache) to decode from instead of compressing
-    (compress once: its compressed context, kvbench.run.workload.reused_copy); `query_aware`: the split those rows
+    (compress once: its compressed context, kvbench.run.requests.reused_copy); `query_aware`: the split those rows
     used."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware if query_aware is None else query_aware)
     reused = reused or [(c.method, None) for c in todo]

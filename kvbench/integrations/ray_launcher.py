@@ -89,11 +89,12 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         import ray
     except ImportError:
         raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
-    from kvbench.run.runner import check_outputs, check_run, finish_run
+    from kvbench.run.check import check_run
+    from kvbench.run.runner import check_outputs, finish_run
     from kvbench.tasks import TASKS
 
     spec, _ = check_run(cfg)
-    if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).workload:
+    if cfg.get("prefix_cache") or TASKS.get(cfg.task.name).kind == "workload":
         raise KvbenchError(
             "launcher=ray splits a run's examples across workers, which would split a workload's "
             "requests from their shared prefix; run prefix_cache / workload tasks with "

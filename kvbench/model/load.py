@@ -551,8 +551,17 @@ def load_assembled_gguf(cfg, device, dtype) -> LoadedModel:
 _LOADED: dict[tuple, LoadedModel] = {}
 
 
+def section(cfg):
+    """A model section as the loaders read it (attribute access): a plain dict becomes an OmegaConf node."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
+
+
 def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load (or reuse, within one process: multiruns) the model described by a conf/model/*.yaml config."""
+    """Load (or reuse, within one process: multiruns) the model described by a conf/model/*.yaml section (a plain
+    dict, the run spec's `model`, or its DictConfig)."""
+    cfg = section(cfg)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     key = (repr(sorted(dict(cfg).items())), str(dev), str(dt))
@@ -571,6 +580,7 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
 def model_config(cfg, cheap: bool = False):
     """The transformers config a conf/model/*.yaml describes, without loading weights where possible (the planner;
     the run's checks before the model loads)."""
+    cfg = section(cfg)
     from transformers import AutoConfig, LlamaConfig
 
     if cfg.loader == "tiny_random":

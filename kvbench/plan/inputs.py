@@ -1,6 +1,6 @@
 """The planner's whole input checked before any arithmetic, with the Rules the run uses (kvbench.config.rules):
-every key of conf/plan.yaml, the hardware preset, the method and grid (kvbench.config.validate), the model's
-written-down shape (kvbench.config.model_fields); each bad value is one `KvbenchError` line naming the fix."""
+every key of conf/plan.yaml, the hardware preset, the method and grid (kvbench.run.check), the model's
+written-down shape (kvbench.run.model_fields); each bad value is one `KvbenchError` line naming the fix."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_value, did_you_mean, plain
-from kvbench.config.validate import TOP_LEVEL, _lookup, check_grid_entry, check_method_params, method_class
+from kvbench.config.spec import TOP_LEVEL
+from kvbench.run.check import _lookup, check_grid_entry, check_method_params, method_class
 
 MAX_CONTEXT = 1 << 24  # the longest context planned (16M tokens), as the fit search's cap (kvbench.plan.model)
 MAX_BATCH = 1 << 20
@@ -80,8 +81,8 @@ def check_plan(cfg) -> dict:
     _unknown(hardware, HARDWARE, "hardware.", "conf/hardware/*.yaml")
     for key, value in hardware.items():
         check_value(f"hardware.{key}", value, HARDWARE[key])
-    from kvbench.config.model_fields import check_model
     from kvbench.methods import build_method
+    from kvbench.run.model_fields import check_model
 
     method = config.get("method") or {}
     params = {k: v for k, v in method.items() if k != "name"}

@@ -62,7 +62,7 @@ class Arch:
 def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
-    try:  # transformers' own checks of the fields kvbench.config.model_fields does not read
+    try:  # transformers' own checks of the fields kvbench.run.model_fields does not read
         config = model_config(cfg)
         with torch.device("meta"):  # shapes only: an 8B model costs no memory
             model = AutoModelForCausalLM.from_config(config)

@@ -42,6 +42,7 @@ LIMIT_BATCHES = (1, 8, 32, 128)
 
 def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(plan rows, limits rows, header) for the configured model, hardware, configurations, contexts, batches."""
+    from kvbench.config.spec import RunSpec
     from kvbench.model.load import resolve_dtype
     from kvbench.plan.hardware import build_hardware
     from kvbench.plan.inputs import check_contexts, check_plan, listed
@@ -64,7 +65,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     arch = arch_of(cfg.model)
     check_contexts(contexts, arch, bool(config.get("extrapolate")))
     rows, limits = [], []
-    for c in configurations(cfg):
+    for c in configurations(RunSpec.of(cfg)):
         label = variant_label(c.method.name, c.method.params())
         common = {
             "model": arch.name,

@@ -21,6 +21,7 @@ def region_plot(cfg, path: Path) -> Path:
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
+    from kvbench.config.spec import RunSpec
     from kvbench.model.load import resolve_dtype
     from kvbench.plan.hardware import build_hardware
     from kvbench.plan.model import arch_of, plan_point
@@ -30,7 +31,7 @@ def region_plot(cfg, path: Path) -> Path:
     from kvbench.store.results import write_atomic
 
     hw, arch, dtype = build_hardware(cfg.hardware), arch_of(cfg.model), resolve_dtype(cfg.dtype)
-    confs = configurations(cfg)
+    confs = configurations(RunSpec.of(cfg))
     reuse = Reuse.from_cfg(cfg)  # a context shorter than the prefix shares all of it
     fig, axes = plt.subplots(1, len(confs), figsize=(4.2 * len(confs), 4.2), squeeze=False, sharey=True)
     for ax, c in zip(axes[0], confs):

@@ -1,6 +1,6 @@
 """The planner's reuse factor: `batch` requests whose contexts start with the same `prefix` tokens (one document
 asked many questions, a long system prompt) under prefix caching, counted as kvbench's engine holds and computes
-them (kvbench/run/workload.py, kvbench/engine/prefix_cache.py).
+them (kvbench/run/requests.py, kvbench/engine/prefix_cache.py).
 
 Bytes held by the batch = `once` (held once for all) + batch × `private` (each request's own):
 - no prefix (prefix=0): once 0, private = the request's cache (kvbench.model.kv_bytes).
@@ -22,7 +22,7 @@ window (its statistics come from the request's own queries; H2O, which sums ever
 with its own prefill, head merging, none): F(0, T) + (batch − 1) · F(r, T). Compress once: F(0, P) + batch · F(P, T)
 (the appended tokens' attention over the compressed prefix is counted over the full one: an upper bound).
 
-`reuse_from=PATH` takes the workload's shape from the rows of a run with prefix_cache=true (kvbench.run.workload):
+`reuse_from=PATH` takes the workload's shape from the rows of a run with prefix_cache=true (kvbench.run.requests):
 batch = requests per workload, context = the median prompt (prefill_tokens + reused_tokens), prefix = the most
 tokens a request reused (per question: whole pages, short of the observation window the grid left to each request:
 at most a window below the shared prefix), reuse = the rows' mode.
@@ -141,8 +141,8 @@ def prefill_flops(arch, start: int, end: int) -> int:
 
 def reused_tokens(method, context: int, reuse: Reuse) -> int:
     """Tokens a later request of the batch takes from the prefix cache instead of prefilling (per question: whole
-    pages, leaving the method's observation window to the request, as kvbench.run.workload.reuse_limit)."""
-    from kvbench.run.workload import reuse_limit
+    pages, leaving the method's observation window to the request, as kvbench.run.requests.reuse_limit)."""
+    from kvbench.run.requests import reuse_limit
 
     if not reuse.prefix:
         return 0

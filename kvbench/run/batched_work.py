@@ -7,8 +7,8 @@ from __future__ import annotations
 from kvbench.engine.batched import generate_batch, prefill_batch
 from kvbench.model.attention import StatsRequest
 from kvbench.run.configuration import Configuration
+from kvbench.run.example_work import ExampleWork
 from kvbench.run.rows import generation_row
-from kvbench.run.work import ExampleWork
 from kvbench.tasks import Example
 
 
@@ -47,12 +47,12 @@ class BatchedWork(ExampleWork):
             request = StatsRequest()
             for c in everyone:
                 request = request | c.method.stats_request()
-            shared = prefill_batch(self.engine, [ex.split(c.query_aware)[0] for ex, _ in group], request)
+            shared = prefill_batch(self.ctx.engine, [ex.split(c.query_aware)[0] for ex, _ in group], request)
         new, claimed = [], []
         for c in needed:
             examples = [ex for ex, todo in group if c in todo]
             split = [ex.split(c.query_aware) for ex in examples]
-            own = self.engine if c.method.caps.shares_prefill else self.engine.prepared(c.method)
+            own = self.ctx.engine if c.method.caps.shares_prefill else self.ctx.engine.prepared(c.method)
             if shared is not None and c in everyone:  # (shared is set whenever `everyone` is non-empty)
                 prefill = shared
             else:
@@ -62,6 +62,6 @@ class BatchedWork(ExampleWork):
                 own, prefill, c.method, c.budget, [s for _, s in split], first.max_new_tokens, first.stop
             )
             for ex, gen in zip(examples, gens):
-                new.append(generation_row(c, ex, self.task, self.common, self.lm, gen))
+                new.append(generation_row(c, ex, self.ctx, gen))
                 claimed.append((c.hash, ex.example_id))
         self.save(new, claimed)

@@ -4,10 +4,10 @@ data digests, method, parameters, budget — and what changes rows' last bits (b
 from __future__ import annotations
 
 from kvbench.config.spec import RunSpec
-from kvbench.engine import inline, slots
+from kvbench.engine import slots
 from kvbench.engine.grid_decode import MAX_PADDING
 from kvbench.kernels.backend import backend
-from kvbench.run import workload
+from kvbench.run import modes
 from kvbench.run.configuration import Configuration
 from kvbench.store.results import config_hash
 from kvbench.tasks import TASKS
@@ -80,9 +80,7 @@ def hash_configuration(c: Configuration, spec: RunSpec, lm, data: dict[str, str]
             "budget": c.budget_value,
             "query_aware": c.query_aware,
             **({"data": data} if data else {}),
-            **workload.hash_keys(spec),
-            **inline.hash_keys(spec),
-            **({"batch_size": spec.batch_size} if spec.batch_size > 1 else {}),  # its own timings
+            **modes.hash_keys(spec, TASKS.get(spec.task_name)),  # prefix cache, inline/chunked prefill, batch size
             # outside float32, decoding configurations together may change a last bit (and a token), and which rows
             # share a batch (grid_padding) with it: apart
             **(forced_grid_keys(spec) if grid_batch_forced(spec, lm) else {}),

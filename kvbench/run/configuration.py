@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
 from kvbench import KvbenchError
-from kvbench.config.rules import plain
+from kvbench.config.spec import RunSpec
 from kvbench.methods import Budget, Method, build_method, method_defaults
 
 DEFAULT_BUDGET = 0.5  # for methods that take a budget, when `budget` is not given
@@ -31,15 +29,15 @@ def method_config(name: str) -> dict:
     return {"name": name, **method_defaults(name)}
 
 
-def grid_entry(entry, cfg: DictConfig) -> dict:
+def grid_entry(entry, spec: RunSpec) -> dict:
     """A grid.method entry: a method name (its yaml's knobs; the selected `method` keeps its overrides) or a
     mapping {name: ..., knob: value} for parameter variants, e.g. {name: kivi, bits: 2}."""
     if isinstance(entry, dict):
         if "name" not in entry:
             raise KvbenchError(f"grid.method entry {entry} needs a `name`")
         return {**method_config(entry["name"]), **entry}
-    if entry == cfg.method.name:
-        return plain(cfg.method)
+    if entry == spec.method.get("name"):
+        return dict(spec.method)
     return method_config(entry)
 
 
@@ -49,19 +47,17 @@ def make_configuration(method_cfg: dict, budget, query_aware: bool) -> Configura
     return Configuration(method, Budget.parse(budget) if method.caps.has_budget else None, query_aware)
 
 
-def configurations(cfg: DictConfig) -> list[Configuration]:
+def configurations(spec: RunSpec) -> list[Configuration]:
     """Baseline first, then the requested configurations (duplicates dropped)."""
-    query_aware = bool(cfg.query_aware)
-    grid = cfg.get("grid") or {}
+    query_aware, budget, grid = spec.query_aware, spec.budget, spec.grid
     if grid.get("method") or grid.get("budget"):
-        entries = plain(grid.get("method")) if grid.get("method") else [cfg.method.name]
-        budgets = list(grid.get("budget") or [DEFAULT_BUDGET if cfg.budget is None else cfg.budget])
-        requested = [make_configuration(grid_entry(e, cfg), b, query_aware) for e in entries for b in budgets]
+        entries = list(grid.get("method") or [spec.method["name"]])
+        budgets = list(grid.get("budget") or [DEFAULT_BUDGET if budget is None else budget])
+        requested = [make_configuration(grid_entry(e, spec), b, query_aware) for e in entries for b in budgets]
     else:
-        method_cfg = plain(cfg.method)
-        requested = [make_configuration(method_cfg, DEFAULT_BUDGET if cfg.budget is None else cfg.budget, query_aware)]
+        requested = [make_configuration(dict(spec.method), DEFAULT_BUDGET if budget is None else budget, query_aware)]
         method = requested[0].method
-        if cfg.budget is not None and not method.caps.has_budget and method.caps.family != "none":
+        if budget is not None and not method.caps.has_budget and method.caps.family != "none":
             knobs = ", ".join(f"method.{k}" for k in method.params()) or "none"
             raise KvbenchError(
                 f"method {method.name} takes no budget (it keeps every token); drop budget= and "

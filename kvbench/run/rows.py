@@ -1,11 +1,15 @@
-"""The rows of one example: `generation_row` turns a generated answer into its row (through
-kvbench.store.results.row_for, the one row builder); `generation_rows` runs an example's configurations through the
-engine (one shared prefill), `stream_rows` a perplexity stream."""
+"""The rows of one example: `row_for` is the one row builder (every task kind's rows go through it);
+`generation_row` turns a generated answer into its row; `generation_rows` runs an example's configurations through
+the engine (one shared prefill), `stream_rows` a perplexity stream. `RowContext` is what every row of a run shares,
+built once per run (kvbench.run.example_work)."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
 
 from kvbench.engine import inline
 from kvbench.engine.batched import batch_columns
@@ -14,18 +18,58 @@ from kvbench.engine.grid_decode import MAX_PADDING
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import StatsRequest
 from kvbench.run.configuration import Configuration
-from kvbench.store.results import row_for
-from kvbench.tasks import Example
+from kvbench.tasks import Example, Task
 
 
-def generation_row(c: Configuration, ex: Example, task, common: dict, lm, gen: Generation) -> dict:
+@dataclass
+class RowContext:
+    """What every row of a run shares: the engine and its model, the task, the columns every row records
+    (provenance, run id, the prefill setting), and the modes that shape how an example becomes rows."""
+
+    engine: Engine
+    task: Task
+    common: dict  # columns of every row (kvbench.run.runner: provenance, run_id, seed, modes' row keys)
+    diagnose: Any = None  # diagnose=true: the verdict Thresholds (kvbench.guide.diagnose_run); rows gain its columns
+    side: list = field(default_factory=list)  # diagnose=true: per-(layer, KV head) records, written beside the rows
+    prefill: str = "shared"  # shared | inline (kvbench.engine.inline)
+    prefill_chunk: int | None = None
+    grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.engine.grid_decode)
+    grid_padding: float = MAX_PADDING
+
+    @property
+    def lm(self):
+        return self.engine.lm
+
+
+def row_for(c: Configuration, ex: Example, ctx: RowContext, **measured) -> dict:
+    """The one builder of a result row: provenance and what ran (configuration `c`, example `ex`, the run's task and
+    model, shared by every task kind) + the measured columns. kvbench.store.results.COLUMNS lists what every row has."""
+    lm = ctx.lm
+    return {
+        **ctx.common,
+        "config_hash": c.hash,
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "model": lm.name,
+        "task": ctx.task.name,
+        "subset": ex.subset,
+        "method": c.method.name,
+        "budget": c.budget_value,
+        "method_params": json.dumps(c.method.params(), sort_keys=True),
+        "query_aware": c.query_aware,
+        "dtype": str(lm.dtype).removeprefix("torch."),
+        "reused": False,
+        **measured,
+        **ex.meta,
+    }
+
+
+def generation_row(c: Configuration, ex: Example, ctx: RowContext, gen: Generation) -> dict:
     """The row of one generated answer, scored by the task."""
+    task = ctx.task
     return row_for(
         c,
         ex,
-        task,
-        common,
-        lm,
+        ctx,
         example_id=ex.example_id,
         context_tokens=gen.context_tokens,
         new_tokens=len(gen.token_ids),
@@ -55,52 +99,39 @@ def nominal_columns(c: Configuration, gen: Generation) -> dict:
     return {"kv_ratio_nominal": c.method.kv_ratio_nominal(gen.context_tokens, gen.decode_steps)}
 
 
-def generation_rows(
-    engine: Engine,
-    todo: list[Configuration],
-    ex: Example,
-    task,
-    common: dict,
-    lm,
-    diagnose=None,
-    side: list | None = None,
-    prefill=None,
-    inline_chunk: tuple[str, int | None] = ("shared", None),
-    grid_batch: bool = False,
-    grid_padding: float = MAX_PADDING,
-) -> list[dict]:
+def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, prefill=None) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
-    diagnose: verdict Thresholds when `diagnose=true` (kvbench.guide.diagnose_run): rows gain the diagnostic columns and
-    the per-(layer, KV head) records are appended to `side`. `prefill(ids, request)` replaces engine.prefill for
-    the shared one (the prefix cache: kvbench.run.workload). `inline_chunk` = (prefill, prefill_chunk): with
-    prefill=inline every configuration prefills on its own, compressing inside the forward pass (kvbench.engine.inline).
-    grid_batch: the configurations sharing the prefill decode together where their caches allow
-    (kvbench.engine.grid_decode), in batches holding at most grid_padding × their own cache bytes; rows are the same,
-    timings the batch's."""
+    `prefill(ids, request)` replaces engine.prefill for the shared one (the prefix cache: kvbench.run.requests).
+    With ctx.prefill=inline every configuration prefills on its own, compressing inside the forward pass
+    (kvbench.engine.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
+    caches allow (kvbench.engine.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
+    rows are the same, timings the batch's. ctx.diagnose: rows gain the diagnostic columns and the per-(layer,
+    KV head) records go to ctx.side."""
+    engine, diagnose = ctx.engine, ctx.diagnose
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
-    mode, chunk = inline_chunk
+    mode, chunk = ctx.prefill, ctx.prefill_chunk
     shared = [c for c in todo if c.method.caps.shares_prefill and mode == "shared"]
     request = StatsRequest()
     for c in shared:
         request = request | c.method.stats_request()
     prefill = (prefill or engine.prefill)(prompt_ids, request) if shared else None
     rows, together = [], {}
-    if grid_batch and len(shared) > 1 and diagnose is None and prefill.adopt is None:  # type: ignore[union-attr]
+    if ctx.grid_batch and len(shared) > 1 and diagnose is None and prefill.adopt is None:  # type: ignore[union-attr]
         from kvbench.engine.grid_decode import generate_grid  # configurations of this example decoded as one batch
 
         confs = [(c.method, c.budget) for c in shared]
-        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, grid_padding)
+        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, ctx.grid_padding)
         together = {id(c): gen for c, gen in zip(shared, gens)}
     for c in todo:
         if id(c) in together:
             gen = together[id(c)]
-            rows.append(generation_row(c, ex, task, common, lm, gen))
+            rows.append(generation_row(c, ex, ctx, gen))
             continue
         own = engine if c.method.caps.shares_prefill else engine.prepared(c.method)
         if isinstance(c.method, HooksPrefill):  # kvpress: prefill and decode under its own hooks
             gen = own.hooked_generate(c.method, c.budget, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
-            rows.append(generation_row(c, ex, task, common, lm, gen))
+            rows.append(generation_row(c, ex, ctx, gen))
             continue
         if mode == "inline":
             source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
@@ -109,22 +140,23 @@ def generation_rows(
         else:
             source = own.prefill(prompt_ids, c.method.stats_request())
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
-        rows.append(generation_row(c, ex, task, common, lm, gen))
+        rows.append(generation_row(c, ex, ctx, gen))
     if diagnose is not None:
         from kvbench.guide.diagnose_run import diagnose_example
 
-        side.extend(diagnose_example(engine, todo, ex, task, prefill, rows, diagnose))  # type: ignore[union-attr]  # given with diagnose
+        ctx.side.extend(diagnose_example(engine, todo, ex, ctx.task, prefill, rows, diagnose))
     return rows
 
 
-def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dict, lm) -> list[dict]:
+def stream_rows(ctx: RowContext, c: Configuration, ex: Example) -> list[dict]:
     """Perplexity tasks: one row per window of the streamed text (see kvbench.engine.streaming)."""
     from kvbench.engine.streaming import stream_budget, stream_perplexity
 
-    ids = ex.context_ids
+    engine, task = ctx.engine, ctx.task
+    ids, chunk = ex.context_ids, task.chunk  # type: ignore[attr-defined]  # a stream task's step (tasks/ppl.py)
     budget = stream_budget(c.budget, len(ids))  # fraction of the text → tokens
     windows = stream_perplexity(  # headmerge: its model; prefill=inline bounds each layer inside the forward
-        engine.prepared(c.method), c.method, budget, ids, task.chunk, inline=common["prefill"] == "inline"
+        engine.prepared(c.method), c.method, budget, ids, chunk, inline=ctx.prefill == "inline"
     )
     rows, nll, predicted = [], 0.0, 0
     for w, row_id in zip(windows, task.row_ids(ex)):
@@ -132,9 +164,7 @@ def stream_rows(engine: Engine, c: Configuration, ex: Example, task, common: dic
         row = row_for(
             c,
             ex,
-            task,
-            common,
-            lm,
+            ctx,
             example_id=row_id,
             context_tokens=w.tokens_seen,
             new_tokens=w.n_predicted,

@@ -13,22 +13,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.config.support import refusal
-from kvbench.config.validate import check_config
-from kvbench.engine import inline
 from kvbench.engine.engine import Engine
-from kvbench.model.layout import cache_layout
-from kvbench.model.load import load_model, model_config
-from kvbench.run import workload
-from kvbench.run.config_hash import hash_configuration
-from kvbench.run.configuration import configurations
-from kvbench.run.work import ExampleWork
+from kvbench.guide.diagnose_run import thresholds_for
+from kvbench.model.load import load_model
+from kvbench.run import modes
+from kvbench.run.check import check_model_support, check_run
+from kvbench.run.config_hash import grid_batching, grid_padding, hash_configuration
+from kvbench.run.example_work import ExampleWork
+from kvbench.run.modes import RunFacts
+from kvbench.run.rows import RowContext
 from kvbench.store.aggregate import summarize, with_variants
 from kvbench.store.intervals import interval_text
 from kvbench.store.results import (
@@ -43,59 +41,23 @@ from kvbench.store.results import (
     write_csv,
     write_rows,
 )
-from kvbench.tasks import TASKS, build_task
+from kvbench.tasks import build_task
 from kvbench.tasks.base import check_fits
-
-
-def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
-    """Every key, knob and grid entry, before the model loads; returns the run's spec (its settings typed, read once
-    here) and its configurations."""
-    check_config(cfg)
-    spec = RunSpec.of(cfg)
-    workload.check(spec)
-    confs = configurations(cfg)
-    inline.check(spec, [c.method for c in confs], TASKS.get(spec.task_name))
-    config = model_config(cfg.model, cheap=True)
-    if config is not None:  # else checked once the model is loaded
-        check_support(confs, config, spec)
-    return spec, confs
-
-
-def check_support(confs: list, config, spec: RunSpec) -> None:
-    """Each configuration runs on this model (kvbench.config.support), the model's layers are ones kvbench knows
-    (kvbench.model.layout), and the run's modes handle its sliding-window layers."""
-    sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
-    for c in confs:
-        reason = refusal(c.method, config)
-        if reason:
-            raise KvbenchError(reason)
-    modes = {
-        "prefill=inline": spec.prefill == "inline",
-        "prefix_cache=true": spec.prefix_cache,
-        f"batch_size={spec.batch_size}": spec.batch_size > 1,
-        f"task={spec.task_name} (a streamed text)": bool(TASKS.get(spec.task_name).streaming),
-    }
-    chosen = [name for name, on in modes.items() if on]
-    if sliding and chosen:
-        raise KvbenchError(
-            f"{chosen[0]} does not yet keep sliding-window layers at their window; this model has sliding-window "
-            "layers: run it with prefill=shared, batch_size=1, no prefix cache and a generation task"
-        )
 
 
 def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job in this process (or one launcher shard of it); returns this run's rows (computed
     and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
     spec, confs = check_run(cfg)
-    lm = load_model(cfg.model, spec.device, spec.dtype)
-    check_support(confs, lm.config, spec)
-    task = build_task(cfg.task, lm.tokenizer, spec.seed, lm.max_context)
+    lm = load_model(spec.model, spec.device, spec.dtype)
+    check_model_support(spec, confs, lm.config)
+    task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()
     if spec.limit:
         examples = examples[: spec.limit]
     if not examples:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
-    if not task.streaming:  # a stream may run past the context window: that is what it measures
+    if task.kind != "stream":  # a stream may run past the context window: that is what it measures
         check_fits(examples, lm.max_context)
     data = {str(path): file_digest(path) for path in task.data_files()}
     for c in confs:
@@ -110,18 +72,21 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         run_id += f"-shard{shard[0]}-{spec.attempt or uuid.uuid4().hex[:6]}"
         if not examples:
             return pd.DataFrame()
-    common = {"run_id": run_id, "seed": spec.seed, **provenance(lm.device), **inline.row_keys(spec)}
-    batched = (
-        spec.batch_size > 1
-        and not task.streaming
-        and not spec.diagnose
-        and not spec.prefix_cache
-        and not task.workload
-        and not hasattr(task, "compute_rows")
+    common = {"run_id": run_id, "seed": spec.seed, **provenance(lm.device), **modes.row_keys(spec)}
+    ctx = RowContext(
+        Engine(lm),
+        task,
+        common,
+        diagnose=thresholds_for(spec, task) if spec.diagnose else None,
+        prefill=spec.prefill,
+        prefill_chunk=spec.prefill_chunk,
+        grid_batch=grid_batching(spec, lm, requested=len(confs) - 1),  # confs[0]: the baseline
+        grid_padding=grid_padding(spec),
     )
-    if batched:
+    facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding)
+    if modes.batched(facts):
         from kvbench.run.batched_work import BatchedWork  # examples of equal length decoded together
-    work = (BatchedWork if batched else ExampleWork)(spec, confs, task, Engine(lm), store, run_id, common, lm)
+    work = (BatchedWork if modes.batched(facts) else ExampleWork)(spec, confs, ctx, store, run_id, facts, out_dir)
     started = time.perf_counter()
     try:
         for ex in tqdm(examples, desc=f"{task.name} × {len(confs)} configs", unit="example"):

@@ -16,7 +16,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -298,24 +297,3 @@ class ResultStore:
         path = self.rows_dir / f"{run_id}.parquet"
         write_rows(pd.DataFrame(rows), path)
         return path
-
-
-def row_for(c, ex, task, common: dict, lm, **measured) -> dict:
-    """The one builder of a result row: provenance and what ran (configuration `c`, example `ex`, task, model `lm`,
-    shared by every task kind) + the measured columns. COLUMNS above lists what every row has."""
-    return {
-        **common,
-        "config_hash": c.hash,
-        "timestamp": datetime.now(timezone.utc).isoformat(),
-        "model": lm.name,
-        "task": task.name,
-        "subset": ex.subset,
-        "method": c.method.name,
-        "budget": c.budget_value,
-        "method_params": json.dumps(c.method.params(), sort_keys=True),
-        "query_aware": c.query_aware,
-        "dtype": str(lm.dtype).removeprefix("torch."),
-        "reused": False,
-        **measured,
-        **ex.meta,
-    }

@@ -11,5 +11,7 @@ from kvbench.tasks.base import TASKS, Example, Task, build_task
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
+# an integration drives the engine itself, so it lives above the engine and registers itself when first asked for
+TASKS.lazy("lm_eval", "kvbench.integrations.lm_eval_task")
 
 __all__ = ["TASKS", "Example", "Task", "build_task"]

@@ -28,6 +28,9 @@ class LengthRequest:
         return self.prompt + self.new
 
 
+KINDS = ("generate", "stream", "workload", "external")
+
+
 @dataclass
 class Example:
     """One prompt, split where query-aware and context-only compression differ.
@@ -68,35 +71,17 @@ class Task(abc.ABC):
     # task keys that select examples rather than change them (a grid of lengths, subsets): left out of config_hash,
     # so rows are reused across runs that select differently; every other key is part of the hash
     selection_keys: ClassVar[frozenset[str]] = frozenset()
-    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.config.validate.Rule, where the yaml default's type is not enough
-    streaming = False  # True: examples are texts streamed through the cache (perplexity), not prompts
+    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.run.check.Rule, where the yaml default's type is not enough
+    # how the runner turns an example into rows (kvbench.run.example_work dispatches on it; lm-eval's `output_type`):
+    # "generate" a prompt answered by greedy decoding; "stream" a text streamed through the cache (perplexity);
+    # "workload" requests sharing prefixes, run in order (kvbench.run.requests); "external" the task drives the
+    # engine itself and scores what it gets (lm-eval), through `compute_rows(ctx, todo, example)`
+    kind: ClassVar[str] = "generate"
     facts = TaskFacts()  # metric direction, score range, extra plots: read by the report (kvbench/tasks/facts.py)
-    workload = False  # True: examples are requests sharing prefixes, run in order (kvbench.run.workload)
 
     def __init__(self, cfg, tokenizer, seed: int, max_context: int | None = None):
         # max_context: the model's context window in tokens (prompt + generation), when the task needs it
         self.cfg, self.tokenizer, self.seed, self.max_context = cfg, tokenizer, seed, max_context
-
-    @classmethod
-    def not_diagnosable(cls) -> str:
-        """Why `diagnose=true` cannot run on this task (refused before any work), or "" where it can."""
-        if cls.streaming:
-            return "it streams a text, so there is no decoded answer to teacher-force"
-        if hasattr(cls, "compute_rows"):
-            return "lm-eval scores its requests itself, so there is no decoded answer to teacher-force"
-        return ""
-
-    @classmethod
-    def not_batchable(cls) -> str:
-        """Why this task's examples are never decoded together (batch_size > 1 is refused), or "" where they are
-        (the runner's own rule, kvbench.run.runner)."""
-        if cls.streaming:
-            return "it streams one text through the cache"
-        if cls.workload:
-            return "its requests run in order, each reusing the ones before"
-        if hasattr(cls, "compute_rows"):
-            return "lm-eval's requests run one at a time"
-        return ""
 
     @classmethod
     def longest_request(cls, cfg: dict) -> LengthRequest | None:
@@ -124,7 +109,7 @@ class Task(abc.ABC):
                 f"{want.key}: {want.prompt:,} tokens is above the {MAX_PROMPT_TOKENS:,} kvbench builds a prompt of; "
                 f"use lengths within the model's context"
             )
-        if max_context and not cls.streaming and want.tokens > max_context:
+        if max_context and cls.kind != "stream" and want.tokens > max_context:
             raise KvbenchError(
                 f"{want.key}: {want.prompt:,} prompt + {want.new} new tokens is more than the model's context of "
                 f"{max_context:,} (max_position_embeddings); use lengths ≤ {max_context - want.new:,}"
@@ -133,7 +118,7 @@ class Task(abc.ABC):
     @classmethod
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
-        and ranges come from `knobs` and the yaml defaults (kvbench.config.validate), this adds the rest."""
+        and ranges come from `knobs` and the yaml defaults (kvbench.run.check), this adds the rest."""
         return  # nothing more by default: a task with cross-knob rules overrides it
 
     @abc.abstractmethod
@@ -158,12 +143,20 @@ class Task(abc.ABC):
     def score(self, prediction: str, example: Example) -> dict[str, float]:
         """{'score': ..., and any extra score columns}."""
 
+    def compute_rows(self, ctx, todo: list, example: Example) -> list[dict]:
+        """Kind "external" only: the rows of configurations `todo` on `example`, the task driving the engine itself
+        (ctx: kvbench.run.rows.RowContext); the runner computes every other kind's rows."""
+        raise KvbenchError(f"task {self.name} is of kind {self.kind!r}: its rows are the runner's to compute")
+
 
 def build_task(cfg, tokenizer, seed: int, max_context: int | None = None) -> Task:
     """The task, its lengths checked against the model's context first (no prompt is built for a length that
     cannot run)."""
+    from omegaconf import OmegaConf
+
     from kvbench.config.rules import plain
 
+    cfg = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg  # tasks read their knobs as attributes
     cls = TASKS.get(cfg.name)
     cls.check_length(plain(cfg), max_context)
     return cls(cfg, tokenizer, seed, max_context)

@@ -24,7 +24,7 @@ from kvbench.tasks.base import TASKS, Example
 from kvbench.tasks.haystack import HAYSTACKS, Encoded
 from kvbench.tasks.longbench import score_prediction
 from kvbench.tasks.longbench.config import PROMPTS, subset_spec
-from kvbench.tasks.workloads import MARK, Fact, SharedPrefixTask, chat_split
+from kvbench.tasks.shared_prefix import MARK, Fact, SharedPrefixTask, chat_split
 
 SUBSET = "multifieldqa_en"  # LongBench's single-document QA template and metric (qa_f1_score), English
 

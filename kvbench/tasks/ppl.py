@@ -22,7 +22,7 @@ from kvbench.tasks.haystack import check_files, load_sentences, sentence_files
 class Perplexity(Task):
     metric = "perplexity"
     facts = TaskFacts(lower_is_better=True, score_range=(1.0, math.inf), plots=("stream",))
-    streaming = True
+    kind = "stream"
     knobs = {
         "text": Rule("str", "task.text=prose or task.text=file", choices=("prose", "file")),
         "text_files": Rule("list", "task.text_files=[a.txt]", item=Rule("str", "file paths")),

@@ -20,7 +20,7 @@ def short_prompts():
     from kvbench.engine.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.load import load_model
-    from kvbench.tasks import build_task
+    from kvbench.tasks.base import build_task
 
     out = {}
     for dtype in ("float32", "bfloat16"):

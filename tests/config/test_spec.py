@@ -9,7 +9,7 @@ from kvbench import conf_dir
 from kvbench.config.spec import RunSpec
 from tests.conftest import compose_config
 
-SECTIONS = {"defaults", "model", "method", "task", "launcher", "grid", "budget", "hydra"}  # read by their builders
+SECTIONS = {"defaults", "launcher", "hydra"}  # Hydra's, and the launcher group (its own rules)
 
 
 def test_the_spec_has_every_top_level_setting_with_the_configs_default():
@@ -17,9 +17,19 @@ def test_the_spec_has_every_top_level_setting_with_the_configs_default():
     names = {f.name for f in fields(RunSpec)}
     assert set(written) - SECTIONS <= names, set(written) - SECTIONS - names
     spec, default = RunSpec.of(compose_config()), RunSpec()
-    for name in names - {"model", "task", "verdict", "grid_padding"}:
+    for name in names - {"model", "task", "method", "grid", "verdict"}:
         assert getattr(spec, name) == getattr(default, name), name
     assert spec.grid_padding == 2.0 and spec.task_name == "niah" and spec.verdict["recall_high"] == 0.9
+    assert spec.method["name"] == "streamingllm" and spec.grid == {"method": None, "budget": None}
+
+
+def test_top_level_rules_come_from_the_spec():
+    """A setting is declared once: its rule is its RunSpec field's, so the entrance check and the spec agree."""
+    from kvbench.config.spec import TOP_LEVEL
+
+    declared = {f.name for f in fields(RunSpec) if "rule" in f.metadata} - {"model", "task", "method"}
+    assert set(TOP_LEVEL) == declared | {"grid.method", "grid.budget"}
+    assert TOP_LEVEL["limit"].min == 1 and TOP_LEVEL["prefill"].choices == ("shared", "inline")
 
 
 def test_values_are_typed_once():

@@ -1,5 +1,5 @@
 """Bad input, by category: each case is one KvbenchError line naming the fix, raised before the model loads
-(kvbench.config.validate.check_config), and exit 2 from the command line. The table in the README counts these."""
+(kvbench.run.check.check_config), and exit 2 from the command line. The table in the README counts these."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.config.validate import NOT_JOB_KEYS, TOP_LEVEL, check_config
+from kvbench.config.spec import TOP_LEVEL
+from kvbench.run.check import NOT_JOB_KEYS, check_config, check_run
 from tests.conftest import CONF_DIR, compose_config, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,20 +150,20 @@ CASES = [
     ("verdict/launcher key", ["+launcher.workers=4"], "add launcher=ray"),
     ("verdict/launcher key", ["launcher=ray", "launcher.num_gpus=-1"], "launcher.num_gpus=0"),
     # modes a task cannot honour: refused, not ignored (and never hashed as if honoured)
-    ("ignored mode", ["task=lm_eval", "diagnose=true"], "diagnose=true cannot diagnose task=lm_eval"),
+    ("ignored mode", ["task=lm_eval", "diagnose=true"], "diagnose=true does not combine with task=lm_eval (lm-eval scores its own requests)"),
     ("ignored mode", ["task=ppl", "diagnose=true"], "no decoded answer"),
-    ("ignored mode", ["task=shared_doc", "batch_size=4"], "batch_size=4 has no effect with task=shared_doc"),
+    ("ignored mode", ["task=shared_doc", "batch_size=4"], "batch_size=4 does not combine with task=shared_doc (requests in order)"),
     ("ignored mode", ["task=lm_eval", "batch_size=2"], "use batch_size=1"),
     ("ignored mode", ["task=ppl", "batch_size=2"], "use batch_size=1"),
-    ("ignored mode", ["prefix_cache=true", "batch_size=2"], "with prefix_cache=true"),
-    ("ignored mode", ["diagnose=true", "batch_size=2"], "with diagnose=true"),
+    ("ignored mode", ["prefix_cache=true", "batch_size=2"], "batch_size=2 does not combine with prefix_cache=true"),
+    ("ignored mode", ["diagnose=true", "batch_size=2"], "batch_size=2 does not combine with diagnose=true"),
 ]
 
 
 @pytest.mark.parametrize("category,overrides,fix", CASES, ids=[" ".join(c[1]) for c in CASES])
 def test_bad_input_is_one_line_naming_the_fix(category, overrides, fix):
     with pytest.raises(KvbenchError) as error:
-        check_config(compose_config(*overrides))
+        check_run(compose_config(*overrides))
     message = str(error.value)
     assert fix in message and "\n" not in message, message
 
@@ -192,19 +193,20 @@ def test_good_input_passes(overrides):
 
 
 def test_the_documented_compose_overrides_syntax_builds(tmp_path):
+    from kvbench.config.spec import RunSpec
     from kvbench.run.configuration import configurations
 
     cfg = compose_config("method=compose", "method.stack=[headmerge,h2o,kivi]", "method.overrides={kivi: {bits: 2}}")
-    composed = configurations(cfg)[1].method.params()
+    composed = configurations(RunSpec.of(cfg))[1].method.params()
     assert composed["parts"]["kivi"]["bits"] == 2 and composed["stack"] == ["headmerge", "h2o", "kivi"]
 
 
 def test_every_top_level_key_has_a_rule():
-    """A new key in conf/config.yaml needs its one line in kvbench/config/validate.py TOP_LEVEL."""
+    """A new key in conf/config.yaml needs its field in kvbench.config.spec.RunSpec (TOP_LEVEL is derived from it)."""
     config = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))
     groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     missing = [k for k in config if k not in NOT_JOB_KEYS | groups and k not in TOP_LEVEL]
-    assert not missing, f"add a Rule for {missing} to kvbench/config/validate.py TOP_LEVEL"
+    assert not missing, f"add a field with its setting(...) rule for {missing} to kvbench.config.spec.RunSpec"
 
 
 def test_every_task_yaml_key_is_checked():
@@ -317,8 +319,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
 def test_knob_ranges_and_choices_are_checked_from_the_dataclass():
     from dataclasses import dataclass
 
-    from kvbench.config.validate import check_method_params
     from kvbench.config.registry import knob
+    from kvbench.run.check import check_method_params
 
     @dataclass
     class Example:

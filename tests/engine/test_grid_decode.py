@@ -154,10 +154,10 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
 
     import torch
 
+    from kvbench.config.spec import RunSpec
     from kvbench.engine.slots import decode_kernels
     from kvbench.kernels.backend import backend
     from kvbench.run.config_hash import grid_batching, hash_configuration
-    from kvbench.config.spec import RunSpec
     from kvbench.run.configuration import configurations
 
     cpu = backend("cpu")
@@ -182,7 +182,9 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
         for model in (fp32, bf16, lm(torch.bfloat16, True)):
             cfg = compose_config(f"grid_batch={str(setting).lower()}", "model=tiny-random")
             kernel = decode_kernels(model.model)
-            hashes[setting, str(model.dtype), kernel] = hash_configuration(configurations(cfg)[0], RunSpec.of(cfg), model)
+            hashes[setting, str(model.dtype), kernel] = hash_configuration(
+                configurations(RunSpec.of(cfg))[0], RunSpec.of(cfg), model
+            )
     assert hashes["auto", "torch.float32", False] == hashes[True, "torch.float32", False]
     assert hashes["auto", "torch.float32", False] == hashes[False, "torch.float32", False]
     assert hashes["auto", "torch.bfloat16", False] == hashes[False, "torch.bfloat16", False]

@@ -44,10 +44,10 @@ def test_inline_streaming_equals_whole_chunk_streaming(name, knobs, tiny_engine,
     ids = prompt_ids[:400]
     whole_method, whole = streams(tiny_engine, name, knobs, ids, False)
     inline_method, inlined = streams(tiny_engine, name, knobs, ids, True)
-    if not inline.compresses_per_layer(inline_method):  # kvzip: refused by inline.check before the model loads
+    if not inline.compresses_per_layer(inline_method):  # kvzip: refused by kvbench.run.modes before the model loads
         with pytest.raises(KvbenchError, match="kvzip re-reads the whole prompt"):  # and task=ppl cannot serve it
             list(whole)
-        pytest.skip(f"{name} compresses after the whole prefill (refused by inline.check)")
+        pytest.skip(f"{name} compresses after the whole prefill (refused by kvbench.run.modes)")
     n_chunks = 0
     while True:  # both in lockstep: a chunk's cache is compared before the next forward appends to it
         try:

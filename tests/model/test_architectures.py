@@ -3,7 +3,7 @@
 For each family: the full cache reproduces transformers' own `generate`, token for token, and holds exactly what
 transformers' own cache holds (sliding layers at their window, latent layers at their width). For each (family,
 method): either the pair is refused before the model loads with one line naming what is unsupported
-(kvbench.config.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
+(kvbench.run.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
 logits and, at budget 0.25, the bytes held are the method's own accounting (kvbench.model.kv_bytes).
 """
 
@@ -17,7 +17,7 @@ from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes
 from kvbench.model.load import _finish, byte_tokenizer
-from kvbench.config.support import refusal
+from kvbench.run.support import refusal
 from tests.model.families import FAMILIES, build
 
 PROMPT, NEW = 150, 5  # a prompt longer than the families' 64-token window
@@ -64,7 +64,7 @@ def test_every_method_on_every_family(family, method_name):
     method = method_for(method_name)
     reason = refusal(method, lm.config)
     if reason is not None:
-        assert "\n" not in reason and method_name.split("-")[0] in reason or "kivi" in reason
+        assert ("\n" not in reason and method_name.split("-")[0] in reason) or "kivi" in reason
         pytest.skip(f"refused: {reason}")
     lossless = method.lossless_params(lm)
     if method.caps.has_budget or lossless is not None:

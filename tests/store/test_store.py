@@ -91,7 +91,7 @@ def test_releasing_claims_on_a_read_only_store_never_raises(tmp_path, monkeypatc
 
 
 def test_a_stopped_owner_is_named_with_its_pid_and_how_to_take_over(tmp_path, capsys):
-    from kvbench.run.work import ExampleWork
+    from kvbench.run.example_work import ExampleWork
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

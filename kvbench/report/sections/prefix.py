@@ -1,4 +1,4 @@
-"""Report section for prefix caching (rows of kvbench.run.workload): time to first token and bytes held vs the number
+"""Report section for prefix caching (rows of kvbench.run.requests): time to first token and bytes held vs the number
 of requests, with and without the prefix cache; hit rate; compress-once vs per-question quality per method and
 budget. Torch-free (the report must not import torch)."""
 

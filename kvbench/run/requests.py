@@ -25,32 +25,11 @@ from typing import Any
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Prefill
 from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
-
-
-def check(spec: RunSpec) -> None:
-    """The prefix-cache keys together (each alone: kvbench.config.validate), before the model loads."""
-    if spec.reuse == "compress_once" and not spec.prefix_cache:
-        raise KvbenchError(
-            "reuse=compress_once keeps the compressed context in the prefix cache: add prefix_cache=true"
-        )
-
-
-def hash_keys(spec: RunSpec) -> dict:
-    """What the prefix cache changes in a configuration's rows (for config_hash); nothing when it is off."""
-    if not spec.prefix_cache:
-        return {}
-    return {
-        "prefix_cache": True,
-        "reuse": spec.reuse,
-        "page_size": spec.page_size,
-        "prefix_cache_bytes": spec.prefix_cache_bytes,
-    }
 
 
 def reuse_limit(request: StatsRequest, n_prompt: int) -> int:
@@ -73,7 +52,9 @@ class CachedPrefill(Prefill):
 
 
 @dataclass
-class Compressed:
+class StoredContext:
+    """A configuration's compressed shared context, kept in the prefix cache (reuse=compress_once)."""
+
     layers: list  # the compressed cache's layers, shared (read-only) by every request
     method: object  # the method's state right after compressing (decode-time eviction continues from it)
     last_logits: object
@@ -81,7 +62,7 @@ class Compressed:
     storages: set[int]
 
 
-def reused_copy(compressed: Compressed) -> tuple[Any, DynamicCache]:
+def reused_copy(compressed: StoredContext) -> tuple[Any, DynamicCache]:
     """A configuration's method as it stood after compressing the shared context (a fresh copy: decode-time
     eviction continues from it), and the cache to decode from, whose layers share the stored tensors: plain layers
     become a PagedLayer over them (appended tokens go to a private tail), others (KIVI) a shallow copy whose updates
@@ -108,34 +89,37 @@ def storages_of(cache) -> dict[int, int]:
     return out
 
 
-class WorkloadRunner:
-    def __init__(self, engine, spec: RunSpec, lm):
-        self.engine, self.lm = engine, lm
+class RequestRunner:
+    """Requests run in order, each through the prefix cache when there is one (see the module's docstring)."""
+
+    def __init__(self, engine, spec: RunSpec):
+        self.engine, self.lm = engine, engine.lm
         self.reuse = spec.reuse
         self.store = PrefixCache(spec.page_size, spec.prefix_cache_bytes) if spec.prefix_cache else None
         self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
         self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
 
-    def rows(self, todo, ex, task, common, lm, diagnose=None, side: list | None = None) -> list[dict]:
-        """Each configuration's row for request `ex`; with `diagnose` (verdict thresholds, kvbench.guide.diagnose_run)
-        the rows gain the diagnostic columns and `side` the per-(layer, KV head) records, from this request's own
-        caches: per question the prompt as prefilled through the prefix cache, compressed once the stored
-        compressed context with the question appended (against the full cache with the same split)."""
+    def rows(self, ctx, todo, ex) -> list[dict]:
+        """Each configuration's row for request `ex` (ctx: kvbench.run.rows.RowContext); with ctx.diagnose the rows
+        gain the diagnostic columns and ctx.side the per-(layer, KV head) records, from this request's own caches:
+        per question the prompt as prefilled through the prefix cache, compressed once the stored compressed context
+        with the question appended (against the full cache with the same split)."""
         if self.reuse != "compress_once":
-            return self._per_question(todo, ex, task, common, lm, diagnose, side)
-        done = [self._compress_once(c, ex, task, common, lm) for c in todo]
+            return self._per_question(ctx, todo, ex)
+        done = [self._compress_once(ctx, c, ex) for c in todo]
         rows = [row for row, _ in done]
-        if diagnose is not None:
+        if ctx.diagnose is not None:
             from kvbench.guide.diagnose_run import diagnose_example
 
             again = [reused_copy(value) for _, value in done]  # fresh copies of the state right after compressing
-            side.extend(diagnose_example(self.engine, todo, ex, task, None, rows, diagnose, again, False))  # type: ignore[union-attr]  # given with diagnose
+            ctx.side.extend(diagnose_example(self.engine, todo, ex, ctx.task, None, rows, ctx.diagnose, again, False))
         return rows
 
     # ---- per question: prefix pages + prefill of the rest ----------------------------------------------------
-    def _per_question(self, todo, ex, task, common, lm, diagnose=None, side=None) -> list[dict]:
+    def _per_question(self, ctx, todo, ex) -> list[dict]:
         from kvbench.run.rows import generation_rows
 
+        lm = self.lm
         prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
         caches: list = []
         used: dict[str, Any] = {"reused": 0, "pages": []}
@@ -160,7 +144,7 @@ class WorkloadRunner:
 
             return replace(out, seconds=time.perf_counter() - start, adopt=adopt)
 
-        rows = generation_rows(self.engine, todo, ex, task, common, lm, diagnose, side, prefill=prefill)
+        rows = generation_rows(ctx, todo, ex, prefill=prefill)
         store_ptrs = self.store.storages() if self.store else set()
         shared = iter(caches)
         for c, row in zip(todo, rows):
@@ -173,7 +157,7 @@ class WorkloadRunner:
         return rows
 
     # ---- compress once, answer many ----------------------------------------------------------------------------
-    def _compress_once(self, c, ex, task, common, lm) -> tuple[dict, Compressed]:
+    def _compress_once(self, ctx, c, ex) -> tuple[dict, StoredContext]:
         """The row of configuration `c` for request `ex`, and the compressed context it was answered from."""
         from kvbench.run.rows import generation_row
 
@@ -186,7 +170,7 @@ class WorkloadRunner:
             out = engine.prefill(ex.context_ids, c.method.stats_request())
             c.method.bind(engine.lm)
             cache = c.method.compress(out.kv, out.stats, c.budget)
-            value = Compressed(
+            value = StoredContext(
                 list(cache.layers),
                 copy.deepcopy(c.method),
                 out.last_logits,
@@ -215,7 +199,7 @@ class WorkloadRunner:
         )
         gen = engine.generate(prefill, method, c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
         entry.refs -= 1
-        row = generation_row(c, ex, task, common, lm, gen)
+        row = generation_row(c, ex, ctx, gen)
         row["query_aware"] = False  # the context was compressed without the question
         store_ptrs = self.store.storages()
         own = sum(n for ptr, n in storages_of(caches[0]).items() if ptr not in store_ptrs)

@@ -75,7 +75,7 @@ class SharedPrefixTask(Task):
     facts are (`request_facts`), how a prompt is laid out (`prompt`) and what the document's units are (`units`)."""
 
     metric = "string_match"
-    workload = True
+    kind = "workload"
     n_requests_key = "questions"
 
     def examples(self) -> list[Example]:

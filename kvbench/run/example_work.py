@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from kvbench.config.spec import RunSpec
-from kvbench.run import workload
-from kvbench.run.config_hash import grid_batching, grid_padding
+from kvbench.run import modes, requests
 from kvbench.run.configuration import Configuration
-from kvbench.run.rows import generation_rows, stream_rows
+from kvbench.run.modes import RunFacts
+from kvbench.run.rows import RowContext, generation_rows, stream_rows
 from kvbench.store.claims import Claims
 from kvbench.store.results import fault_text
 from kvbench.tasks import Example
@@ -18,11 +20,12 @@ class ExampleWork:
     """Rows of one example × configurations: reused from the store, computed here, or — when another process
     has claimed them (concurrent writers, see kvbench.store.claims) — awaited and collected from the store."""
 
-    def __init__(self, spec: RunSpec, confs, task, engine, store, run_id, common, lm):
-        self.spec, self.confs, self.task, self.engine, self.store = spec, confs, task, engine, store
-        self.run_id, self.common, self.lm = run_id, common, lm
+    def __init__(self, spec: RunSpec, confs, ctx: RowContext, store, run_id: str, facts: RunFacts, out_dir: Path):
+        self.spec, self.confs, self.ctx, self.store, self.run_id = spec, confs, ctx, store, run_id
+        self.task = ctx.task
+        self.out_dir = out_dir  # a failed configuration's traceback goes into out_dir/failures/
         # workload tasks and prefix caching run requests in order: a sequence is measured whole, never partly reused
-        self.requests = workload.WorkloadRunner(engine, spec, lm) if spec.prefix_cache or task.workload else None
+        self.requests = requests.RequestRunner(ctx.engine, spec) if modes.requests_in_order(facts) else None
         self.seen = store.versions()  # before reading: a file written in between is read again, never missed
         self.existing = {} if spec.rerun or self.requests else store.existing()
         self.claims = Claims(store.root)
@@ -31,13 +34,18 @@ class ExampleWork:
         self.saved = 0  # rows of self.computed in the store (the last save that succeeded)
         self.reported: set[int] = set()  # pids of stopped claim owners already named
         self.elsewhere: list[tuple[Example, list[Configuration]]] = []
-        self.side: list[dict] = []  # diagnose=true: per-(layer, KV head) records (kvbench.guide.diagnose_run)
         self.failed: dict[str, str] = {}  # configuration label → its first error line (its rows are skipped)
-        self.diagnose = None
-        if spec.diagnose:
-            from kvbench.guide.diagnose_run import thresholds_for
+        # how an example becomes rows, by the task's declared kind (kvbench.tasks.base.Task.kind)
+        self.kinds: dict[str, Callable[[Example, list[Configuration]], list[dict]]] = {
+            "generate": lambda ex, todo: generation_rows(ctx, todo, ex),
+            "stream": lambda ex, todo: [row for c in todo for row in stream_rows(ctx, c, ex)],
+            "workload": lambda ex, todo: self.requests.rows(ctx, todo, ex),  # type: ignore[union-attr]
+            "external": lambda ex, todo: self.task.compute_rows(ctx, todo, ex),
+        }
 
-            self.diagnose = thresholds_for(spec, task)
+    @property
+    def diagnose(self):
+        return self.ctx.diagnose
 
     def _reuse(self, c: Configuration, ex: Example) -> list[dict] | None:
         old = [self.existing.get((c.hash, row_id)) for row_id in self.task.row_ids(ex)]
@@ -63,24 +71,31 @@ class ExampleWork:
         self.save(new, [(c.hash, ex.example_id) for c in todo])
 
     def fail(self, c: Configuration, ex: Example, error: BaseException) -> None:
+        """Skip configuration `c` from here on; its traceback goes into the run directory, named in its one line."""
         line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        self.failed[label(c)] = f"{type(error).__name__}: {line} (example {ex.example_id})"
+        where = self.write_traceback(c, ex, error)
+        self.failed[label(c)] = f"{type(error).__name__}: {line} (example {ex.example_id}; traceback: {where})"
         self.claims.release([(c.hash, ex.example_id)])
 
+    def write_traceback(self, c: Configuration, ex: Example, error: BaseException) -> str:
+        """out_dir/failures/<config_hash>.txt with the configuration, example and whole traceback (where the run
+        directory cannot take it, the error's own line is all there is)."""
+        import traceback
+
+        path = self.out_dir / "failures" / f"{c.hash or 'configuration'}.txt"
+        text = f"{label(c)}\nexample {ex.example_id}\n\n" + "".join(traceback.format_exception(error))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as fault:
+            return f"not written ({fault.strerror})"
+        return str(path)
+
     def compute(self, ex: Example, todo: list[Configuration]) -> list[dict]:
-        """The rows of `todo` on example `ex`."""
-        if hasattr(self.task, "compute_rows"):  # tasks that drive the engine themselves (lm-eval's requests)
-            return self.task.compute_rows(self.engine, todo, ex, self.common, self.lm)
-        if self.task.streaming:
-            return [row for c in todo for row in stream_rows(self.engine, c, ex, self.task, self.common, self.lm)]
-        if self.requests:
-            return self.requests.rows(todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-        args = (self.engine, todo, ex, self.task, self.common, self.lm, self.diagnose, self.side)
-        grid_batch = grid_batching(self.spec, self.lm, requested=len(self.confs) - 1)  # confs[0]: the baseline
-        inline_chunk = (self.spec.prefill, self.spec.prefill_chunk)
-        return generation_rows(
-            *args, inline_chunk=inline_chunk, grid_batch=grid_batch, grid_padding=grid_padding(self.spec)
-        )
+        """The rows of `todo` on example `ex`: by the task's kind (any task runs as requests in order under the
+        prefix cache)."""
+        kind = "workload" if self.requests is not None else self.task.kind
+        return self.kinds[kind](ex, todo)
 
     def todo(self, ex: Example) -> list[Configuration]:
         """The configurations this process computes for `ex` (others are reused, or claimed elsewhere)."""
@@ -113,7 +128,7 @@ class ExampleWork:
         if self.diagnose is not None:
             from kvbench.guide.diagnose_run import write_side_table
 
-            write_side_table(self.side, path)
+            write_side_table(self.ctx.side, path)
         self.claims.release(claimed)
 
     def finish_claimed_elsewhere(self, poll_s: float = 2.0) -> None:

@@ -27,6 +27,7 @@ from kvbench.tasks.facts import TaskFacts
 
 @TASKS.register("lm_eval")
 class LmEvalTask(Task):
+    kind = "external"  # drives kvbench's model as lm-eval's LM and scores with lm-eval's own process_results
     metric = "lm_eval"  # placeholder: every row names lm-eval's own metric key
     # metrics differ per row (accuracy in [0, 1], BLEU in [0, 100], perplexities): each row carries lm-eval's
     # `higher_is_better` for its metric; the task as a whole declares no range
@@ -141,13 +142,13 @@ class LmEvalTask(Task):
         raise KvbenchError("task lm_eval is scored by lm-eval's process_results in compute_rows")
 
     # ---- rows (called by the runner instead of its own generation loop) ---------------------------------
-    def compute_rows(self, engine, todo: list, ex: Example, common: dict, lm) -> list[dict]:
+    def compute_rows(self, ctx, todo: list, ex: Example) -> list[dict]:
         from kvbench.engine.engine import Engine
         from kvbench.integrations.lm_eval_model import KvbenchLM
-        from kvbench.store.results import row_for
+        from kvbench.run.rows import row_for
 
         if getattr(self, "_engine", None) is None:
-            self._engine = Engine(lm)  # its own: KvbenchLM stops at `hf`'s EOS ids
+            self._engine = Engine(ctx.lm)  # its own: KvbenchLM stops at `hf`'s EOS ids
         cfg = self.cfg
         model = KvbenchLM(
             self._engine,
@@ -189,9 +190,7 @@ class LmEvalTask(Task):
                         row_for(
                             c,
                             ex,
-                            self,
-                            common,
-                            lm,
+                            ctx,
                             example_id=f"{ex.example_id}/{key}",
                             subset=f"{ex.subset}/{key}",
                             metric=key,

@@ -2,14 +2,16 @@
 knob, grid entry and task knob, each bad value → one `KvbenchError` line naming the fix (exit 2).
 
 Declarative, so a new key is one line:
-- a top-level key: one `Rule` in `TOP_LEVEL` below (a test fails when conf/config.yaml has a key not listed);
+- a top-level key: one field of kvbench.config.spec.RunSpec with its `setting(...)` rule (TOP_LEVEL is derived from
+  it; a test fails when conf/config.yaml has a key the spec lacks);
 - a method knob: its dataclass field's annotation (`int`, `float`, `bool`, `str`, `list[str]`, `dict`, `X | None`,
   `Literal[...]`) is the type; numbers are ≥ 0 unless the field says otherwise with
   `knob(default, min=..., max=..., choices=...)` (kvbench.config.registry); the method's `__post_init__` adds its own
   checks;
 - a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
 
-Importable without torch (tasks declare their `knobs` with `Rule`).
+The run's modes together (kvbench.run.modes) and each method against the model's layers (kvbench.run.support) are
+checked by `check_run` and `check_model_support`.
 """
 
 from __future__ import annotations
@@ -18,71 +20,14 @@ import typing
 from dataclasses import MISSING, fields
 from typing import Any
 
+from omegaconf import DictConfig
+
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
+from kvbench.config.spec import TOP_LEVEL, RunSpec
+from kvbench.run import modes
+from kvbench.run.modes import RunFacts
 
-DTYPE_CHOICES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
-
-# ★ every top-level key of conf/config.yaml (dotted for nested ones); new keys: add one line
-TOP_LEVEL: dict[str, Rule] = {
-    "budget": Rule(
-        "budget", "budget=0.25 (a fraction in (0, 1]) or budget=512 (tokens), or budget=null", nullable=True
-    ),
-    "query_aware": Rule("bool", "query_aware=true or query_aware=false"),
-    "limit": Rule("int", "limit=10 (at most 10 examples) or limit=null (every example)", nullable=True, min=1),
-    "seed": Rule("int", "seed=0 (any integer)"),
-    "device": Rule("str", "device=auto, device=cpu or device=cuda (cuda:N)"),
-    "dtype": Rule("str", "dtype=auto (native bf16 else fp32), bfloat16, float16 or float32", choices=DTYPE_CHOICES),
-    "results_dir": Rule("str", "results_dir=PATH (a directory for the results store)"),
-    "rerun": Rule("bool", "rerun=true (recompute stored rows) or rerun=false"),
-    "report": Rule("bool", "report=true or report=false"),
-    "batch_size": Rule("int", "batch_size=8 (examples decoded together; 1 = one at a time)", min=1),
-    "grid_batch": Rule(
-        "any",
-        "grid_batch=auto (a grid's configurations decoded together where rows stay identical), grid_batch=true or "
-        "grid_batch=false",
-        choices=("auto", True, False),
-    ),
-    "grid_padding": Rule(
-        "float",
-        "grid_padding=2 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
-        min=1,
-    ),
-    "grid": Rule("dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]"),
-    "grid.method": Rule(
-        "list",
-        "grid.method=[snapkv,h2o] (a list; null: the selected method)",
-        nullable=True,
-        non_empty=True,
-        item=Rule("any"),
-    ),
-    "grid.budget": Rule(
-        "list",
-        "grid.budget=[0.25,0.5] (a list; null: budget)",
-        nullable=True,
-        non_empty=True,
-        item=Rule("budget", "budget fractions in (0, 1] or token counts"),
-    ),
-    "diagnose": Rule("bool", "diagnose=true (teacher-forced diagnostics and a verdict per row) or diagnose=false"),
-    "verdict": Rule("dict", "verdict.recall_high=0.9 (the thresholds of kvbench/guide/verdict.py)"),
-    # the verdict's keys, ranges and order: kvbench.guide.verdict.Thresholds.from_config (one rule for both)
-    "prefix_cache": Rule("bool", "prefix_cache=true (reuse cached prefixes) or prefix_cache=false"),
-    "prefix_cache_bytes": Rule("int", "prefix_cache_bytes=500000000 (bytes) or null (no limit)", nullable=True, min=0),
-    "page_size": Rule("int", "page_size=16 (tokens per prefix-cache page; 1 = token level)", min=1),
-    "reuse": Rule("str", "reuse=per_question or reuse=compress_once", choices=("per_question", "compress_once")),
-    "prefill": Rule(
-        "str",
-        "prefill=shared (compress after the whole prefill; grids share it) or prefill=inline (each layer "
-        "compressed inside the forward pass)",
-        choices=("shared", "inline"),
-    ),
-    "prefill_chunk": Rule(
-        "int",
-        "prefill_chunk=1024 (tokens per chunk, with prefill=inline) or prefill_chunk=null (whole prompt)",
-        nullable=True,
-        min=1,
-    ),
-}
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {
     "launcher.name": Rule("str", "launcher=local or launcher=ray", choices=("local", "ray")),
@@ -235,30 +180,6 @@ def check_launcher(config: dict) -> None:
             raise KvbenchError(f"launcher.{key} applies to launcher=ray only; add launcher=ray or drop launcher.{key}")
 
 
-def check_modes(config: dict) -> None:
-    """Modes the task cannot honour are refused, never silently dropped: diagnose=true on a task without a decoded
-    answer, batch_size > 1 where examples run one at a time (their rows would hash as batched)."""
-    from kvbench.tasks import TASKS
-
-    task = str((config.get("task") or {}).get("name"))
-    cls = TASKS.get(task)
-    if config.get("diagnose") and cls.not_diagnosable():
-        raise KvbenchError(
-            f"diagnose=true cannot diagnose task={task}: {cls.not_diagnosable()}; run it with diagnose=false"
-        )
-    batch = int(config.get("batch_size") or 1)
-    if batch == 1:
-        return
-    alone = {
-        f"task={task}": cls.not_batchable(),
-        "diagnose=true": config.get("diagnose") and "each example is teacher-forced on its own",
-        "prefix_cache=true": config.get("prefix_cache") and "requests run in order, each reusing the ones before",
-    }
-    for what, why in alone.items():
-        if why:
-            raise KvbenchError(f"batch_size={batch} has no effect with {what} ({why}); use batch_size=1")
-
-
 def check_config(cfg) -> None:
     """Every check that needs no model: raises KvbenchError (one line, the fix named) at the first bad input."""
     try:
@@ -285,7 +206,42 @@ def check_config(cfg) -> None:
     for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
-    check_modes(config)
-    from kvbench.config.model_fields import check_model
+    from kvbench.run.model_fields import check_model
 
     check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
+
+
+def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
+    """Every key, knob, grid entry and run mode, before the model loads; returns the run's spec (its settings typed,
+    read once here) and its configurations. The model's own refusals follow once its config is read (here when it
+    is cheap to read, else by `check_model_support` after loading)."""
+    from kvbench.model.load import model_config
+    from kvbench.run.configuration import configurations
+    from kvbench.tasks import TASKS
+
+    check_config(cfg)
+    spec = RunSpec.of(cfg)  # the Hydra config ends here: what follows reads the spec
+    confs = configurations(spec)
+    modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
+    config = model_config(spec.model, cheap=True)
+    if config is not None:  # else checked once the model is loaded
+        check_model_support(spec, confs, config)
+    return spec, confs
+
+
+def check_model_support(spec: RunSpec, confs: list, config) -> None:
+    """Each configuration runs on this model (kvbench.run.support), the model's layers are ones kvbench knows
+    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.run.modes)."""
+    import torch
+
+    from kvbench.model.layout import cache_layout
+    from kvbench.run.support import refusal
+    from kvbench.tasks import TASKS
+
+    sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
+    for c in confs:
+        reason = refusal(c.method, config)
+        if reason:
+            raise KvbenchError(reason)
+    methods = tuple(c.method for c in confs)
+    modes.check(RunFacts(spec, TASKS.get(spec.task_name), methods, sliding))

@@ -1,0 +1,141 @@
+"""engine=llamacpp on the bundled SmolLM2-135M: parity with kvbench's full cache, the cache bytes llama.cpp holds per
+K/V type, eviction through llama_memory_seq_rm, and refusals. Needs .venv-llamacpp (`make engine-llamacpp`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench import KvbenchError, conf_dir
+from kvbench.backends import BACKENDS, EngineRequest
+from kvbench.backends.llamacpp import ROOT, LlamaCpp
+
+pytestmark = [
+    pytest.mark.real_model,
+    pytest.mark.skipif(
+        not (ROOT / LlamaCpp.venv / "bin" / "python").exists(),
+        reason=f"{LlamaCpp.venv} is absent: run `make {LlamaCpp.make_target}`",
+    ),
+]
+
+SMOL = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "smollm2-135m.yaml"))
+# SmolLM2-135M: 30 layers x (K + V) x 3 KV heads x 64 per token
+VALUES_PER_TOKEN = 30 * 2 * 3 * 64
+
+
+@pytest.fixture(scope="module")
+def smol_fp32():
+    from kvbench.model.load import load_model
+
+    return load_model(OmegaConf.create(SMOL), "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_fp32):
+    """Two short NIAH prompts (400 tokens, needle at 20 % and 80 %), built by kvbench's task code."""
+    from kvbench.tasks.base import build_task
+
+    cfg = OmegaConf.load(conf_dir() / "task" / "niah.yaml")
+    cfg.context_lengths, cfg.depths, cfg.max_new_tokens = [400], [0.2, 0.8], 12
+    return build_task(cfg, smol_fp32.tokenizer, 0, smol_fp32.max_context).examples()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    backend = BACKENDS.get("llamacpp")(n_threads=1)
+    backend.start(SMOL)
+    yield backend
+    backend.close()
+
+
+def run(engine, example, option="full", budget=None, **knobs):
+    ids = example.context_ids + example.question_ids
+    return engine.generate(EngineRequest(ids, example.max_new_tokens, option, knobs, budget, stop_ids=[2]))
+
+
+def test_full_matches_kvbench_full_cache(engine, prompts, smol_fp32):
+    from kvbench.engine.engine import Engine
+    from kvbench.methods import METHODS
+    from kvbench.model.attention import StatsRequest
+
+    ours = Engine(smol_fp32)
+    for example in prompts:
+        ids = example.context_ids + example.question_ids
+        expected = ours.generate(ours.prefill(ids, StatsRequest()), METHODS.get("full")(), None, [], 12).token_ids
+        got = run(engine, example)
+        assert got.token_ids == expected
+        assert example.answers[0] in smol_fp32.tokenizer.decode(got.token_ids)
+        assert got.engine_version.startswith("llama.cpp b")
+
+
+def test_cache_bytes_per_type(engine, prompts):
+    example = prompts[0]
+    full, q8, q4 = (run(engine, example, option) for option in ("full", "q8_0", "q4_0"))
+    tokens = example.n_tokens + full.decode_steps  # cells the sequence holds: prompt + fed decode tokens
+    assert full.kv_bytes == full.kv_bytes_full == tokens * VALUES_PER_TOKEN * 2  # f16: 2 bytes a value
+    assert q8.kv_bytes == tokens * VALUES_PER_TOKEN * 34 // 32  # q8_0: 34 bytes per 32 values
+    assert q4.kv_bytes == tokens * VALUES_PER_TOKEN * 18 // 32  # q4_0: 18 bytes per 32 values
+    assert q8.kv_bytes * 64 == full.kv_bytes * 34
+    assert q8.kv_bytes_full == q4.kv_bytes_full == full.kv_bytes_full
+
+
+def test_seq_rm_drops_exactly_the_removed_tokens_and_a_removed_needle_is_lost(engine, prompts, smol_fp32):
+    example = prompts[0]  # needle at 20 %: streamingllm's sinks + recent half do not hold it
+    full = run(engine, example)
+    evicted = run(engine, example, "streamingllm", budget=0.5, evict_during_decode=False)
+    per_token = VALUES_PER_TOKEN * 2
+    n_removed = evicted.extra["evicted_tokens"]
+    assert n_removed == example.n_tokens - round(0.5 * example.n_tokens)
+    assert full.kv_bytes == (example.n_tokens + full.decode_steps) * per_token
+    assert evicted.kv_bytes == (example.n_tokens - n_removed + evicted.decode_steps) * per_token
+    assert evicted.kv_bytes_full == full.kv_bytes_full  # the reference stays the uncompressed cache
+    assert example.answers[0] in smol_fp32.tokenizer.decode(full.token_ids)
+    assert example.answers[0] not in smol_fp32.tokenizer.decode(evicted.token_ids)
+
+
+def test_no_compression_equals_full_and_snapkv_evicts_by_attention(engine, prompts):
+    example = prompts[1]
+    full = run(engine, example)
+    for option in ("streamingllm", "snapkv"):
+        same = run(engine, example, option, budget=1.0)
+        assert same.token_ids == full.token_ids
+        assert same.kv_bytes == full.kv_bytes and same.extra["evicted_tokens"] == 0
+    snap = run(engine, example, "snapkv", budget=0.5)
+    kept = set(range(example.n_tokens)) - set(snap.extra["evicted_positions"])
+    assert len(kept) == round(0.5 * example.n_tokens)
+    assert set(range(example.n_tokens - 32, example.n_tokens)) <= kept  # the observation window stays
+    assert snap.extra["flash_attn"] == "off"
+
+
+def test_bad_options_refused_in_one_line_before_the_worker_starts(tmp_path):
+    backend = LlamaCpp()
+    assert backend.unavailable(SMOL, "q3_k") == (
+        "engine=llamacpp has no option 'q3_k'; valid: full, q8_0, q4_0, k_q8_0, k_q8_0_v_q4_0, k_q4_0_v_q8_0, "
+        "streamingllm, snapkv"
+    )
+    with pytest.raises(KvbenchError, match="type_v=q4_0 needs flash_attn=on"):
+        backend.knobs("q4_0", {"flash_attn": "off"})
+    with pytest.raises(
+        KvbenchError, match=r"snapkv on llama\.cpp reads attention with flash attention off \(flash_attn=off\)"
+    ):
+        backend.knobs("snapkv", {"type_v": "q8_0", "flash_attn": "on"})
+    assert "make engine-llamacpp" in LlamaCpp(root=tmp_path).unavailable(SMOL, "full")
+    hub = {"name": "hub", "loader": "pretrained"}
+    assert "runs GGUF models" in backend.unavailable(hub, "full")
+    assert backend.worker is None  # nothing was started
+
+
+def test_a_killed_worker_is_named_in_one_line():
+    backend = LlamaCpp()
+    backend.start(SMOL)
+    try:
+        os.kill(backend.worker.pid, signal.SIGKILL)
+        with pytest.raises(KvbenchError) as died:
+            backend.generate(EngineRequest([1, 2, 3], 2, "full"))
+        assert "\n" not in str(died.value)
+        assert str(died.value).startswith("the llamacpp worker died (exit code -9: killed by SIGKILL)")
+    finally:
+        backend.close()
