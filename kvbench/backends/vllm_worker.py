@@ -1,0 +1,119 @@
+"""vLLM's side of engine=vllm, run in .venv-vllm (`python -m kvbench.backends.vllm_worker`).
+
+One `vllm.LLM` per worker: its kv_cache_dtype is fixed when the engine starts, so kvbench starts one worker per
+dtype. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so its KV cache config (blocks,
+bytes per block) is read from the scheduler and the peak RSS of this process is the engine's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP_NUM_THREADS, not every core
+
+import time
+
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
+
+
+def held_blocks(manager, request_id: str) -> int:
+    """Blocks in the request's block table (all KV cache groups); 0 where the manager does not know the id."""
+    try:
+        return sum(len(group) for group in manager.get_block_ids(request_id))
+    except (KeyError, AttributeError, IndexError):
+        return 0
+
+
+class VllmWorker:
+    def __init__(self) -> None:
+        self.llm: Any = None  # vllm.LLM once started
+        self.next_id = 0
+
+    def start(self, model_dir: str, dtype: str, kv_cache_dtype: str, kv_cache_memory_bytes: int, **engine) -> dict:
+        import vllm
+        from vllm import LLM
+
+        started = time.perf_counter()
+        self.llm = LLM(
+            model=model_dir,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,  # a fixed KV space, whatever the machine's memory
+            enforce_eager=True,  # no torch.compile: minutes on 2 cores, and kernels identical per step
+            seed=0,
+            **engine,  # enable_prefix_caching, max_model_len
+        )
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        config = scheduler.kv_cache_manager.kv_cache_config
+        total = sum(tensor.size for tensor in config.kv_cache_tensors)
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return {
+            "engine_version": vllm.__version__,
+            "block_size": cache.block_size,
+            "num_blocks": config.num_blocks,
+            "block_bytes": total // config.num_blocks,  # all layers: the engine's own page size x layers
+            "model_dtype": str(self.llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", ""),
+            "start_s": time.perf_counter() - started,
+        }
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        assert self.llm is not None, "start first"
+        params = SamplingParams(
+            temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=True
+        )  # greedy; stops only at kvbench's stop ids, as kvbench's own decode
+        engine = self.llm.llm_engine
+        scheduler = engine.engine_core.engine_core.scheduler
+        self.next_id += 1
+        request_id = str(self.next_id)
+        reset_peak_rss()
+        start = time.perf_counter()
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
+        out, first, blocks = None, 0.0, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.request_id.split("-")[0] == request_id:  # the engine may suffix the id
+                    out = output
+            if out is not None and out.outputs[0].token_ids and not first:
+                first = time.perf_counter()
+            if not (out is not None and out.finished):  # the engine's own block table while the request runs
+                # the scheduler knows the request by its internal id; it runs alone, so every id is this one's
+                held = sum(held_blocks(scheduler.kv_cache_manager, rid) for rid in list(scheduler.requests))
+                blocks = max(blocks, held)
+        end = time.perf_counter()
+        assert out is not None and out.finished
+        tokens = list(out.outputs[0].token_ids)
+        prefill_s = first - start
+        return {
+            "token_ids": tokens,
+            "prefill_s": prefill_s,
+            "decode_s": max(end - start - prefill_s, 0.0),
+            "decode_steps": max(len(tokens) - 1, 0),
+            "prefix_cached_tokens": int(out.num_cached_tokens or 0),
+            "blocks_seen": blocks,  # the most blocks its block table held before the last step
+            "peak_mem_bytes": peak_rss_bytes(),
+        }
+
+
+def main() -> None:
+    worker = VllmWorker()
+
+    def handle(request: dict) -> dict:
+        op = request.pop("op")
+        if op == "start":
+            return worker.start(**request)
+        if op == "generate":
+            return worker.generate(**request)
+        if op == "close":
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    serve(handle)
+
+
+if __name__ == "__main__":
+    main()
