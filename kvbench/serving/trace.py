@@ -49,7 +49,7 @@ def arrivals(n: int, arrival: str, rate: float, seed: int) -> list[float]:
         return [0.0] * n
     rng = random.Random(seed)
     times, t = [], 0.0
-    for i in range(n):
+    for _ in range(n):
         times.append(t)
         t += rng.expovariate(rate)  # the next gap: exponential with mean 1 / rate
     return times
