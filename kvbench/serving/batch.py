@@ -19,6 +19,7 @@ from typing import cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.batched import forward_batch
 from kvbench.engine.grid_decode import GROW, GridLayer, GridRow, RowsRecorder, row_stats
@@ -56,7 +57,8 @@ class RowBatch:
 
     def add(self, owner, cache: DynamicCache) -> None:
         """`owner` joins with its batch-1 cache of plain layers (copied into the batch's tensors)."""
-        layers = [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in cache.layers]
+        plain = cast(list[DynamicLayer], cache.layers)  # decodes_in_grid: plain layers only
+        layers = [(cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values)) for layer in plain]
         if self.cache is None:
             self.cache = DynamicCache()
             self.cache.layers.extend(GridLayer([kv]) for kv in layers)

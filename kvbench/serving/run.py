@@ -153,8 +153,13 @@ def table(runs: pd.DataFrame) -> str:
 
 def main(cfg, out_dir: Path) -> int:
     started = time.perf_counter()
+    from kvbench.report.sections.serving import render
+
     _, runs = serve(cfg, out_dir)
+    page = render(runs, Path(out_dir))  # the report's serving section, on its own page
+    (Path(out_dir) / "serving.md").write_text(f"# Serving under a KV memory budget\n\n{page.markdown}\n")
     print(table(runs))
     print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s (wall, model load included)")
-    print(f"requests: {Path(out_dir) / 'serving_requests.parquet'}\nruns:     {Path(out_dir) / 'serving_runs.parquet'}")
+    for name in ("serving_requests.parquet", "serving_runs.parquet", "serving.md", "serving.png"):
+        print(f"{name}: {Path(out_dir) / name}")
     return 0

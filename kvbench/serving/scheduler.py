@@ -26,7 +26,9 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,9 +59,9 @@ class Served:
     kv_bytes: int = 0  # its cache when it finished
     decode_mode: str = ""  # batch | alone
     # while running
-    method: object = None
-    hooks: object = None
-    cache: object = None  # a lone request's cache (None: a row of the batch)
+    method: Any = None
+    hooks: Any = None
+    cache: Any = None  # a lone request's cache (None: a row of the batch)
     position: int = 0  # absolute position of the next fed token
     admissions: int = 0
 
@@ -87,6 +89,12 @@ class Scheduler:
         self.method, self.budget, self.kv_budget = method, budget, int(kv_budget_bytes)
         self.layout = self.engine.lm.layout  # the model requests decode on (head merging: the converted one)
         self.token_bytes = self.layout.full_bytes(1)  # one more token in every layer
+        self.batch = RowBatch(self.engine.lm.device)
+        self.running: list[Served] = []
+        self.samples: list[tuple[float, int, int]] = []
+        self.peak_held = self.peak_padded = self.max_concurrency = self.steps = 0
+        self.skipped = 0.0
+        self.now: Callable[[], float] = time.perf_counter
 
     # ---- bytes ---------------------------------------------------------------------------------------------
     def held(self) -> int:
@@ -106,8 +114,7 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> ServeResult:
         self.batch = RowBatch(self.engine.lm.device)
-        self.running: list[Served] = []
-        self.samples: list[tuple[float, int, int]] = []
+        self.running, self.samples = [], []
         self.peak_held = self.peak_padded = self.max_concurrency = self.steps = 0
         served = {r.request_id: Served(r) for r in requests}
         pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
