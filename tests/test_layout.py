@@ -29,6 +29,7 @@ LAYERS = [
     ["kvbench.config"],  # the run's whole input, validated against every registry
     ["kvbench.run"],  # configurations, rows, work, the runner
     ["kvbench.plan"],
+    ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction, a report section
     ["kvbench.integrations"],  # the Ray launcher, lm-eval's command line
     ["kvbench.__main__", "kvbench.check"],  # entry points
 ]
