@@ -6,7 +6,8 @@ an admitted request is prefilled alone (`Engine.prefill`), compressed by its met
 StreamingLLM, ... keep their share of the prompt), and its first token is out; (2) before the decode step, every
 running request will hold one token more: while that would exceed the budget, the most recently admitted request
 is preempted (its cache freed; it goes back to the head of the queue and is recomputed from its prompt when
-admitted again — greedy decoding regenerates its tokens, the ones already sent are not sent twice); (3) one decode
+admitted again — greedy decoding regenerates its tokens, the ones already sent are not sent twice), and nothing is
+admitted until a running request finishes (else the freed room readmits it, to be preempted again); (3) one decode
 step for every running request. Methods that evict while decoding (H2O, StreamingLLM) do so after each step, so
 they hold their size and never grow.
 
@@ -94,6 +95,7 @@ class Scheduler:
         self.samples: list[tuple[float, int, int]] = []
         self.peak_held = self.peak_padded = self.max_concurrency = self.steps = 0
         self.skipped = 0.0
+        self.backoff = False  # after a preemption: admit nothing until a request finishes (no admit-preempt loop)
         self.now: Callable[[], float] = time.perf_counter
 
     # ---- bytes ---------------------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ class Scheduler:
         self.batch = RowBatch(self.engine.lm.device)
         self.running, self.samples = [], []
         self.peak_held = self.peak_padded = self.max_concurrency = self.steps = 0
+        self.backoff = False
         served = {r.request_id: Served(r) for r in requests}
         pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
         queue: deque[Served] = deque()
@@ -127,7 +130,7 @@ class Scheduler:
             if not queue and not self.running:  # idle until the next arrival: skip the gap, do not sleep
                 self.skipped += pending[0].arrival_s - self.now()
                 continue
-            while queue and self._fits_admission(queue[0]):
+            while queue and not self.backoff and self._fits_admission(queue[0]):
                 self._admit(queue.popleft())
             if self.running:
                 self._make_room(queue)
@@ -193,6 +196,7 @@ class Scheduler:
                 raise RuntimeError("a lone request outgrew the budget the entrance checks let through")
             victim = self.running[-1]
             self._release(victim)
+            self.backoff = True
             victim.preemptions += 1
             victim.generated, victim.method, victim.hooks = [], None, None
             queue.appendleft(victim)  # first in line again (it arrived before anything still waiting)
@@ -240,6 +244,7 @@ class Scheduler:
             s.kv_bytes = self.batch.row_bytes(s) if s.cache is None else cache_nbytes(s.cache)
             s.finish_s = self.now()
             self._release(s)
+            self.backoff = False  # its memory is free: admission resumes
 
     def _finished(self, s: Served) -> bool:
         """As Engine.decode stops: max_new_tokens, an end-of-turn id, a stop string."""
