@@ -26,6 +26,7 @@ LAYERS = [
     ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
     ["kvbench.run"],  # the run's entrance checks and modes, configurations, rows, work, the runner
     ["kvbench.plan", "kvbench.integrations"],  # the planner; lm-eval, the Ray launcher
+    ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction
     ["kvbench.__main__", "kvbench.check"],  # entry points
 ]
 

@@ -4,6 +4,28 @@ Each module registers its functions with `kvbench.report.section.report_section`
 on the page.
 """
 
-from kvbench.report.sections import batched, diagnose, guide, kvpress, leaderboard, models, predicted, prefill, prefix
+from kvbench.report.sections import (
+    batched,
+    diagnose,
+    guide,
+    kvpress,
+    leaderboard,
+    models,
+    predicted,
+    prefill,
+    prefix,
+    serving,
+)
 
-__all__ = ["batched", "diagnose", "guide", "kvpress", "leaderboard", "models", "predicted", "prefill", "prefix"]
+__all__ = [
+    "batched",
+    "diagnose",
+    "guide",
+    "kvpress",
+    "leaderboard",
+    "models",
+    "predicted",
+    "prefill",
+    "prefix",
+    "serving",
+]

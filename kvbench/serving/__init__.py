@@ -1,0 +1,10 @@
+"""Serving a request trace under a fixed KV memory budget with kvbench's own engine (issue 35).
+
+trace.py      the requests: prompts from a task or drawn lengths, output lengths, arrivals (burst or Poisson)
+inputs.py     the `serving:` block checked before the model loads (`check`), and once the trace is built
+batch.py      the running requests' caches as rows of one batch (rows join and leave between steps)
+scheduler.py  continuous batching: admit while the budget holds, compress at admission, decode together, preempt
+metrics.py    per-request and per-run figures (TTFT, TPOT, percentiles, goodput under an SLO)
+predict.py    the capacity planner's concurrency and tokens/s for the same model, budget and method
+run.py        one trace × every configuration × every KV budget → rows; `python -m kvbench.serving`
+"""

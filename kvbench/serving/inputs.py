@@ -1,0 +1,228 @@
+"""The `serving:` block, checked before the model loads (`check`), and the built trace against the loaded model
+(`check_requests`): each bad value is one KvbenchError line naming the fix. Torch-free until a model shape is read.
+
+Checked: unknown keys; requests an integer ≥ 1; arrival burst | poisson; rate a number > 0; prompts task | random;
+prompt_tokens [min, max] integers 1 ≤ min ≤ max; output_tokens null | n | [min, max]; shared_prefix in [0, 1);
+kv_budget_bytes an integer ≥ 1 or a list of them; slo_ttft_s, slo_tpot_s > 0 and in order (a token's time cannot
+be bounded above the first token's, whose prefill includes a forward: slo_tpot_s ≤ slo_ttft_s); the longest
+request (prompt + output) within the model's context; every budget holding the longest request alone for every
+configuration (its prefill's whole prompt, then its compressed cache growing to its last token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvbench import KvbenchError
+
+DEFAULTS = {
+    "requests": 8,
+    "arrival": "burst",
+    "rate": 1.0,
+    "prompts": "task",
+    "prompt_tokens": [256, 512],
+    "output_tokens": None,
+    "shared_prefix": 0.0,
+    "kv_budget_bytes": None,
+    "slo_ttft_s": 10.0,
+    "slo_tpot_s": 1.0,
+    "hardware": "cpu",
+    "out": None,
+}
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    requests: int
+    arrival: str
+    rate: float
+    prompts: str
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int] | None
+    shared_prefix: float
+    kv_budgets: tuple[int, ...]
+    slo_ttft_s: float
+    slo_tpot_s: float
+    hardware: str
+    out: str | None
+
+    def trace_spec(self, seed: int):
+        from kvbench.serving.trace import TraceSpec
+
+        return TraceSpec(
+            self.requests,
+            self.arrival,
+            self.rate,
+            self.prompts,
+            self.prompt_tokens,
+            self.output_tokens,
+            self.shared_prefix,
+            seed,
+        )
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _pair(key: str, value, example: str) -> tuple[int, int]:
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(_is_int(v) for v in value)):
+        raise KvbenchError(f"serving.{key}={value!r} is not [min, max] integers; use serving.{key}={example}")
+    lo, hi = value
+    if not 1 <= lo <= hi:
+        raise KvbenchError(f"serving.{key}={list(value)}: need 1 ≤ min ≤ max; use serving.{key}={example}")
+    return lo, hi
+
+
+def serving_spec(block) -> ServingSpec:
+    """The block's values checked one by one (no model needed)."""
+    from kvbench.config.rules import plain
+
+    given = dict(plain(block) or {})
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise KvbenchError(f"serving.{unknown[0]} is not a serving setting; the settings: {', '.join(DEFAULTS)}")
+    v = {**DEFAULTS, **given}
+    if not _is_int(v["requests"]) or not 1 <= v["requests"] <= 100_000:
+        raise KvbenchError(
+            f"serving.requests={v['requests']!r} must be an integer in [1, 100000]; use serving.requests=8"
+        )
+    if v["arrival"] not in ("burst", "poisson"):
+        raise KvbenchError(f"serving.arrival={v['arrival']!r}: use serving.arrival=burst (all at t=0) or poisson")
+    if not _is_number(v["rate"]) or v["rate"] <= 0:
+        raise KvbenchError(f"serving.rate={v['rate']!r} must be a number > 0 (requests per second); use serving.rate=2")
+    if v["prompts"] not in ("task", "random"):
+        raise KvbenchError(
+            f"serving.prompts={v['prompts']!r}: use serving.prompts=task (the task's examples) or random"
+        )
+    prompt_tokens = _pair("prompt_tokens", v["prompt_tokens"], "[256,512]")
+    out = v["output_tokens"]
+    if out is None:
+        output = None
+    elif _is_int(out):
+        if out < 1:
+            raise KvbenchError(f"serving.output_tokens={out} must be ≥ 1; use serving.output_tokens=16")
+        output = (out, out)
+    else:
+        output = _pair("output_tokens", out, "[8,24]")
+    share = v["shared_prefix"]
+    if not _is_number(share) or not 0 <= share < 1:
+        raise KvbenchError(f"serving.shared_prefix={share!r} must be in [0, 1); use serving.shared_prefix=0.5")
+    budgets = v["kv_budget_bytes"]
+    budgets = budgets if isinstance(budgets, (list, tuple)) else [budgets]
+    if budgets == [None] or not budgets or not all(_is_int(b) and b >= 1 for b in budgets):
+        raise KvbenchError(
+            f"serving.kv_budget_bytes={v['kv_budget_bytes']!r} must be an integer ≥ 1 or a list of them (bytes of "
+            "K/V the running requests may hold); use serving.kv_budget_bytes=[20000000,80000000]"
+        )
+    for key in ("slo_ttft_s", "slo_tpot_s"):
+        if not _is_number(v[key]) or v[key] <= 0:
+            raise KvbenchError(f"serving.{key}={v[key]!r} must be a number of seconds > 0; use serving.{key}=1.0")
+    if v["slo_tpot_s"] > v["slo_ttft_s"]:
+        raise KvbenchError(
+            f"serving.slo_tpot_s={v['slo_tpot_s']} > serving.slo_ttft_s={v['slo_ttft_s']}: the SLOs are in the wrong "
+            "order (the first token includes a prefill, so its bound is the larger); swap them"
+        )
+    return ServingSpec(
+        v["requests"],
+        v["arrival"],
+        float(v["rate"]),
+        v["prompts"],
+        prompt_tokens,
+        output,
+        float(share),
+        tuple(int(b) for b in budgets),
+        float(v["slo_ttft_s"]),
+        float(v["slo_tpot_s"]),
+        str(v["hardware"]),
+        v["out"],
+    )
+
+
+def longest(cfg, spec: ServingSpec) -> tuple[int, int]:
+    """(prompt, output) tokens of the longest request the config asks for, before any prompt is built."""
+    from kvbench.config.rules import plain
+    from kvbench.tasks import TASKS
+
+    if spec.prompts == "random":
+        return spec.prompt_tokens[1], spec.output_tokens[1] if spec.output_tokens else 16
+    want = TASKS.get(cfg.task.name).longest_request(plain(cfg.task))
+    if want is None:
+        raise KvbenchError(
+            f"task={cfg.task.name} declares no prompt length; serve it with serving.prompts=random or a task with "
+            "context_lengths (niah, ruler)"
+        )
+    return want.prompt, spec.output_tokens[1] if spec.output_tokens else want.new
+
+
+def request_need(shape, method, budget, prompt: int, output: int) -> int:
+    """Bytes one request needs alone (`shape`: kvbench.model.kv_bytes.KVShape with its layout): its prompt's whole
+    K/V while prefilling (+ one token), and its compressed cache + every token it generates (the last step's new
+    token included) as the planner's accounting predicts it (kvbench.model.kv_bytes)."""
+    from kvbench.model.kv_bytes import predict_kv_bytes
+
+    layout = shape.layout
+    decoded = predict_kv_bytes(method, budget, shape, prompt, decoded_tokens=output).kv_bytes
+    return max(layout.full_bytes(prompt), decoded) + layout.full_bytes(1)
+
+
+def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int, what: str) -> None:
+    if max_context and prompt + output > max_context:
+        raise KvbenchError(
+            f"{what}: {prompt:,} prompt + {output} output tokens is more than the model's context of {max_context:,}; "
+            "use shorter prompts or outputs"
+        )
+    for c in confs:
+        need = request_need(shape, c.method, c.budget, prompt, output)
+        for b in budgets:
+            if b < need:
+                raise KvbenchError(
+                    f"serving.kv_budget_bytes={b:,} holds not one request: {what} ({prompt:,} prompt + {output} output "
+                    f"tokens) needs {need:,} bytes with {c.method.name}; use serving.kv_budget_bytes ≥ {need:,}"
+                )
+
+
+def check(cfg) -> tuple[ServingSpec, list]:
+    """Everything before the model loads: the run's own keys (kvbench.config.validate, `serving` aside), the
+    `serving:` block, and — where the model's shape is known without loading it — context and budgets. Returns the
+    spec and the run's configurations (the full cache first)."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config.validate import check_config
+    from kvbench.model import layout as layers
+    from kvbench.model.kv_bytes import KVShape
+    from kvbench.model.load import model_config, resolve_device, resolve_dtype
+    from kvbench.run.configuration import configurations
+
+    spec = serving_spec(cfg.get("serving"))
+    rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "serving"])
+    check_config(rest)
+    confs = configurations(cfg)
+    config = model_config(cfg.model, cheap=True)
+    if config is not None:  # the bundled GGUF before its first conversion: checked once loaded (check_requests)
+        dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
+        shape = KVShape(
+            layers.n_layers(config),
+            layers.n_kv_heads(config),
+            layers.head_dim(config),
+            dtype,
+            layers.cache_layout(config, dtype),
+        )
+        prompt, output = longest(cfg, spec)
+        check_fit(shape, config.max_position_embeddings, confs, spec.kv_budgets, prompt, output, "the longest request")
+    return spec, confs
+
+
+def check_requests(requests, lm, confs, budgets) -> None:
+    """The built trace against the loaded model: exact prompt lengths (tokenized) and output lengths."""
+    from kvbench.model.kv_bytes import KVShape
+
+    r = max(requests, key=lambda q: q.prompt_tokens + q.max_new_tokens)
+    check_fit(
+        KVShape.of(lm), lm.max_context, confs, budgets, r.prompt_tokens, r.max_new_tokens, f"request {r.request_id}"
+    )

@@ -1,0 +1,165 @@
+"""One serving run: a trace (kvbench.serving.trace) through the scheduler for every configuration (the full cache
+first, then `method`/`budget` or `grid.method × grid.budget`) at every `serving.kv_budget_bytes`; rows per request
+and per run, with the planner's predictions beside the measured figures.
+
+Writes `serving_requests.parquet` (one row per request × configuration × KV budget: kvbench.serving.metrics'
+REQUEST_COLUMNS + the run's keys) and `serving_runs.parquet` (one row per configuration × KV budget: throughput,
+percentiles, peak KV bytes, concurrency, goodput, predicted concurrency and tokens/s) into the output directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+KEY_COLUMNS = [
+    "run_id",
+    "model",
+    "task",
+    "method",
+    "budget",
+    "kv_budget_bytes",
+    "arrival",
+    "rate",
+    "dtype",
+    "device_name",
+]
+
+
+def build_requests(cfg, spec, lm):
+    """The trace's requests and the task that scores them (None for random prompts)."""
+    from kvbench.serving.trace import random_trace, task_trace
+
+    trace_spec = spec.trace_spec(int(cfg.seed))
+    if spec.prompts == "random":
+        special = set(lm.tokenizer.all_special_ids)
+        vocab = [i for i in range(len(lm.tokenizer)) if i not in special]
+        return random_trace(trace_spec, vocab), None
+    from kvbench.tasks import build_task
+
+    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
+    examples = task.examples()
+    if cfg.get("limit"):
+        examples = examples[: int(cfg.limit)]
+    return task_trace(trace_spec, examples, bool(cfg.query_aware)), task
+
+
+def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Check, load, run every configuration × KV budget; returns (request rows, run rows) and writes them to
+    `out_dir` when given. `hardware`: the planner's Hardware (default: conf/hardware/<serving.hardware>.yaml)."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+    from kvbench.engine.engine import Engine
+    from kvbench.model.load import load_model
+    from kvbench.plan.hardware import build_hardware
+    from kvbench.plan.model import arch_of
+    from kvbench.serving.inputs import check, check_requests
+    from kvbench.serving.metrics import request_row, run_row
+    from kvbench.serving.predict import predicted
+    from kvbench.serving.scheduler import Scheduler
+    from kvbench.store.aggregate import variant_label
+    from kvbench.store.results import device_name
+
+    spec, confs = check(cfg)  # every input, before the model loads
+    if hardware is None:
+        path = Path(conf_dir()) / "hardware" / f"{spec.hardware}.yaml"
+        if not path.is_file():
+            from kvbench import KvbenchError
+
+            raise KvbenchError(
+                f"serving.hardware={spec.hardware}: no conf/hardware/{spec.hardware}.yaml; use cpu or h200"
+            )
+        hardware = build_hardware(OmegaConf.load(path))
+    lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    requests, task = build_requests(cfg, spec, lm)
+    check_requests(requests, lm, confs, spec.kv_budgets)
+    arch = arch_of(cfg.model)
+    engine = Engine(lm)
+    engine.run(confs[0].method, None, requests[0].prompt_ids[:32], max_new_tokens=2)  # first-call costs, untimed
+    run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    context = round(sum(r.prompt_tokens + r.max_new_tokens for r in requests) / len(requests))
+    req_rows, run_rows = [], []
+    for c in confs:
+        for kv_budget in spec.kv_budgets:
+            keys = {
+                "run_id": run_id,
+                "model": lm.name,
+                "task": cfg.task.name if task is not None else "random",
+                "method": variant_label(c.method.name, c.method.params()),
+                "budget": c.budget_value,
+                "kv_budget_bytes": kv_budget,
+                "arrival": spec.arrival,
+                "rate": spec.rate if spec.arrival == "poisson" else float("nan"),
+                "dtype": str(lm.dtype).removeprefix("torch."),
+                "device_name": device_name(lm.device),
+            }
+            result = Scheduler(engine, c.method, c.budget, kv_budget).run(requests)
+            rows = []
+            for s in result.served:
+                stop = s.request.stop
+                text = engine.answer_text(s.emitted, stop)
+                score = task.score(text, s.request.example)["score"] if task is not None else None
+                rows.append(request_row(s, spec.slo_ttft_s, spec.slo_tpot_s, text, score))
+            run = run_row(rows, result, spec.slo_ttft_s, spec.slo_tpot_s)
+            plan = predicted(arch, hardware, c.method, c.budget, lm.dtype, kv_budget, context, len(requests))
+            req_rows += [{**keys, **r} for r in rows]
+            run_rows.append({**keys, **run, **plan, "hardware": hardware.name})
+            if echo:
+                print(
+                    f"[serving] {keys['method']} {c.budget_value:g} at {kv_budget / 1e6:.1f} MB: "
+                    f"{run['throughput_tokens_s']:.1f} tok/s, concurrency {run['max_concurrency']}, "
+                    f"{run['preemptions']} preemptions, wall {result.wall_s:.1f} s",
+                    file=sys.stderr,
+                )
+    requests_frame, runs_frame = pd.DataFrame(req_rows), pd.DataFrame(run_rows)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        requests_frame.to_parquet(out_dir / "serving_requests.parquet", index=False)
+        runs_frame.to_parquet(out_dir / "serving_runs.parquet", index=False)
+    return requests_frame, runs_frame
+
+
+def table(runs: pd.DataFrame) -> str:
+    """The run rows as the printed table."""
+    shown = pd.DataFrame(
+        {
+            "method": runs.method,
+            "budget": runs.budget.map(lambda v: f"{v:.2f}"),
+            "kv_MB": (runs.kv_budget_bytes / 1e6).map(lambda v: f"{v:.1f}"),
+            "conc": runs.max_concurrency,
+            "conc_plan": runs.predicted_max_concurrency,
+            "tok/s": runs.throughput_tokens_s.map(lambda v: f"{v:.1f}"),
+            "tok/s_plan": runs.predicted_tokens_s.map(lambda v: f"{v:,.0f}"),
+            "req/s": runs.throughput_requests_s.map(lambda v: f"{v:.3f}"),
+            "ttft_p50": runs.ttft_p50_s.map(lambda v: f"{v:.2f}"),
+            "ttft_p99": runs.ttft_p99_s.map(lambda v: f"{v:.2f}"),
+            "tpot_p50": runs.tpot_p50_s.map(lambda v: f"{v:.3f}"),
+            "tpot_p99": runs.tpot_p99_s.map(lambda v: f"{v:.3f}"),
+            "preempt": runs.preemptions,
+            "peak_kv_MB": (runs.peak_kv_bytes / 1e6).map(lambda v: f"{v:.1f}"),
+            "goodput": runs.goodput_requests_s.map(lambda v: f"{v:.3f}"),
+            "score": runs.score.map(lambda v: f"{v:.2f}"),
+        }
+    )
+    return shown.to_string(index=False)
+
+
+def main(cfg, out_dir: Path) -> int:
+    started = time.perf_counter()
+    from kvbench.report.sections.serving import render
+
+    _, runs = serve(cfg, out_dir)
+    page = render(runs, Path(out_dir))  # the report's serving section, on its own page
+    (Path(out_dir) / "serving.md").write_text(f"# Serving under a KV memory budget\n\n{page.markdown}\n")
+    print(table(runs))
+    print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s (wall, model load included)")
+    for name in ("serving_requests.parquet", "serving_runs.parquet", "serving.md", "serving.png"):
+        print(f"{name}: {Path(out_dir) / name}")
+    return 0

@@ -1,0 +1,51 @@
+"""`serve` end to end on the tiny model: request rows and run rows, scores, the planner's prediction beside."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pandas as pd
+
+from kvbench.plan.hardware import Hardware
+from kvbench.serving.metrics import REQUEST_COLUMNS, percentile
+from kvbench.serving.run import serve, table
+from kvbench.serving.trace import TraceSpec, arrivals, random_trace, shared_prefix_tokens
+from tests.serving.test_inputs import serving_config
+
+HW = Hardware("test", 10**12, 1e11, 1e12, "test")  # the planner's hardware: no CPU calibration in tests
+
+
+def test_serve_writes_request_and_run_rows(tmp_path):
+    cfg = serving_config("serving.requests=5", "serving.kv_budget_bytes=[700000,4000000]", "serving.rate=50")
+    requests, runs = serve(cfg, tmp_path, hardware=HW, echo=False)
+    assert len(requests) == 5 * 3 * 2 and len(runs) == 3 * 2
+    assert set(REQUEST_COLUMNS) <= set(requests.columns)
+    assert pd.read_parquet(tmp_path / "serving_runs.parquet").shape == runs.shape
+    assert pd.read_parquet(tmp_path / "serving_requests.parquet").shape == requests.shape
+    assert requests["score"].notna().all()  # NIAH prompts: every request scored
+    assert (requests["ttft_s"] >= requests["queue_s"]).all()
+    for _, run in runs.iterrows():
+        assert run.peak_kv_bytes <= run.kv_budget_bytes
+        assert run.predicted_max_concurrency >= 1 and run.predicted_tokens_s > 0
+        own = requests[(requests.method == run.method) & (requests.kv_budget_bytes == run.kv_budget_bytes)]
+        assert run.ttft_p50_s == percentile(own.ttft_s.tolist(), 50)
+        assert math.isclose(run.throughput_tokens_s, own.output_tokens.sum() / run.duration_s)
+    full = runs[runs.method == "full"].set_index("kv_budget_bytes").max_concurrency
+    assert full[700000] < full[4000000]  # the small budget makes the full cache queue
+    assert "conc_plan" in table(runs)
+
+
+def test_random_prompts_share_a_prefix():
+    spec = TraceSpec(requests=4, prompts="random", prompt_tokens=(40, 80), shared_prefix=0.5, output_tokens=(3, 5))
+    reqs = random_trace(spec, list(range(256)))
+    assert shared_prefix_tokens(reqs) >= 20 and all(r.prefix_tokens == 20 for r in reqs)
+    assert all(40 <= len(r.prompt_ids) <= 80 and 3 <= r.max_new_tokens <= 5 for r in reqs)
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    times = arrivals(2000, "poisson", 4.0, seed=1)
+    assert times == arrivals(2000, "poisson", 4.0, seed=1) and times != arrivals(2000, "poisson", 4.0, seed=2)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert abs(sum(gaps) / len(gaps) - 0.25) < 0.02
+    assert arrivals(3, "burst", 4.0, 0) == [0.0, 0.0, 0.0]
