@@ -60,7 +60,7 @@ class OpenvinoBackend(Backend):
         self.worker: Worker | None = None
         self.shape: CacheShape | None = None
         self.precision = "f32"
-        self.version = ""
+        self.info: dict = {}
 
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
@@ -81,7 +81,7 @@ class OpenvinoBackend(Backend):
         reply = self.worker.request(
             "start", model_dir=str(ir), inference_precision=self.precision, kv_blocks=self.kv_blocks, threads=threads
         )
-        self.version = reply["engine_version"]
+        self.info = reply
 
     def converted(self, model_cfg: dict) -> Path:
         """The model as OpenVINO IR, exported once from kvbench's HF folder by optimum-intel (its own venv)."""

@@ -93,6 +93,7 @@ class VllmBackend(Backend):
                 max_model_len=self.max_model_len,
             )
             self.workers[key] = (worker, info)
+            self.info = info
         return self.workers[key]
 
     def run(self, request: EngineRequest, kv_cache_dtype: str, prefix_caching: bool) -> tuple[dict, dict]:
