@@ -259,7 +259,7 @@ class TurboQuantLayer(DynamicLayer):
 class TurboQuant(Method):
     """TurboQuant-quantized cache: rotated Lloyd-Max keys, uniform (or rotated) values, codes packed."""
 
-    preset: str = knob("", choices=("",) + tuple(PRESETS))  # a vLLM kv-cache dtype; "": the bit widths below
+    preset: str = knob("none", choices=("none",) + tuple(PRESETS))  # a vLLM kv-cache dtype; none: the bit widths below
     key_bits: int | None = None  # keys' bits without a preset (default 4): 1–8; 16 = full precision
     value_bits: int | None = None  # values' bits without a preset (default 4): 1–8; 16 = full precision
     norm_correction: bool | None = None  # rescale reconstructed key directions to unit length (default True)
@@ -271,15 +271,15 @@ class TurboQuant(Method):
     caps = Capabilities(family="precision", has_budget=False)  # keeps every token
 
     def __post_init__(self):
-        check_choice("preset", self.preset, ("",) + tuple(PRESETS))
+        check_choice("preset", self.preset, ("none",) + tuple(PRESETS))
         check_choice("rotation", self.rotation, ("hadamard", "random"))
         check_choice("value_quantizer", self.value_quantizer, ("uniform", "turboquant"))
-        if self.preset:
+        if self.preset != "none":
             fixed = [k for k in ("key_bits", "value_bits", "norm_correction") if getattr(self, k) is not None]
             if fixed:
                 raise KvbenchError(
                     f"turboquant preset={self.preset} fixes {', '.join(fixed)}; drop method.{fixed[0]} or the preset "
-                    f"(preset='' takes free bit widths)"
+                    f"(preset=none takes free bit widths)"
                 )
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
@@ -291,7 +291,7 @@ class TurboQuant(Method):
     # ---- what the knobs resolve to ------------------------------------------------------------------------------
     def resolved(self) -> dict:
         """key_bits, value_bits, norm_correction, fp8_keys and boundary_layers after the preset."""
-        if self.preset:
+        if self.preset != "none":
             out = dict(PRESETS[self.preset])
             boundary = VLLM_BOUNDARY_LAYERS if self.boundary_layers is None else self.boundary_layers
         else:

@@ -54,6 +54,11 @@ class OpenvinoBackend(Backend):
     }
     options["kvcrush"]["cache_eviction"]["kvcrush_budget"] = 2  # blocks KVCrush picks out of the evictable area
 
+    @classmethod
+    def evicts(cls, option: str) -> bool:
+        """Its own eviction options (SUM, NORM_SUM, KVCrush, ADAPTIVE_RKV) take kvbench's budget."""
+        return "cache_eviction" in cls.options.get(option, {})
+
     def __init__(self, kv_blocks: int = 512, start_size: int = BLOCK, recent_size: int = 2 * BLOCK):
         self.kv_blocks = kv_blocks  # the fixed KV space: 512 blocks = 16,384 tokens
         self.start_size, self.recent_size = start_size, recent_size

@@ -35,13 +35,29 @@ from kvbench.tasks.facts import task_facts
 # configuration have different config hashes) and the code that computed them (`code_fingerprint`): those are group
 # keys everywhere, so two n=3 runs never pool to n=6. The machine (`device_name`) changes timings, not scores: a
 # group computed on several machines reports no pooled latency (`machines` > 1).
-EXPERIMENT_KEYS = ["dtype", "code_fingerprint"]
-GROUP_KEYS = ["model", "dtype", "task", "subset", "method", "budget", "query_aware", "code_fingerprint"]
+EXPERIMENT_KEYS = ["engine", "dtype", "code_fingerprint"]  # engine: kvbench or a serving engine (its own baseline)
+GROUP_KEYS = ["model", "engine", "dtype", "task", "subset", "method", "budget", "query_aware", "code_fingerprint"]
 # an example of a method is compared with the full cache's result on the same example in the same setting
-MATCH_KEYS = ["model", "dtype", "task", "subset", "query_aware", "example_id"]
-CONFIG_KEYS = ["model", "dtype", "method", "budget", "query_aware", "code_fingerprint"]  # one configuration's rows
+MATCH_KEYS = ["model", "engine", "dtype", "task", "subset", "query_aware", "example_id"]
+CONFIG_KEYS = [
+    "model",
+    "engine",
+    "dtype",
+    "method",
+    "budget",
+    "query_aware",
+    "code_fingerprint",
+]  # one configuration's rows
 EXAMPLE_KEYS = ["task", "subset", "example_id"]  # one example
-SCOPE_KEYS = ["level", "model", "dtype", "task", "subset", "query_aware"]  # one curve per method inside a scope
+SCOPE_KEYS = [
+    "level",
+    "model",
+    "engine",
+    "dtype",
+    "task",
+    "subset",
+    "query_aware",
+]  # one curve per method inside a scope
 TIMING = ["prefill_s", "decode_ms_per_token"]
 ALL = "(all)"
 FULL = "full"
@@ -89,8 +105,9 @@ def with_experiment_keys(rows: pd.DataFrame) -> pd.DataFrame:
     they group and match (rows written before a column existed form their own group)."""
     out = {}
     for column in EXPERIMENT_KEYS + ["device_name"]:
-        values = rows[column] if column in rows else pd.Series("", index=rows.index)
-        out[column] = values.astype(object).where(values.notna(), "").astype(str)
+        missing = "kvbench" if column == "engine" else ""  # rows written before engines were kvbench's own
+        values = rows[column] if column in rows else pd.Series(missing, index=rows.index)
+        out[column] = values.astype(object).where(values.notna(), missing).astype(str)
     return rows.assign(**out)
 
 
@@ -229,7 +246,9 @@ def _comparison(scope: pd.DataFrame) -> pd.Series:
 
 def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
     rows = rows.assign(compared=None)
-    for _, scope in rows.groupby(["model", "dtype", "task", "subset", "query_aware"], dropna=False, sort=False):
+    for _, scope in rows.groupby(
+        ["model", "engine", "dtype", "task", "subset", "query_aware"], dropna=False, sort=False
+    ):
         rows.loc[scope.index, "compared"] = _comparison(scope)
     rows = rows[rows["compared"].notna()]
     out = []
