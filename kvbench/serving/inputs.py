@@ -188,21 +188,22 @@ def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int,
 
 
 def check(cfg) -> tuple[ServingSpec, list]:
-    """Everything before the model loads: the run's own keys (kvbench.config.validate, `serving` aside), the
+    """Everything before the model loads: the run's own keys (kvbench.run.check), the
     `serving:` block, and — where the model's shape is known without loading it — context and budgets. Returns the
     spec and the run's configurations (the full cache first)."""
     from omegaconf import OmegaConf
 
-    from kvbench.config.validate import check_config
+    from kvbench.config.spec import RunSpec
     from kvbench.model import layout as layers
     from kvbench.model.kv_bytes import KVShape
     from kvbench.model.load import model_config, resolve_device, resolve_dtype
+    from kvbench.run.check import check_config
     from kvbench.run.configuration import configurations
 
     spec = serving_spec(cfg.get("serving"))
     rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "serving"])
     check_config(rest)
-    confs = configurations(cfg)
+    confs = configurations(RunSpec.of(rest))
     config = model_config(cfg.model, cheap=True)
     if config is not None:  # the bundled GGUF before its first conversion: checked once loaded (check_requests)
         dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))

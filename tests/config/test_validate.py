@@ -358,4 +358,8 @@ def test_every_shipped_config_passes_validation(override):
 
     if "kvpress" in override and "kvpress" not in METHODS.names():  # its extra pins transformers < 5.3
         pytest.skip("kvpress is not installed in this venv: `make test-kvpress` builds and tests it")
+    if override == "+experiment=serving":  # python -m kvbench.serving's preset: tests/serving/test_inputs.py
+        from kvbench.serving.inputs import check
+
+        return check(compose_config(override))
     check_config(compose_config(override))
