@@ -193,7 +193,7 @@ SAVED: dict[str, int] = {}
 def write_atomic(path: Path, write) -> None:
     """Write via a temporary file in the same directory, then rename: readers never see half a file (a failed
     write — disk full, a signal — leaves the previous version and no temporary file). The temporary file is named
-    after this process (`.NAME.<pid>@<host>.XXXX.tmp`), so what a SIGKILL leaves is swept by the next process
+    after this process (`.NAME.<pid>@<host>.<random>.tmp`), so what a SIGKILL leaves is swept by the next process
     (`sweep_temporaries`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = ""
