@@ -89,6 +89,10 @@ def test_full_bytes_equal_transformers_own_cache(name):
     except (TypeError, ValueError, KeyError) as error:  # this transformers has no such class or knob
         pytest.skip(f"{name} not buildable on transformers {tf.__version__}: {error}")
     layout = cache_layout(model.config, torch.float32)
+    if name == "gemma3n" and tuple(int(p) for p in tf.__version__.split(".")[:2]) < (5, 24):
+        # transformers 5.2 (kvpress's venv) lays Gemma 3n's cache out otherwise (69,632 bytes here vs 107,008):
+        # the layout follows 5.24's; the planner's Gemma 3n figures hold for transformers >= 5.24 only
+        pytest.xfail(f"Gemma 3n's cache on transformers {tf.__version__} differs from the layout's (5.24's)")
     assert layout.full_bytes(PROMPT + DECODE) == own_cache_bytes(model, PROMPT, DECODE)
     if name in ("gemma3n", "gemma4"):
         assert layout.kinds[-2:] == ("shared", "shared")  # before: counted as caching layers
