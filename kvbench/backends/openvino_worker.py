@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 import openvino_genai as genai
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker
 
 MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
 
@@ -29,6 +29,10 @@ class OpenvinoWorker:
         self.threads = 1
         self.pipelines: dict[str, genai.ContinuousBatchingPipeline] = {}
         self.next_id = 0
+
+    def close(self) -> dict:
+        self.pipelines.clear()
+        return {}
 
     def start(self, model_dir: str, inference_precision: str, kv_blocks: int, threads: int) -> dict:
         self.model_dir, self.inference_precision, self.kv_blocks = model_dir, inference_precision, kv_blocks
@@ -118,20 +122,7 @@ class OpenvinoWorker:
 
 
 def main() -> None:
-    worker = OpenvinoWorker()
-
-    def handle(request: dict) -> dict:
-        op = request.pop("op")
-        if op == "start":
-            return worker.start(**request)
-        if op == "generate":
-            return worker.generate(**request)
-        if op == "close":
-            worker.pipelines.clear()
-            return {}
-        raise ValueError(f"unknown op {op!r}")
-
-    serve(handle)
+    serve_worker(OpenvinoWorker())
 
 
 if __name__ == "__main__":

@@ -137,6 +137,20 @@ def serve(handle: Callable[[dict], dict]) -> None:
         replies.write(json.dumps(reply) + "\n")
 
 
+def serve_worker(worker) -> None:
+    """`serve` a worker object whose methods are the ops: start(**fields), generate(**fields), close() (optional)."""
+
+    def handle(request: dict) -> dict:
+        op = request.pop("op")
+        if op in ("start", "generate"):
+            return getattr(worker, op)(**request)
+        if op == "close":
+            return getattr(worker, "close", dict)() or {}
+        raise ValueError(f"unknown op {op!r}")
+
+    serve(handle)
+
+
 def reset_peak_rss() -> None:
     """Reset the process's peak RSS (VmHWM) so the next `peak_rss_bytes` covers one request (Linux)."""
     try:

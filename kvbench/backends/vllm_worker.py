@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP
 
 import time
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker
 
 
 def held_blocks(manager, request_id: str) -> int:
@@ -100,19 +100,7 @@ class VllmWorker:
 
 
 def main() -> None:
-    worker = VllmWorker()
-
-    def handle(request: dict) -> dict:
-        op = request.pop("op")
-        if op == "start":
-            return worker.start(**request)
-        if op == "generate":
-            return worker.generate(**request)
-        if op == "close":
-            return {}
-        raise ValueError(f"unknown op {op!r}")
-
-    serve(handle)
+    serve_worker(VllmWorker())
 
 
 if __name__ == "__main__":
