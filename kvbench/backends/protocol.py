@@ -25,6 +25,7 @@ from pathlib import Path
 from kvbench import KvbenchError
 
 STDERR_LINES = 20  # kept from a worker's stderr: what a death message quotes (its last 3)
+CHECKOUT = Path(__file__).resolve().parents[2]  # the kvbench tree the worker imports, whatever its venv installed
 
 
 class Worker:
@@ -43,7 +44,11 @@ class Worker:
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
-            env={**os.environ, **(env or {})},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")])),
+                **(env or {}),
+            },
         )
         self._drain = threading.Thread(target=self._read_stderr, daemon=True)
         self._drain.start()
