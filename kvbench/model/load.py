@@ -711,7 +711,7 @@ def model_config(cfg, cheap: bool = False):
     if cfg.loader == "random_init":
         arch = _plain(cfg.architecture)
         return AutoConfig.for_model(arch.pop("model_type"), **arch)
-    if cfg.loader in ("bundled_gguf", "assembled_gguf"):
+    if cfg.loader in ("bundled_gguf", "assembled_gguf", "wheel_parts_gguf"):
         converted = converted_dir(cfg.name)
         if (converted / "config.json").exists():
             return AutoConfig.from_pretrained(converted)
@@ -730,3 +730,6 @@ def model_config(cfg, cheap: bool = False):
                 "network access: give a local directory or config.json instead"
             ) from None
     raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")
+
+
+from kvbench.model import wheel_gguf  # noqa: E402, F401  # registers the loader of GGUFs carried in wheel parts

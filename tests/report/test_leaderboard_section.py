@@ -13,11 +13,11 @@ from tests.report.test_report import row, store
 N = 6  # examples per configuration: 3 tasks × 2 samples
 
 
-def ruler_rows(method: str, budget: float, hits: int, kv_ratio: float, query_aware: bool = False) -> list[dict]:
+def ruler_rows(method: str, budget: float, hits: int, kv_ratio: float, query_aware: bool = False, **more) -> list:
     """N examples over 3 RULER tasks, the first `hits` answered."""
     return [
         row(method, budget, f"ruler-t{i % 3}-i{i}", float(i < hits), task="ruler", subset=f"t{i % 3}",
-            kv_ratio=kv_ratio, query_aware=query_aware, prefill_s=0.25 + budget, decode_ms_per_token=7.0)
+            kv_ratio=kv_ratio, query_aware=query_aware, prefill_s=0.25 + budget, decode_ms_per_token=7.0, **more)
         for i in range(N)
     ]  # fmt: skip
 
@@ -59,6 +59,29 @@ def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
     page = (tmp_path / "leaderboard.html").read_text()  # the page alone: table, sorting script, plot inline
     assert '<table class="sortable' in page and "addEventListener('click'" in page and "data:image/png" in page
     assert "| 83.3 |" in (tmp_path / "leaderboard.md").read_text()
+    csv = pd.read_csv(tmp_path / "leaderboard.csv")
+    assert len(csv) == 5 and set(csv["method"]) == {"full", "snapkv", "streamingllm"}
+
+
+def test_presses_knobs_engines_and_quantized_caches_are_told_apart(frame):
+    """kvpress's presses by class (not all "kvpress"), kivi's bits, llama.cpp's snapkv apart from kvbench's, and a
+    cache without a budget at 1 − its measured kv_ratio."""
+    press = '{"press": {"name": "AdaKVPress", "press": "CompactorPress"}, "press_kwargs": {}}'
+    more = ruler_rows("kvpress", 0.5, 2, 0.5, method_params=press) + ruler_rows(
+        "kvpress", 0.5, 1, 0.5, method_params='{"press": "LagKVPress", "press_kwargs": {}}'
+    )
+    more += ruler_rows("kivi", 1.0, 6, 0.27, method_params='{"bits": 4, "group_size": 32}')
+    more += ruler_rows("kivi", 1.0, 0, 0.14, method_params='{"bits": 2, "group_size": 32}')
+    more += ruler_rows("snapkv", 0.5, 0, 0.5, engine="llamacpp") + ruler_rows("full", 1.0, 6, 1.0, engine="llamacpp")
+    table = leaderboard(pd.concat([frame, pd.DataFrame(more)], ignore_index=True))
+    table = table.set_index(["engine", "method", "ratio"])
+    assert table.loc[("kvbench", "AdaKVPress(CompactorPress)", 0.5), "score"] == pytest.approx(100 * 2 / 6)
+    assert table.loc[("kvbench", "LagKVPress", 0.5), "score"] == pytest.approx(100 / 6)
+    bits4 = table.loc[("kvbench", "kivi(bits=4)", 0.73)]  # no budget: 1 − 0.27 measured, said so
+    assert bits4["score"] == 100 and not bits4["nominal"] and table.loc[("kvbench", "kivi(bits=2)", 0.86), "n"] == N
+    assert table.loc[("llamacpp", "snapkv", 0.5), "score"] == 0  # not merged with kvbench's snapkv
+    assert table.loc[("kvbench", "snapkv", 0.5), "score"] == pytest.approx(100 * 5 / 6)
+    assert table.loc[("kvbench", "full", 0.0), "nominal"] and table.loc[("llamacpp", "full", 0.0), "score"] == 100
 
 
 def test_no_ruler_rows_no_section(tmp_path):

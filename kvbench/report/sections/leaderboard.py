@@ -7,6 +7,7 @@ Rows of task=ruler only (the official RULER; task=ruler_synthetic's scores do no
 from __future__ import annotations
 
 import html
+import json
 import math
 
 import pandas as pd
@@ -18,21 +19,53 @@ from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
 FULL = "full"
-KEYS = ["model", "query_aware", "method", "budget"]
+KEYS = ["model", "engine", "query_aware", "method", "budget"]
+
+
+def press_name(press) -> str:
+    """kvpress's press as its class name, a wrapper with what it wraps: AdaKVPress(CompactorPress)."""
+    if isinstance(press, dict):
+        inner = press.get("press")
+        return f"{press.get('name')}({press_name(inner)})" if inner else str(press.get("name"))
+    return str(press)
+
+
+def labels(rows: pd.DataFrame) -> pd.Series:
+    """Each row's method as the leaderboard names it: a kvpress press by its class; a method that ran with several
+    sets of knobs (kivi's bits) by the knobs that differ between them; engine options as the engine names them."""
+    params = rows.get("method_params", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
+    out = rows["method"].astype(str).copy()
+    press = rows["method"] == "kvpress"
+    out[press] = params[press].map(lambda p: press_name(p.get("press")))
+    for method in set(rows.loc[~press, "method"]):
+        mine = params[(rows["method"] == method) & ~press]
+        shown = [json.dumps(p, sort_keys=True) for p in mine]
+        if len(set(shown)) < 2:
+            continue
+        differ = sorted(k for k in set().union(*mine) if len({json.dumps(p.get(k)) for p in mine}) > 1)
+        out[mine.index] = [f"{method}({','.join(f'{k}={p.get(k)}' for k in differ)})" for p in mine]
+    return out
 
 
 def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per model × setting × method × budget (fractions only): RULER's score (100 × the mean over every
-    example of every task, as kvpress averages equal-sized tasks) with its 95 % interval, and the measurements."""
+    """One line per model × engine × setting × method × budget (fractions only): RULER's score (100 × the mean over
+    every example of every task, as kvpress averages equal-sized tasks) with its 95 % interval, and the
+    measurements. A method without a budget (a quantized cache) stands at the ratio it measured, 1 − kv_ratio."""
     rows = rows[(rows["task"] == TASK) & (rows["budget"] <= 1)]
+    if rows.empty:
+        return pd.DataFrame()
+    engine = rows["engine"] if "engine" in rows else pd.Series("kvbench", index=rows.index)
+    rows = rows.assign(engine=engine.fillna("kvbench"), method=labels(rows))
     out = []
     for key, group in rows.groupby(KEYS, dropna=False, sort=True):
         mean, low, high, _ = mean_interval(group["score"], (0.0, 1.0))
         peak = group["peak_mem_bytes"] if "peak_mem_bytes" in group else pd.Series(dtype=float)
+        nominal = key[3] == FULL or float(key[4]) < 1
         out.append(
             dict(
                 zip(KEYS, key),
-                ratio=round(1.0 - float(key[3]), 6),
+                ratio=round(1.0 - float(key[4]), 6) if nominal else round(1.0 - group["kv_ratio"].mean(), 3),
+                nominal=nominal,
                 n=int(group["score"].notna().sum()),
                 tasks=group["subset"].nunique(),
                 score=100 * mean,
@@ -52,9 +85,16 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
 
 COLUMNS = [
     Column("model", lambda r: r["model"], left=True),
+    Column("engine", lambda r: r["engine"], left=True),
     Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
     Column("method", lambda r: r["method"], left=True),
-    Column("compression ratio", lambda r: r["ratio"], lambda v: f"{v:g}", title="kvpress's ratio: 1 − budget"),
+    Column(
+        "compression ratio",
+        lambda r: r["ratio"],
+        lambda v: f"{v:g}",
+        title="kvpress's ratio: 1 − budget; a quantized cache (no budget): 1 − its measured kv_ratio",
+    ),
+    Column("ratio from", lambda r: "budget" if r["nominal"] else "measured", left=True),
     Column("n", lambda r: r["n"], title="examples (every task's samples)"),
     Column("score", lambda r: r["score"], fixed(1), title="RULER's score: 100 × the mean over the n examples"),
     Column(  # its text is tables.interval's (cells() fills this heading from ci_low, ci_high and n)
@@ -80,10 +120,13 @@ def plot(table: pd.DataFrame, out_dir) -> list:
     panels = list(table.groupby(["model", "query_aware"], sort=True))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
     for ax, ((model, aware), part) in zip(axes[0], panels):
-        full = part[part["method"] == FULL]
-        for method, line in part[part["method"] != FULL].groupby("method", sort=True):
-            line = pd.concat([full, line]).sort_values("ratio")  # every line starts at the full cache
-            (drawn,) = ax.plot(line["ratio"], line["score"], marker="o", ms=3, label=str(method))
+        fulls = {engine: rows for engine, rows in part[part["method"] == FULL].groupby("engine")}
+        full = fulls.get("kvbench", next(iter(fulls.values()), part.iloc[:0]))
+        for (engine, method), line in part[part["method"] != FULL].groupby(["engine", "method"], sort=True):
+            start = fulls.get(engine, full)
+            line = pd.concat([start, line]).sort_values("ratio")  # every line starts at its engine's full cache
+            label = str(method) if engine == "kvbench" else f"{method} ({engine})"
+            (drawn,) = ax.plot(line["ratio"], line["score"], marker="o", ms=3, label=label)
             band = line.dropna(subset=["ci_low"])
             ax.fill_between(band["ratio"], band["ci_low"], band["ci_high"], color=drawn.get_color(), alpha=0.12)
         if not full.empty:
@@ -108,9 +151,11 @@ def ruler_leaderboard(rows: pd.DataFrame, summary: pd.DataFrame, context: Contex
     note = (
         "RULER (task=ruler) as kvpress's leaderboard ranks methods: score = 100 × the mean over every example of "
         "every task (equal samples per task), at compression ratio = 1 − budget. kv_ratio is the cache the method "
-        "really held (kvpress reports the ratio it asked for). Click a header to sort."
+        "really held (kvpress reports the ratio it asked for); a quantized cache, which has no budget, stands at "
+        "1 − its measured kv_ratio. Click a header to sort."
     )
-    ratios = ", ".join(f"{r:g}" for r in sorted(table["ratio"].unique()) if not math.isclose(r, 0.0))
+    nominal = table.loc[table["nominal"], "ratio"]
+    ratios = ", ".join(f"{r:g}" for r in sorted(nominal.unique()) if not math.isclose(r, 0.0))
     files = plot(table, context.out_dir)
     standalone(table, few, note, files, context.out_dir)
     return Section(
@@ -129,3 +174,4 @@ def standalone(table: pd.DataFrame, few: pd.Series, note: str, plots: list, out_
     page.table(table, COLUMNS, few)
     (out_dir / "leaderboard.html").write_text(page.html([]))
     (out_dir / "leaderboard.md").write_text(page.markdown())
+    table.to_csv(out_dir / "leaderboard.csv", index=False, float_format="%.4g")  # the numbers, to compare or plot

@@ -1,0 +1,90 @@
+"""+experiment=leaderboard is kvpress's leaderboard protocol (issue: RULER 4K, the same samples per task, ratios
+0.25–0.875 plus 16:1 and 32:1, query-agnostic and query-aware where kvpress runs both, every native method, kvpress's
+presses without a native counterpart, llama.cpp's options): each conf/leaderboard job composes with it and builds."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.config.spec import RunSpec
+from kvbench.methods import METHODS, build_method, method_defaults
+from kvbench.run.check import check_config
+from kvbench.run.configuration import configurations
+from tests.conftest import CONF_DIR, compose_config
+
+EXPERIMENT = OmegaConf.load(CONF_DIR / "experiment" / "leaderboard.yaml")
+NOT_ON_THE_LEADERBOARD = {
+    "full",
+    "compose",
+    "headmerge",
+    "hf-quant",
+}  # the baseline; a stack; a model rewrite; a reference
+
+
+def job(name: str, *more: str):
+    return compose_config("+experiment=leaderboard", f"+leaderboard={name}", *more)
+
+
+def test_protocol():
+    cfg = job("native_agnostic")
+    assert cfg.task.name == "ruler" and list(cfg.task.context_lengths) == [4096] and cfg.task.tasks is not None
+    assert len(cfg.task.tasks) == 13 and cfg.task.num_samples >= 1  # one count for every task
+    ratios = sorted(round(1 - b, 6) for b in cfg.grid.budget)
+    assert ratios == [0.25, 0.5, 0.75, 0.875, 0.9375, 0.96875]  # kvpress's four, then 16:1 and 32:1
+    assert str(EXPERIMENT.hydra.sweeper.params["+leaderboard"]) == "native_agnostic,native_aware"
+    assert EXPERIMENT.hydra.mode == "MULTIRUN"
+
+
+def names(cfg) -> list[str]:
+    return [e if isinstance(e, str) else e["name"] for e in cfg.grid.method]
+
+
+def test_every_native_method_runs_query_agnostic_and_builds():
+    cfg = job("native_agnostic")
+    assert cfg.query_aware is False
+    assert set(METHODS.names()) - {"kvpress"} - NOT_ON_THE_LEADERBOARD == set(names(cfg))
+    check_config(cfg)  # every grid entry's knobs, before any model loads
+    confs = configurations(RunSpec.of(cfg))
+    assert confs[0].method.name == "full" and {c.query_aware for c in confs} == {False}
+    evicting = [c for c in confs if c.budget is not None]
+    assert len(evicting) == 16 * 6 and len(confs) == 1 + 16 * 6 + 3  # + kivi 4/2 bits, turboquant: no budget
+
+
+def test_query_aware_where_kvpress_runs_both():
+    cfg = job("native_aware")
+    assert cfg.query_aware is True and names(cfg) == ["snapkv", "adakv", "chunkkv"]
+    assert cfg.grid.method[1]["scorer"] == "snapkv"  # kvpress's adakv_snapkv
+    check_config(cfg)
+    assert {c.query_aware for c in configurations(RunSpec.of(cfg))} == {True}
+
+
+@pytest.mark.parametrize("name", ["kvpress_agnostic", "kvpress_aware"])
+def test_kvpress_presses_have_no_native_counterpart(name):
+    cfg = job(name)
+    assert set(names(cfg)) == {"kvpress"} and cfg.query_aware is (name == "kvpress_aware")
+    presses = [e["press"] if isinstance(e["press"], str) else e["press"]["name"] for e in cfg.grid.method]
+    natives = {"SnapKVPress", "KnormPress", "TOVAPress", "StreamingLLMPress", "KVzipPress", "RandomPress"}
+    assert not natives & set(presses)
+    if "kvpress" not in METHODS.names():
+        pytest.skip("kvpress runs in .venv-kvpress (transformers < 5.3): make test-kvpress")
+    check_config(cfg)  # kvpress's own field checks
+
+
+def test_llamacpp_options():
+    cfg = job("llamacpp")
+    assert cfg.engine.name == "llamacpp" and set(names(cfg)) == {"q8_0", "q4_0", "streamingllm", "snapkv"}
+    from kvbench.backends import BACKENDS
+
+    backend = BACKENDS.get("llamacpp")
+    assert set(names(cfg)) <= {*backend.options, *backend.applies}
+
+
+def test_a_method_defaults_do_not_drift():
+    """kivi's bits are the only knob the leaderboard sets on a native method: its label (kivi(bits=4)) says it."""
+    cfg = job("native_agnostic")
+    for entry in cfg.grid.method:
+        if not isinstance(entry, str):
+            knobs = {k: v for k, v in entry.items() if k != "name"}
+            assert entry["name"] == "kivi" and set(knobs) == {"bits"}
+            build_method("kivi", {**method_defaults("kivi"), **knobs})
