@@ -88,3 +88,25 @@ def test_a_method_defaults_do_not_drift():
             knobs = {k: v for k, v in entry.items() if k != "name"}
             assert entry["name"] == "kivi" and set(knobs) == {"bits"}
             build_method("kivi", {**method_defaults("kivi"), **knobs})
+
+
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        (None, "is missing: copy the model's folder"),
+        (["config.json"], "lacks *.safetensors, tokenizer.json (or tokenizer.model)"),
+        (["config.json", "tokenizer.json"], "lacks *.safetensors: copy the whole model folder"),
+    ],
+)
+def test_gpu_script_names_what_is_missing_in_one_line(tmp_path, files, says):
+    """scripts/gpu/leaderboard.sh on a machine without hub access: a local model folder, or one line and exit 2."""
+    import subprocess
+
+    folder = tmp_path / "Llama-3.1-8B-Instruct"
+    if files is not None:
+        folder.mkdir()
+        for name in files:
+            (folder / name).write_text("{}")
+    script = CONF_DIR.parent / "scripts" / "gpu" / "leaderboard.sh"
+    done = subprocess.run(["bash", str(script), str(folder)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout
