@@ -96,3 +96,19 @@ def test_in_the_report(frame, tmp_path):
     assert (tmp_path / "report" / "leaderboard_ruler.png") in written or (
         tmp_path / "report" / "leaderboard_ruler.png"
     ).exists()
+
+
+def test_pair_agreement_with_kvpress_board(frame):
+    """Method pairs ordered alike, opposite or tied between our table and kvpress's published scores."""
+    from kvbench.report.sections.leaderboard import pair_agreement
+
+    ours = leaderboard(frame)  # snapkv 83.3 / 50.0, streamingllm 66.7 / 16.7 at ratios 0.5 / 0.75
+    theirs = pd.DataFrame(
+        dict(press_name=["snapkv", "streaming_llm", "snapkv", "streaming_llm", "snapkv"],
+             query_aware=[False, False, False, False, True], compression_ratio=[0.5, 0.5, 0.75, 0.75, 0.5],
+             score=[69.7, 59.2, 30.0, 37.7, 88.9])
+    )  # fmt: skip
+    pairs = pair_agreement(ours, theirs).set_index("ratio")
+    assert list(pairs.index) == [0.5, 0.75]  # the query-aware snapkv has no query-aware row of ours: no pair
+    assert pairs.loc[0.5, "verdict"] == "same" and pairs.loc[0.75, "verdict"] == "opposite"
+    assert (pairs.loc[0.5, "a"], pairs.loc[0.5, "b"]) == ("snapkv", "streaming_llm")

@@ -175,3 +175,53 @@ def standalone(table: pd.DataFrame, few: pd.Series, note: str, plots: list, out_
     (out_dir / "leaderboard.html").write_text(page.html([]))
     (out_dir / "leaderboard.md").write_text(page.markdown())
     table.to_csv(out_dir / "leaderboard.csv", index=False, float_format="%.4g")  # the numbers, to compare or plot
+
+
+# kvbench's leaderboard names → kvpress's press_name (its evaluation/evaluate_registry.py), per setting
+KVPRESS_NAMES = {
+    (False, "random"): "random",
+    (False, "knorm"): "knorm",
+    (False, "snapkv"): "snapkv",
+    (True, "snapkv"): "snapkv",
+    (False, "expected_attention"): "expected_attention",
+    (False, "streamingllm"): "streaming_llm",
+    (False, "tova"): "tova",
+    (False, "h2o"): "observed_attention",
+    (False, "pyramidkv"): "pyramidkv",
+    (False, "keydiff"): "keydiff",
+    (False, "kvzip"): "kvzip",
+    (True, "adakv"): "adakv_snapkv",
+    (True, "chunkkv"): "chunkkv",
+    (False, "LagKVPress"): "lagkv",
+    (False, "CURPress"): "cur",
+    (False, "AdaKVPress(CompactorPress)"): "adakv_compactor",
+    (True, "FinchPress"): "finch",
+}
+
+
+def pair_agreement(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
+    """Per compression ratio, every pair of methods both leaderboards scored: does the order agree? `ours` is
+    leaderboard()'s table (one model, kvbench's engine), `theirs` kvpress's (press_name, query_aware,
+    compression_ratio, score). A pair is "same" when both order it alike, "opposite" when not, "tie" when either
+    scores the two equal. Rows: ratio, a, b, ours_a, ours_b, theirs_a, theirs_b, verdict."""
+    ours = ours[ours["nominal"] & (ours["method"] != FULL)].copy()
+    ours["press_name"] = [KVPRESS_NAMES.get((bool(q), m)) for q, m in zip(ours["query_aware"], ours["method"])]
+    ours = ours.dropna(subset=["press_name"])
+    ours["key"] = ours["press_name"] + ours["query_aware"].map(lambda q: " (query-aware)" if q else "")
+    theirs = theirs.assign(
+        key=theirs["press_name"] + theirs["query_aware"].map(lambda q: " (query-aware)" if q else "")
+    )
+    out = []
+    for ratio, mine in ours.groupby("ratio"):
+        board = theirs[(theirs["compression_ratio"] - ratio).abs() < 1e-6].set_index("key")["score"]
+        mine = mine.set_index("key")["score"]
+        keys = sorted(set(mine.index) & set(board.index))
+        for i, a in enumerate(keys):
+            for b in keys[i + 1 :]:
+                d_ours, d_theirs = mine[a] - mine[b], board[a] - board[b]
+                verdict = (
+                    "tie" if d_ours == 0 or d_theirs == 0 else "same" if (d_ours > 0) == (d_theirs > 0) else "opposite"
+                )
+                out.append(dict(ratio=ratio, a=a, b=b, ours_a=mine[a], ours_b=mine[b], theirs_a=board[a],
+                                theirs_b=board[b], verdict=verdict))  # fmt: skip
+    return pd.DataFrame(out)

@@ -1,0 +1,51 @@
+"""kvbench's measured RULER leaderboard against kvpress's published one, per method pair: the same order or not.
+
+    python scripts/leaderboard_vs_kvpress.py [results/leaderboard/report/leaderboard.csv] [--pairs]
+
+kvpress's numbers: results/leaderboard/kvpress_published.csv (RULER 4K, Llama-3.1-8B-Instruct and Qwen3-8B, the
+scores of its leaderboard; docs/leaderboard.md names the source). Prints, per our model × their model × compression
+ratio, how many pairs agree, disagree or tie (and with --pairs every pair), as Markdown.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.report.sections.leaderboard import pair_agreement
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str]) -> None:
+    args = [a for a in argv if not a.startswith("--")]
+    ours = pd.read_csv(args[0] if args else ROOT / "results/leaderboard/report/leaderboard.csv")
+    theirs = pd.read_csv(ROOT / "results/leaderboard/kvpress_published.csv")
+    ours = ours[ours["engine"] == "kvbench"]
+    print("| our model | kvpress's model | ratio | pairs | same order | opposite | tie |")
+    print("|---|---|---|---|---|---|---|")
+    details = []
+    for model, mine in ours.groupby("model"):
+        for board_model, board in theirs.groupby("model"):
+            pairs = pair_agreement(mine, board)
+            for ratio, part in pairs.groupby("ratio") if len(pairs) else ():
+                n = part["verdict"].value_counts()
+                print(
+                    f"| {model} | {board_model} | {ratio:g} | {len(part)} | {n.get('same', 0)} | "
+                    f"{n.get('opposite', 0)} | {n.get('tie', 0)} |"
+                )
+            details.append((model, board_model, pairs))
+    if "--pairs" in argv:
+        for model, board_model, pairs in details:
+            print(f"\n{model} vs {board_model}\n\n| ratio | pair | ours | kvpress | order |\n|---|---|---|---|---|")
+            for r in pairs.itertuples():
+                print(
+                    f"| {r.ratio:g} | {r.a} – {r.b} | {r.ours_a:.1f} – {r.ours_b:.1f} | "
+                    f"{r.theirs_a:.1f} – {r.theirs_b:.1f} | {r.verdict} |"
+                )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
