@@ -29,7 +29,7 @@ part() {  # part NAME COMMAND...: run it; a refusal or failure is reported, the 
 part "native methods, query-agnostic and query-aware" "$py" -m kvbench "${common[@]}"
 if [ -x .venv-kvpress/bin/python ]; then
   part "kvpress's presses (.venv-kvpress)" env PYTHONPATH="$PWD" .venv-kvpress/bin/python -m kvbench "${common[@]}" \
-    +leaderboard=kvpress_agnostic,kvpress_aware
+    +leaderboard=kvpress_agnostic
 else
   echo "[leaderboard] kvpress's presses skipped: .venv-kvpress is not built (make test-kvpress builds it)"
 fi
