@@ -75,6 +75,7 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
                 peak_mem_bytes=peak.max(),
                 prefill_s=group["prefill_s"].mean(),
                 decode_ms_per_token=group["decode_ms_per_token"].mean(),
+                decode_batch=int(group["batch_size"].fillna(1).max()) if "batch_size" in group else 1,
             )
         )
     table = pd.DataFrame(out)
@@ -105,7 +106,13 @@ COLUMNS = [
     Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
     Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
     Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
-    Column("decode ms/token", lambda r: r["decode_ms_per_token"], fixed(1)),
+    Column(
+        "decode ms/token",
+        lambda r: r["decode_ms_per_token"],
+        fixed(1),
+        title="one decode step; where decoded with others (batch > 1), the step of the whole batch",
+    ),
+    Column("batch", lambda r: r["decode_batch"], title="configurations decoded together (grid_batch); 1: alone"),
 ]
 
 
