@@ -4,7 +4,8 @@
 
 kvpress's numbers: results/leaderboard/kvpress_published.csv (RULER 4K, Llama-3.1-8B-Instruct and Qwen3-8B, the
 scores of its leaderboard; docs/leaderboard.md names the source). Prints, per our model × their model × compression
-ratio, how many pairs agree, disagree or tie (and with --pairs every pair), as Markdown.
+ratio, how many pairs agree, disagree or tie, and among the pairs our 95 % intervals separate (with --pairs every
+pair), as Markdown.
 """
 
 from __future__ import annotations
@@ -24,26 +25,30 @@ def main(argv: list[str]) -> None:
     ours = pd.read_csv(args[0] if args else ROOT / "results/leaderboard/report/leaderboard.csv")
     theirs = pd.read_csv(ROOT / "results/leaderboard/kvpress_published.csv")
     ours = ours[ours["engine"] == "kvbench"]
-    print("| our model | kvpress's model | ratio | pairs | same order | opposite | tie |")
-    print("|---|---|---|---|---|---|---|")
+    print("| our model | kvpress's model | ratio | pairs | same order | opposite | tie | ours apart: same / opposite |")
+    print("|---|---|---|---|---|---|---|---|")
     details = []
     for model, mine in ours.groupby("model"):
         for board_model, board in theirs.groupby("model"):
             pairs = pair_agreement(mine, board)
             for ratio, part in pairs.groupby("ratio") if len(pairs) else ():
-                n = part["verdict"].value_counts()
+                n, apart = part["verdict"].value_counts(), part[part["apart"]]["verdict"].value_counts()
                 print(
                     f"| {model} | {board_model} | {ratio:g} | {len(part)} | {n.get('same', 0)} | "
-                    f"{n.get('opposite', 0)} | {n.get('tie', 0)} |"
+                    f"{n.get('opposite', 0)} | {n.get('tie', 0)} | "
+                    f"{apart.get('same', 0)} / {apart.get('opposite', 0)} |"
                 )
             details.append((model, board_model, pairs))
     if "--pairs" in argv:
         for model, board_model, pairs in details:
-            print(f"\n{model} vs {board_model}\n\n| ratio | pair | ours | kvpress | order |\n|---|---|---|---|---|")
+            print(
+                f"\n{model} vs {board_model}\n\n| ratio | pair | ours | kvpress | order | ours apart |\n"
+                "|---|---|---|---|---|---|"
+            )
             for r in pairs.itertuples():
                 print(
                     f"| {r.ratio:g} | {r.a} – {r.b} | {r.ours_a:.1f} – {r.ours_b:.1f} | "
-                    f"{r.theirs_a:.1f} – {r.theirs_b:.1f} | {r.verdict} |"
+                    f"{r.theirs_a:.1f} – {r.theirs_b:.1f} | {r.verdict} | {'yes' if r.apart else ''} |"
                 )
 
 

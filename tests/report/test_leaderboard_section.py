@@ -112,3 +112,4 @@ def test_pair_agreement_with_kvpress_board(frame):
     assert list(pairs.index) == [0.5, 0.75]  # the query-aware snapkv has no query-aware row of ours: no pair
     assert pairs.loc[0.5, "verdict"] == "same" and pairs.loc[0.75, "verdict"] == "opposite"
     assert (pairs.loc[0.5, "a"], pairs.loc[0.5, "b"]) == ("snapkv", "streaming_llm")
+    assert not pairs["apart"].any()  # 6 examples: the intervals overlap

@@ -210,7 +210,8 @@ def pair_agreement(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
     """Per compression ratio, every pair of methods both leaderboards scored: does the order agree? `ours` is
     leaderboard()'s table (one model, kvbench's engine), `theirs` kvpress's (press_name, query_aware,
     compression_ratio, score). A pair is "same" when both order it alike, "opposite" when not, "tie" when either
-    scores the two equal. Rows: ratio, a, b, ours_a, ours_b, theirs_a, theirs_b, verdict."""
+    scores the two equal; `apart` when our two 95 % intervals do not overlap (else our order may be noise). Rows:
+    ratio, a, b, ours_a, ours_b, theirs_a, theirs_b, verdict, apart."""
     ours = ours[ours["nominal"] & (ours["method"] != FULL)].copy()
     ours["press_name"] = [KVPRESS_NAMES.get((bool(q), m)) for q, m in zip(ours["query_aware"], ours["method"])]
     ours = ours.dropna(subset=["press_name"])
@@ -221,7 +222,8 @@ def pair_agreement(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
     out = []
     for ratio, mine in ours.groupby("ratio"):
         board = theirs[(theirs["compression_ratio"] - ratio).abs() < 1e-6].set_index("key")["score"]
-        mine = mine.set_index("key")["score"]
+        mine = mine.set_index("key")
+        low, high, mine = mine["ci_low"], mine["ci_high"], mine["score"]
         keys = sorted(set(mine.index) & set(board.index))
         for i, a in enumerate(keys):
             for b in keys[i + 1 :]:
@@ -229,6 +231,7 @@ def pair_agreement(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
                 verdict = (
                     "tie" if d_ours == 0 or d_theirs == 0 else "same" if (d_ours > 0) == (d_theirs > 0) else "opposite"
                 )
+                apart = bool(low[a] > high[b] or low[b] > high[a])  # our 95 % intervals do not overlap
                 out.append(dict(ratio=ratio, a=a, b=b, ours_a=mine[a], ours_b=mine[b], theirs_a=board[a],
-                                theirs_b=board[b], verdict=verdict))  # fmt: skip
+                                theirs_b=board[b], verdict=verdict, apart=apart))  # fmt: skip
     return pd.DataFrame(out)
