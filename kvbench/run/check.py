@@ -16,14 +16,12 @@ checked by `check_run` and `check_model_support`.
 
 from __future__ import annotations
 
-import typing
-from dataclasses import MISSING, fields
 from typing import Any
 
 from omegaconf import DictConfig
 
 from kvbench import KvbenchError
-from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
+from kvbench.config.rules import Rule, _show, check_fields, check_value, did_you_mean, plain
 from kvbench.config.spec import TOP_LEVEL, RunSpec
 from kvbench.run import modes
 from kvbench.run.modes import RunFacts
@@ -50,20 +48,8 @@ NOT_JOB_KEYS = {"defaults", "hydra"}
 
 # ---- method knobs, from the dataclass annotations -------------------------------------------------------------
 def check_method_params(where: str, cls: type, params: dict, example=None) -> None:
-    """Type/range of each given knob of a method dataclass (unknown knobs: build_dataclass names the valid ones).
-    `example(knob, shown_default)` writes a good value the way the user gives it (default: method.knob=value)."""
-    example = example or (lambda name, shown: f"{where}.{name}={shown}")
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        if not f.init or f.name not in params:
-            continue
-        default = (
-            f.default
-            if f.default is not MISSING
-            else (f.default_factory() if f.default_factory is not MISSING else None)
-        )
-        rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
-        check_value(f"{where}.{f.name}", params[f.name], rule)
+    """Type/range of each given knob of a method dataclass (kvbench.config.rules.check_fields)."""
+    check_fields(where, cls, params, example)
 
 
 def method_class(where: str, name: Any) -> type:
@@ -233,12 +219,13 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     """Every key, knob, grid entry and run mode, before the model loads; returns the run's spec (its settings typed,
     read once here) and its configurations. The model's own refusals follow once its config is read (here when it
     is cheap to read, else by `check_model_support` after loading)."""
-    from kvbench.model.load import model_config
+    from kvbench.model.load import model_config, resolve_device
     from kvbench.run.configuration import configurations
     from kvbench.tasks import TASKS
 
     check_config(cfg)
     spec = RunSpec.of(cfg)  # the Hydra config ends here: what follows reads the spec
+    resolve_device(spec.device)  # a malformed device string, or a GPU this torch cannot see: one line
     confs = configurations(spec)
     modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
     config = model_config(spec.model, cheap=True)
