@@ -228,6 +228,12 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     resolve_device(spec.device)  # a malformed device string, or a GPU this torch cannot see: one line
     confs = configurations(spec)
     modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
+    from kvbench.run.support import budget_refusal
+
+    for c in confs if spec.engine_name == "kvbench" else ():
+        reason = budget_refusal(c.method, c.budget)
+        if reason:
+            raise KvbenchError(reason)
     config = model_config(spec.model, cheap=True)
     if config is not None:  # else checked once the model is loaded
         check_model_support(spec, confs, config)

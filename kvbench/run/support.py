@@ -131,10 +131,35 @@ def refusal(method, config) -> str | None:
         for need in sorted(part.caps.needs & set(lacking)):
             return f"method {part.name} needs {NEEDS[need]}; {model} {lacking[need]}"
     for part in _parts(method):
+        if part.name == "headmerge":  # knowable from the config: refused here, not after the model's conversion
+            n_kv = layout.n_kv_heads(config)
+            if part.kv_heads > n_kv or n_kv % part.kv_heads:
+                divisors = [d for d in range(1, n_kv + 1) if n_kv % d == 0]
+                return (
+                    f"headmerge kv_heads={part.kv_heads} does not divide {model}'s {n_kv} KV heads; give "
+                    f"method.kv_heads= one of {', '.join(map(str, divisors))}"
+                )
+    for part in _parts(method):
         group = getattr(part, "group_size", None)
         if part.name == "kivi" and group and layout.head_dim(config) % int(group):
             return (
                 f"kivi group_size={group} does not divide {model}'s head_dim={layout.head_dim(config)}; "
                 f"give method.group_size= a divisor of it"
+            )
+    return None
+
+
+def budget_refusal(method, budget) -> str | None:
+    """Why a token budget cannot run `method`, knowable from the configuration alone: fewer tokens than the method's
+    minimum (its sinks and windows: `Method.min_tokens`), which `Method.layer_keep_counts` would refuse mid-run
+    after the baseline. A fraction is not refused: on a short prompt it keeps the minimum instead."""
+    if budget is None or not budget.is_tokens:
+        return None
+    evicting = [part for part in _parts(method) if part.caps.has_budget and part.caps.family != "composite"]
+    for part in evicting or [method]:
+        if budget.value < part.min_tokens():
+            return (
+                f"budget={int(budget.value)} tokens is fewer than {part.name} keeps at least ({part.min_tokens()}: "
+                f"its sinks/windows); give budget ≥ {part.min_tokens()}, a fraction, or shrink its window"
             )
     return None

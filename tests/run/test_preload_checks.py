@@ -1,0 +1,51 @@
+"""What the configuration and the model's config decide is refused before the model loads (kvbench.run.check.check_run,
+exit 2), not after the baseline is computed: a token budget below a method's minimum, head merging to a count that
+does not divide the model's KV heads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbench import KvbenchError
+from kvbench.run import runner
+from kvbench.run.check import check_run
+from tests.conftest import compose_config, tiny_overrides
+
+CASES = [
+    (["method=snapkv", "budget=16"], "budget=16 tokens is fewer than snapkv keeps at least (33"),
+    (["grid.method=[streamingllm,snapkv]", "grid.budget=[8]"], "fewer than snapkv keeps at least (33"),
+    (["method=adakv", "budget=20"], "fewer than adakv keeps at least (33"),
+    (["method=streamingllm", "budget=3"], "fewer than streamingllm keeps at least (5"),
+    (["method=compose", "method.stack=[snapkv,kivi]", "budget=10"], "fewer than snapkv keeps at least (33"),
+    (["method=headmerge", "method.kv_heads=3"], "headmerge kv_heads=3 does not divide Llama's 2 KV heads"),
+    (["method=headmerge", "method.kv_heads=4"], "give method.kv_heads= one of 1, 2"),
+    (
+        ["method=compose", "method.stack=[headmerge,snapkv]", "+method.overrides.headmerge.kv_heads=4"],
+        "headmerge kv_heads=4 does not divide",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, message):
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(runner, "load_model", no_load)
+    cfg = compose_config(*tiny_overrides(tmp_path, *overrides))
+    with pytest.raises(KvbenchError) as error:
+        runner.run(cfg, tmp_path / "out")
+    assert message in str(error.value) and error.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["method=snapkv", "budget=33"],
+        ["method=snapkv", "budget=0.01"],  # a fraction keeps the minimum on a short prompt
+        ["method=headmerge", "method.kv_heads=2"],
+        ["method=kivi", "method.group_size=16"],
+    ],
+)
+def test_what_runs_passes(tmp_path, overrides):
+    check_run(compose_config(*tiny_overrides(tmp_path, *overrides)))
