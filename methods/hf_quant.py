@@ -11,6 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
 
 
@@ -30,7 +31,7 @@ class HFQuantizedCache(Method):
     backend: str = "quanto"  # quanto | hqq | fp8
     nbits: int = 4  # quanto: 2 or 4; hqq: 1, 2, 3, 4 or 8; ignored by fp8
     q_group_size: int = 64
-    residual_length: int = 128
+    residual_length: int = knob(128, tokens=True)
     axis_key: int = 0
     axis_value: int = 0
 

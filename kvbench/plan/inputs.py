@@ -31,7 +31,7 @@ PLAN: dict[str, Rule] = {
         item=Rule("int", "request counts", min=1, max=MAX_BATCH),
     ),
     "headroom": Rule("float", "headroom=0.1 (the fraction of device memory kept free, in [0, 1))", min=0, below=1),
-    "prefix": Rule("int", "prefix=0 (tokens every request of the batch shares; 0 = none)", min=0),
+    "prefix": Rule("int", "prefix=0 (tokens every request of the batch shares; 0 = none)", min=0, max=MAX_CONTEXT),
     "reuse_from": Rule("path", "reuse_from=PATH (the rows of a run with prefix_cache=true) or null", nullable=True),
     "plot": Rule("bool", "plot=true (write plan_regions.png) or plot=false"),
     "extrapolate": Rule(

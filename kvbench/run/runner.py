@@ -7,6 +7,7 @@ of their statistics; rows are identical to running each configuration alone (tes
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from datetime import datetime, timezone
@@ -52,9 +53,8 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     lm = load_model(spec.model, spec.device, spec.dtype)
     check_model_support(spec, confs, lm.config)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
-    examples = task.examples()
-    if spec.limit:
-        examples = examples[: spec.limit]
+    # with `limit`, only the first examples are built (a million facts with limit=1 build one)
+    examples = list(itertools.islice(task.iter_examples(), spec.limit)) if spec.limit else task.examples()
     if not examples:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     if task.kind != "stream":  # a stream may run past the context window: that is what it measures

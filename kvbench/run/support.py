@@ -130,6 +130,9 @@ def refusal(method, config) -> str | None:
     for part in _parts(method):
         for need in sorted(part.caps.needs & set(lacking)):
             return f"method {part.name} needs {NEEDS[need]}; {model} {lacking[need]}"
+    counted = count_refusal(method, config)
+    if counted:
+        return counted
     for part in _parts(method):
         if part.name == "headmerge":  # knowable from the config: refused here, not after the model's conversion
             n_kv = layout.n_kv_heads(config)
@@ -162,4 +165,33 @@ def budget_refusal(method, budget) -> str | None:
                 f"budget={int(budget.value)} tokens is fewer than {part.name} keeps at least ({part.min_tokens()}: "
                 f"its sinks/windows); give budget ≥ {part.min_tokens()}, a fraction, or shrink its window"
             )
+    return None
+
+
+def context_of(config) -> int | None:
+    """The model's context window in tokens (max_position_embeddings, GPT-2's n_positions), None where unstated."""
+    config = _text(config)
+    value = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def count_refusal(method, config) -> str | None:
+    """A token count knob (`knob(..., tokens=True)`: future positions, evict_every, sinks, chunk sizes) beyond the
+    model's context: positions the model never reads, and tensors or slots as long as the count."""
+    import dataclasses
+
+    context = context_of(config)
+    if context is None:
+        return None
+    parts = _parts(method)
+    parts += [p._scorer for p in parts if getattr(p, "_scorer", None) is not None]  # a wrapped scorer's own knobs
+    for part in parts:
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name, None)
+            if f.metadata.get("tokens") and isinstance(value, int) and value > context:
+                model = type(_text(config)).__name__.removesuffix("Config")
+                return (
+                    f"{part.name} {f.name}={value:,} is beyond {model}'s context of {context:,} tokens "
+                    f"(max_position_embeddings); give {f.name} ≤ {context:,}"
+                )
     return None

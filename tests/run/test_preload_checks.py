@@ -23,6 +23,17 @@ CASES = [
         ["method=compose", "method.stack=[headmerge,snapkv]", "+method.overrides.headmerge.kv_heads=4"],
         "headmerge kv_heads=4 does not divide",
     ),
+    # token counts: at most 2^24 without a model, at most the model's context (tiny-random: 16,384) with one
+    (["method=expected_attention", "method.n_future_positions=1000000000"], "must be ≤ 16777216"),
+    (["method=expected_attention", "method.n_future_positions=100000"], "beyond Llama's context of 16,384 tokens"),
+    (["method=h2o", "method.evict_every=1000000000"], "method.evict_every=1000000000 must be ≤ 16777216"),
+    (["method=h2o", "method.evict_every=20000"], "h2o evict_every=20,000 is beyond Llama's context"),
+    (["method=decoding", "method.decode_budget=20000"], "decoding decode_budget=20,000 is beyond"),
+    (["method=streamingllm", "method.start_size=20000"], "streamingllm start_size=20,000 is beyond"),
+    (
+        ["method=adakv", "method.scorer=expected_attention", "+method.scorer_params.n_future_positions=20000"],
+        "expected_attention n_future_positions=20,000 is beyond",
+    ),
 ]
 
 
@@ -49,3 +60,27 @@ def test_refused_before_the_model_loads(tmp_path, monkeypatch, overrides, messag
 )
 def test_what_runs_passes(tmp_path, overrides):
     check_run(compose_config(*tiny_overrides(tmp_path, *overrides)))
+
+
+def test_limit_builds_only_the_examples_it_takes(tmp_path, monkeypatch):
+    from kvbench.tasks.longgen import LongGeneration
+
+    built = []
+    real = LongGeneration._example
+
+    def counted(self, length, index):
+        built.append(index)
+        return real(self, length, index)
+
+    monkeypatch.setattr(LongGeneration, "_example", counted)
+    overrides = [
+        "model=tiny-random",
+        "device=cpu",
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+    ]
+    overrides += ["task=longgen", "task.trace_tokens=[16]", "task.n_facts=1000", "limit=1", "task.max_new_tokens=2"]
+    rows = runner.run(compose_config(*overrides), tmp_path / "out")
+    assert built == [0]  # before: all 1,000 facts were built, then cut to one
+    assert rows.example_id.nunique() == 1
