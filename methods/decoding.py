@@ -139,4 +139,4 @@ class Decoding(DecodeTime, WrapsScorer):
 
     @classmethod
     def lossless_params(cls, lm) -> dict | None:
-        return {"decode_budget": 1 << 40}
+        return {"decode_budget": lm.max_context}  # every token the model reads: nothing is ever evicted
