@@ -113,7 +113,7 @@ def kv_bits(value: Any) -> int | None:
 def check_options(config: dict, configurations, arch) -> None:
     """What a run would refuse: a (method, model) pair (kvbench.run.support, the run's rule), `prefill_chunk`
     without `prefill=inline`, and a `kv_dtype` beside a method that sets the cache's precision itself."""
-    from kvbench.run.support import refusal
+    from kvbench.run.support import budget_refusal, refusal
 
     if config.get("prefill_chunk") is not None and config.get("prefill", "shared") != "inline":
         raise KvbenchError(
@@ -122,7 +122,7 @@ def check_options(config: dict, configurations, arch) -> None:
         )
     bits = kv_bits(config.get("kv_dtype"))
     for c in configurations:
-        why = refusal(c.method, arch.config)
+        why = refusal(c.method, arch.config) or budget_refusal(c.method, c.budget)
         if why:
             raise KvbenchError(f"{why} (the run refuses it; the planner plans what runs)")
         family = c.method.caps.family
