@@ -119,8 +119,32 @@ def check_task(task_cfg: dict) -> None:
         rule = task_rule(name, key, defaults.get(key), declared)
         if rule is not None:
             check_value(f"task.{key}", value, rule)
+    check_value_fits(task_cfg)
     cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
     cls.check_length(task_cfg)  # lengths no prompt should be built for (the model's window: kvbench.tasks.build_task)
+
+
+MAX_VALUE_DIGITS = 4096  # a needle's value (an access code, a passkey): Python writes ints of at most 4,300 digits
+
+
+def check_value_fits(task_cfg: dict) -> None:
+    """A needle's `value_length` fits its haystack (`context_lengths`, `context_length`) and is a needle, not a
+    text: a billion-digit value would be built (and tokenized) before any length check."""
+    value = task_cfg.get("value_length")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    contexts = [n for n in [*(task_cfg.get("context_lengths") or []), task_cfg.get("context_length")] if n]
+    shortest = min([int(n) for n in contexts if isinstance(n, int)], default=None)
+    if shortest is not None and value >= shortest:
+        raise KvbenchError(
+            f"task.value_length={value:,} does not fit the shortest context of {shortest:,} tokens; use a value "
+            f"shorter than its haystack (e.g. task.value_length=7)"
+        )
+    if value > MAX_VALUE_DIGITS:
+        raise KvbenchError(
+            f"task.value_length={value:,} is beyond {MAX_VALUE_DIGITS:,} (a needle's value, not a text); use "
+            "e.g. task.value_length=7"
+        )
 
 
 # ---- the whole configuration ----------------------------------------------------------------------------------

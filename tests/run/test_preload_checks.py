@@ -84,3 +84,16 @@ def test_limit_builds_only_the_examples_it_takes(tmp_path, monkeypatch):
     rows = runner.run(compose_config(*overrides), tmp_path / "out")
     assert built == [0]  # before: all 1,000 facts were built, then cut to one
     assert rows.example_id.nunique() == 1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["task=niah", "task.value_length=1000000000"], "does not fit the shortest context of 1,024 tokens"),
+        (["task=longgen", "task.value_length=10000"], "task.value_length=10,000 is beyond 4,096"),
+        (["task=shared_doc", "task.value_length=5000"], "does not fit the shortest context of 2,048 tokens"),
+    ],
+)
+def test_a_needle_value_is_bounded_by_its_haystack(overrides, message):
+    with pytest.raises(KvbenchError, match=message):  # before: a billion-digit value built (a hang), or a traceback
+        check_run(compose_config("model=tiny-random", "device=cpu", *overrides))
