@@ -136,7 +136,7 @@ def refusal(method, config) -> str | None:
     for part in _parts(method):
         if part.name == "headmerge":  # knowable from the config: refused here, not after the model's conversion
             n_kv = layout.n_kv_heads(config)
-            if part.kv_heads > n_kv or n_kv % part.kv_heads:
+            if not 1 <= part.kv_heads <= n_kv or n_kv % part.kv_heads:
                 divisors = [d for d in range(1, n_kv + 1) if n_kv % d == 0]
                 return (
                     f"headmerge kv_heads={part.kv_heads} does not divide {model}'s {n_kv} KV heads; give "

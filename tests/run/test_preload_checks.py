@@ -19,6 +19,7 @@ CASES = [
     (["method=compose", "method.stack=[snapkv,kivi]", "budget=10"], "fewer than snapkv keeps at least (33"),
     (["method=headmerge", "method.kv_heads=3"], "headmerge kv_heads=3 does not divide Llama's 2 KV heads"),
     (["method=headmerge", "method.kv_heads=4"], "give method.kv_heads= one of 1, 2"),
+    (["method=headmerge", "method.kv_heads=0"], "method.kv_heads=0 must be ≥ 1"),
     (
         ["method=compose", "method.stack=[headmerge,snapkv]", "+method.overrides.headmerge.kv_heads=4"],
         "headmerge kv_heads=4 does not divide",
