@@ -41,6 +41,11 @@ CASES = [
     (["method=compose", "method.overrides={kivi:{bits:-2}}"], "compose.overrides.kivi.bits=-2 must be ≥ 0"),
     (["grid.method=[{name: adakv, scorer_params: {window_size: -1}}]"], "adakv.scorer_params.window_size=-1"),
     (["method=pyramidkv", "method.beta=0"], "method.beta=0 must be ≥ 1"),  # min = (C − W) / β
+    # knobs a method's layer or schedule would refuse mid-run (or divide by)
+    (["method=hf-quant", "method.nbits=3"], "hf-quant nbits=3 with backend=quanto: use one of 2, 4"),
+    (["method=hf-quant", "method.axis_key=2"], "hf-quant axis_key=2 with backend=quanto: use one of 0, -1"),
+    (["method=hf-quant", "method.q_group_size=0"], "method.q_group_size=0 must be ≥ 1"),
+    (["method=snapkv", "method.window_size=100000"], "snapkv window_size=100,000 is beyond Llama's context"),
     # integral floats: a count is an integer
     (["limit=3.0"], "limit=3.0 is a float, not an integer"),
     (["method=snapkv", "method.window_size=32.0"], "method.window_size=32.0 is a float"),
