@@ -57,6 +57,7 @@ from transformers import DynamicCache
 
 from kvbench import KvbenchError
 from kvbench.config.registry import Registry, build_dataclass
+from kvbench.config.rules import check_fields
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import KV, gather_kv, kv_layer
 
@@ -297,7 +298,11 @@ def method_defaults(name: str) -> dict:
     return defaults
 
 
-def build_method(name: str, params: dict | None = None) -> Method:
-    """Instantiate a registered method from its config (unknown names and parameters list the valid ones)."""
+def build_method(name: str, params: dict | None = None, where: str = "method") -> Method:
+    """Instantiate a registered method from its config (unknown names and parameters list the valid ones), each
+    knob checked by its field's rule first (kvbench.config.rules.check_fields) wherever it was given: `where` names
+    it for the user (`method`, `adakv.scorer_params`, `compose.overrides.kivi`)."""
     cls = METHODS.get(name)
-    return build_dataclass(cls, dict(params or {}), f"method {name!r}")
+    params = dict(params or {})
+    check_fields(where, cls, params)
+    return build_dataclass(cls, params, f"method {name!r}" if where == "method" else where)

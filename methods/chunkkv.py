@@ -51,7 +51,7 @@ def chunk_keep(scores: torch.Tensor, chunk_size: int, n_keep: int) -> torch.Tens
 @dataclass
 class ChunkKV(WrapsScorer):
     scorer: str = "snapkv"  # the per-head scores chunks are ranked by (any scorer: scorer_names())
-    chunk_size: int = knob(10, min=1)  # tokens per chunk (the paper's 10; kvpress's default 20)
+    chunk_size: int = knob(10, min=1, tokens=True)  # tokens per chunk (the paper's 10; kvpress's default 20)
     scorer_params: dict = field(default_factory=dict)  # the scorer's knobs over its defaults, e.g. {window_size: 64}
 
     caps = Capabilities(chunk_limit="its chunks are positions of the whole prompt", stream_limit="use its scorer")

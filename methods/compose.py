@@ -42,7 +42,8 @@ class Compose(DecodeTime, ChangesModel, Method):
                 raise KvbenchError(
                     f"compose stack: {name!r} cannot be stacked; use methods of the families {', '.join(FAMILY_ORDER)}"
                 )
-            part = build_method(name, {**method_defaults(name), **dict(self.overrides.get(name) or {})})
+            given = dict(self.overrides.get(name) or {})
+            part = build_method(name, {**method_defaults(name), **given}, where=f"compose.overrides.{name}")
             family = part.caps.family
             if family in parts:
                 raise KvbenchError(

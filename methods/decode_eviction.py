@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import Budget, Capabilities, Method
 from kvbench.methods.modes import DecodeTime
 from kvbench.model.attention import StatsRecorder
@@ -44,7 +45,9 @@ class DecodeEviction(DecodeTime, Method, abc.ABC):
     """A `Method` that keeps evicting after prefill; subclasses implement `decode_keep` (and `start_decoding`,
     `observe_step`)."""
 
-    evict_every: int = 1  # decode steps per eviction: 1 = every step (the originals); k: k tokens at once, slack k − 1
+    evict_every: int = knob(
+        1, min=1, tokens=True
+    )  # decode steps per eviction: 1 = every step (the originals); k: k tokens at once, slack k − 1
 
     caps = Capabilities(evicts_while_decoding=True)  # a subclass whose knob turns it off replaces it
     # False: a cache that compression left whole (budget ≥ the prompt) grows while decoding (TOVA's original)

@@ -21,6 +21,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, scorer_names, top_k_sorted
 from kvbench.methods.modes import DecodeTime
 from kvbench.methods.scorers import WrapsScorer
@@ -32,8 +33,8 @@ from kvbench.model.cache import held_kv, layer_select
 @dataclass
 class Decoding(DecodeTime, WrapsScorer):
     scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
-    compress_every: int = 64  # generated tokens between two compressions
-    decode_budget: int = 256  # tokens per layer kept by each decode-time compression
+    compress_every: int = knob(64, min=1, tokens=True)  # generated tokens between two compressions
+    decode_budget: int = knob(256, min=1, tokens=True)  # tokens per layer kept by each decode-time compression
     scorer_params: dict = field(default_factory=dict)  # the scorer's knobs over its defaults
 
     # appended tokens are decode steps (engine._extend)
@@ -138,4 +139,4 @@ class Decoding(DecodeTime, WrapsScorer):
 
     @classmethod
     def lossless_params(cls, lm) -> dict | None:
-        return {"decode_budget": 1 << 40}
+        return {"decode_budget": lm.max_context}  # every token the model reads: nothing is ever evicted

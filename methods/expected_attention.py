@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.model.attention import StatsRequest
 from kvbench.model.rope import rotate_half
@@ -26,8 +27,8 @@ from kvbench.model.rope import rotate_half
 @dataclass
 class ExpectedAttention(Method):
     caps = Capabilities(needs=frozenset({"full_rope"}))  # query moments through the model's rotary embedding
-    n_future_positions: int = 512  # future query positions the RoPE rotation is averaged over
-    n_sink: int = 4  # first positions left out of the query statistics and always kept
+    n_future_positions: int = knob(512, min=1, tokens=True)  # future query positions the RoPE rotation is averaged over
+    n_sink: int = knob(4, tokens=True)  # first positions left out of the query statistics and always kept
     use_covariance: bool = True  # add the kᵀΣ'k/(2d) term (False: the mean query only)
     use_vnorm: bool = True  # rescale by the value norms
     epsilon: float = 0.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.methods.modes import ChangesModel
 
@@ -48,7 +49,7 @@ def merge_kv_heads(model, kv_heads: int):
 @METHODS.register("headmerge")
 @dataclass
 class HeadMerge(ChangesModel, Method):
-    kv_heads: int = 1  # target KV heads; must divide the model's
+    kv_heads: int = knob(1, min=1)  # target KV heads; must divide the model's
 
     caps = Capabilities(
         family="structure", has_budget=False, shares_prefill=False, needs=frozenset({"qkv_projections"})

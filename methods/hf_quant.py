@@ -11,6 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
 
 
@@ -22,6 +23,10 @@ def fp8_available() -> bool:
 
 
 BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
+# what each backend's transformers layer accepts (QuantoQuantizedLayer, HQQQuantizedLayer): refused here, before the
+# model loads, not as the layer's ValueError mid-run
+NBITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+AXES = {"quanto": (0, -1), "hqq": (0, 1)}
 
 
 @METHODS.register("hf-quant")
@@ -29,10 +34,10 @@ BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8"
 class HFQuantizedCache(Method):
     backend: str = "quanto"  # quanto | hqq | fp8
     nbits: int = 4  # quanto: 2 or 4; hqq: 1, 2, 3, 4 or 8; ignored by fp8
-    q_group_size: int = 64
-    residual_length: int = 128
-    axis_key: int = 0
-    axis_value: int = 0
+    q_group_size: int = knob(64, min=1)
+    residual_length: int = knob(128, tokens=True)
+    axis_key: int = knob(0, min=-1)
+    axis_value: int = knob(0, min=-1)
 
     # transformers' quantized layers cannot drop tokens
     caps = Capabilities(
@@ -42,6 +47,17 @@ class HFQuantizedCache(Method):
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.backend in NBITS and self.nbits not in NBITS[self.backend]:
+            raise KvbenchError(
+                f"hf-quant nbits={self.nbits} with backend={self.backend}: use one of "
+                f"{', '.join(map(str, NBITS[self.backend]))}"
+            )
+        for name in ("axis_key", "axis_value"):
+            if self.backend in AXES and getattr(self, name) not in AXES[self.backend]:
+                raise KvbenchError(
+                    f"hf-quant {name}={getattr(self, name)} with backend={self.backend}: use one of "
+                    f"{', '.join(map(str, AXES[self.backend]))}"
+                )
         module, extra = BACKENDS[self.backend]
         if self.backend == "fp8" and not fp8_available():
             import transformers

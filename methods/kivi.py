@@ -45,6 +45,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.kernels.kivi_attention import TENSORS, KiviStorage
 from kvbench.methods.base import METHODS, Capabilities, Method
@@ -329,7 +330,7 @@ class Kivi(Method):
     # at 4K tokens, with scales and zeros counted, KIVI-4 kv_ratio ≤ 0.30 and KIVI-2 ≤ 0.18 (group 32 doubles the
     # per-group overhead: two 16-bit numbers per 32 elements add 1 bit per element).
     group_size: int = 64  # channels per value group, tokens per key group; must divide head_dim
-    residual_length: int = 64  # recent tokens kept in full precision; a multiple of group_size
+    residual_length: int = knob(64, tokens=True)  # recent tokens kept in full precision; a multiple of group_size
     key_bits: int | None = None  # keys' bit width (None: `bits`); e.g. key_bits=4 value_bits=2 (KIVI's K4V2)
     value_bits: int | None = None  # values' bit width (None: `bits`)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.model.rope import rotate_half
 
@@ -88,8 +89,10 @@ class KVzip(Method):
         ),  # re-derives and rotates queries itself
     )
 
-    n_sink: int = 4  # first positions always kept, not repeated
-    chunk_size: int = 2048  # prompt tokens repeated per reconstruction forward (kvpress's chunk_size)
+    n_sink: int = knob(4, tokens=True)  # first positions always kept, not repeated
+    chunk_size: int = knob(
+        2048, min=1, tokens=True
+    )  # prompt tokens repeated per reconstruction forward (kvpress's chunk_size)
     # true: as kvpress's KVzipPress, the chat template's opening (system prompt, user header) is not repeated and
     # its positions after the sinks score 0, evicted first; false: everything after the sinks is repeated
     skip_template: bool = False

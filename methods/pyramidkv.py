@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, check_choice
 from kvbench.methods.snapkv import SnapKV
 
@@ -23,7 +24,7 @@ from kvbench.methods.snapkv import SnapKV
 @METHODS.register("pyramidkv")
 @dataclass
 class PyramidKV(SnapKV):
-    beta: int = 20
+    beta: int = knob(20, min=1)  # min = (C − W) / β: 0 divides by zero
     schedule: str = "exact"  # exact (total = budget, kvpress's float step) | kvcache_factory (its integer step)
 
     def __post_init__(self):

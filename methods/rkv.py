@@ -59,7 +59,7 @@ def redundancy(keys: torch.Tensor, threshold: float = 0.5, retain_direction: str
 @METHODS.register("rkv")
 @dataclass
 class RKV(DecodeEviction):
-    window_size: int = knob(8, min=1)  # the newest tokens: always kept, their queries vote (R-KV: 8)
+    window_size: int = knob(8, min=1, tokens=True)  # the newest tokens: always kept, their queries vote (R-KV: 8)
     kernel_size: int = knob(7, min=1)  # max pooling of the votes, odd (R-KV: 7)
     mix_lambda: float = knob(0.1, max=1.0)  # λ: importance weight; 1 − λ on redundancy (R-KV: 0.1)
     similarity_threshold: float = knob(0.5, min=-1.0, max=1.0)  # cosine above which two keys are similar

@@ -10,6 +10,8 @@ decoding re-selects with them while generating), as kvpress's AdaKVPress and Dec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -56,7 +58,12 @@ class WrapsScorer(Method):
         """Build the wrapped scorer from its conf/method/<scorer>.yaml defaults and `params` over them (the
         subclass's `scorer_params`, e.g. {window_size: 64}); one line naming the scorers or its knobs else."""
         check_choice("scorer", scorer, scorer_names())
-        self._scorer = build_method(scorer, {**method_defaults(scorer), **dict(params or {})})
+        if params is not None and not isinstance(params, Mapping):
+            raise KvbenchError(f"{self.name}.scorer_params={params!r} is not a mapping; use e.g. {{window_size: 64}}")
+        # the scorer's knobs by the scorer's own rules, as if given as method.<knob> (window_size ≥ 1, beta > 0, ...)
+        self._scorer = build_method(
+            scorer, {**method_defaults(scorer), **dict(params or {})}, where=f"{self.name}.scorer_params"
+        )
 
     def bind(self, lm) -> None:
         self._scorer.bind(lm)

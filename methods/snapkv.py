@@ -29,7 +29,7 @@ from kvbench.model.cache import kv_layer
 @METHODS.register("snapkv")
 @dataclass
 class SnapKV(Method):
-    window_size: int = knob(32, min=1)  # observation window: at least the last token
+    window_size: int = knob(32, min=1, tokens=True)  # observation window: at least the last token
     kernel_size: int = knob(5, min=1)  # odd; 1 = no pooling
     pooling: str = "avg"  # avg | max
     aggregate: str = "mean"  # how a KV head combines its query heads' scores: mean | max | none (per query head)

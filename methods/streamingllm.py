@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
+from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, check_choice
 from kvbench.methods.decode_eviction import DecodeEviction
 from kvbench.model.ring import RingLayer
@@ -43,7 +44,7 @@ def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Ten
 @METHODS.register("streamingllm")
 @dataclass
 class StreamingLLM(DecodeEviction):
-    start_size: int = 4  # attention sinks kept at the start
+    start_size: int = knob(4, tokens=True)  # attention sinks kept at the start
     evict_during_decode: bool = True  # keep the cache at its post-prefill size while generating (the original)
     positions: str = "absolute"  # absolute | rolling (re-indexed inside the cache, the original code)
     ring: bool = False  # decode in a ring buffer: no per-step copy of the cache (positions=absolute, evict_every=1)

@@ -95,13 +95,13 @@ def geometric_offsets(max_length: int) -> torch.Tensor:
 @METHODS.register("triattention")
 @dataclass
 class TriAttention(Method):
-    window_size: int = knob(32, min=0)  # the newest prompt tokens, always kept
+    window_size: int = knob(32, min=0, tokens=True)  # the newest prompt tokens, always kept
     offset_max_length: int = knob(65536, min=1)  # future distances 1, 2, 4, ... up to this
     aggregation: str = knob("mean", choices=("mean", "max"))  # over the future distances
     normalize: bool = False  # z-score each query head's scores before the group's max (the code's normalize_scores)
     use_norm_term: bool = True  # add the (E|q| − |E q|)·|k| term (the code's MLR; false: its disable_mlr)
     calib_prompts: int = knob(4, min=1)  # calibration prompts of kvbench's offline prose
-    calib_tokens: int = knob(512, min=16)  # tokens per calibration prompt
+    calib_tokens: int = knob(512, min=16, tokens=True)  # tokens per calibration prompt
 
     # pre-RoPE queries through the model's rotary embedding, recorded in kvbench's attention function
     caps = Capabilities(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -64,18 +65,29 @@ def build_dataclass(cls: type, params: dict, what: str) -> Any:
         raise KvbenchError(f"{what}: {error}; check its parameters against its conf yaml") from None
 
 
+# the longest context a token count may name without a model (no published model reads more than ~10M tokens):
+# a count of positions, tokens or steps (`knob(..., tokens=True)`) is bounded by it, then by the model's own context
+# (kvbench.run.support.count_refusal) — a billion future positions or evict_every would ask for gigabytes
+MAX_CONTEXT_TOKENS = 2**24
+
+
 def knob(
     default: Any = dataclasses.MISSING,
     *,
     min: float | None = None,
     max: float | None = None,
     choices: tuple = (),
+    tokens: bool = False,
     **field_kwargs: Any,
 ) -> Any:
     """A dataclass field with the range kvbench.run.check checks before the model loads, e.g.
     `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
-    a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf."""
+    a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf.
+    `tokens=True`: a count of token positions or decode steps, at most MAX_CONTEXT_TOKENS and the model's context."""
     metadata: dict[str, Any] = {}
+    if tokens:
+        metadata["tokens"] = True
+        max = MAX_CONTEXT_TOKENS if max is None else builtins.min(max, MAX_CONTEXT_TOKENS)
     if min is not None:
         metadata["min"] = min
     if max is not None:

@@ -68,8 +68,8 @@ def _problem(value: Any, rule: Rule) -> str | None:
             return "is not a finite number"
         if abs(value) > INT_LIMIT:  # checked before float(value): a 400-digit int does not fit a float
             return "is too large (beyond 2^63 − 1)"
-        if kind == "int" and isinstance(value, float) and not value.is_integer():
-            return "is not an integer"
+        if kind == "int" and isinstance(value, float):  # 6.0 too: a count written as a float is a typo or a YAML 1e6
+            return "is not an integer" if not value.is_integer() else "is a float, not an integer (drop the .0)"
         if kind == "budget":
             if value <= 0:
                 return "must be > 0"
@@ -183,6 +183,27 @@ def rule_from_annotation(annotation: Any, example: str, metadata: typing.Mapping
         item = rule_from_annotation(inner, example, {}) if inner is not Ellipsis else None
     low = metadata.get("min", 0 if kind in ("int", "float") else None)
     return Rule(kind, example, nullable=nullable, min=low, max=metadata.get("max"), choices=choices, item=item)
+
+
+def check_fields(where: str, cls: type, params: dict, example=None) -> None:
+    """Type and range of each given knob of a dataclass (a method's), by its annotation and `knob()` metadata:
+    the same rules wherever the knobs are given (method.*, a grid entry, a wrapped scorer's scorer_params, a
+    composition's overrides). Unknown knobs are build_dataclass's to name. `example(knob, shown_default)` writes a
+    good value the way the user gives it (default: WHERE.knob=value)."""
+    from dataclasses import MISSING, fields
+
+    example = example or (lambda name, shown: f"{where}.{name}={shown}")
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if not f.init or f.name not in params:
+            continue
+        default = (
+            f.default
+            if f.default is not MISSING
+            else (f.default_factory() if f.default_factory is not MISSING else None)
+        )
+        rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
+        check_value(f"{where}.{f.name}", plain(params[f.name]), rule)  # a DictConfig/ListConfig as plain Python
 
 
 def plain(node: Any) -> Any:

@@ -161,12 +161,20 @@ class Engine:
         keep_logits: bool = False,
     ) -> Generation:
         """Compress `prefill` with `method`, feed `suffix_ids` uncompressed, then decode greedily."""
-        start = self.compressed(prefill, method, budget, suffix_ids)
+        start = self.compressed(prefill, method, budget, suffix_ids, max_new_tokens)
         return self.decode(start, method, max_new_tokens, stop, keep_logits)
 
     @torch.inference_mode()
-    def compressed(self, prefill: Prefill, method: Method, budget: Budget | None, suffix_ids: list[int]) -> Compressed:
-        """The first half of `generate`: compress, append the suffix; the cache and logits decoding starts from."""
+    def compressed(
+        self,
+        prefill: Prefill,
+        method: Method,
+        budget: Budget | None,
+        suffix_ids: list[int],
+        max_new_tokens: int | None = None,
+    ) -> Compressed:
+        """The first half of `generate`: compress, append the suffix; the cache and logits decoding starts from.
+        `max_new_tokens` (None: unknown) tells which sliding layers this run never fills (`window_layout`)."""
         device = self.lm.device
         reset_peak(device)
         start = time.perf_counter()
@@ -174,7 +182,8 @@ class Engine:
         cache = prefill.compressed  # prefill=inline: compressed inside the forward pass
         if cache is None:
             cache = method.compress(prefill.kv, prefill.stats, budget)
-            keep_windows(cache, prefill.kv, self.lm.layout)  # sliding layers hold their window, as the model's own
+            layout = self.window_layout(prefill.n_tokens + len(suffix_ids), max_new_tokens)
+            keep_windows(cache, prefill.kv, layout)  # sliding layers hold their window, as the model's own
         if prefill.adopt is not None:
             cache = prefill.adopt(cache)
         logits, position = prefill.last_logits, prefill.n_tokens
@@ -186,6 +195,14 @@ class Engine:
         peak = max(prefill.peak_mem_bytes, read_peak(device))
         suffix = position - prefill.n_tokens
         return Compressed(cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes)
+
+    def window_layout(self, fed_tokens: int, max_new_tokens: int | None):
+        """The layout at the most tokens this run feeds the cache (the prompt, the appended suffix and every decoded
+        token but the last): a sliding layer whose window never fills holds every token, as a global layer does, so
+        the method compresses it (kvbench.model.layout.CacheLayout.at). Decode length unknown: the model's windows."""
+        if max_new_tokens is None:
+            return self.lm.layout
+        return self.lm.layout.at(fed_tokens + max(max_new_tokens - 1, 0))
 
     @torch.inference_mode()
     def decode(

@@ -330,7 +330,7 @@ def generate_grid(
     together = []
     for i, (method, budget) in enumerate(confs):
         before = held()
-        start = engine.compressed(prefill, method, budget, suffix_ids)
+        start = engine.compressed(prefill, method, budget, suffix_ids, max_new_tokens)
         start.prefill_peak = max(prefill.peak_mem_bytes, start.prefill_peak - before)
         starts.append(start)
         if decodes_in_grid(method, start):

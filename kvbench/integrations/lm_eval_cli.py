@@ -82,6 +82,15 @@ def main() -> None:
     except KvbenchError as error:
         print(f"kvbench-lm-eval: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except ValueError as error:  # lm-eval's own refusal of task names it does not index: bad input, one line
+        if not str(error).startswith("Tasks not found"):
+            raise
+        print(
+            f"kvbench-lm-eval: error: {error}; list them with `lm-eval ls tasks`, or give --include_path DIR "
+            "(a directory of task yamls)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
 
 
 if __name__ == "__main__":

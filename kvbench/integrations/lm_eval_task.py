@@ -40,7 +40,7 @@ class LmEvalTask(Task):
             "task.tasks=[kvbench_qa,kvbench_mc] (lm-eval task, group or tag names)",
             item=Rule("str", "lm-eval task names"),
         ),  # [] (the shipped default) fails in examples()
-        "include_path": Rule("str", "task.include_path=DIR (lm-eval task yamls) or null", nullable=True),
+        "include_path": Rule("path", "task.include_path=DIR (lm-eval task yamls) or null", nullable=True),
         "limit_per_task": Rule("int", "task.limit_per_task=10 or null (every document)", nullable=True, min=1),
         "num_fewshot": Rule("int", "task.num_fewshot=0 or null (each task's own)", nullable=True, min=0),
         "max_length": Rule("int", "task.max_length=4096 or null (the model's context)", nullable=True, min=2),

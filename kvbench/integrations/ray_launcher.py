@@ -90,7 +90,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
     except ImportError:
         raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
     from kvbench.run.check import check_run
-    from kvbench.run.runner import check_outputs, finish_run
+    from kvbench.run.runner import check_outputs, failures_text, finish_run
     from kvbench.tasks import TASKS
 
     spec, _ = check_run(cfg)
@@ -142,16 +142,15 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
             flush=True,
         )
     frames = [f for f in frames if len(f)]
+    if not frames and failed:  # every configuration failed in every shard
+        raise ConfigurationsFailed(failures_text(failed, rows=0))
     if not frames:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     frame = pd.concat(frames, ignore_index=True).sort_values("_order", kind="stable")
     frame = frame.drop(columns=["_order", "shard"]).reset_index(drop=True)
     finish_run(spec, frame, out_dir, store, int((~frame["reused"].astype(bool)).sum()), time.perf_counter() - started)
     if failed:
-        raise ConfigurationsFailed(
-            f"{len(failed)} configuration(s) failed; the other rows are written:\n"
-            + "\n".join(f"  {name}: {why}" for name, why in failed.items())
-        )
+        raise ConfigurationsFailed(failures_text(failed, rows=len(frame)))
     return frame
 
 

@@ -110,12 +110,25 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
+    """`device` (auto, cpu, cuda, cuda:N) as torch's, or one line: a malformed string, no CUDA GPU visible to this
+    torch (a CPU-only build), or a GPU index beyond the visible ones."""
+    import re
+
+    match = re.fullmatch(r"(cpu|cuda)(?::(\d+))?|auto", str(device))
+    if match is None or (match.group(1) == "cpu" and match.group(2) is not None):
+        raise KvbenchError(f"device={device!r} is not a device; use device=auto, device=cpu, device=cuda or cuda:N")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise KvbenchError("device=cuda but no CUDA GPU is visible to torch; use device=cpu (or device=auto)")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise KvbenchError(f"device={device!r}: use auto, cpu or cuda")
+    if match.group(1) == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+            raise KvbenchError(
+                f"device={device} but no CUDA GPU is visible to torch {torch.__version__} ({build}); use device=cpu "
+                "(or device=auto)"
+            )
+        index, count = int(match.group(2) or 0), torch.cuda.device_count()
+        if index >= count:
+            raise KvbenchError(f"device={device} but torch sees {count} GPU(s), cuda:0 to cuda:{count - 1}; use one")
     return torch.device(device)
 
 

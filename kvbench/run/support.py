@@ -130,6 +130,18 @@ def refusal(method, config) -> str | None:
     for part in _parts(method):
         for need in sorted(part.caps.needs & set(lacking)):
             return f"method {part.name} needs {NEEDS[need]}; {model} {lacking[need]}"
+    counted = count_refusal(method, config)
+    if counted:
+        return counted
+    for part in _parts(method):
+        if part.name == "headmerge":  # knowable from the config: refused here, not after the model's conversion
+            n_kv = layout.n_kv_heads(config)
+            if not 1 <= part.kv_heads <= n_kv or n_kv % part.kv_heads:
+                divisors = [d for d in range(1, n_kv + 1) if n_kv % d == 0]
+                return (
+                    f"headmerge kv_heads={part.kv_heads} does not divide {model}'s {n_kv} KV heads; give "
+                    f"method.kv_heads= one of {', '.join(map(str, divisors))}"
+                )
     for part in _parts(method):
         group = getattr(part, "group_size", None)
         if part.name == "kivi" and group and layout.head_dim(config) % int(group):
@@ -137,4 +149,49 @@ def refusal(method, config) -> str | None:
                 f"kivi group_size={group} does not divide {model}'s head_dim={layout.head_dim(config)}; "
                 f"give method.group_size= a divisor of it"
             )
+    return None
+
+
+def budget_refusal(method, budget) -> str | None:
+    """Why a token budget cannot run `method`, knowable from the configuration alone: fewer tokens than the method's
+    minimum (its sinks and windows: `Method.min_tokens`), which `Method.layer_keep_counts` would refuse mid-run
+    after the baseline. A fraction is not refused: on a short prompt it keeps the minimum instead."""
+    if budget is None or not budget.is_tokens:
+        return None
+    evicting = [part for part in _parts(method) if part.caps.has_budget and part.caps.family != "composite"]
+    for part in evicting or [method]:
+        if budget.value < part.min_tokens():
+            return (
+                f"budget={int(budget.value)} tokens is fewer than {part.name} keeps at least ({part.min_tokens()}: "
+                f"its sinks/windows); give budget ≥ {part.min_tokens()}, a fraction, or shrink its window"
+            )
+    return None
+
+
+def context_of(config) -> int | None:
+    """The model's context window in tokens (max_position_embeddings, GPT-2's n_positions), None where unstated."""
+    config = _text(config)
+    value = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def count_refusal(method, config) -> str | None:
+    """A token count knob (`knob(..., tokens=True)`: future positions, evict_every, sinks, chunk sizes) beyond the
+    model's context: positions the model never reads, and tensors or slots as long as the count."""
+    import dataclasses
+
+    context = context_of(config)
+    if context is None:
+        return None
+    parts = _parts(method)
+    parts += [p._scorer for p in parts if getattr(p, "_scorer", None) is not None]  # a wrapped scorer's own knobs
+    for part in parts:
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name, None)
+            if f.metadata.get("tokens") and isinstance(value, int) and value > context:
+                model = type(_text(config)).__name__.removesuffix("Config")
+                return (
+                    f"{part.name} {f.name}={value:,} is beyond {model}'s context of {context:,} tokens "
+                    f"(max_position_embeddings); give {f.name} ≤ {context:,}"
+                )
     return None

@@ -172,7 +172,7 @@ class Scheduler:
         transient = self.held() + sum(k.nbytes + v.nbytes for k, v in prefill.kv)  # the prompt's whole K/V
         self.running.append(s)  # counted as running from its prefill on
         self._sample(transient)
-        start = engine.compressed(prefill, s.method, self.budget, list(r.suffix_ids))
+        start = engine.compressed(prefill, s.method, self.budget, list(r.suffix_ids), r.max_new_tokens)
         del prefill  # the uncompressed prompt's K/V is freed here (unless the method keeps it: the full cache)
         s.prefill_s += time.perf_counter() - t0
         s.position = start.position

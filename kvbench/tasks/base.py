@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -124,6 +125,11 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def examples(self) -> list[Example]:
         """The task's examples, in order."""
+
+    def iter_examples(self) -> Iterator[Example]:
+        """The task's examples in order, each built as it is taken: a run's `limit` builds only the first ones
+        (tasks whose counts multiply — facts, samples, documents — override it; `examples` lists it)."""
+        yield from self.examples()
 
     def data_files(self) -> list[Path]:
         """Every file whose content shapes this task's examples, whatever the selection keys pick (they are

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Iterator
 
 from kvbench.config.rules import Rule
 from kvbench.tasks.base import TASKS, Example, Task
@@ -54,12 +55,13 @@ class KeyValueRetrieval(Task):
     }
 
     def examples(self) -> list[Example]:
-        return [
-            self._example(int(n), float(position), index)
-            for n in self.cfg.num_pairs
-            for position in self.cfg.positions
-            for index in range(int(self.cfg.num_samples))
-        ]
+        return list(self.iter_examples())
+
+    def iter_examples(self) -> Iterator[Example]:
+        for n in self.cfg.num_pairs:
+            for position in self.cfg.positions:
+                for index in range(int(self.cfg.num_samples)):
+                    yield self._example(int(n), float(position), index)
 
     def _example(self, n_pairs: int, position: float, index: int) -> Example:
         # the object depends on (seed, n_pairs, index) only: positions move the same gold pair through it

@@ -13,6 +13,7 @@ many generated tokens, so rows over several lengths are the cache size over time
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -55,11 +56,16 @@ class LongGeneration(Task):
     MARK = "\x00TRACE\x00"
 
     def examples(self) -> list[Example]:
+        return list(self.iter_examples())
+
+    def iter_examples(self) -> Iterator[Example]:
         cfg = self.cfg
         lengths = [int(n) for n in cfg.trace_tokens]
         if not lengths or min(lengths) < 1 or int(cfg.n_facts) < 1:
             raise KvbenchError("task longgen needs task.trace_tokens (positive token counts) and task.n_facts ≥ 1")
-        return [self._example(length, i) for length in lengths for i in range(int(cfg.n_facts))]
+        for length in lengths:
+            for i in range(int(cfg.n_facts)):
+                yield self._example(length, i)
 
     def _example(self, length: int, index: int) -> Example:
         rng = random.Random(f"{self.seed}:longgen:{index}")  # the same fact at every trace length

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
@@ -79,13 +79,17 @@ class SharedPrefixTask(Task):
     n_requests_key = "questions"
 
     def examples(self) -> list[Example]:
+        return list(self.iter_examples())
+
+    def iter_examples(self) -> Iterator[Example]:
+        """One workload (document) built at a time: its requests share the document."""
         cfg = self.cfg
         n, documents = int(cfg[self.n_requests_key]), int(cfg.documents)
         if n < 1 or documents < 1:
             raise KvbenchError(f"task.{self.n_requests_key} and task.documents must be >= 1")
-        sentences = load_sentences(cfg.haystack, list(cfg.get("haystack_files") or []))
-        units = self.units(sentences)
-        return [ex for d in range(documents) for ex in self._workload(d, n, units)]
+        units = self.units(load_sentences(cfg.haystack, list(cfg.get("haystack_files") or [])))
+        for d in range(documents):
+            yield from self._workload(d, n, units)
 
     def data_files(self):
         return sentence_files(self.cfg.haystack, list(self.cfg.get("haystack_files") or []))

@@ -212,6 +212,26 @@ def test_console_script_runs_lm_eval_with_the_kvbench_model(tiny_dir, tmp_path, 
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("kvbench-lm-eval: error: budget=1.5")
 
 
+def test_console_script_unknown_task_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from kvbench.integrations.lm_eval_cli import main
+
+    argv = ["kvbench-lm-eval", "--model", "kvbench", "--model_args", "model=tiny-random,device=cpu"]
+    monkeypatch.setattr(sys, "argv", argv + ["--tasks", "no_such_task", "--include_path", FIXTURES])
+    with pytest.raises(SystemExit) as exited:  # before: lm-eval's ValueError traceback, exit 1
+        main()
+    assert exited.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("kvbench-lm-eval: error: Tasks not found: no_such_task; list them with `lm-eval ls tasks`")
+
+
+def test_task_include_path_that_does_not_exist_is_refused_before_the_model_loads(tmp_path):
+    from kvbench.run.check import check_config
+
+    cfg = compose_config("model=tiny-random", "task=lm_eval", "task.tasks=[x]", f"task.include_path={tmp_path}/no")
+    with pytest.raises(KvbenchError, match=r"task\.include_path=.* does not exist"):
+        check_config(cfg)
+
+
 # (class, --model_args as lm-eval types them, --batch_size, text of the one line)
 MODEL_ARG_CASES = [
     ("type", {"budget": "abc"}, None, "budget=abc is not a number; use budget=0.5"),

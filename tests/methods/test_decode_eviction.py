@@ -211,8 +211,10 @@ def test_block_eviction_bytes_are_what_is_held_and_what_the_planner_predicts(nam
 def test_evict_every_must_be_a_positive_integer():
     from kvbench import KvbenchError
 
-    with pytest.raises(KvbenchError, match=r"evict_every=0.*integer >= 1"):
+    with pytest.raises(KvbenchError, match=r"method.evict_every=0 must be ≥ 1"):  # the field's rule, wherever given
         build_method("h2o", {"evict_every": 0})
+    with pytest.raises(KvbenchError, match=r"method.evict_every=2.5 is not an integer"):
+        build_method("h2o", {"evict_every": 2.5})
 
 
 def test_tova_evicts_by_the_step_query_on_the_shared_component():

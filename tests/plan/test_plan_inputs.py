@@ -28,6 +28,13 @@ BIG = "1" + "0" * 400
 # (class, overrides, config.json fields replacing GOOD's (None: no file), text the one-line message must contain)
 CASES = [
     ("hardware", ["hardware.memory_gib=abc"], None, "hardware.memory_gib=80"),
+    # the run's pre-load refusals, and the nested settings' rules
+    ("refusal", ["model=tiny-random", "method=snapkv", "budget=16"], None, "fewer than snapkv keeps at least (33"),
+    ("refusal", ["model=tiny-random", "method=headmerge", "method.kv_heads=3"], None, "does not divide Llama's 2"),
+    ("count", ["model=tiny-random", "method=h2o", "method.evict_every=20000"], None, "beyond Llama's context"),
+    ("count", ["model=tiny-random", "prefix=1099511627776"], None, "prefix=1099511627776 must be ≤"),
+    ("nested", ["model=tiny-random", "method=adakv", "+method.scorer_params.window_size=-1"], None, "adakv.scorer_p"),
+    ("nested", ["model=tiny-random", "model.init_seed=1.0"], None, "model.init_seed=1.0 is a float"),
     ("hardware", ["hardware.bandwidth_gb_s=-5"], None, "must be > 0"),
     ("hardware", ["hardware.peak_tflops=0"], None, "hardware.peak_tflops=989"),
     ("hardware", ["hardware.memory_gib=true"], None, "is not a number"),

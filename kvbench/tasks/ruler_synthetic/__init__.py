@@ -10,7 +10,7 @@ Its haystacks and word lists are substitutes and it has no QA subtasks, so its s
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -77,11 +77,17 @@ class Ruler(Task):
                 cls._merged_knobs(cfg, name, subtask.knobs)
 
     def examples(self) -> list[Example]:
+        return list(self.iter_examples())
+
+    def iter_examples(self) -> Iterator[Example]:
         names, lengths = self._subtasks(), self._lengths()
         samples = int(self.cfg.get("num_samples", 2))
         if samples < 1:
             raise KvbenchError(f"task.num_samples={samples}: use at least 1")
-        return [self._example(name, length, index) for name in names for length in lengths for index in range(samples)]
+        for name in names:
+            for length in lengths:
+                for index in range(samples):
+                    yield self._example(name, length, index)
 
     def _subtasks(self) -> list[str]:
         names = list(self.cfg.get("tasks") or SUBTASKS)
