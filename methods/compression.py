@@ -22,7 +22,7 @@ that sets `acts_while_decoding`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -30,16 +30,15 @@ from transformers import DynamicCache
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import KV, gather_kv, kv_layer
 
-if TYPE_CHECKING:
-    from kvbench.methods.base import Budget, Method
-
 
 class Compression:
     """What one example's compression by `method` keeps: counts, kept positions, decode-time state."""
 
     acts_while_decoding = False  # True: on_decode_step may change the cache (the engine asks)
 
-    def __init__(self, method: Method, n_prompt: int, n_layers: int, budget: Budget | None):
+    # `method` is the Method (methods/base.py) that began it, `budget` its Budget or None; typed loosely here because
+    # base.py imports this module (each subclass names its method's class)
+    def __init__(self, method: Any, n_prompt: int, n_layers: int, budget: Any):
         self.method, self.n_prompt, self.budget = method, n_prompt, budget
         # prompt tokens each layer keeps of the whole prompt; None: nothing is evicted
         self.counts = method.layer_keep_counts(n_prompt, n_layers, budget)
