@@ -19,6 +19,7 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, Capabilities
+from kvbench.methods.compression import Compression
 from kvbench.methods.scorers import WrapsScorer
 from kvbench.model.ragged import RaggedLayer
 
@@ -54,21 +55,27 @@ class AdaKV(WrapsScorer):
         self.wrap(self.scorer, self.scorer_params)
         if not 0 <= self.alpha_safeguard <= 1:
             raise KvbenchError(f"alpha_safeguard={self.alpha_safeguard}: must be in [0, 1]")
-        self.reset()
 
-    def reset(self) -> None:
-        self._keep: dict[int, torch.Tensor] = {}
+    def begin(self, n_prompt, n_layers, budget) -> RaggedCompression:
+        return RaggedCompression(self, n_prompt, n_layers, budget)
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
+
+class RaggedCompression(Compression):
+    """One example's Ada-KV: each layer over its count becomes ragged (its heads' own kept positions)."""
+
+    method: AdaKV
+    ragged: torch.Tensor | None = None  # (B, H_kv, T) bool: the layer being compressed, once selected
+
+    def select(self, layer_idx, keys, values, stats, n_keep):
         """Records the layer's ragged choice; the dense gather the base class does with the returned (empty)
-        index costs nothing and is replaced by the ragged layer in `compress_layer`."""
-        scores = self._scorer.scores(layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
-        self._keep[layer_idx] = adaptive_keep(scores, n_keep, self.alpha_safeguard)
+        index costs nothing and is replaced by the ragged layer in `layer`."""
+        scores = self.method._scorer.scores(layer_idx, keys, values, stats)  # (B, H_kv, T)
+        self.ragged = adaptive_keep(scores, n_keep, self.method.alpha_safeguard)  # (B, H_kv, T) bool
         return torch.empty(*keys.shape[:2], 0, dtype=torch.long, device=keys.device)  # (B, H_kv, 0)
 
-    def compress_layer(self, layer_idx, keys, values, stats):
-        """The base class resolves the budget (fractions, minimums, nothing to evict) and calls keep_indices;
+    def layer(self, layer_idx, keys, values, stats):
+        """The base class resolves the budget (fractions, minimums, nothing to evict) and calls `select`;
         a layer it left whole stays dense, the others become ragged."""
-        dense = super().compress_layer(layer_idx, keys, values, stats)
-        keep = self._keep.pop(layer_idx, None)  # (B, H_kv, T) bool
-        return dense if keep is None else RaggedLayer.gather(keys, values, keep)
+        self.ragged = None
+        dense = super().layer(layer_idx, keys, values, stats)
+        return dense if self.ragged is None else RaggedLayer.gather(keys, values, self.ragged)

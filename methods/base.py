@@ -7,35 +7,32 @@ takes. What a method is (family, budget, which engine paths serve it) is declare
 below), and read as `method.caps.<name>`: nothing is looked up on a method by name. Every hook but `scores` has a
 working default, so a method overrides only what it changes:
 
-scoring and selection
+scoring and selection (pure: the same arguments give the same answer, nothing is kept on the method)
 - `bind(lm)`                          see the loaded model (RoPE frequencies for position re-indexing)
 - `stats_request()`                   attention statistics the prefill must record (observation window, all queries)
 - `scores(l, K, V, stats)`            per KV head and position, (B, H_kv, T); +inf: always kept. A method defining
                                       it is a scorer (`scorer_names()`), which adakv and decoding can wrap
-- `keep_indices(l, K, stats, n)`      per layer and KV head, which prompt positions to keep (default: top scores)
-byte accounting (the rules `compress` follows and the planner predicts bytes with, kvbench.model.kv_bytes)
+- `keep_indices(l, K, V, stats, n)`   per layer and KV head, which prompt positions to keep (default: top scores)
+byte accounting (the rules compression follows and the planner predicts bytes with, kvbench.model.kv_bytes)
 - `min_tokens()`                      the fewest kept tokens the method works with (its sinks/windows)
 - `layer_tokens(n_keep, L, T)`        tokens kept per layer (uniform; PyramidKV redistributes them)
 - `layer_keep_counts(T, L, budget)`   prompt tokens each layer keeps
 - `held_after_decoding(kept, ...)`    tokens each layer holds after appending and decoding (grows by default)
-the compress path
-- `compress(prefill_kv, stats, budget)`  the cache to decode from after a shared prefill: the three hooks below
-- `begin_compress(T, L, budget)`      forget the last example (`reset()`), fix each layer's count for the prompt
-- `compress_layer(l, K, V, stats)`    one layer's cache layer: `keep_indices` gathered by default; quantized
-                                      caches build their own layers here. prefill=inline calls it inside the
-                                      forward pass right after layer l's attention (kvbench/engine/inline.py), and
-                                      prefill_chunk again after every chunk with what the layer then holds
-- `observe_layer(l, K, stats)`        a layer kept whole: methods accumulating scores (H2O) add this pass's
-- `end_compress(layers, stats, budget)`  the cache holding the layers; decode-time state is set up here
-- `kept_positions`                    what the last compression kept per layer (kvbench.guide.diagnose reads it)
+one example's compression
+- `begin(T, L, budget)`               a `Compression` (methods/compression.py): what this example's compression
+                                      keeps (counts, kept positions per layer, decode-time state), built layer by
+                                      layer by its `layer` and `end` — after a shared prefill (`run`), or inside
+                                      the forward pass with prefill=inline (kvbench/engine/inline.py) — and driven
+                                      while decoding by its hooks. Methods that keep state return a subclass
+- `compress(prefill_kv, stats, budget)`  `begin` and `run` in one call: the cache alone
 recording
 - `params()`                          the knobs as recorded in the `method_params` column
 - `lossless_params(lm)`               knobs under which the method must reproduce the full cache exactly (tested)
 
 Modes, each a mixin or a wrapper with its own contract, never an attribute probed for:
-- decode time: methods/modes.py's `DecodeTime` (statistics per decode step, evicting after it, RoPE positions);
-  the engine reaches any method's through `decode_time(method)`. methods/decode_eviction.py's `DecodeEviction`
-  implements it once for H2O, StreamingLLM and TOVA; methods/decoding.py re-selects by any scorer while generating
+- decode time: a `Compression` subclass (statistics per decode step, evicting after it, RoPE positions):
+  methods/decode_eviction.py's `Evicting` implements it once for H2O, StreamingLLM, TOVA and R-KV;
+  methods/decoding.py re-selects by any scorer while generating
 - model conversion: methods/modes.py's `ChangesModel` (head merging; declared `caps.shares_prefill=False`)
 - head-wise budgets: methods/adakv.py, and decoding, wrap a scorer (methods/scorers.py's `WrapsScorer`)
 - composition: methods/compose.py stacks one method per family (`caps.family`)
@@ -53,13 +50,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers import DynamicCache
 
 from kvbench import KvbenchError
 from kvbench.config.registry import Registry, build_dataclass
 from kvbench.config.rules import check_fields
+from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRecorder, StatsRequest
-from kvbench.model.cache import KV, gather_kv, kv_layer
+from kvbench.model.cache import KV
 
 METHODS = Registry("method")
 
@@ -125,9 +122,6 @@ class Capabilities:
 class Method:
     name: ClassVar[str]  # set by METHODS.register
     caps = Capabilities()  # what the method is (not a knob: no annotation, so not a dataclass field)
-    # per layer the (B, H_kv, N) prompt positions the last compression kept, None where a layer keeps every token;
-    # set by begin_compress (wrappers point it at their part's); None before any compression
-    kept_positions = None
 
     # ---- scoring and selection -----------------------------------------------------------------------------
     def bind(self, lm) -> None:
@@ -141,11 +135,11 @@ class Method:
         +inf marks positions the method always keeps (sinks, observation windows)."""
         raise KvbenchError(f"{self.name} has no per-head scores; use a scorer: {', '.join(scorer_names())}")
 
-    def keep_indices(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder, n_keep: int) -> torch.Tensor:
-        """Positions to keep for one layer: (B, H_kv, n_keep) int64, sorted ascending; each KV head's `n_keep`
-        highest `scores` unless the method selects otherwise."""
-        values = self._layer_values  # this hook passes keys only; compress_layer sets the layer's values
-        assert values is not None, "keep_indices runs inside compress_layer"
+    def keep_indices(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats: StatsRecorder, n_keep: int
+    ) -> torch.Tensor:
+        """Positions to keep for one layer of keys/values (B, H_kv, T, D): (B, H_kv, n_keep) int64, sorted
+        ascending; each KV head's `n_keep` highest `scores` unless the method selects otherwise."""
         return top_k_sorted(self.scores(layer_idx, keys, values, stats), n_keep)  # (B, H_kv, n_keep)
 
     # ---- byte accounting -----------------------------------------------------------------------------------
@@ -188,69 +182,16 @@ class Method:
         return [n + appended + decoded for n in kept], False
 
     # ---- the compress path ---------------------------------------------------------------------------------
+    def begin(self, n_prompt: int, n_layers: int, budget: Budget | None) -> Compression:
+        """One example's compression of an n_prompt-token prompt (methods/compression.py): the object that holds
+        what it keeps; its `layer` and `end` build the cache. A method whose selection or decoding keeps state
+        returns a subclass of its own."""
+        return Compression(self, n_prompt, n_layers, budget)
+
     def compress(self, prefill_kv: list[KV], stats: StatsRecorder, budget: Budget | None):
-        """The cache to decode from, after the whole prefill (`prefill=shared`): `begin_compress`, then
-        `compress_layer` for each layer, then `end_compress` — the same calls `prefill=inline` makes inside the
-        forward pass, one layer at a time (kvbench.engine.inline)."""
-        self.begin_compress(prefill_kv[0][0].shape[2], len(prefill_kv), budget)
-        layers = [self.compress_layer(i, keys, values, stats) for i, (keys, values) in enumerate(prefill_kv)]
-        return self.end_compress(layers, stats, budget)
-
-    def begin_compress(self, n_prompt: int, n_layers: int, budget: Budget | None) -> None:
-        """Before the first layer: forget the last example, fix each layer's kept count for the whole prompt.
-
-        Records `kept_positions` (kvbench.guide.diagnose): per layer the (B, H_kv, N) prompt positions kept, None
-        where a layer keeps every token."""
-        self.reset()
-        self._kept: list[torch.Tensor | None] = [None] * n_layers  # filled in by compress_layer
-        self.kept_positions = self._kept
-        self._keep_counts = self.layer_keep_counts(n_prompt, n_layers, budget)
-        self._layer_values: torch.Tensor | None = None  # compress_layer's values, for value-aware scorers
-        self._seen = [0] * n_layers  # prompt tokens each layer has been given (chunked prefill: so far)
-
-    def compress_layer(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, stats: StatsRecorder):
-        """One layer's cache layer to decode from, given everything it holds now, keys/values (B, H_kv, T, D):
-        `keep_indices` gathered into new tensors when the layer holds more than its count, else kept whole.
-
-        Chunked prefill calls it again after every chunk with what the layer then holds (kept tokens + the chunk);
-        `stats` are always the current pass's, over all of the layer's keys."""
-        n_keep = None if self._keep_counts is None else self._keep_counts[layer_idx]
-        slots = self._slot_positions(layer_idx, keys.shape[2], keys)  # (B, H_kv, T) prompt positions, or None
-        if n_keep is None or n_keep >= keys.shape[2]:
-            self.observe_layer(layer_idx, keys, stats)
-            self._kept[layer_idx] = slots
-            return kv_layer(keys, values)
-        self._layer_values = values  # value-aware scorers read the layer's values
-        try:
-            index = self.keep_indices(layer_idx, keys, stats, n_keep)  # (B, H_kv, n_keep)
-        finally:
-            self._layer_values = None
-        self._kept[layer_idx] = index if slots is None else slots.gather(-1, index)  # (B, H_kv, n_keep)
-        return kv_layer(*gather_kv(keys, values, index))
-
-    def _slot_positions(self, layer_idx: int, n_slots: int, like: torch.Tensor) -> torch.Tensor | None:
-        """Prompt positions of a layer's `n_slots` cache slots: the positions kept so far, then the new tokens;
-        None while the layer has never been evicted (slot = position)."""
-        held = self._kept[layer_idx]  # (B, H_kv, P) or None
-        seen = self._seen[layer_idx]
-        self._seen[layer_idx] = seen + n_slots - (seen if held is None else held.shape[-1])
-        if held is None:
-            return None
-        new = torch.arange(seen, self._seen[layer_idx], device=held.device)  # (T − P,)
-        return torch.cat([held, new.expand(*held.shape[:2], -1)], dim=-1)  # (B, H_kv, T)
-
-    def observe_layer(self, layer_idx: int, keys: torch.Tensor, stats: StatsRecorder) -> None:
-        """A layer kept whole by `compress_layer` (under its count): methods that accumulate scores (H2O) add
-        this pass's statistics, so a later chunk or decode step evicts with them."""
-
-    def end_compress(self, layers: list, stats: StatsRecorder, budget: Budget | None):
-        """After the last layer: the cache holding `layers` (methods with decode-time state set it up here)."""
-        cache = DynamicCache()
-        cache.layers = list(layers)
-        return cache
-
-    def reset(self) -> None:
-        """Forget per-example state (called at the start of each example's compression)."""
+        """The cache to decode from, after the whole prefill, in one call (`begin` then its `run`); the engine
+        keeps the compression itself, for its decode-time hooks and kept positions."""
+        return self.begin(prefill_kv[0][0].shape[2], len(prefill_kv), budget).run(prefill_kv, stats)
 
     # ---- recording -----------------------------------------------------------------------------------------
     @classmethod

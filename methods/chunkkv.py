@@ -59,6 +59,6 @@ class ChunkKV(WrapsScorer):
     def __post_init__(self):
         self.wrap(self.scorer, self.scorer_params)
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
-        scores = self._scorer.scores(layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
+    def keep_indices(self, layer_idx, keys, values, stats, n_keep):
+        scores = self._scorer.scores(layer_idx, keys, values, stats)  # (B, H_kv, T)
         return chunk_keep(scores, self.chunk_size, n_keep)  # (B, H_kv, n_keep)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, Capabilities, Method, build_method, method_defaults
-from kvbench.methods.modes import ChangesModel, DecodeTime, decode_time
+from kvbench.methods.compression import Compression
+from kvbench.methods.modes import ChangesModel
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import kv_layer
 
@@ -25,7 +26,7 @@ FAMILY_ORDER = ("structure", "eviction", "precision")
 
 @METHODS.register("compose")
 @dataclass
-class Compose(DecodeTime, ChangesModel, Method):
+class Compose(ChangesModel, Method):
     stack: list[str] = field(default_factory=lambda: ["snapkv", "kivi"])
     overrides: dict | None = None  # per-part parameters: {kivi: {bits: 2}}; None: each part's defaults
 
@@ -111,39 +112,56 @@ class Compose(DecodeTime, ChangesModel, Method):
         return self.eviction.stats_request() if self.eviction else StatsRequest()
 
     # ---- the compress path: eviction selects, precision stores what it kept -----------------------------------
-    def begin_compress(self, n_prompt, n_layers, budget):
-        if self.eviction:
-            self.eviction.begin_compress(n_prompt, n_layers, budget)
-        if self.precision:
-            self.precision.begin_compress(n_prompt, n_layers, None)
-        self.kept_positions = self.eviction.kept_positions if self.eviction else None  # what eviction keeps
+    def begin(self, n_prompt, n_layers, budget) -> Stacked:
+        return Stacked(self, n_prompt, n_layers, budget)
 
-    def compress_layer(self, layer_idx, keys, values, stats):
+
+class Stacked(Compression):
+    """One example's stack: the eviction part's compression selects, the precision part's stores what it kept;
+    decoding is the eviction part's."""
+
+    method: Compose
+
+    def __init__(self, method: Compose, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        eviction, precision = method.eviction, method.precision
+        self.eviction = eviction.begin(n_prompt, n_layers, budget) if eviction else None
+        self.precision = precision.begin(n_prompt, n_layers, None) if precision else None
+        if self.eviction:
+            self.kept = self.eviction.kept  # what eviction keeps
+        # decoding: the eviction part's hooks (none without one)
+        self.decoding = self.eviction or Compression(method, n_prompt, n_layers, None)
+        self.acts_while_decoding = self.decoding.acts_while_decoding
+
+    def layer(self, layer_idx, keys, values, stats):
         """Eviction selects the layer's tokens, then precision stores what it kept."""
-        layer = self.eviction.compress_layer(layer_idx, keys, values, stats) if self.eviction else None
+        layer = self.eviction.layer(layer_idx, keys, values, stats) if self.eviction else None
         if self.precision:
             kept = (keys, values) if layer is None else (layer.keys, layer.values)
-            layer = self.precision.compress_layer(layer_idx, *kept, stats)  # quantize what eviction kept
+            layer = self.precision.layer(layer_idx, *kept, stats)  # quantize what eviction kept
         return layer if layer is not None else kv_layer(keys, values)
 
-    def end_compress(self, layers, stats, budget):
-        cache = self.eviction.end_compress(layers, stats, budget) if self.eviction else None
+    def end(self, layers, stats):
+        cache = self.eviction.end(layers, stats) if self.eviction else None
         if self.precision:
-            cache = self.precision.end_compress(cache.layers if cache is not None else layers, stats, None)
-        return cache if cache is not None else super().end_compress(layers, stats, budget)
+            cache = self.precision.end(cache.layers if cache is not None else layers, stats)
+        return cache if cache is not None else super().end(layers, stats)
 
     # ---- decoding: the eviction part's ------------------------------------------------------------------------
     def decode_request(self) -> StatsRequest:
-        return decode_time(self.eviction).decode_request()
+        return self.decoding.decode_request()
 
     def on_extend(self, n_tokens: int) -> None:
-        decode_time(self.eviction).on_extend(n_tokens)
+        self.decoding.on_extend(n_tokens)
+
+    def on_decode_start(self, cache, position: int) -> None:
+        self.decoding.on_decode_start(cache, position)
 
     def on_decode_step(self, cache, stats) -> None:
-        decode_time(self.eviction).on_decode_step(cache, stats)
+        self.decoding.on_decode_step(cache, stats)
 
     def position(self, absolute_position: int, cache) -> int:
-        return decode_time(self.eviction).position(absolute_position, cache)
+        return self.decoding.position(absolute_position, cache)
 
     def slack(self) -> int:
-        return decode_time(self.eviction).slack()
+        return self.decoding.slack()

@@ -23,15 +23,94 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, scorer_names, top_k_sorted
-from kvbench.methods.modes import DecodeTime
+from kvbench.methods.compression import Compression
 from kvbench.methods.scorers import WrapsScorer
 from kvbench.model.attention import QueryMoments, StatsRecorder, StatsRequest
 from kvbench.model.cache import held_kv, layer_select
 
 
+class Redecoding(Compression):
+    """One example's decoding compression: the scorer's own compression of the prompt, then the decode steps'
+    statistics since the last re-selection."""
+
+    acts_while_decoding = True
+    method: Decoding
+
+    def __init__(self, method: Decoding, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        # the scorer's own compression selects the prompt; its decode-time hooks (TOVA's eviction) are never called:
+        # this one decides when
+        self.prompt = method._scorer.begin(n_prompt, n_layers, budget)
+        self.kept = self.prompt.kept  # what the scorer's compression keeps
+        self.armed = False
+        self.steps = 0
+        self.rows: dict[int, dict[int, list[torch.Tensor]]] = {}  # W → layer → recent (B, H_q, T_step) rows
+        self.moments: dict[int, dict[int, QueryMoments]] = {}  # n_sink → layer → moments since last compression
+
+    # ---- prefill: the scorer's own compression (bind, stats, token counts: WrapsScorer) -----------------------
+    def layer(self, layer_idx, keys, values, stats):
+        return self.prompt.layer(layer_idx, keys, values, stats)
+
+    def end(self, layers, stats):
+        cache = self.prompt.end(layers, stats)
+        self.armed = True
+        return cache
+
+    # ---- decode ----------------------------------------------------------------------------------------------
+    def decode_request(self) -> StatsRequest:
+        return self.method._scorer.stats_request() if self.armed else StatsRequest()
+
+    def on_decode_step(self, cache, stats) -> None:
+        if not self.armed:
+            return
+        self.remember(stats)
+        self.steps += 1
+        if self.steps < self.method.compress_every:
+            return
+        window = self.window_stats(cache)
+        decode_budget, scorer = self.method.decode_budget, self.method._scorer
+        for layer_idx, layer in enumerate(cache.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                continue  # a sliding layer keeps its window (kvbench.model.cache.WindowLayer)
+            keys, values = held_kv(layer)  # (B, H_kv, T, D): a prefix-cache layer's shared part too
+            if keys.shape[2] > decode_budget:
+                scores = scorer.scores(layer_idx, keys, values, window)  # (B, H_kv, T)
+                layer_select(layer, top_k_sorted(scores, decode_budget))
+        self.steps, self.rows, self.moments = 0, {}, {}
+
+    def remember(self, stats: StatsRecorder) -> None:
+        for w, layers in stats.window.items():
+            for layer_idx, row in layers.items():  # (B, H_q, T_step): one query's attention
+                rows = self.rows.setdefault(w, {}).setdefault(layer_idx, [])
+                rows.append(row)
+                del rows[:-w]  # only the last W queries vote
+        for skip, layer_moments in stats.moments.items():
+            for layer_idx, step in layer_moments.items():
+                bsz, n_heads, head_dim = step.total.shape  # (B, H_q, D)
+                total = self.moments.setdefault(skip, {}).setdefault(
+                    layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, step.inv_freq, step.rope_scaling)
+                )
+                total.count, total.total, total.outer = (
+                    total.count + step.count,
+                    total.total + step.total,
+                    total.outer + step.outer,
+                )
+
+    def window_stats(self, cache) -> StatsRecorder:
+        """The recent steps' statistics in the shape the scorer reads after prefill."""
+        recorder = StatsRecorder(self.method._scorer.stats_request())
+        for w, layers in self.rows.items():
+            for layer_idx, rows in layers.items():
+                n_tokens = cache.layers[layer_idx].get_seq_length()
+                padded = [torch.nn.functional.pad(row, (0, n_tokens - row.shape[-1])) for row in rows]  # later keys: 0
+                recorder.window.setdefault(w, {})[layer_idx] = torch.stack(padded).sum(0)  # (B, H_q, T)
+        recorder.moments = self.moments
+        return recorder
+
+
 @METHODS.register("decoding")
 @dataclass
-class Decoding(DecodeTime, WrapsScorer):
+class Decoding(WrapsScorer):
     scorer: str = "knorm"  # the method whose scores select (built from its conf/method/<scorer>.yaml)
     compress_every: int = knob(64, min=1, tokens=True)  # generated tokens between two compressions
     decode_budget: int = knob(256, min=1, tokens=True)  # tokens per layer kept by each decode-time compression
@@ -53,78 +132,9 @@ class Decoding(DecodeTime, WrapsScorer):
                 f"decoding: scorer={self.scorer} cannot re-score while decoding ({self._scorer.caps.chunk_limit}); "
                 f"use one of {', '.join(usable)}"
             )
-        self.reset()
 
-    def reset(self) -> None:
-        self._armed = False
-        self._steps = 0
-        self._rows: dict[int, dict[int, list[torch.Tensor]]] = {}  # W → layer → recent (B, H_q, T_step) rows
-        self._moments: dict[int, dict[int, QueryMoments]] = {}  # n_sink → layer → moments since last compression
-
-    # ---- prefill: the scorer's own compression (bind, stats, token counts: WrapsScorer) -----------------------
-    def begin_compress(self, n_prompt, n_layers, budget):
-        self.reset()
-        self._scorer.begin_compress(n_prompt, n_layers, budget)
-        self.kept_positions = self._scorer.kept_positions  # what the scorer's compression keeps
-
-    def compress_layer(self, layer_idx, keys, values, stats):
-        return self._scorer.compress_layer(layer_idx, keys, values, stats)
-
-    def end_compress(self, layers, stats, budget):
-        cache = self._scorer.end_compress(layers, stats, budget)
-        self._scorer.reset()  # its own decode-time eviction (TOVA) stays off: this wrapper decides when
-        self._armed = True
-        return cache
-
-    # ---- decode ----------------------------------------------------------------------------------------------
-    def decode_request(self) -> StatsRequest:
-        return self._scorer.stats_request() if self._armed else StatsRequest()
-
-    def on_decode_step(self, cache, stats) -> None:
-        if not self._armed:
-            return
-        self._remember(stats)
-        self._steps += 1
-        if self._steps < self.compress_every:
-            return
-        window = self._window_stats(cache)
-        for layer_idx, layer in enumerate(cache.layers):
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                continue  # a sliding layer keeps its window (kvbench.model.cache.WindowLayer)
-            keys, values = held_kv(layer)  # (B, H_kv, T, D): a prefix-cache layer's shared part too
-            if keys.shape[2] > self.decode_budget:
-                scores = self._scorer.scores(layer_idx, keys, values, window)  # (B, H_kv, T)
-                layer_select(layer, top_k_sorted(scores, self.decode_budget))
-        self._steps, self._rows, self._moments = 0, {}, {}
-
-    def _remember(self, stats: StatsRecorder) -> None:
-        for w, layers in stats.window.items():
-            for layer_idx, row in layers.items():  # (B, H_q, T_step): one query's attention
-                rows = self._rows.setdefault(w, {}).setdefault(layer_idx, [])
-                rows.append(row)
-                del rows[:-w]  # only the last W queries vote
-        for skip, layer_moments in stats.moments.items():
-            for layer_idx, step in layer_moments.items():
-                bsz, n_heads, head_dim = step.total.shape  # (B, H_q, D)
-                total = self._moments.setdefault(skip, {}).setdefault(
-                    layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, step.inv_freq, step.rope_scaling)
-                )
-                total.count, total.total, total.outer = (
-                    total.count + step.count,
-                    total.total + step.total,
-                    total.outer + step.outer,
-                )
-
-    def _window_stats(self, cache) -> StatsRecorder:
-        """The recent steps' statistics in the shape the scorer reads after prefill."""
-        recorder = StatsRecorder(self._scorer.stats_request())
-        for w, layers in self._rows.items():
-            for layer_idx, rows in layers.items():
-                n_tokens = cache.layers[layer_idx].get_seq_length()
-                padded = [torch.nn.functional.pad(row, (0, n_tokens - row.shape[-1])) for row in rows]  # later keys: 0
-                recorder.window.setdefault(w, {})[layer_idx] = torch.stack(padded).sum(0)  # (B, H_q, T)
-        recorder.moments = self._moments
-        return recorder
+    def begin(self, n_prompt, n_layers, budget) -> Redecoding:
+        return Redecoding(self, n_prompt, n_layers, budget)
 
     def held_after_decoding(self, kept, n_prompt, budget, appended, decoded):
         """Every compress_every steps (appended tokens are steps too) a layer above decode_budget drops to it."""

@@ -20,9 +20,79 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, check_choice, top_k_sorted
-from kvbench.methods.decode_eviction import DecodeEviction
+from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.methods.scorers import per_kv_head
 from kvbench.model.attention import StatsRequest
+
+
+class H2OCompression(Evicting):
+    """One example's H2O: the attention each kept token has received so far (and, for score=mean, how many
+    queries it was seen by), per layer; the recent window's length."""
+
+    method: H2O
+
+    def __init__(self, method: H2O, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        self.received: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) attention received, summed
+        self.queries: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) queries each key received (mean)
+        self.recent = 0
+
+    # ---- scores --------------------------------------------------------------------------------------------
+    def receive(self, layer_idx: int, stats, n_kv_heads: int) -> int:
+        """Add this pass's attention (its Q queries are the newest positions) to the layer's scores; returns T."""
+        received = per_kv_head(stats.all_queries[layer_idx], n_kv_heads, "sum")  # (B, H_kv, T)
+        n_tokens = received.shape[-1]
+        old = self.received.get(layer_idx)
+        n_old = 0 if old is None else old.shape[-1]
+        if old is not None:
+            received[..., :n_old] += old  # new tokens start from what they received now
+        self.received[layer_idx] = received
+        if self.method.score == "mean":  # the denominators: only mean reads them
+            # causal: key i (of T) is seen by the pass's last min(Q, T − i) queries, Q = T − n_old new tokens
+            seen = (n_tokens - torch.arange(n_tokens, device=received.device)).clamp(max=n_tokens - n_old).float()
+            queries = seen.expand_as(received).clone()  # (B, H_kv, T)
+            if old is not None:
+                queries[..., :n_old] += self.queries[layer_idx]
+            self.queries[layer_idx] = queries
+        return n_tokens
+
+    def ranking(self, layer_idx: int) -> torch.Tensor:
+        received = self.received[layer_idx]  # (B, H_kv, T)
+        return received / self.queries[layer_idx] if self.method.score == "mean" else received
+
+    def keep(self, layer_idx: int, n_keep: int) -> torch.Tensor:
+        """Recent window + top scores before it (B, H_kv, n_keep); the layer's scores follow the kept tokens."""
+        ranking = self.ranking(layer_idx)  # (B, H_kv, T)
+        n_tokens = ranking.shape[-1]
+        heavy = top_k_sorted(ranking[..., : n_tokens - self.recent], n_keep - self.recent)  # (B, H_kv, heavy)
+        recent = torch.arange(n_tokens - self.recent, n_tokens, device=ranking.device)
+        index = torch.cat([heavy, recent.expand(*ranking.shape[:2], -1)], dim=-1)  # (B, H_kv, n_keep)
+        self.received[layer_idx] = self.received[layer_idx].gather(-1, index)
+        if layer_idx in self.queries:  # score=mean
+            self.queries[layer_idx] = self.queries[layer_idx].gather(-1, index)
+        return index
+
+    # ---- prefill and decoding ------------------------------------------------------------------------------
+    def select(self, layer_idx, keys, values, stats, n_keep):
+        """Recent window + top accumulated scores before it; remembers the kept tokens' scores for decoding."""
+        self.recent = self.method.recent_tokens(n_keep)
+        self.receive(layer_idx, stats, keys.shape[1])
+        return self.keep(layer_idx, n_keep)
+
+    def observe(self, layer_idx, keys, stats):
+        """A layer kept whole (budget ≥ the prompt, or a chunk that fits): score its tokens for later evictions."""
+        self.receive(layer_idx, stats, keys.shape[1])
+
+    def start_decoding(self, cache, stats):
+        assert self.sizes is not None  # called only when the cache is held
+        self.recent = self.method.recent_tokens(min(self.sizes))
+        return cache
+
+    def observe_step(self, layer_idx, layer, stats):
+        self.receive(layer_idx, stats, self.received[layer_idx].shape[1])  # every step's query votes
+
+    def decode_keep(self, layer_idx, layer, size, stats):
+        return self.keep(layer_idx, size)  # the layer is over its size
 
 
 @METHODS.register("h2o")
@@ -31,18 +101,13 @@ class H2O(DecodeEviction):
     recent_ratio: float = 0.5  # share of the budget kept as the recent window (the paper: 10 % heavy + 10 % recent)
     score: str = "sum"  # sum (the original) | mean (÷ queries each key received: kvpress's ObservedAttentionPress)
 
+    compression = H2OCompression
+
     def __post_init__(self):
         super().__post_init__()  # evict_every
         if not 0 <= self.recent_ratio < 1:
             raise KvbenchError(f"recent_ratio={self.recent_ratio}: must be in [0, 1) (the rest are heavy hitters)")
         check_choice("score", self.score, ("sum", "mean"))
-        self.reset()
-
-    def reset(self) -> None:
-        super().reset()
-        self._received: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) attention received, summed
-        self._queries: dict[int, torch.Tensor] = {}  # layer → (B, H_kv, T_cache) queries each key received (mean)
-        self._recent = 0
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(all_queries=True)
@@ -52,59 +117,3 @@ class H2O(DecodeEviction):
 
     def recent_tokens(self, n_keep: int) -> int:
         return min(n_keep - 1, max(1, round(self.recent_ratio * n_keep))) if self.recent_ratio else 0
-
-    # ---- scores --------------------------------------------------------------------------------------------
-    def _receive(self, layer_idx: int, stats, n_kv_heads: int) -> int:
-        """Add this pass's attention (its Q queries are the newest positions) to the layer's scores; returns T."""
-        received = per_kv_head(stats.all_queries[layer_idx], n_kv_heads, "sum")  # (B, H_kv, T)
-        n_tokens = received.shape[-1]
-        old = self._received.get(layer_idx)
-        n_old = 0 if old is None else old.shape[-1]
-        if old is not None:
-            received[..., :n_old] += old  # new tokens start from what they received now
-        self._received[layer_idx] = received
-        if self.score == "mean":  # the denominators: only mean reads them
-            # causal: key i (of T) is seen by the pass's last min(Q, T − i) queries, Q = T − n_old new tokens
-            seen = (n_tokens - torch.arange(n_tokens, device=received.device)).clamp(max=n_tokens - n_old).float()
-            queries = seen.expand_as(received).clone()  # (B, H_kv, T)
-            if old is not None:
-                queries[..., :n_old] += self._queries[layer_idx]
-            self._queries[layer_idx] = queries
-        return n_tokens
-
-    def _ranking(self, layer_idx: int) -> torch.Tensor:
-        received = self._received[layer_idx]  # (B, H_kv, T)
-        return received / self._queries[layer_idx] if self.score == "mean" else received
-
-    def _keep(self, layer_idx: int, n_keep: int) -> torch.Tensor:
-        """Recent window + top scores before it (B, H_kv, n_keep); the layer's scores follow the kept tokens."""
-        ranking = self._ranking(layer_idx)  # (B, H_kv, T)
-        n_tokens = ranking.shape[-1]
-        heavy = top_k_sorted(ranking[..., : n_tokens - self._recent], n_keep - self._recent)  # (B, H_kv, heavy)
-        recent = torch.arange(n_tokens - self._recent, n_tokens, device=ranking.device)
-        index = torch.cat([heavy, recent.expand(*ranking.shape[:2], -1)], dim=-1)  # (B, H_kv, n_keep)
-        self._received[layer_idx] = self._received[layer_idx].gather(-1, index)
-        if layer_idx in self._queries:  # score=mean
-            self._queries[layer_idx] = self._queries[layer_idx].gather(-1, index)
-        return index
-
-    # ---- prefill and decoding ------------------------------------------------------------------------------
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
-        """Recent window + top accumulated scores before it; remembers the kept tokens' scores for decoding."""
-        self._recent = self.recent_tokens(n_keep)
-        self._receive(layer_idx, stats, keys.shape[1])
-        return self._keep(layer_idx, n_keep)
-
-    def observe_layer(self, layer_idx, keys, stats):
-        """A layer kept whole (budget ≥ the prompt, or a chunk that fits): score its tokens for later evictions."""
-        self._receive(layer_idx, stats, keys.shape[1])
-
-    def start_decoding(self, cache, stats):
-        self._recent = self.recent_tokens(min(self.held_sizes()))
-        return cache
-
-    def observe_step(self, layer_idx, layer, stats):
-        self._receive(layer_idx, stats, self._received[layer_idx].shape[1])  # every step's query votes
-
-    def decode_keep(self, layer_idx, layer, size, stats):
-        return self._keep(layer_idx, size)  # the layer is over its size

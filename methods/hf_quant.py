@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method
+from kvbench.methods.compression import Compression
 
 
 def fp8_available() -> bool:
@@ -72,41 +73,49 @@ class HFQuantizedCache(Method):
                 f"pip install 'kvbench[{extra}]'"
                 + ("   (or use backend=fp8, which needs none)" if fp8_available() else "")
             )
-        self._config = None
+        self.model_config = None  # the bound model's config (`bind`): what QuantizedCache sizes its layers by
 
     @classmethod
     def lossless_params(cls, lm):
         return None  # every backend is lossy
 
     def bind(self, lm) -> None:
-        self._config = lm.config
+        self.model_config = lm.config
 
-    def begin_compress(self, n_prompt, n_layers, budget):
+    def begin(self, n_prompt, n_layers, budget) -> QuantizedCompression:
+        return QuantizedCompression(self, n_prompt, n_layers, budget)
+
+
+class QuantizedCompression(Compression):
+    """One example's transformers QuantizedCache: its layers quantize the prompt on their first update."""
+
+    method: HFQuantizedCache
+
+    def __init__(self, method: HFQuantizedCache, n_prompt: int, n_layers: int, budget):
         from transformers import QuantizedCache
 
-        super().begin_compress(n_prompt, n_layers, budget)
+        super().__init__(method, n_prompt, n_layers, budget)
         options = (
             {}
-            if self.backend == "fp8"
+            if method.backend == "fp8"
             else dict(
-                nbits=self.nbits,
-                q_group_size=self.q_group_size,
-                residual_length=self.residual_length,
-                axis_key=self.axis_key,
-                axis_value=self.axis_value,
+                nbits=method.nbits,
+                q_group_size=method.q_group_size,
+                residual_length=method.residual_length,
+                axis_key=method.axis_key,
+                axis_value=method.axis_value,
             )
         )
         try:
-            self._cache = QuantizedCache(self.backend, self._config, **options)
+            self.cache = QuantizedCache(method.backend, method.model_config, **options)
         except (ValueError, ImportError) as error:
             raise KvbenchError(f"hf-quant: {error}") from None
 
-    def compress_layer(self, layer_idx, keys, values, stats):
-        layer = self._cache.layers[layer_idx]
+    def layer(self, layer_idx, keys, values, stats):
+        layer = self.cache.layers[layer_idx]
         layer.update(keys, values)  # the first update quantizes the whole prompt
         return layer
 
-    def end_compress(self, layers, stats, budget):
-        cache, self._cache = self._cache, None
-        cache.layers = list(layers)
-        return cache
+    def end(self, layers, stats):
+        self.cache.layers = list(layers)
+        return self.cache

@@ -49,6 +49,7 @@ from kvbench.config.registry import knob
 from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.kernels.kivi_attention import TENSORS, KiviStorage
 from kvbench.methods.base import METHODS, Capabilities, Method
+from kvbench.methods.compression import Compression
 
 BITS = (2, 4, 8, 16)
 
@@ -352,14 +353,24 @@ class Kivi(Method):
     def lossless_params(cls, lm) -> dict:
         return {"bits": 16}  # passthrough: every token stays in the full-precision residual
 
-    def compress_layer(self, layer_idx, keys, values, stats):
+    def begin(self, n_prompt, n_layers, budget) -> KiviCompression:
+        return KiviCompression(self, n_prompt, n_layers, budget)
+
+
+class KiviCompression(Compression):
+    """One example's KIVI cache: every layer quantized whole (no budget)."""
+
+    method: Kivi
+
+    def layer(self, layer_idx, keys, values, stats):
         """A layer's K/V (B, H_kv, T, D) as a KiviLayer, split as KIVI splits a prefill (inline: as produced)."""
+        method = self.method
         return KiviLayer.from_kv(
             keys,
             values,
-            self.bits,
-            self.group_size,
-            self.residual_length,
-            self.bits_of("key"),
-            self.bits_of("value"),
+            method.bits,
+            method.group_size,
+            method.residual_length,
+            method.bits_of("key"),
+            method.bits_of("value"),
         )

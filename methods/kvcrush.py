@@ -87,8 +87,8 @@ class KVCrush(WrapsScorer):
                 f"representative_share={self.representative_share}: must be in [0, 1) (the rest is the scorer's)"
             )
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
-        scores = self._scorer.scores(layer_idx, keys, self._layer_values, stats)  # (B, H_kv, T)
+    def keep_indices(self, layer_idx, keys, values, stats, n_keep):
+        scores = self._scorer.scores(layer_idx, keys, values, stats)  # (B, H_kv, T)
         always = int(torch.isinf(scores).sum(-1).max())  # the scorer's always-kept positions (windows, sinks)
         n_rep = min(int(n_keep * self.representative_share), max(0, n_keep - always))
         generator = torch.Generator().manual_seed(self.seed + layer_idx)

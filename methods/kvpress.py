@@ -235,7 +235,7 @@ class KVPress(HooksPrefill, Method):
         n_prompt, kept = self._claim
         return (kept + context_tokens - n_prompt + decoded) / (context_tokens + decoded)
 
-    def compress(self, prefill_kv, stats, budget):
+    def begin(self, n_prompt, n_layers, budget):
         raise KvbenchError(
             "method=kvpress compresses inside its own prefill (kvpress's hooks); this path gave it a prefill "
             "already made: run it with prefill=shared, batch_size=1, no prefix cache, diagnose or streamed task"

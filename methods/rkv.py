@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, check_choice, top_k_sorted
-from kvbench.methods.decode_eviction import DecodeEviction
+from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.methods.scorers import per_kv_head
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import held_kv
@@ -56,6 +56,33 @@ def redundancy(keys: torch.Tensor, threshold: float = 0.5, retain_direction: str
     return out
 
 
+class RKVCompression(Evicting):
+    """One example's R-KV while decoding: per layer the last decode steps' attention rows (the window's votes)."""
+
+    method: RKV
+
+    def __init__(self, method: RKV, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        self.rows: dict[int, list[torch.Tensor]] = {}  # layer → the last decode steps' attention rows (B, H_q, T)
+
+    def observe_step(self, layer_idx, layer, stats):
+        """Remember this step's attention row; the older rows get a zero for the new token (causal)."""
+        window = self.method.window_size
+        row = stats.window[window][layer_idx]  # (B, H_q, T): the single decode query's softmax row
+        rows = [F.pad(r, (0, row.shape[-1] - r.shape[-1])) for r in self.rows.get(layer_idx, [])]
+        self.rows[layer_idx] = (rows + [row])[-window:]
+
+    def decode_keep(self, layer_idx, layer, size, stats):
+        keys, _ = held_kv(layer)  # (B, H_kv, T, D)
+        rows = self.rows[layer_idx]
+        votes = torch.stack(rows).sum(0) / len(rows)  # (B, H_q, T) mean over the remembered queries
+        index = self.method.window_keep(votes, keys, size)  # (B, H_kv, size)
+        group = rows[0].shape[1] // keys.shape[1]
+        per_query = index.repeat_interleave(group, dim=1)  # (B, H_q, size)
+        self.rows[layer_idx] = [r.gather(-1, per_query) for r in rows]  # the rows follow the kept tokens
+        return index
+
+
 @METHODS.register("rkv")
 @dataclass
 class RKV(DecodeEviction):
@@ -67,6 +94,7 @@ class RKV(DecodeEviction):
 
     # the decode window is single decode queries; a streamed chunk's votes are a whole window's
     caps = Capabilities(evicts_while_decoding=True, stream_limit="use snapkv or h2o")
+    compression = RKVCompression
 
     def __post_init__(self):
         super().__post_init__()  # evict_every
@@ -75,11 +103,6 @@ class RKV(DecodeEviction):
             raise KvbenchError(f"kernel_size={self.kernel_size}: use an odd pooling kernel (R-KV's 7), centred")
         if not 0 <= self.mix_lambda <= 1:
             raise KvbenchError(f"mix_lambda={self.mix_lambda}: must be in [0, 1]")
-        self.reset()
-
-    def reset(self) -> None:
-        super().reset()
-        self._rows: dict[int, list[torch.Tensor]] = {}  # layer → the last decode steps' attention rows (B, H_q, T)
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({self.window_size}))
@@ -96,7 +119,7 @@ class RKV(DecodeEviction):
         similar = redundancy(keys, self.similarity_threshold, self.retain_direction)[..., :n_before]
         return self.mix_lambda * importance - (1 - self.mix_lambda) * similar  # (B, H_kv, T − W)
 
-    def _keep(self, votes: torch.Tensor, keys: torch.Tensor, n_keep: int) -> torch.Tensor:
+    def window_keep(self, votes: torch.Tensor, keys: torch.Tensor, n_keep: int) -> torch.Tensor:
         n_tokens = keys.shape[2]
         chosen = top_k_sorted(self.mixed_scores(votes, keys), n_keep - self.window_size)  # (B, H_kv, n − W)
         window = torch.arange(n_tokens - self.window_size, n_tokens, device=keys.device)
@@ -108,23 +131,6 @@ class RKV(DecodeEviction):
         before = self.mixed_scores(votes, keys)  # (B, H_kv, T − W)
         return F.pad(before, (0, self.window_size), value=float("inf"))  # (B, H_kv, T)
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
+    def keep_indices(self, layer_idx, keys, values, stats, n_keep):
         votes = stats.window[self.window_size][layer_idx] / self.window_size  # (B, H_q, T)
-        return self._keep(votes, keys, n_keep)
-
-    # ---- decoding ------------------------------------------------------------------------------------------
-    def observe_step(self, layer_idx, layer, stats):
-        """Remember this step's attention row; the older rows get a zero for the new token (causal)."""
-        row = stats.window[self.window_size][layer_idx]  # (B, H_q, T): the single decode query's softmax row
-        rows = [F.pad(r, (0, row.shape[-1] - r.shape[-1])) for r in self._rows.get(layer_idx, [])]
-        self._rows[layer_idx] = (rows + [row])[-self.window_size :]
-
-    def decode_keep(self, layer_idx, layer, size, stats):
-        keys, _ = held_kv(layer)  # (B, H_kv, T, D)
-        rows = self._rows[layer_idx]
-        votes = torch.stack(rows).sum(0) / len(rows)  # (B, H_q, T) mean over the remembered queries
-        index = self._keep(votes, keys, size)  # (B, H_kv, size)
-        group = rows[0].shape[1] // keys.shape[1]
-        per_query = index.repeat_interleave(group, dim=1)  # (B, H_q, size)
-        self._rows[layer_idx] = [r.gather(-1, per_query) for r in rows]  # the rows follow the kept tokens
-        return index
+        return self.window_keep(votes, keys, n_keep)

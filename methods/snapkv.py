@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Method, check_choice, top_k_sorted
+from kvbench.methods.compression import Compression
 from kvbench.methods.scorers import per_kv_head, pool
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import kv_layer
@@ -42,6 +43,7 @@ class SnapKV(Method):
                 f"kernel_size={self.kernel_size}: use an odd pooling kernel (1, 3, 5, 7: the paper's "
                 f"5 or 7), so that padding kernel_size // 2 keeps it centred"
             )
+        self.query_groups = 1  # query heads per KV head of the bound model (`bind`)
 
     def stats_request(self) -> StatsRequest:
         return StatsRequest(windows=frozenset({self.window_size}))
@@ -63,21 +65,33 @@ class SnapKV(Method):
         window = prefix.new_full((*prefix.shape[:2], keys.shape[2] - prefix.shape[2]), float("inf"))  # (B, H_kv, W)
         return torch.cat([prefix, window], dim=-1)  # (B, H_kv, T)
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
+    def keep_indices(self, layer_idx, keys, values, stats, n_keep):
         n_tokens = keys.shape[2]
         chosen = top_k_sorted(self.prefix_scores(layer_idx, keys, stats), n_keep - self.window_size)
         window = torch.arange(n_tokens - self.window_size, n_tokens, device=keys.device)
         window = window.expand(keys.shape[0], keys.shape[1], -1)  # (B, H_kv, W)
         return torch.cat([chosen, window], dim=-1)  # (B, H_kv, n_keep), ascending
 
-    def compress_layer(self, layer_idx, keys, values, stats):
-        if self.aggregate != "none":
-            return super().compress_layer(layer_idx, keys, values, stats)
-        # G = H_q / H_kv; a later chunk (prefill_chunk) finds the layer already per query head: its G was kept
-        n_groups = stats.window[self.window_size][layer_idx].shape[1] // keys.shape[1]
-        held = self.__dict__.setdefault("_groups", {})
-        groups = held.setdefault(layer_idx, n_groups) if n_groups > 1 else held.get(layer_idx, 1)
-        expanded = super().compress_layer(layer_idx, repeat_kv(keys, n_groups), repeat_kv(values, n_groups), stats)
+    def bind(self, lm) -> None:
+        self.query_groups = lm.n_q_heads // lm.n_kv_heads  # G: a later chunk finds its layers per query head
+
+    def begin(self, n_prompt, n_layers, budget):
+        if self.aggregate == "none":
+            return QueryHeadCompression(self, n_prompt, n_layers, budget)
+        return super().begin(n_prompt, n_layers, budget)
+
+
+class QueryHeadCompression(Compression):
+    """SnapKV aggregate=none: every query head selects on its own, the cache in the original's layout."""
+
+    method: SnapKV
+
+    def layer(self, layer_idx, keys, values, stats):
+        # G = H_q / H_kv; a later chunk (prefill_chunk, streaming) finds the layer already per query head: the
+        # bound model's G (1 for a model never bound: then the layer was never expanded)
+        n_groups = stats.window[self.method.window_size][layer_idx].shape[1] // keys.shape[1]
+        groups = n_groups if n_groups > 1 else self.method.query_groups
+        expanded = super().layer(layer_idx, repeat_kv(keys, n_groups), repeat_kv(values, n_groups), stats)
         if expanded.keys.shape[2] == keys.shape[2]:  # nothing evicted: the plain layer
             return kv_layer(keys, values)
         return QueryHeadLayer.holding(expanded.keys, expanded.values, groups)  # (B, H_q, n_keep, D)

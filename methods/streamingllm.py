@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, check_choice
-from kvbench.methods.decode_eviction import DecodeEviction
+from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.model.ring import RingLayer
 from kvbench.model.rope import RollingLayer, inv_freq_of
 
@@ -41,6 +41,61 @@ def sink_and_recent(n_tokens: int, start_size: int, n_keep: int, like: torch.Ten
     return index.expand(like.shape[0], like.shape[1], -1)  # (B, H_kv, n_keep)
 
 
+class StreamingCompression(Evicting):
+    """One example's StreamingLLM: sinks + recent while decoding; with ring=true, how far Engine.decode has
+    gone (the ring layers' slots follow it)."""
+
+    method: StreamingLLM
+
+    def __init__(self, method: StreamingLLM, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        self.decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
+        self.all_rings = False  # every layer rings: a decode step has nothing left to evict or convert
+
+    def start_decoding(self, cache, stats):
+        method = self.method
+        if method.positions == "rolling":  # each kept key remembers the position it was rotated at
+            for layer_idx, layer in enumerate(cache.layers):
+                n_kept = layer.keys.shape[2]
+                kept = (
+                    sink_and_recent(self.n_prompt, method.start_size, n_kept, layer.keys)[0, 0]
+                    if n_kept < self.n_prompt
+                    else torch.arange(self.n_prompt)
+                )
+                cache.layers[layer_idx] = RollingLayer(layer.keys, layer.values, kept, method.inv_freq)
+        return cache
+
+    def position(self, absolute_position: int, cache) -> int:
+        if self.method.positions == "rolling" and self.sizes is not None:
+            return cache.layers[0].get_seq_length()  # the next slot inside the cache
+        return absolute_position
+
+    def on_decode_start(self, cache, position: int) -> None:
+        if self.method.ring and self.sizes is not None:
+            self.decoded_to, self.all_rings = position, False
+
+    def on_decode_step(self, cache, stats) -> None:
+        if self.all_rings:
+            return
+        super().on_decode_step(cache, stats)  # per-step eviction (a ring layer is never over its size)
+        if self.decoded_to is None:
+            return
+        assert self.sizes is not None  # a ring starts only on a held cache
+        start_size = self.method.start_size
+        self.decoded_to += 1
+        for layer_idx, (layer, size) in enumerate(zip(cache.layers, self.sizes)):
+            if type(layer) is DynamicLayer and layer.get_seq_length() == size > start_size:  # ring from now on
+                keys, values = layer.keys, layer.values
+                assert keys is not None and values is not None  # a layer holding tokens
+                held = [*range(start_size), *range(self.decoded_to - size + start_size, self.decoded_to)]
+                cache.layers[layer_idx] = RingLayer(keys, values, start_size, held)
+        self.all_rings = all(isinstance(layer, RingLayer) for layer in cache.layers)
+
+    def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
+        assert self.like is not None  # set by `layer`
+        return sink_and_recent(layer.get_seq_length(), self.method.start_size, size, self.like)  # oldest non-sinks go
+
+
 @METHODS.register("streamingllm")
 @dataclass
 class StreamingLLM(DecodeEviction):
@@ -48,6 +103,8 @@ class StreamingLLM(DecodeEviction):
     evict_during_decode: bool = True  # keep the cache at its post-prefill size while generating (the original)
     positions: str = "absolute"  # absolute | rolling (re-indexed inside the cache, the original code)
     ring: bool = False  # decode in a ring buffer: no per-step copy of the cache (positions=absolute, evict_every=1)
+
+    compression = StreamingCompression
 
     def __post_init__(self):
         super().__post_init__()  # evict_every
@@ -58,68 +115,23 @@ class StreamingLLM(DecodeEviction):
                 f"evict_every=1 and evict_during_decode=true (got positions={self.positions}, evict_every="
                 f"{self.evict_every}, evict_during_decode={self.evict_during_decode}); drop ring=true or set those"
             )
-        self._inv_freq: torch.Tensor | None = None
+        self.inv_freq: torch.Tensor | None = None  # the bound model's RoPE frequencies (positions=rolling)
         self.caps = replace(
             self.caps,
             evicts_while_decoding=self.evict_during_decode,
             decodes_alone=self.ring,  # its ring layers decode in Engine.decode's own loop: never a grid row
             reindexes_positions=self.positions == "rolling",
         )
-        self.reset()
-
-    def reset(self) -> None:
-        super().reset()
-        self._decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
-        self._all_rings = False  # every layer rings: a decode step has nothing left to evict or convert
 
     def bind(self, lm) -> None:
         if self.positions == "rolling":
-            self._inv_freq = inv_freq_of(lm.model)
+            self.inv_freq = inv_freq_of(lm.model)
 
     def min_tokens(self) -> int:
         return self.start_size + 1
 
-    def keep_indices(self, layer_idx, keys, stats, n_keep):
+    def keep_indices(self, layer_idx, keys, values, stats, n_keep):
         return sink_and_recent(keys.shape[2], self.start_size, n_keep, keys)
-
-    def start_decoding(self, cache, stats):
-        if self.positions == "rolling":  # each kept key remembers the position it was rotated at
-            for layer_idx, layer in enumerate(cache.layers):
-                n_kept = layer.keys.shape[2]
-                kept = (
-                    sink_and_recent(self._n_prompt, self.start_size, n_kept, layer.keys)[0, 0]
-                    if n_kept < self._n_prompt
-                    else torch.arange(self._n_prompt)
-                )
-                cache.layers[layer_idx] = RollingLayer(layer.keys, layer.values, kept, self._inv_freq)
-        return cache
-
-    def position(self, absolute_position: int, cache) -> int:
-        if self.positions == "rolling" and self.held_sizes() is not None:
-            return cache.layers[0].get_seq_length()  # the next slot inside the cache
-        return absolute_position
-
-    def on_decode_start(self, cache, position: int) -> None:
-        if self.ring and self.held_sizes() is not None:
-            self._decoded_to, self._all_rings = position, False
-
-    def on_decode_step(self, cache, stats) -> None:
-        if self._all_rings:
-            return
-        super().on_decode_step(cache, stats)  # per-step eviction (a ring layer is never over its size)
-        if self._decoded_to is None:
-            return
-        self._decoded_to += 1
-        for layer_idx, (layer, size) in enumerate(zip(cache.layers, self._sizes)):
-            if type(layer) is DynamicLayer and layer.get_seq_length() == size > self.start_size:  # ring from now on
-                keys, values = layer.keys, layer.values
-                assert keys is not None and values is not None  # a layer holding tokens
-                held = [*range(self.start_size), *range(self._decoded_to - size + self.start_size, self._decoded_to)]
-                cache.layers[layer_idx] = RingLayer(keys, values, self.start_size, held)
-        self._all_rings = all(isinstance(layer, RingLayer) for layer in cache.layers)
 
     def rings_at(self, size: int) -> bool:
         return self.ring and size > self.start_size  # a ring needs a window beside the sinks
-
-    def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
-        return sink_and_recent(layer.get_seq_length(), self.start_size, size, self._like)  # drop the oldest non-sink(s)

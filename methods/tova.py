@@ -16,8 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvbench.methods.base import METHODS, top_k_sorted
-from kvbench.methods.decode_eviction import DecodeEviction
+from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.model.attention import StatsRequest
+
+
+class TovaCompression(Evicting):
+    """One example's TOVA: its held sizes (Evicting's); each eviction re-selects by the new query."""
+
+    def decode_keep(self, layer_idx, layer, size, stats):
+        """The new query's head-averaged attention: the least attended tokens go (the new one included)."""
+        scores = self.method.scores(layer_idx, layer.keys, layer.values, stats)  # (B, H_kv, T)
+        return top_k_sorted(scores, size)  # (B, H_kv, size)
 
 
 @METHODS.register("tova")
@@ -25,6 +34,7 @@ from kvbench.model.attention import StatsRequest
 class TOVA(DecodeEviction):
     evict_during_decode: bool = True  # the original: a constant-size cache while generating
 
+    compression = TovaCompression
     holds_whole_prompt = False  # the original evicts only once the cache was compressed (budget < the prompt)
     stream_evicts = False  # streaming: every chunk re-selects by its last query from all a layer holds
 
@@ -38,7 +48,3 @@ class TOVA(DecodeEviction):
     def scores(self, layer_idx, keys, values, stats):
         row = stats.window[1][layer_idx]  # (B, H_q, T): softmax of the last query over every key
         return row.mean(dim=1, keepdim=True).expand(-1, keys.shape[1], -1)  # (B, H_kv, T), same for every head
-
-    def decode_keep(self, layer_idx, layer, size, stats):
-        """The new query's head-averaged attention: the least attended tokens go (the new one included)."""
-        return top_k_sorted(self.scores(layer_idx, layer.keys, layer.values, stats), size)  # (B, H_kv, size)

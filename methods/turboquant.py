@@ -45,6 +45,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method, check_choice
+from kvbench.methods.compression import Compression
 from kvbench.model.cache import kv_layer
 
 PRESETS = {  # vLLM's kv-cache dtypes: key format, bits, norm correction
@@ -338,12 +339,21 @@ class TurboQuant(Method):
         return {"key_bits": 16, "value_bits": 16}  # both parts stored as the model computed them
 
     # ---- the compress path --------------------------------------------------------------------------------------
-    def begin_compress(self, n_prompt, n_layers, budget):
-        super().begin_compress(n_prompt, n_layers, budget)
-        self._full = self.full_precision_layers(n_layers)
+    def begin(self, n_prompt, n_layers, budget) -> TurboQuantCompression:
+        return TurboQuantCompression(self, n_prompt, n_layers, budget)
 
-    def compress_layer(self, layer_idx, keys, values, stats):
+
+class TurboQuantCompression(Compression):
+    """One example's TurboQuant cache: layers quantized on store, the boundary layers kept as they are."""
+
+    method: TurboQuant
+
+    def __init__(self, method: TurboQuant, n_prompt: int, n_layers: int, budget):
+        super().__init__(method, n_prompt, n_layers, budget)
+        self.full = method.full_precision_layers(n_layers)
+
+    def layer(self, layer_idx, keys, values, stats):
         """A layer's K/V (B, H_kv, T, D), quantized on store (boundary layers kept as they are)."""
-        if layer_idx in self._full:
+        if layer_idx in self.full:
             return kv_layer(keys, values)
-        return TurboQuantLayer.from_kv(keys, values, *self.quantizers())
+        return TurboQuantLayer.from_kv(keys, values, *self.method.quantizers())

@@ -40,7 +40,6 @@ from kvbench.engine.batched import decode_together, prefill_batch
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak
 from kvbench.methods import Budget, build_method, method_defaults
-from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRecorder
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
@@ -137,16 +136,17 @@ def main(argv=None) -> int:
         """Compress `batch` rows of the one prefill, decode them together; memory, speed and the prediction."""
         before = settle(device)
         rows_prefill = broadcast(one, batch)
-        cache = method.compress(rows_prefill.kv, rows_prefill.stats, budget)
+        hooks = method.begin(rows_prefill.n_tokens, len(rows_prefill.kv), budget)  # the rows' compression
+        cache = hooks.run(rows_prefill.kv, rows_prefill.stats)
         del rows_prefill
         done = decode_together(
             engine,
             cache,
             one.last_logits.expand(batch, -1),  # (B, V)
             args.context,
-            positions=lambda p, n: torch.full((n, 1), decode_time(method).position(p, cache), device=device),  # (B, 1)
-            request=lambda live: decode_time(method).decode_request(),
-            after_step=lambda stats, live: decode_time(method).on_decode_step(cache, stats),
+            positions=lambda p, n: torch.full((n, 1), hooks.position(p, cache), device=device),  # (B, 1)
+            request=lambda live: hooks.decode_request(),
+            after_step=lambda stats, live: hooks.on_decode_step(cache, stats),
             row_bytes=lambda row: cache_nbytes(cache) // batch,
             max_new_tokens=args.new_tokens,
         )

@@ -65,9 +65,9 @@ def kept_positions(label: str, method, layer: int, prefill, n_keep: int) -> torc
     """(H, n_keep) positions the configuration keeps in `layer` (H = KV heads; query heads for the original)."""
     if label == "original":
         return original_h2o(prefill.stats.all_queries[layer], n_keep)[0]
-    keys = prefill.kv[layer][0]
-    method.reset()
-    return method.keep_indices(layer, keys, prefill.stats, n_keep)[0]
+    keys, values = prefill.kv[layer]
+    fresh = method.begin(keys.shape[2], len(prefill.kv), None)  # a fresh example: no scores accumulated yet
+    return fresh.select(layer, keys, values, prefill.stats, n_keep)[0]
 
 
 def analyse(ex, prefill, methods: dict, budget: Budget, tokenizer) -> dict:

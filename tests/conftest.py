@@ -116,3 +116,9 @@ def native_method_names() -> list[str]:
     from kvbench.methods import METHODS
 
     return [name for name in METHODS.names() if name != "kvpress"]
+
+
+def compressed(method, kv, stats, budget):
+    """(the example's compression, the cache it built) of a whole prefill's `kv`: what Engine.compressed does."""
+    compression = method.begin(kv[0][0].shape[2], len(kv), budget)
+    return compression, compression.run(kv, stats)

@@ -22,7 +22,7 @@ import torch
 from kvbench.engine.engine import Engine, Generation, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import decode_time
+from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import cache_kv, cache_nbytes, layer_lengths
 
@@ -81,17 +81,17 @@ def generate_batch(
     reset_peak(device)
     start = time.perf_counter()
     method.bind(lm)
-    cache = method.compress(prefill.kv, prefill.stats, budget)
+    hooks = method.begin(prefill.n_tokens, len(prefill.kv), budget)  # the batch's compression: its decode hooks
+    cache = hooks.run(prefill.kv, prefill.stats)
     logits, position = prefill.last_logits, prefill.n_tokens  # (B, V)
     if suffixes and suffixes[0]:
-        logits = _extend_batch(engine, cache, method, torch.tensor(suffixes, device=device), position)
+        logits = _extend_batch(engine, cache, hooks, torch.tensor(suffixes, device=device), position)
         position += len(suffixes[0])
     synchronize(device)
     others = sum(prefill.stats.seconds.values()) - prefill.stats.seconds_for(method.stats_request())
     prefill_s = prefill.seconds - others + time.perf_counter() - start
     compress_peak = read_peak(device)
 
-    hooks = decode_time(method)
     hooks.on_decode_start(cache, position)  # every row decodes one token per step, unpadded: as Engine.decode
     done = decode_together(
         engine,
@@ -228,9 +228,8 @@ def decode_together(
     return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device))
 
 
-def _extend_batch(engine: Engine, cache, method: Method, ids: torch.Tensor, position: int) -> torch.Tensor:
+def _extend_batch(engine: Engine, cache, hooks: Compression, ids: torch.Tensor, position: int) -> torch.Tensor:
     """Append ids (B, n) after compression (the question when query_aware=false), as Engine._extend does."""
-    hooks = decode_time(method)
     hooks.on_extend(ids.shape[1])
     one_pass = len(set(layer_lengths(cache))) == 1  # else token by token: one causal mask per forward
     chunks = [ids] if one_pass else [ids[:, i : i + 1] for i in range(ids.shape[1])]

@@ -20,7 +20,8 @@ from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
 from kvbench.kernels.backend import backend
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import ChangesModel, HooksPrefill, decode_time
+from kvbench.methods.compression import Compression
+from kvbench.methods.modes import ChangesModel, HooksPrefill
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
 from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, layer_lengths
 from kvbench.model.load import LoadedModel
@@ -39,6 +40,9 @@ class Prefill:
     # prefill=inline (kvbench.engine.inline): the cache was compressed inside the forward pass; `kv` is then empty
     compressed: object | None = None
     prompt_tokens: int = 0
+    # the compression that made `compressed` (its decode-time state and kept positions); None: nothing to carry on
+    # (a hooked prefill's cache decodes as it is)
+    compression: Compression | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -88,6 +92,13 @@ class Compressed:
     prefill_s: float  # the prefill's share charged to this method + compression + suffix
     prefill_peak: int  # peak memory of the prefill and of this compression
     baseline_bytes: int = 0  # memory in use when the prefill started (peak_mem_delta_bytes is over it)
+    # this configuration's compression of this example: decoding runs its hooks (methods/compression.py)
+    compression: Compression | None = None
+
+    @property
+    def hooks(self) -> Compression:
+        assert self.compression is not None  # set by Engine.compressed
+        return self.compression
 
 
 class Engine:
@@ -97,6 +108,7 @@ class Engine:
         self.full_lm = full or lm
         self.full_layout = self.full_lm.layout
         self.full_kv_heads = self.full_lm.n_kv_heads
+        self._prepared: dict[tuple, Engine] = {}  # (method, params) → the engine on the model it prepares (`prepared`)
         if lm.device.type == "cuda" and os.environ.get("KVBENCH_CUDNN_SDPA") != "1":
             # cuDNN's SDPA builds an execution plan per new key length: a growing decode cache (and PyramidKV's
             # per-layer lengths) then pays it every step. Flash / memory-efficient kernels have no such cost.
@@ -179,22 +191,27 @@ class Engine:
         reset_peak(device)
         start = time.perf_counter()
         method.bind(self.lm)
-        cache = prefill.compressed  # prefill=inline: compressed inside the forward pass
+        cache, compression = prefill.compressed, prefill.compression  # prefill=inline: compressed in the forward
         if cache is None:
-            cache = method.compress(prefill.kv, prefill.stats, budget)
+            compression = method.begin(prefill.n_tokens, len(prefill.kv), budget)
+            cache = compression.run(prefill.kv, prefill.stats)
             layout = self.window_layout(prefill.n_tokens + len(suffix_ids), max_new_tokens)
             keep_windows(cache, prefill.kv, layout)  # sliding layers hold their window, as the model's own
+        elif compression is None:  # a hooked prefill's cache: nothing happens while decoding
+            compression = Compression(method, prefill.n_tokens, self.lm.n_layers, None)
         if prefill.adopt is not None:
             cache = prefill.adopt(cache)
         logits, position = prefill.last_logits, prefill.n_tokens
         if suffix_ids:
-            logits = self._extend(cache, method, suffix_ids, position)
+            logits = self._extend(cache, compression, suffix_ids, position)
             position += len(suffix_ids)
         synchronize(device)
         prefill_s = prefill.seconds_for(method) + time.perf_counter() - start
         peak = max(prefill.peak_mem_bytes, read_peak(device))
         suffix = position - prefill.n_tokens
-        return Compressed(cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes)
+        return Compressed(
+            cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes, compression
+        )
 
     def window_layout(self, fed_tokens: int, max_new_tokens: int | None):
         """The layout at the most tokens this run feeds the cache (the prompt, the appended suffix and every decoded
@@ -214,9 +231,9 @@ class Engine:
         token = int(logits.argmax())
         generated, kept_logits = [token], [logits] if keep_logits else []
         steps, t0 = 0, time.perf_counter()
-        hooks = decode_time(method)
+        hooks = start.hooks
         hooks.on_decode_start(cache, position)
-        slots = use_slots(cache, method, self.lm.model)  # evictions in place, appends into spare slots
+        slots = use_slots(cache, hooks, self.lm.model)  # evictions in place, appends into spare slots
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
@@ -258,16 +275,17 @@ class Engine:
             "kv_bytes_mha": layout.mha_bytes(tokens, batch),
         }
 
-    def _extend(self, cache, method: Method, ids: list[int], position: int, all_logits: bool = False) -> torch.Tensor:
+    def _extend(
+        self, cache, hooks: Compression, ids: list[int], position: int, all_logits: bool = False
+    ) -> torch.Tensor:
         """Append `ids` after compression (the question when query_aware=false; a scored continuation);
         returns the last logits (V,), or with all_logits every position's (len(ids), V).
 
         One forward when every layer holds the same number of tokens; token by token otherwise, because
         transformers builds a single causal mask from the first layer's length.
         """
-        hooks = decode_time(method)
         hooks.on_extend(len(ids))  # the appended question is not part of the compressed budget
-        one_forward = len(set(layer_lengths(cache))) == 1 and not method.caps.extends_token_by_token
+        one_forward = len(set(layer_lengths(cache))) == 1 and not hooks.method.caps.extends_token_by_token
         chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
         outputs = []
         for chunk in chunks:
@@ -329,7 +347,7 @@ class Engine:
     def prepared(self, method: Method) -> Engine:
         """An engine on the model `method` prepares (head merging), reused across examples; self if unchanged."""
         key = (method.name, json.dumps(method.params(), sort_keys=True, default=str))
-        cache = self.__dict__.setdefault("_prepared", {})
+        cache = self._prepared
         if key not in cache:
             model = method.prepare_model(self.lm.model) if isinstance(method, ChangesModel) else self.lm.model
             cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_lm)

@@ -51,7 +51,6 @@ from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
 from kvbench.engine.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import DecodeTime, decode_time
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.padded import PaddedKV
 
@@ -155,7 +154,7 @@ def decodes_in_grid(method: Method, start: Compressed) -> bool:
         and not method.caps.decodes_alone
         and all(type(layer) is DynamicLayer for layer in start.cache.layers)  # plain tensors, dense heads
         and start.cache.layers[0].keys.shape[0] == 1
-        and decode_time(method).position(start.position, start.cache) == start.position  # no re-indexed positions
+        and start.hooks.position(start.position, start.cache) == start.position  # no re-indexed positions
     )
 
 
@@ -216,7 +215,7 @@ def row_stats(stats: StatsRecorder, row: int, lengths: list[int]) -> StatsRecord
 
 
 def decode_grid(
-    engine: Engine, starts: list[Compressed], methods: list[Method], max_new_tokens: int, stop: tuple[str, ...]
+    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...]
 ) -> list[BatchedGeneration]:
     """Decode configurations of one example (compressed, batch 1 each, same position) as one batch."""
     device, n_rows = engine.lm.device, len(starts)
@@ -229,7 +228,7 @@ def decode_grid(
 
     ids = list(range(n_rows))  # the original row of each batch index (finished rows leave the batch)
 
-    hooks = [decode_time(m) for m in methods]
+    hooks = [s.hooks for s in starts]  # each row's own compression: its decode-time state
 
     def request(live: list[int]):
         merged = StatsRequest()
@@ -237,7 +236,7 @@ def decode_grid(
             merged = merged | hooks[row].decode_request()
         return merged
 
-    hooked = {row for row, m in enumerate(methods) if isinstance(m, DecodeTime)}  # acts on its decode steps
+    hooked = {row for row, h in enumerate(hooks) if h.acts_while_decoding}  # acts on its decode steps
 
     def recorder(step_request, live: list[int]) -> RowsRecorder:
         asking = [i for i, row in enumerate(live) if hooks[row].decode_request()]  # batch indices
@@ -248,7 +247,7 @@ def decode_grid(
         for i, row in enumerate(live):
             if row not in hooked:
                 continue
-            method = hooks[row]  # its decode-time policy on its own tokens, as alone
+            compression = hooks[row]  # its decode-time policy on its own tokens, as alone
             layers = [grid.row(i) for grid in grids]
             view = DynamicCache()
             view.layers.extend(layers)
@@ -256,7 +255,7 @@ def decode_grid(
             own = StatsRecorder(StatsRequest())
             if i in recorded:
                 own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
-            method.on_decode_step(view, own)
+            compression.on_decode_step(view, own)
             for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
                 if layer.keys is not old and not layer.compacted:  # replaced otherwise: its tokens become the slots
                     grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
@@ -344,7 +343,7 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            gens = decode_grid(engine, [starts[i] for i in rows], [confs[i][0] for i in rows], max_new_tokens, stop)
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop)
             for i, gen in zip(rows, gens):
                 out[i] = gen
     for i in range(len(confs)):

@@ -3,8 +3,8 @@
 `prefill=shared` (the default, and what grids share) forwards the whole prompt, keeps every layer's K/V, then
 compresses: the peak holds the whole uncompressed cache. `prefill=inline` runs one prefill per configuration and
 compresses layer l right after layer l's attention (kvbench.model.attention.after_each_layer), with the statistics that
-attention call just recorded: the method's `begin_compress`, then `compress_layer` per layer as it is produced, then
-`end_compress` — the same three calls `Method.compress` makes after a shared prefill, so both keep the same entries
+attention call just recorded: the method's `begin` (the example's compression), then its `layer` per layer as it is
+produced, then its `end` — the same calls its `run` makes after a shared prefill, so both keep the same entries
 (tests/engine/test_inline.py, every registered method). At most one layer's uncompressed K/V exists at a time;
 quantization methods quantize each layer as it is produced.
 
@@ -33,7 +33,6 @@ from kvbench import KvbenchError
 from kvbench.engine.engine import Engine, Prefill
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.modes import decode_time
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
 PREFILL_MODES = ("shared", "inline")
@@ -41,10 +40,8 @@ PREFILL_MODES = ("shared", "inline")
 
 def compresses_per_layer(method: Method | type[Method]) -> bool:
     """Whether `prefill=inline` can compress `method` (an instance or a class) layer by layer: as its capabilities
-    declare (`caps.compresses_inline`), unless it overrides `compress` itself instead of the begin/compress_layer/end
-    hooks (e.g. one needing every layer first)."""
-    cls: type[Method] = method if isinstance(method, type) else type(method)
-    return cls.compress is Method.compress and method.caps.compresses_inline
+    declare (`caps.compresses_inline`: False for one needing every layer first)."""
+    return method.caps.compresses_inline
 
 
 @torch.inference_mode()
@@ -60,15 +57,15 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
     baseline = reset_peak(device)
     synchronize(device)
     start = time.perf_counter()
-    method.begin_compress(len(ids), lm.n_layers, budget)
+    compression = method.begin(len(ids), lm.n_layers, budget)
     step = chunk or len(ids)
     for first in range(0, len(ids), step):
         piece = ids[first : first + step]
         # quantization (no budget): later chunks land in the layers as they are, quantized by the layer's own rule
-        bound = method.compress_layer if first == 0 or method.caps.has_budget else _as_is
-        base = decode_time(method).position(first, cache) if first else 0
+        bound = compression.layer if first == 0 or method.caps.has_budget else _as_is
+        base = compression.position(first, cache) if first else 0
         logits, stats = forward_per_layer(engine, cache, request, piece, [base + i for i in range(len(piece))], bound)
-    compressed = method.end_compress(list(cache.layers), stats, budget)
+    compressed = compression.end(list(cache.layers), stats)
     synchronize(device)
     seconds = time.perf_counter() - start
     return Prefill(
@@ -80,6 +77,7 @@ def prefill(engine: Engine, method: Method, budget: Budget | None, ids: list[int
         baseline_bytes=baseline,
         compressed=compressed,
         prompt_tokens=len(ids),
+        compression=compression,
     )
 
 

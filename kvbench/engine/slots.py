@@ -20,8 +20,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.kernels.backend import backend
 from kvbench.kernels.compact import compact_kv
-from kvbench.methods import Method
-from kvbench.methods.modes import DecodeTime
+from kvbench.methods.compression import Compression
 from kvbench.model.cache import kv_layer
 
 
@@ -66,17 +65,18 @@ class SlotLayer(DynamicLayer):
         self._hold(index.shape[-1])
 
 
-def use_slots(cache, method: Method, model) -> bool:
-    """Turn the cache's plain batch-1 layers into SlotLayers when `method` acts on every decode step (returns
-    whether it did). Only with the C decode kernels installed, where the layout cannot change a result."""
+def use_slots(cache, hooks: Compression, model) -> bool:
+    """Turn the cache's plain batch-1 layers into SlotLayers when its compression (`hooks`) acts on every decode
+    step (returns whether it did). Only with the C decode kernels installed, where the layout cannot change a
+    result."""
     layers = list(getattr(cache, "layers", []))
-    if not isinstance(method, DecodeTime) or method.caps.decodes_alone:  # acts on no decode step, or on its own layers
+    if not hooks.acts_while_decoding or hooks.method.caps.decodes_alone:  # no decode step acts, or on its own layers
         return False
     if not (layers and decode_kernels(model)):
         return False
     if not all(type(layer) is DynamicLayer and layer.keys is not None and layer.keys.shape[0] == 1 for layer in layers):
         return False
-    spare = method.slack() + 2  # the step's token, and a block's slack (evict_every − 1) + 1
+    spare = hooks.slack() + 2  # the step's token, and a block's slack (evict_every − 1) + 1
     cache.layers[:] = [SlotLayer(layer.keys, layer.values, spare) for layer in layers]
     return True
 

@@ -27,8 +27,8 @@ from kvbench.engine.engine import Engine
 from kvbench.engine.inline import forward_per_layer
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
-from kvbench.methods.decode_eviction import DecodeEviction
-from kvbench.methods.modes import decode_time
+from kvbench.methods.compression import Compression
+from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes, layer_lengths
 
@@ -74,7 +74,7 @@ def stream_chunks(
     """Per chunk: its Window, the per-token NLL (n,) fp32 of the predictions it scores, and the bounded cache."""
     lm, device = engine.lm, engine.lm.device
     method.bind(lm)
-    request = method.stats_request() | decode_time(method).decode_request()
+    request = method.stats_request()  # what compressing a chunk and evicting like a decode step both read
     stream = Stream(method, budget)
     cache = DynamicCache()
     targets = torch.tensor(ids, device=device)
@@ -82,7 +82,7 @@ def stream_chunks(
         piece = ids[start : start + chunk]
         baseline = reset_peak(device)
         t0 = time.perf_counter()
-        base = decode_time(method).position(start, cache) if index else 0
+        base = stream.position(start, cache) if index else 0
         positions = [base + i for i in range(len(piece))]
         first = index == 0
         if inline:  # each layer bounded right after its attention: one layer's chunk K/V and statistics at a time
@@ -146,8 +146,13 @@ class Stream:
 
     def __init__(self, method: Method, budget: Budget | None):
         self.method, self.budget = method, budget
-        self._evicting: DecodeEviction | None = None  # after the first chunk: the decode-time evictor
+        self.compression: Compression | None = None  # the last chunk's compression (evicting: the first chunk's)
+        self._evicting: Evicting | None = None  # after the first chunk: the decode-time evictor
         self._compresses = False
+
+    def position(self, absolute_position: int, cache) -> int:
+        """Where the next chunk goes: the last compression's `position` (rolling positions count in the cache)."""
+        return absolute_position if self.compression is None else self.compression.position(absolute_position, cache)
 
     def begin(self, n_tokens: int, n_layers: int, first: bool) -> None:
         """Before a chunk's layers are bounded; n_tokens: what each layer holds, the chunk included."""
@@ -157,10 +162,12 @@ class Stream:
                 f"{method.name} is not supported by the streaming perplexity task (task=ppl); "
                 + method.caps.stream_limit
             )
-        self._evicting = method if isinstance(method, DecodeEviction) and method.stream_evicts and not first else None
+        held = self.compression
+        evicts = isinstance(method, DecodeEviction) and method.stream_evicts and not first
+        self._evicting = held if evicts and isinstance(held, Evicting) else None
         self._compresses = self._evicting is None and (first or method.caps.has_budget)
         if self._compresses:
-            method.begin_compress(n_tokens, n_layers, self.budget if method.caps.has_budget else None)
+            self.compression = method.begin(n_tokens, n_layers, self.budget if method.caps.has_budget else None)
 
     def layer(self, layer_idx: int, layer, stats):
         """One layer right after this chunk's attention (it holds what it kept + the chunk): the layer to keep."""
@@ -169,14 +176,15 @@ class Stream:
             return layer
         if not self._compresses:
             return layer
-        return self.method.compress_layer(layer_idx, layer.keys, layer.values, stats)
+        assert self.compression is not None  # begun by `begin`
+        return self.compression.layer(layer_idx, layer.keys, layer.values, stats)
 
     def end(self, cache, stats):
         """After every layer of a chunk is bounded: the cache to continue with."""
         if not self._compresses:
             return cache
-        budget = self.budget if self.method.caps.has_budget else None
-        return self.method.end_compress(list(cache.layers), stats, budget)
+        assert self.compression is not None  # begun by `begin`
+        return self.compression.end(list(cache.layers), stats)
 
     def bound(self, cache, stats, first: bool):
         """After a whole chunk's forward: `begin`, `layer` per layer, `end` — the calls prefill=inline makes one

@@ -7,7 +7,7 @@ attention that falls on positions the compressed cache still holds —, attentio
 where the task knows its evidence (`Example.evidence`), the share of evidence tokens kept and the evidence's
 attention mass before and after. The attention rows come from the same chunked statistics path the methods use
 (kvbench.model.attention's recorder, all-query column sums of a single decode query = its attention row); no eager
-attention. Kept positions come from the method (`Method.kept_positions`) and follow decode-time evictions through
+attention. Kept positions come from the compression (`Compression.kept`) and follow decode-time evictions through
 kvbench.model.cache.SELECT_OBSERVERS. The verdict rule lives in kvbench.guide.verdict, the side table in
 kvbench.diagnose_io.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvbench.methods.modes import decode_time
+from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import SELECT_OBSERVERS
 
@@ -103,17 +103,19 @@ def teacher_forced(
     full cache's answer is produced), recording every decode query's attention row."""
     start = time.perf_counter()
     method.bind(engine.lm)
-    cache = prefill.compressed
+    cache, hooks = prefill.compressed, prefill.compression
     if cache is None:
-        cache = method.compress(prefill.kv, prefill.stats, budget)
-    hooks = decode_time(method)
+        hooks = method.begin(prefill.n_tokens, len(prefill.kv), budget)
+        cache = hooks.run(prefill.kv, prefill.stats)
+    elif hooks is None:  # a cache compressed elsewhere that carries no compression: nothing happens while decoding
+        hooks = Compression(method, prefill.n_tokens, len(cache.layers), None)
     kv_heads = [keys.shape[1] for keys, _ in prefill.kv]
-    tracker = PositionTracker(cache, kept_positions(method), prefill.n_tokens, kv_heads)
+    tracker = PositionTracker(cache, hooks.kept, prefill.n_tokens, kv_heads)
     out = Pass([], [])
     with tracker.observing():
         logits, position = prefill.last_logits, prefill.n_tokens
         if suffix_ids:
-            logits = engine._extend(cache, method, list(suffix_ids), position)
+            logits = engine._extend(cache, hooks, list(suffix_ids), position)
             position += len(suffix_ids)
         request = hooks.decode_request() | StatsRequest(all_queries=True)
         while True:
@@ -130,12 +132,6 @@ def teacher_forced(
                 break
     out.seconds = time.perf_counter() - start
     return out
-
-
-def kept_positions(method) -> list | None:
-    """What the method's last `compress` kept per layer (`Method.kept_positions`; wrappers that delegate
-    compression to a part, compose and decoding, point it at their part's)."""
-    return method.kept_positions
 
 
 def _finished(engine, tokens: list[int], answer, max_new_tokens: int, stop) -> bool:

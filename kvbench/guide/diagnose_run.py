@@ -54,11 +54,11 @@ def diagnose_example(
     query_aware: bool | None = None,
 ) -> list[dict]:
     """Add the diagnostic columns and `verdict` to `rows` (one per configuration in `todo`, same order); returns
-    the side-table records. `reused`: per configuration the (method, cache) to decode from instead of compressing
+    the side-table records. `reused`: per configuration the (compression, cache) to decode from instead of compressing
     (compress once: its compressed context, kvbench.run.requests.reused_copy); `query_aware`: the split those rows
     used."""
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware if query_aware is None else query_aware)
-    reused = reused or [(c.method, None) for c in todo]
+    reused = reused or [(None, None) for c in todo]
     if prefill is None:
         prefill = engine.prefill(prompt_ids, StatsRequest())
     full_method = next((c.method for c in todo if c.method.name == "full"), None)
@@ -70,7 +70,7 @@ def diagnose_example(
     full_score = task.score(answer_text(engine, full.token_ids, ex.stop), ex)["score"]
     evidence = evidence_positions(engine.lm.tokenizer, prompt_ids + list(suffix_ids), ex.evidence)
     records = []
-    for c, (method, cache), row in zip(todo, reused, rows):
+    for c, (compression, cache), row in zip(todo, reused, rows):
         if c.method.name == "full":
             other = full
         else:
@@ -78,8 +78,8 @@ def diagnose_example(
             own = engine if shares else engine.prepared(c.method)
             source = prefill if shares else own.prefill(prompt_ids, c.method.stats_request())
             if cache is not None:  # compressed once: decode from it
-                source = replace(source, compressed=cache)
-            other = teacher_forced(own, source, method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
+                source = replace(source, compressed=cache, compression=compression)
+            other = teacher_forced(own, source, c.method, c.budget, suffix_ids, full.token_ids, ex.max_new_tokens)
         columns, per_head = compare(full, other, evidence, engine.full_kv_heads)
         row.update(
             columns,

@@ -10,7 +10,7 @@ What each lm-eval request means with a compressed cache (tokenization and trunca
   through the compressed cache (teacher forcing) and its log-probability summed. Its first token is predicted
   by the prefill's last position, which, like the first generated token, still sees the whole context
   (compression follows the prefill); the rest see only what the method kept. Continuation tokens are appended
-  like an uncompressed question (`DecodeTime.on_extend`): decode-time evicting methods (H2O, StreamingLLM) do not
+  like an uncompressed question (`Compression.on_extend`): decode-time evicting methods (H2O, StreamingLLM) do not
   evict the context to make room for them. Requests that share a context share one prefill.
 - loglikelihood_rolling(text): the prefix token + the text stream through a bounded cache `chunk` tokens at a
   time, as in the `ppl` task (kvbench.engine.streaming); a fractional budget is a fraction of the text's tokens. At
@@ -324,13 +324,14 @@ class KvbenchLM(TemplateLM):
         reset_peak(device)
         start = time.perf_counter()
         c.method.bind(engine.lm)
-        cache = c.method.compress(prefill.kv, prefill.stats, c.budget)
+        compression = c.method.begin(prefill.n_tokens, len(prefill.kv), c.budget)
+        cache = compression.run(prefill.kv, prefill.stats)
         synchronize(device)
         compress_s = time.perf_counter() - start
         fed = suffix + continuation[:-1]
         rows = [prefill.last_logits[None]]  # (1, V): predicts the token after the prompt
         if fed:
-            rows.append(engine._extend(cache, c.method, fed, prefill.n_tokens, all_logits=True))  # (len(fed), V)
+            rows.append(engine._extend(cache, compression, fed, prefill.n_tokens, all_logits=True))  # (len(fed), V)
         logits = torch.cat(rows)[len(suffix) :]  # (len(continuation), V): row i predicts continuation[i]
         target = torch.tensor(continuation, device=logits.device)  # (len(continuation),)
         logprob = torch.log_softmax(logits, dim=-1).gather(1, target[:, None]).sum()

@@ -11,7 +11,8 @@ import zipfile
 from pathlib import Path
 
 from kvbench import KvbenchError, cache_root
-from kvbench.model.load import LOADERS, LoadedModel, _make_cache_dir, convert_gguf, converted_dir, load_converted
+from kvbench.model.conversion import _make_cache_dir, convert_gguf, converted_dir, load_converted
+from kvbench.model.loaded import LOADERS, LoadedModel
 
 CHUNK = 1 << 20  # bytes copied (and hashed) at a time
 

@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench.config.spec import RunSpec
 from kvbench.engine.engine import Prefill
 from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
+from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
 
@@ -56,14 +57,14 @@ class StoredContext:
     """A configuration's compressed shared context, kept in the prefix cache (reuse=compress_once)."""
 
     layers: list  # the compressed cache's layers, shared (read-only) by every request
-    method: object  # the method's state right after compressing (decode-time eviction continues from it)
+    compression: Compression  # its compression right after compressing (decode-time eviction continues from it)
     last_logits: object
     n_tokens: int
     storages: set[int]
 
 
-def reused_copy(compressed: StoredContext) -> tuple[Any, DynamicCache]:
-    """A configuration's method as it stood after compressing the shared context (a fresh copy: decode-time
+def reused_copy(compressed: StoredContext) -> tuple[Compression, DynamicCache]:
+    """A configuration's compression as it stood after compressing the shared context (a fresh copy: decode-time
     eviction continues from it), and the cache to decode from, whose layers share the stored tensors: plain layers
     become a PagedLayer over them (appended tokens go to a private tail), others (KIVI) a shallow copy whose updates
     replace tensors, never write into them. The engine decodes from it as from a prefill=inline cache
@@ -75,7 +76,7 @@ def reused_copy(compressed: StoredContext) -> tuple[Any, DynamicCache]:
         else copy.copy(layer)
         for layer in compressed.layers
     )
-    return copy.deepcopy(compressed.method), cache
+    return copy.deepcopy(compressed.compression), cache
 
 
 def storages_of(cache) -> dict[int, int]:
@@ -169,10 +170,11 @@ class RequestRunner:
         if not hit:
             out = engine.prefill(ex.context_ids, c.method.stats_request())
             c.method.bind(engine.lm)
-            cache = c.method.compress(out.kv, out.stats, c.budget)
+            compression = c.method.begin(out.n_tokens, len(out.kv), c.budget)
+            cache = compression.run(out.kv, out.stats)
             value = StoredContext(
                 list(cache.layers),
-                copy.deepcopy(c.method),
+                copy.deepcopy(compression),
                 out.last_logits,
                 len(ex.context_ids),
                 set(storages_of(cache)),
@@ -186,7 +188,7 @@ class RequestRunner:
         reused = len(ex.context_ids) if hit else 0
         entry.refs += 1
         caches = []
-        method, cache = reused_copy(entry.value)
+        compression, cache = reused_copy(entry.value)
         prefill = CachedPrefill(
             kv=[],
             stats=StatsRecorder(StatsRequest()),
@@ -195,9 +197,10 @@ class RequestRunner:
             peak_mem_bytes=peak,
             adopt=lambda cache: caches.append(cache) or cache,  # type: ignore[func-returns-value]  # keep, pass on
             compressed=cache,
+            compression=compression,
             context_tokens=entry.value.n_tokens,
         )
-        gen = engine.generate(prefill, method, c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
+        gen = engine.generate(prefill, c.method, c.budget, list(ex.question_ids), ex.max_new_tokens, ex.stop)
         entry.refs -= 1
         row = generation_row(c, ex, ctx, gen)
         row["query_aware"] = False  # the context was compressed without the question

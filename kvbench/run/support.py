@@ -22,7 +22,6 @@ invariants, or it is refused here.
 
 from __future__ import annotations
 
-from kvbench.methods.modes import decode_time
 from kvbench.model import layout
 
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
@@ -69,7 +68,7 @@ def _parts(method) -> list:
 
 
 def _needs_stats(part) -> bool:
-    return bool(part.stats_request() or decode_time(part).decode_request())
+    return bool(part.stats_request())  # decoding records what compressing reads (Compression.decode_request)
 
 
 NEEDS = {  # Capabilities.needs (methods/base.py): what a method reads of the model beyond its cache

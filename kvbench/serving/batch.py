@@ -23,7 +23,6 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.batched import forward_batch
 from kvbench.engine.grid_decode import GROW, GridLayer, GridRow, RowsRecorder, row_stats
-from kvbench.methods.modes import DecodeTime
 from kvbench.model.attention import StatsRecorder, StatsRequest, recording
 
 
@@ -43,8 +42,8 @@ def join(layer: GridLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 
 class RowBatch:
-    """Requests decoding together: `rows[i]` is the owner of batch row i (anything with `.hooks`, a DecodeTime,
-    and `.method`)."""
+    """Requests decoding together: `rows[i]` is the owner of batch row i (anything with `.hooks`, its
+    compression, methods/compression.py)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -106,9 +105,9 @@ class RowBatch:
         recorded = getattr(stats, "rows", [])
         grids = self.grids
         for i, row in enumerate(self.rows):
-            method = row.method
-            if not isinstance(method, DecodeTime):
-                continue  # nothing to do while generating (STEADY's hooks)
+            hooks = row.hooks
+            if not hooks.acts_while_decoding:
+                continue  # nothing to do while generating
             layers = [grid.row(i) for grid in grids]
             view = DynamicCache()
             view.layers.extend(layers)
@@ -116,7 +115,7 @@ class RowBatch:
             own = StatsRecorder(StatsRequest())
             if i in recorded:
                 own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
-            method.on_decode_step(view, own)
+            hooks.on_decode_step(view, own)
             for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
                 if layer.keys is not old and not layer.compacted:  # replaced: its tokens become the row's slots
                     grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))

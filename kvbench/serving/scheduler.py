@@ -24,7 +24,6 @@ running, the next request not yet arrived) are skipped rather than slept.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,7 +34,6 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.engine.grid_decode import decodes_in_grid
-from kvbench.methods.modes import decode_time
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes
 from kvbench.serving.batch import RowBatch
@@ -165,14 +163,14 @@ class Scheduler:
         if s.admissions == 0:
             s.admitted_s = self.now()
         s.admissions += 1
-        s.method = copy.deepcopy(self.method)  # decode-time state (H2O's scores, sizes) is the request's own
-        s.hooks = decode_time(s.method)
+        s.method = self.method  # decode-time state (H2O's scores, sizes) is the request's own compression's
         t0 = time.perf_counter()
         prefill = engine.prefill(list(r.prompt_ids), s.method.stats_request())
         transient = self.held() + sum(k.nbytes + v.nbytes for k, v in prefill.kv)  # the prompt's whole K/V
         self.running.append(s)  # counted as running from its prefill on
         self._sample(transient)
         start = engine.compressed(prefill, s.method, self.budget, list(r.suffix_ids), r.max_new_tokens)
+        s.hooks = start.hooks  # this request's compression
         del prefill  # the uncompressed prompt's K/V is freed here (unless the method keeps it: the full cache)
         s.prefill_s += time.perf_counter() - t0
         s.position = start.position

@@ -7,11 +7,10 @@ from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.engine import inline
 from kvbench.engine.memory import read_peak, reset_peak
-from kvbench.guide.diagnose import kept_positions
 from kvbench.methods import METHODS, Budget, build_method
-from kvbench.methods.base import Method
+from kvbench.methods.base import Capabilities, Method
 from kvbench.model.cache import _tensors, layer_lengths
-from tests.conftest import compose_config
+from tests.conftest import compose_config, compressed
 
 ALL_METHODS = METHODS.names()
 BUDGETED = [n for n in ALL_METHODS if METHODS.get(n).caps.has_budget]
@@ -59,10 +58,10 @@ def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine
     engine = tiny_engine.prepared(method)
     method.bind(engine.lm)
     shared = engine.prefill(prompt_ids, method.stats_request())
-    expected = method.compress(shared.kv, shared.stats, budget)
+    compression, expected = compressed(method, shared.kv, shared.stats, budget)
     snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in cache_tensors(expected)]
-    kept_shared = [None if p is None else p.clone() for p in kept_positions(method) or []]
-    del expected
+    kept_shared = [None if p is None else p.clone() for p in compression.kept]
+    del expected, compression
 
     inlined = inline.prefill(engine, method, budget, prompt_ids)
     assert inlined.kv == [] and inlined.n_tokens == len(prompt_ids)
@@ -70,8 +69,8 @@ def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine
     assert len(got) == len(snapshot)
     for x, y in zip(got, snapshot):
         assert x == y if isinstance(x, str) else torch.equal(x, y)
-    assert len(kept_positions(method) or []) == len(kept_shared)
-    for a, b in zip(kept_positions(method) or [], kept_shared):
+    assert inlined.compression is not None and len(inlined.compression.kept) == len(kept_shared)
+    for a, b in zip(inlined.compression.kept, kept_shared):
         assert (a is None and b is None) or torch.equal(a, b)
     assert torch.equal(inlined.last_logits, shared.last_logits)
 
@@ -129,7 +128,8 @@ def test_every_chunk_leaves_each_layer_at_its_count(name, budget, tiny, tiny_eng
         given = min(len(prompt_ids), 128 * (index + 1))
         assert lengths == [min(n, given) for n in counts]  # at the budget as soon as the prompt so far exceeds it
     assert layer_lengths(out.compressed) == counts
-    positions = kept_positions(method)  # prompt positions, ascending, ending with the prompt's last token
+    assert out.compression is not None
+    positions = out.compression.kept  # prompt positions, ascending, ending with the prompt's last token
     if name not in ("random", "knorm", "keydiff", "expected_attention", "tova", "decoding"):
         assert all(int(p[0, 0, -1]) == len(prompt_ids) - 1 for p in positions if p is not None)
     assert all(bool((p[..., 1:] > p[..., :-1]).all()) for p in positions if p is not None)
@@ -147,9 +147,10 @@ def test_chunked_full_cache_equals_the_whole_prompt(tiny_engine, prompt_ids):
 
 def test_streamingllm_chunked_keeps_sinks_and_the_most_recent(tiny_engine, prompt_ids):
     method = build_method("streamingllm", {"start_size": 4})
-    inline.prefill(tiny_engine, method, Budget.parse(100), prompt_ids, chunk=64)
+    out = inline.prefill(tiny_engine, method, Budget.parse(100), prompt_ids, chunk=64)
     T = len(prompt_ids)
-    for positions in method.kept_positions:
+    assert out.compression is not None
+    for positions in out.compression.kept:
         assert positions[0, 0].tolist() == list(range(4)) + list(range(T - 96, T))
 
 
@@ -177,12 +178,10 @@ def test_memory_delta_counts_what_was_touched():
 
 
 class WholeCacheMethod(Method):
-    """A method that needs every layer before selecting (a cross-layer budget): overrides compress itself."""
+    """A method that needs every layer before selecting (a cross-layer budget): declares it."""
 
     name = "whole-cache"
-
-    def compress(self, prefill_kv, stats, budget):
-        return super().compress(prefill_kv, stats, budget)
+    caps = Capabilities(compresses_inline=False)
 
 
 @pytest.mark.parametrize(

@@ -63,17 +63,18 @@ def test_ring_holds_streamingllms_positions_and_keys_at_every_step(engine, promp
     sinks + the most recent tokens, and their keys/values are per-step eviction's (in position order)."""
     ids = prompt_ids[:n_prompt]
     methods = [streaming(False, start_size=start_size), streaming(True, start_size=start_size)]
-    caches = []
+    starts = []
     for method in methods:
         prefill = engine.prefill(ids, method.stats_request())
-        caches.append(engine.compressed(prefill, method, Budget.parse(budget), []).cache)
-        method.on_decode_start(caches[-1], n_prompt)
+        starts.append(engine.compressed(prefill, method, Budget.parse(budget), []))
+        starts[-1].hooks.on_decode_start(starts[-1].cache, n_prompt)
+    caches = [start.cache for start in starts]
     token, rings = ids[-1], 0
     for position in range(n_prompt, n_prompt + 3 * budget):
-        for method, cache in zip(methods, caches):
-            with recording(method.decode_request()) as stats:
+        for start, cache in zip(starts, caches):
+            with recording(start.hooks.decode_request()) as stats:
                 logits = engine.forward([token], [position], cache)[-1]
-            method.on_decode_step(cache, stats)
+            start.hooks.on_decode_step(cache, stats)
         token = int(logits.argmax())
         for plain, layer in zip(caches[0].layers, caches[1].layers):
             if not isinstance(layer, RingLayer):

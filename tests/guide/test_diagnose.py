@@ -15,7 +15,7 @@ from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import cache_kv
 from kvbench.run.runner import run
 from kvbench.store.results import read_rows
-from tests.conftest import compose_config, tiny_overrides
+from tests.conftest import compose_config, compressed, tiny_overrides
 
 
 def passes(engine, prompt_ids, name, budget, **params):
@@ -31,14 +31,14 @@ def test_tracker_follows_decode_time_eviction(tiny_engine, prompt_ids):
     method = build_method("h2o")
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
     method.bind(tiny_engine.lm)
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(0.2))
-    tracker = PositionTracker(cache, method.kept_positions, prefill.n_tokens, [k.shape[1] for k, _ in prefill.kv])
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(0.2))
+    tracker = PositionTracker(cache, compression.kept, prefill.n_tokens, [k.shape[1] for k, _ in prefill.kv])
     position, token = prefill.n_tokens, 5
     with tracker.observing():
         for _ in range(8):
-            with torch.inference_mode(), recording(method.decode_request()) as stats:
+            with torch.inference_mode(), recording(compression.decode_request()) as stats:
                 tiny_engine.forward([token], [position], cache)
-            method.on_decode_step(cache, stats)
+            compression.on_decode_step(cache, stats)
             position += 1
     for (keys, _), (full_keys, _), positions in zip(cache_kv(cache), prefill.kv, tracker.current(cache)):
         assert positions.shape == keys.shape[1:3]  # (H_kv, T_cache)

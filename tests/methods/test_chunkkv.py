@@ -5,6 +5,7 @@ import torch
 
 from kvbench.methods import Budget, build_method
 from kvbench.methods.chunkkv import chunk_keep
+from tests.conftest import compressed
 
 
 def test_whole_chunks_by_their_mean_score():
@@ -24,8 +25,8 @@ def test_on_the_model_every_head_keeps_whole_chunks(tiny_engine, prompt_ids):
     method = build_method("chunkkv", {"scorer": "snapkv", "chunk_size": 10})
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
     n_keep = Budget.parse(0.25).tokens(len(prompt_ids))  # 135: 13 whole chunks + 5 positions of a 14th
-    method.compress(prefill.kv, prefill.stats, Budget.parse(0.25))
-    for kept in method.kept_positions:
+    compression, _ = compressed(method, prefill.kv, prefill.stats, Budget.parse(0.25))
+    for kept in compression.kept:
         assert kept.shape[-1] == n_keep and bool((kept == kept[:, :1]).all())
         chunks = torch.bincount(kept[0, 0] // 10, minlength=len(prompt_ids) // 10 + 1)
         assert int((chunks == 10).sum()) == n_keep // 10 and int(((chunks > 0) & (chunks < 10)).sum()) <= 1

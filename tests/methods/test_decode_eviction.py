@@ -7,6 +7,7 @@ from kvbench.methods import Budget, build_method
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import layer_lengths
 from kvbench.model.rope import inv_freq_of, rotate_half
+from tests.conftest import compressed
 
 
 def _rope64(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -30,14 +31,14 @@ def test_rolling_positions_do_not_drift_over_1000_bf16_decode_steps(tiny):
     raw = torch.randn(1, 2, n_total, 2 * inv_freq.numel(), dtype=torch.float64)  # (B, H_kv, T, D) pre-RoPE keys
     values = torch.zeros(1, 2, n_prompt, raw.shape[-1], dtype=torch.bfloat16)
     prompt_keys = _rope64(raw[:, :, :n_prompt], torch.arange(n_prompt), inv_freq).bfloat16()  # as the model stores
-    cache = method.compress([(prompt_keys, values)], None, Budget.parse(n_keep))
+    compression, cache = compressed(method, [(prompt_keys, values)], None, Budget.parse(n_keep))
     arrived_at = {}
-    for token in range(n_prompt, n_total):  # the engine's decode loop: rotate at method.position, append, evict
-        position = method.position(token, cache)
+    for token in range(n_prompt, n_total):  # the engine's decode loop: rotate at its position, append, evict
+        position = compression.position(token, cache)
         arrived_at[token] = position
         key = _rope64(raw[:, :, token : token + 1], torch.tensor([position]), inv_freq).bfloat16()  # (1, 2, 1, D)
         cache.layers[0].update(key, values[:, :, :1])
-        method.on_decode_step(cache, None)
+        compression.on_decode_step(cache, None)
     assert layer_lengths(cache) == [n_keep]
     tokens = list(range(4)) + list(range(n_total - (n_keep - 4), n_total))  # sinks + recent
     exact = _rope64(raw[:, :, tokens], torch.arange(n_keep), inv_freq)  # each kept token at its slot
@@ -63,12 +64,12 @@ def _decode(engine, method, budget, prompt, n_new):
     """The engine's greedy loop, without stopping at EOS: returns the layers' lengths after every step."""
     prefill = engine.prefill(prompt, method.stats_request())
     method.bind(engine.lm)
-    cache = method.compress(prefill.kv, prefill.stats, budget)
+    compression, cache = compressed(method, prefill.kv, prefill.stats, budget)
     token, lengths = int(prefill.last_logits.argmax()), []
     for position in range(len(prompt), len(prompt) + n_new):
-        with recording(method.decode_request()) as stats:
-            logits = engine.forward([token], [method.position(position, cache)], cache)[-1]
-        method.on_decode_step(cache, stats)
+        with recording(compression.decode_request()) as stats:
+            logits = engine.forward([token], [compression.position(position, cache)], cache)[-1]
+        compression.on_decode_step(cache, stats)
         token = int(logits.argmax())
         lengths.append(layer_lengths(cache))
     return lengths
@@ -82,15 +83,15 @@ def _decode_synthetic(method, budget, n_prompt, n_new, n_layers=2, heads=(4, 2),
     with recording(method.stats_request()) as stats:
         for layer_idx, k in enumerate(keys):
             stats.record(layer_idx, torch.randn(1, n_q, n_prompt, dim), k, dim**-0.5)
-    cache = method.compress([(k, torch.randn_like(k)) for k in keys], stats, budget)
+    compression, cache = compressed(method, [(k, torch.randn_like(k)) for k in keys], stats, budget)
     lengths = []
     for _ in range(n_new):
-        with recording(method.decode_request()) as stats:
+        with recording(compression.decode_request()) as stats:
             for layer_idx, layer in enumerate(cache.layers):
                 k, v = layer.update(torch.randn(1, n_kv, 1, dim), torch.randn(1, n_kv, 1, dim))
                 if stats.request:
                     stats.record(layer_idx, torch.randn(1, n_q, 1, dim), k, dim**-0.5)
-        method.on_decode_step(cache, stats)
+        compression.on_decode_step(cache, stats)
         lengths.append(layer_lengths(cache))
     return lengths
 
@@ -123,48 +124,48 @@ def test_h2o_mean_score_divides_by_the_queries_each_key_received(tiny_engine, pr
         build_method("h2o", {"recent_ratio": 0.0}),
         build_method("h2o", {"recent_ratio": 0.0, "score": "mean"}),
     )
-    summed.compress(prefill.kv, prefill.stats, Budget.parse(120 // 4))  # (no eviction of the scores themselves)
-    for method in (summed, mean):
-        method.reset()
-        method._receive(0, prefill.stats, prefill.kv[0][0].shape[1])
+    fresh = [method.begin(120, len(prefill.kv), Budget.parse(120 // 4)) for method in (summed, mean)]
+    for compression in fresh:
+        compression.receive(0, prefill.stats, prefill.kv[0][0].shape[1])
     n_kv = prefill.kv[0][0].shape[1]
     columns = prefill.stats.all_queries[0]  # (B, H_q, T)
     expected = columns.view(1, n_kv, -1, 120).sum(2) / torch.arange(120, 0, -1).float()  # (B, H_kv, T)
-    torch.testing.assert_close(mean._ranking(0), expected)
-    torch.testing.assert_close(summed._ranking(0), columns.view(1, n_kv, -1, 120).sum(2))
+    torch.testing.assert_close(fresh[1].ranking(0), expected)
+    torch.testing.assert_close(fresh[0].ranking(0), columns.view(1, n_kv, -1, 120).sum(2))
     # while decoding every cached key receives one more query per step; the new token its own
-    cache = mean.compress(prefill.kv, prefill.stats, Budget.parse(200))  # ≥ the prompt: held at 200, none evicted
-    assert torch.equal(mean._queries[0][0, 0], torch.arange(120, 0, -1).float())
-    with recording(mean.decode_request()) as stats:
+    held, cache = compressed(mean, prefill.kv, prefill.stats, Budget.parse(200))  # ≥ the prompt: held at 200
+    assert torch.equal(held.queries[0][0, 0], torch.arange(120, 0, -1).float())
+    with recording(held.decode_request()) as stats:
         tiny_engine.forward([5], [120], cache)
-    mean.on_decode_step(cache, stats)
-    assert torch.equal(mean._queries[0][0, 0], torch.cat([torch.arange(121, 1, -1), torch.ones(1)]).float())
+    held.on_decode_step(cache, stats)
+    assert torch.equal(held.queries[0][0, 0], torch.cat([torch.arange(121, 1, -1), torch.ones(1)]).float())
 
 
 # ---- block eviction (evict_every = k) -----------------------------------------------------------------------------
 def _held_caches(method, budget, n_prompt, n_new, dim=16):
-    """The synthetic decode loop (one layer, random K/V, no model): each step's (keys, values) after eviction."""
+    """The synthetic decode loop (one layer, random K/V, no model): each step's (keys, values) after eviction, and
+    the example's compression."""
     torch.manual_seed(0)
     keys, values = torch.randn(1, 2, n_prompt + n_new, dim), torch.randn(1, 2, n_prompt + n_new, dim)  # (B, H, T, D)
     queries = torch.randn(n_prompt + n_new, 1, 4, 1, dim)  # one (B, H_q, 1, D) query per step
     with recording(method.stats_request()) as stats:
         stats.record(0, torch.randn(1, 4, n_prompt, dim), keys[:, :, :n_prompt], dim**-0.5)
-    cache = method.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, budget)
+    compression, cache = compressed(method, [(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, budget)
     held = []
     for t in range(n_prompt, n_prompt + n_new):
-        with recording(method.decode_request()) as stats:
+        with recording(compression.decode_request()) as stats:
             k, _ = cache.layers[0].update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
             if stats.request:
                 stats.record(0, queries[t], k, dim**-0.5)
-        method.on_decode_step(cache, stats)
+        compression.on_decode_step(cache, stats)
         held.append((cache.layers[0].keys.clone(), cache.layers[0].values.clone()))
-    return held
+    return held, compression
 
 
 @pytest.mark.parametrize("name,params", [("h2o", {}), ("h2o", {"score": "mean"}), ("streamingllm", {}), ("tova", {})])
 @pytest.mark.parametrize("every", [1, 4, 7])
 def test_block_eviction_holds_between_budget_and_budget_plus_slack(name, params, every):
-    held = _held_caches(build_method(name, {**params, "evict_every": every}), Budget.parse(24), 60, 40)
+    held, _ = _held_caches(build_method(name, {**params, "evict_every": every}), Budget.parse(24), 60, 40)
     lengths = [keys.shape[2] for keys, _ in held]
     # after step s (1-based) a layer holds 24 + (s mod k): it grows for k − 1 steps, the k-th drops k tokens at once
     assert lengths == [24 + (step % every) for step in range(1, 41)]
@@ -173,8 +174,8 @@ def test_block_eviction_holds_between_budget_and_budget_plus_slack(name, params,
 
 @pytest.mark.parametrize("every", [4, 7])
 def test_streamingllm_blocks_keep_what_per_step_eviction_keeps_at_every_kth_step(every):
-    per_step = _held_caches(build_method("streamingllm"), Budget.parse(24), 60, 40)
-    blocks = _held_caches(build_method("streamingllm", {"evict_every": every}), Budget.parse(24), 60, 40)
+    per_step, _ = _held_caches(build_method("streamingllm"), Budget.parse(24), 60, 40)
+    blocks, _ = _held_caches(build_method("streamingllm", {"evict_every": every}), Budget.parse(24), 60, 40)
     for step in range(every - 1, 40, every):  # right after each block eviction: sinks + the same recent window
         assert all(torch.equal(a, b) for a, b in zip(per_step[step], blocks[step]))
 
@@ -182,14 +183,14 @@ def test_streamingllm_blocks_keep_what_per_step_eviction_keeps_at_every_kth_step
 @pytest.mark.parametrize("score", ["sum", "mean"])
 def test_h2o_blocks_drop_the_lowest_accumulated_scores_with_every_step_voting(score):
     method = build_method("h2o", {"evict_every": 5, "score": score})
-    held = _held_caches(method, Budget.parse(24), 60, 10)
+    held, compression = _held_caches(method, Budget.parse(24), 60, 10)
     # the scores follow the held tokens and count every query so far: after 10 steps the recent window's newest
     # token has been seen by 1 query, the oldest kept prompt token by 60 + 10 (mean's denominators)
-    assert method._received[0].shape[-1] == held[-1][0].shape[2] == 24
+    assert compression.received[0].shape[-1] == held[-1][0].shape[2] == 24
     if score == "sum":  # only mean counts the queries
-        assert method._queries == {}
+        assert compression.queries == {}
     else:
-        assert method._queries[0][0, 0, -1] == 1 and method._queries[0][0, 0, 0] == 70
+        assert compression.queries[0][0, 0, -1] == 1 and compression.queries[0][0, 0, 0] == 70
 
 
 @pytest.mark.parametrize("name", ["h2o", "streamingllm"])
@@ -224,14 +225,14 @@ def test_tova_evicts_by_the_step_query_on_the_shared_component():
     keys, values = torch.randn(1, 2, 70, 16), torch.randn(1, 2, 70, 16)  # (B, H_kv, T, D)
     with recording(method.stats_request()) as stats:
         stats.record(0, torch.randn(1, 4, 60, 16), keys[:, :, :60], 0.25)
-    cache = method.compress([(keys[:, :, :60], values[:, :, :60])], stats, Budget.parse(20))
+    compression, cache = compressed(method, [(keys[:, :, :60], values[:, :, :60])], stats, Budget.parse(20))
     for t in range(60, 70):
         before = torch.cat([cache.layers[0].keys, keys[:, :, t : t + 1]], 2)  # (1, 2, 21, 16)
         query = torch.randn(1, 4, 1, 16)
-        with recording(method.decode_request()) as stats:
+        with recording(compression.decode_request()) as stats:
             k, _ = cache.layers[0].update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
             stats.record(0, query, k, 0.25)
-        method.on_decode_step(cache, stats)
+        compression.on_decode_step(cache, stats)
         row = (query @ before.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).softmax(-1)  # (1, 4, 1, 21)
         kept = row.mean(1)[0, 0].topk(20).indices.sort().values  # head-averaged: the same positions for every head
         assert torch.equal(cache.layers[0].keys, before[:, :, kept])

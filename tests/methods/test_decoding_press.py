@@ -6,6 +6,7 @@ import torch
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method
 from kvbench.model.attention import StatsRequest, recording
+from tests.conftest import compressed
 
 BYTES_PER_TOKEN = 2 * 4 * 2 * 16 * 4  # tiny model: K and V × 4 layers × 2 KV heads × head_dim 16 × fp32
 
@@ -23,23 +24,23 @@ def test_appended_tokens_are_decode_steps(tiny_engine, prompt_ids):
     """A forced trace (query_aware=false suffix) goes through the same per-token compression."""
     method = build_method("decoding", {"scorer": "tova", "compress_every": 10, "decode_budget": 50})
     prefill = tiny_engine.prefill(prompt_ids[:200], method.stats_request())
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(1.0))
-    tiny_engine._extend(cache, method, prompt_ids[200:245], 200)  # 45 tokens: compressions at 10, 20, 30, 40
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(1.0))
+    tiny_engine._extend(cache, compression, prompt_ids[200:245], 200)  # 45 tokens: compressions at 10, 20, 30, 40
     assert [layer.keys.shape[2] for layer in cache.layers] == [55] * 4
 
 
 def test_compression_keeps_the_scorers_top_tokens_of_the_whole_cache(tiny_engine, prompt_ids):
     method = build_method("decoding", {"scorer": "knorm", "compress_every": 3, "decode_budget": 64})
     prefill = tiny_engine.prefill(prompt_ids[:100], method.stats_request())
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(1.0))
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(1.0))
     for step, token in enumerate(prompt_ids[100:103]):
         if step == 2:
             before = [layer.keys.clone() for layer in cache.layers]
-        with recording(method.decode_request()) as stats:
+        with recording(compression.decode_request()) as stats:
             tiny_engine.forward([token], [100 + step], cache)
         if step == 2:
             full = [torch.cat([b, layer.keys[:, :, -1:]], dim=2) for b, layer in zip(before, cache.layers)]
-        method.on_decode_step(cache, stats)
+        compression.on_decode_step(cache, stats)
     for layer, keys in zip(cache.layers, full):  # 103 tokens → the 64 lowest-norm keys of each head
         index = (-keys.norm(dim=-1)).topk(64, dim=-1).indices.sort(-1).values  # (B, H_kv, 64)
         assert torch.equal(layer.keys, keys.gather(2, index[..., None].expand(-1, -1, -1, 16)))
@@ -51,9 +52,9 @@ def test_decode_rows_sum_to_the_observation_window(tiny_engine, prompt_ids):
     w = method._scorer.window_size
     ids = prompt_ids[: 100 + w]
     prefill = tiny_engine.prefill(ids[:100], method.stats_request())
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(1.0))
-    tiny_engine._extend(cache, method, ids[100:], 100)
-    window = method._window_stats(cache)
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(1.0))
+    tiny_engine._extend(cache, compression, ids[100:], 100)
+    window = compression.window_stats(cache)
     reference = tiny_engine.prefill(ids, StatsRequest(windows=frozenset({w}))).stats
     for layer_idx in range(4):
         torch.testing.assert_close(window.window[w][layer_idx], reference.window[w][layer_idx], rtol=1e-4, atol=1e-5)

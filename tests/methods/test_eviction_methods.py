@@ -10,6 +10,7 @@ from kvbench.methods import Budget, build_method
 from kvbench.methods.pyramidkv import PyramidKV
 from kvbench.model.attention import StatsRequest, register
 from kvbench.model.load import LoadedModel, byte_tokenizer
+from tests.conftest import compressed
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +86,10 @@ def test_h2o_keeps_heavy_hitters_and_stays_at_budget(mha, prompt_ids):
 def test_h2o_online_scores_accumulate_decode_attention(tiny_engine, prompt_ids):
     method = build_method("h2o")
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
-    tiny_engine.generate(prefill, method, Budget.parse(0.2), [], 5)
-    total = sum(s.sum() for s in method._received.values()) / len(method._received)
+    start = tiny_engine.compressed(prefill, method, Budget.parse(0.2), [])
+    tiny_engine.decode(start, method, 5)
+    received = start.hooks.received  # the example's accumulated scores (methods/h2o.py's H2OCompression)
+    total = sum(s.sum() for s in received.values()) / len(received)
     # each layer's scores sum to the attention mass of the surviving tokens: ≤ queries seen, > 0
     assert 0 < float(total) <= (len(prompt_ids) + 4) * 4
 
@@ -134,15 +137,14 @@ def test_rolling_positions_equal_keys_computed_at_the_new_positions(tiny, tiny_e
     method = build_method("streamingllm", {"positions": "rolling", "start_size": 4})
     prefill = tiny_engine.prefill(prompt_ids, StatsRequest())
     method.bind(tiny)
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(100))
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(100))
     kept = prompt_ids[:4] + prompt_ids[-96:]
     # layer 0's keys depend only on the token and its position: recompute them at positions 0..99
     with torch.no_grad():
         fresh = tiny_engine.prefill(kept, StatsRequest())
     torch.testing.assert_close(cache.layers[0].rolled_keys(), fresh.kv[0][0], atol=1e-5, rtol=1e-5)
-    assert method.position(len(prompt_ids), cache) == 100
-    absolute = build_method("streamingllm")
-    absolute.compress(prefill.kv, prefill.stats, Budget.parse(100))
+    assert compression.position(len(prompt_ids), cache) == 100
+    absolute = compressed(build_method("streamingllm"), prefill.kv, prefill.stats, Budget.parse(100))[0]
     assert absolute.position(len(prompt_ids), cache) == len(prompt_ids)
 
 
@@ -207,8 +209,8 @@ def test_context_only_compression_keeps_the_question_on_top_of_the_budget(tiny_e
     context, question = prompt_ids[:400], prompt_ids[400:460]
     method = build_method(name)
     prefill = tiny_engine.prefill(context, method.stats_request())
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(40))
-    tiny_engine._extend(cache, method, question, len(context))
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(40))
+    tiny_engine._extend(cache, compression, question, len(context))
     assert [layer.keys.shape[2] for layer in cache.layers] == [40 + 60] * 4  # the context budget is intact
 
 
@@ -216,13 +218,13 @@ def test_rolling_positions_of_an_appended_question_are_consecutive(tiny, tiny_en
     method = build_method("streamingllm", {"positions": "rolling"})
     method.bind(tiny)
     prefill = tiny_engine.prefill(prompt_ids[:400], StatsRequest())
-    cache = method.compress(prefill.kv, prefill.stats, Budget.parse(100))
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(100))
     seen = []
     real = tiny_engine.forward
     monkeypatch.setattr(
         tiny_engine, "forward", lambda ids, positions, c, **k: seen.append(positions) or real(ids, positions, c, **k)
     )
-    tiny_engine._extend(cache, method, prompt_ids[400:405], 400)
+    tiny_engine._extend(cache, compression, prompt_ids[400:405], 400)
     assert seen == [[100, 101, 102, 103, 104]]
 
 

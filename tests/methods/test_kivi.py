@@ -8,6 +8,7 @@ from kvbench.kernels.quantize import packed_nbytes, quantize_pack, unpack_dequan
 from kvbench.methods import build_method
 from kvbench.methods.kivi import KiviLayer
 from kvbench.model.cache import cache_nbytes, layer_select
+from tests.conftest import compressed
 
 EPS = {torch.float32: 2.0**-22, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}  # ≥ one rounding, relative
 
@@ -144,20 +145,22 @@ def _h2o_or_streaming_on_kivi(eviction, n_prompt, steps, budget, monkeypatch):
     )
     with recording(method.stats_request()) as stats:
         stats.record(0, torch.randn(1, 4, n_prompt, 16), keys[:, :, :n_prompt], 0.25)
-    evicted = method.eviction.compress([(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, Budget.parse(budget))
+    eviction, evicted = compressed(
+        method.eviction, [(keys[:, :, :n_prompt], values[:, :, :n_prompt])], stats, Budget.parse(budget)
+    )
     truth = [evicted.layers[0].keys, evicted.layers[0].values]  # (1, 2, budget, 16) exact
-    cache = method.precision.compress([tuple(truth)], None, None)  # what compose.compress does
+    cache = method.precision.compress([tuple(truth)], None, None)  # what compose's compression does
     layer = cache.layers[0]
     selected = []
     real_select = KiviLayer.select
     monkeypatch.setattr(KiviLayer, "select", lambda self, index: selected.append(index) or real_select(self, index))
     for t in range(n_prompt, n_prompt + steps):
-        with recording(method.decode_request()) as stats:
+        with recording(eviction.decode_request()) as stats:  # compose decodes with its eviction part's hooks
             k, _ = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])[0].kv()
             truth = [torch.cat([x, src[:, :, t : t + 1]], 2) for x, src in zip(truth, (keys, values))]
             if stats.request:
                 stats.record(0, torch.randn(1, 4, 1, 16), k, 0.25)
-        method.on_decode_step(cache, stats)
+        eviction.on_decode_step(cache, stats)
         if selected:
             index = selected.pop().unsqueeze(-1).expand(-1, -1, -1, 16)
             truth = [x.gather(2, index) for x in truth]

@@ -5,6 +5,7 @@ import torch
 
 from kvbench.methods import Budget, build_method
 from kvbench.methods.kvcrush import crush_keep, signatures
+from tests.conftest import compressed
 
 
 def reference(scores: torch.Tensor, n_keep: int, n_rep: int, anchor: list[int]) -> list[list[int]]:
@@ -52,17 +53,17 @@ def test_no_representatives_is_the_scorer(tiny_engine, prompt_ids):
     crush = build_method("kvcrush", {"representative_share": 0.0})
     snap = build_method("snapkv")
     prefill = tiny_engine.prefill(prompt_ids, crush.stats_request())
-    crush.compress(prefill.kv, prefill.stats, Budget.parse(0.25))
-    snap.compress(prefill.kv, prefill.stats, Budget.parse(0.25))
-    for a, b in zip(crush.kept_positions, snap.kept_positions):
+    crushed = compressed(crush, prefill.kv, prefill.stats, Budget.parse(0.25))[0]
+    snapped = compressed(snap, prefill.kv, prefill.stats, Budget.parse(0.25))[0]
+    for a, b in zip(crushed.kept, snapped.kept):
         assert torch.equal(a, b)
 
 
 def test_the_scorers_window_is_kept(tiny_engine, prompt_ids):
     method = build_method("kvcrush", {"representative_share": 0.5})
     prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
-    method.compress(prefill.kv, prefill.stats, Budget.parse(0.25))
+    compression, _ = compressed(method, prefill.kv, prefill.stats, Budget.parse(0.25))
     window = set(range(len(prompt_ids) - 32, len(prompt_ids)))
-    for kept in method.kept_positions:
+    for kept in compression.kept:
         for row in kept[0]:
             assert window <= set(row.tolist()) and len(set(row.tolist())) == kept.shape[-1]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kvbench.methods import Budget, build_method
 from kvbench.model.attention import StatsRequest, recording
-from tests.conftest import eager_attentions
+from tests.conftest import compressed, eager_attentions
 
 
 def _kept_rows(cache_keys, prefill_keys):
@@ -58,7 +58,9 @@ def test_tova_keeps_the_last_querys_head_averaged_top_tokens(tiny, tiny_engine, 
 
 
 def test_tova_evicts_the_least_attended_token_at_every_decode_step(tiny_engine, prompt_ids):
-    method, prefill, cache = _compress(tiny_engine, "tova", prompt_ids, 64)
+    method = build_method("tova")
+    prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
+    compression, cache = compressed(method, prefill.kv, prefill.stats, Budget.parse(64))
     with recording(StatsRequest(windows=frozenset({1}))) as stats:
         tiny_engine.forward([prompt_ids[0]], [len(prompt_ids)], cache)  # appends one token: 65 per layer
     expected = []
@@ -66,7 +68,7 @@ def test_tova_evicts_the_least_attended_token_at_every_decode_step(tiny_engine, 
         row = stats.window[1][layer_idx].mean(1)  # (B, 65): the new query's head-averaged attention
         dropped = int(row.argmin())
         expected.append(layer.keys[:, :, [i for i in range(65) if i != dropped]])
-    method.on_decode_step(cache, stats)
+    compression.on_decode_step(cache, stats)
     for layer, keys in zip(cache.layers, expected):
         assert torch.equal(layer.keys, keys)
     gen = tiny_engine.generate(prefill, method, Budget.parse(64), [], 10)

@@ -42,9 +42,9 @@ def test_the_redundant_duplicate_goes_first():
     keys, copies = duplicated_keys()
     method = build_method("rkv", {"window_size": 2})
     votes = torch.full((1, 2, 16), 1 / 16)  # (B, H_q, T): 2 query heads on one KV head
-    kept = method._keep(votes, keys, 15)[0, 0].tolist()  # one token dropped
+    kept = method.window_keep(votes, keys, 15)[0, 0].tolist()  # one token dropped
     assert len(kept) == 15 and (set(range(16)) - set(kept)) <= set(copies)
-    kept = method._keep(votes, keys, 13)[0, 0].tolist()  # three dropped: three of the four copies
+    kept = method.window_keep(votes, keys, 13)[0, 0].tolist()  # three dropped: three of the four copies
     assert set(range(16)) - set(kept) <= set(copies) and len(set(copies) & set(kept)) == 1
 
 
@@ -66,6 +66,8 @@ def test_holds_the_budget_while_decoding(tiny_engine, prompt_ids):
 def test_decode_rows_follow_the_kept_tokens(tiny_engine, prompt_ids):
     """The remembered decode rows are gathered with the cache: each is as long as the layer holds."""
     method = build_method("rkv", {"window_size": 4})
-    tiny_engine.run(method, Budget.parse(48), prompt_ids, max_new_tokens=12)
-    for rows in method._rows.values():
+    prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
+    start = tiny_engine.compressed(prefill, method, Budget.parse(48), [])
+    tiny_engine.decode(start, method, 12)
+    for rows in start.hooks.rows.values():  # the example's remembered rows (methods/rkv.py's RKVCompression)
         assert 1 <= len(rows) <= 4 and all(r.shape[-1] == 48 for r in rows)

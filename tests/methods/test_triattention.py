@@ -8,6 +8,7 @@ from kvbench.methods import Budget, build_method
 from kvbench.methods import triattention as tri
 from kvbench.model.attention import StatsRequest
 from kvbench.model.rope import rerotate
+from tests.conftest import compressed
 
 
 def rope(x: torch.Tensor, position: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -80,8 +81,10 @@ def test_calibration_is_cached_per_model_and_knobs(tiny, tmp_path, monkeypatch):
 def test_keeps_the_window_and_the_budget(tiny_engine, prompt_ids):
     method = build_method("triattention", {"window_size": 16})
     gen = tiny_engine.run(method, Budget.parse(0.25), prompt_ids, max_new_tokens=4)
+    prefill = tiny_engine.prefill(prompt_ids, method.stats_request())
+    compression, _ = compressed(method, prefill.kv, prefill.stats, Budget.parse(0.25))
     n_keep = Budget.parse(0.25).tokens(len(prompt_ids))
-    for kept in method.kept_positions:
+    for kept in compression.kept:
         assert kept.shape[-1] == n_keep
         assert set(range(len(prompt_ids) - 16, len(prompt_ids))) <= set(kept[0, 0].tolist())
     assert gen.kv_ratio < 0.3

@@ -16,7 +16,7 @@ from kvbench.engine.engine import Engine
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes
-from kvbench.model.load import _finish, byte_tokenizer
+from kvbench.model.load import byte_tokenizer, finish
 from kvbench.run.support import refusal
 from tests.model.families import FAMILIES, build
 
@@ -28,7 +28,7 @@ KNOBS = {"kivi": {"group_size": 16, "residual_length": 16}, "compose": {"overrid
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
-    lm = _finish(build(request.param), byte_tokenizer(), request.param, torch.device("cpu"), torch.float32)
+    lm = finish(build(request.param), byte_tokenizer(), request.param, torch.device("cpu"), torch.float32)
     ids = torch.randint(3, 300, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
     engine = Engine(lm)
     full = build_method("full")

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from kvbench import KvbenchError
-from kvbench.model import load
+from kvbench.model import conversion, gguf_models, load
 from tests.conftest import CONF_DIR
 
 ARCH = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -34,14 +34,14 @@ def bundled(tmp_path, monkeypatch):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF version 1")
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(load, "bundled_gguf_path", lambda package, filename: gguf)
+    monkeypatch.setattr(gguf_models, "bundled_gguf_path", lambda package, filename: gguf)
     conversions = []
 
     def read_gguf(path):
         conversions.append(path.read_bytes())
         return tiny_model(), load.byte_tokenizer()
 
-    monkeypatch.setattr(load, "read_gguf", read_gguf)
+    monkeypatch.setattr(conversion, "read_gguf", read_gguf)
     cfg = OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml")
 
     def run(capsys):
@@ -169,7 +169,7 @@ def test_a_conversion_from_before_versioned_folders_is_removed(tmp_path, monkeyp
     folder = load.converted_dir("smollm2-135m").parent
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"\0" * 8)
-    load.write_marker(folder, {"file": "x.gguf", "sha256": "0"})  # lists model.safetensors
+    conversion.write_marker(folder, {"file": "x.gguf", "sha256": "0"})  # lists model.safetensors
     (folder / "notes.txt").write_text("mine")
     load._make_cache_dir(load.converted_dir("smollm2-135m"))
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvbench import KvbenchError
-from kvbench.model import load as models
+from kvbench.model import device
 from kvbench.model.load import bundled_gguf_path, resolve_device, resolve_dtype
 
 
@@ -35,17 +35,17 @@ def test_dtypes():
     ],
 )
 def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch, capsys, flags, expected, why):
-    monkeypatch.setattr(models, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(device, "cpu_flags", lambda: flags)
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"[kvbench] dtype=auto -> {str(expected).removeprefix('torch.')} (") and why in line
 
 
 def test_cpu_flags_come_from_torch_or_cpuinfo(monkeypatch):
-    flags = models.cpu_flags()
+    flags = device.cpu_flags()
     assert "avx2" in flags or "neon" in flags or "asimd" in flags or not flags  # whatever this machine has
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "amx_bf16": False})
-    assert models.cpu_flags() == {"avx512_bf16"}
+    assert device.cpu_flags() == {"avx512_bf16"}
 
 
 def test_auto_dtype_on_cuda_follows_bf16_support(monkeypatch):
@@ -60,7 +60,7 @@ def test_a_conversion_parses_the_gguf_once(monkeypatch):
     and gguf's own class is back afterwards."""
     import gguf
 
-    from kvbench.model import load
+    from kvbench.model import conversion
 
     made = []
 
@@ -69,9 +69,9 @@ def test_a_conversion_parses_the_gguf_once(monkeypatch):
             made.append(path)
 
     monkeypatch.setattr(gguf, "GGUFReader", Reader)
-    with load._one_parse():
+    with conversion._one_parse():
         first, second = gguf.GGUFReader("a.gguf"), gguf.GGUFReader("a.gguf")
         other = gguf.GGUFReader("b.gguf")
-    load._READERS.clear()
+    conversion._READERS.clear()
     assert first is second and other is not first and made == ["a.gguf", "b.gguf"]
     assert gguf.GGUFReader is Reader
