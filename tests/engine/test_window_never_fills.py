@@ -11,7 +11,7 @@ import transformers as tf
 from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
-from kvbench.model.load import _finish, byte_tokenizer
+from kvbench.model.load import byte_tokenizer, finish
 from tests.model.families import BASE
 
 PROMPT, NEW = 400, 4
@@ -21,7 +21,7 @@ def mistral(window: int) -> Engine:
     config = tf.MistralConfig(**BASE, num_key_value_heads=2, sliding_window=window)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    return Engine(_finish(model, byte_tokenizer(), "tiny-mistral", torch.device("cpu"), torch.float32))
+    return Engine(finish(model, byte_tokenizer(), "tiny-mistral", torch.device("cpu"), torch.float32))
 
 
 def run(engine: Engine, name: str, budget: float | None, suffix: int = 0):
