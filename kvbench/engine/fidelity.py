@@ -4,7 +4,8 @@ Teacher-forced along the full cache's own greedy answer (llama.cpp's KL-divergen
 both caches are fed the same tokens, so step i compares the two distributions the full answer's token i is read
 from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ compressed) in nats, `top1_agreement`
 (the share of steps whose most likely token is the full cache's), `fidelity_tokens` (steps compared) and
-`length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace).
+`length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
+`fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
 
 Cost per example: the full cache's distributions once (one forward over its answer), shared by every configuration
 of the example; per compressed configuration its compression again from the shared prefill (compression is
@@ -15,6 +16,7 @@ lengths, methods acting on decode steps — are fed token by token, as decoding 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,21 +121,22 @@ def add_columns(
     answer is its row's; without a full row here (reused from the store) it is decoded once."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
     rebuild = [r for r in runs if r.source is not None and r.method.name != "full"]
-    reference = None
+    reference, start = None, time.perf_counter()
     if full_run is not None:
         answer = full_run.gen.token_ids
     if rebuild or full_run is None:
         full = build_method("full")
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         if full_run is None:
-            answer = engine.decode(
-                engine.compressed(prefill, full, None, suffix_ids), full, max_new_tokens, stop
-            ).token_ids
+            start_full = engine.compressed(prefill, full, None, suffix_ids)
+            answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
         reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer) if rebuild else None
+    shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
+        start = time.perf_counter()
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
-            row.update(identical(len(answer)))
+            row.update(identical(len(answer)), fidelity_s=shared_s)
         elif run.source is not None and reference is not None:
             logits = compressed_logits(run.engine, run.source, run.method, run.budget, suffix_ids, answer)
-            row.update(compare(reference, logits))
+            row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)
