@@ -17,7 +17,7 @@ lengths, methods acting on decode steps — are fed token by token, as decoding 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -68,8 +68,10 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
 def compressed_logits(
     engine: Engine, prefill, method: Method, budget: Budget | None, suffix_ids: list[int], answer: list[int]
 ) -> torch.Tensor:
-    """(n, V): the configuration's cache rebuilt from `prefill` (Engine.compressed), fed `answer`."""
-    return forced_logits(engine, engine.compressed(prefill, method, budget, suffix_ids), method, answer)
+    """(n, V): the configuration's cache rebuilt from `prefill` (Engine.compressed), fed `answer`. A prefix cache's
+    `adopt` (kvbench.run.requests: it records each configuration's cache) is not called for the rebuilt one."""
+    start = engine.compressed(replace(prefill, adopt=None), method, budget, suffix_ids)
+    return forced_logits(engine, start, method, answer)
 
 
 def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
@@ -128,7 +130,7 @@ def add_columns(
         full = build_method("full")
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         if full_run is None:
-            start_full = engine.compressed(prefill, full, None, suffix_ids)
+            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids)
             answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
         reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer) if rebuild else None
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
