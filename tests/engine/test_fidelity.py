@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kvbench.engine import fidelity
-from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.model.attention import StatsRequest
 from kvbench.run.runner import run
-from tests.conftest import compose_config, tiny_overrides
+from tests.conftest import compose_config, native_method_names, tiny_overrides
 
 # plain caches (one forward), per-layer lengths, decode-time eviction, re-indexed positions, quantized storage
 CASES = [
@@ -108,3 +108,30 @@ def test_every_generating_row_has_the_columns_grid_or_not(tmp_path):
     full = a[a.method == "full"]
     assert (full.kl_mean == 0).all() and (full.top1_agreement == 1).all() and (full.length_vs_full == 1).all()
     assert (a[a.method != "full"].kl_mean > 0).all()
+
+
+@pytest.mark.parametrize("name", native_method_names())
+def test_every_method_at_its_lossless_setting_has_kl_zero(name, tiny, tiny_engine, prompt_ids):
+    """Each method at its lossless parameters and budget 1.0 (tests/methods/test_methods.py: the full cache's tokens
+    and logits exactly): through the fidelity path — the cache rebuilt, fed the full answer — KL 0 and top-1 1.0."""
+    params = METHODS.get(name).lossless_params(tiny)
+    if params is None:
+        pytest.skip(f"{name} has no lossless setting")
+    method = build_method(name, params)
+    own = tiny_engine if method.caps.shares_prefill else tiny_engine.prepared(method)
+    prompt, question = prompt_ids[:-12], prompt_ids[-12:]
+    full_prefill = tiny_engine.prefill(prompt, StatsRequest())
+    source = own.prefill(prompt, method.stats_request())
+    full = build_method("full")
+    gens = [
+        e.generate(p, m, b, question, 8)
+        for e, p, m, b in [(tiny_engine, full_prefill, full, None), (own, source, method, Budget.parse(1.0))]
+    ]
+    runs = [
+        fidelity.Ran(full, None, tiny_engine, full_prefill, gens[0]),
+        fidelity.Ran(method, Budget.parse(1.0), own, source, gens[1]),
+    ]
+    rows: list[dict] = [{}, {}]
+    fidelity.add_columns(rows, runs, tiny_engine, full_prefill, prompt, question, 8)
+    assert rows[1]["kl_mean"] < 1e-6 and rows[1]["kl_max"] < 1e-5 and rows[1]["top1_agreement"] == 1.0
+    assert rows[1]["fidelity_tokens"] == 8 and rows[1]["length_vs_full"] == 1.0
