@@ -36,6 +36,7 @@ class RowContext:
     grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.engine.grid_decode)
     grid_padding: float = MAX_PADDING
     backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
+    fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.engine.fidelity)
 
     @property
     def lm(self):
@@ -108,8 +109,8 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
         (kvbench.engine.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
         caches allow (kvbench.engine.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
         rows are the same, timings the batch's. ctx.diagnose: rows gain the diagnostic columns and the per-(layer,
-        KV head) records go to ctx.side. Every row gains the fidelity columns (kvbench.engine.fidelity), computed after
-    every row is measured."""
+        KV head) records go to ctx.side. With ctx.fidelity every row gains the fidelity columns
+    (kvbench.engine.fidelity), computed after every row is measured."""
     engine, diagnose = ctx.engine, ctx.diagnose
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = ctx.prefill, ctx.prefill_chunk
@@ -147,7 +148,8 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(generation_row(c, ex, ctx, gen))
         runs.append(fidelity.Ran(c.method, c.budget, own, None if mode == "inline" else source, gen))
-    fidelity.add_columns(rows, runs, engine, prefill, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
+    if ctx.fidelity:
+        fidelity.add_columns(rows, runs, engine, prefill, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
     if diagnose is not None:
         from kvbench.guide.diagnose_run import diagnose_example
 

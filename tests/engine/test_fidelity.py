@@ -135,3 +135,11 @@ def test_every_method_at_its_lossless_setting_has_kl_zero(name, tiny, tiny_engin
     fidelity.add_columns(rows, runs, tiny_engine, full_prefill, prompt, question, 8)
     assert rows[1]["kl_mean"] < 1e-6 and rows[1]["kl_max"] < 1e-5 and rows[1]["top1_agreement"] == 1.0
     assert rows[1]["fidelity_tokens"] == 8 and rows[1]["length_vs_full"] == 1.0
+
+
+def test_fidelity_false_skips_the_columns(tmp_path):
+    rows = run(
+        compose_config(*tiny_overrides(tmp_path, "task.max_new_tokens=4", "limit=1", "fidelity=false")),
+        output_dir=tmp_path / "out",
+    )
+    assert len(rows) == 2 and not set(fidelity.COLUMNS) & set(rows.columns)
