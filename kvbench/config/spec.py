@@ -111,6 +111,7 @@ class RunSpec:
         "grid_batch=false",
         choices=("auto", True, False),
     )
+    fidelity: bool = setting(True, "bool", "fidelity=true (KL columns vs the full cache) or fidelity=false")
     grid_padding: float = setting(
         2.0,
         "float",

@@ -21,8 +21,22 @@ from kvbench.config.rules import Rule, check_args
 from kvbench.store.aggregate import add_results_argument, common_examples, drop_vs_full, load_rows, with_full_scores
 
 TOP_KEYS = ["description", "thresholds"]
-ENTRY_KEYS = ["select", "min_score", "max_drop_vs_full", "min_examples"]
-BOUNDS = ["min_score", "max_drop_vs_full"]
+ENTRY_KEYS = [
+    "select",
+    "min_score",
+    "max_drop_vs_full",
+    "max_kl_mean",
+    "max_kl_p95",
+    "min_top1_agreement",
+    "min_examples",
+]
+BOUNDS = ["min_score", "max_drop_vs_full", "max_kl_mean", "max_kl_p95", "min_top1_agreement"]
+# fidelity bounds (kvbench.engine.fidelity's row columns): the statistic over the selected rows and its comparison
+FIDELITY = {
+    "max_kl_mean": ("kl_mean", "mean", "<="),  # mean over rows of each answer's mean KL(full ‖ compressed), nats
+    "max_kl_p95": ("kl_mean", "p95", "<="),  # the tail: 95th percentile over rows (examples) of the same
+    "min_top1_agreement": ("top1_agreement", "mean", ">="),
+}
 ATOL = 1e-9  # numeric selector values (budget, depth, ...) and bounds are compared with this slack
 
 
@@ -31,6 +45,9 @@ class Threshold:
     select: dict
     min_score: float | None = None
     max_drop_vs_full: float | None = None
+    max_kl_mean: float | None = None
+    max_kl_p95: float | None = None
+    min_top1_agreement: float | None = None
     min_examples: int | None = None
 
     @property
@@ -192,6 +209,24 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
                 "max_drop_vs_full cannot be measured (run the full method too)"
             )
         record("drop_vs_full", "<=", threshold.max_drop_vs_full, drop, matched)
+    for bound, (column, statistic, op) in FIDELITY.items():
+        if getattr(threshold, bound) is None:
+            continue
+        values = selected[column].dropna() if column in selected else pd.Series(dtype=float)
+        if values.empty:
+            raise KvbenchError(
+                f"selector {threshold.label}: no row has {column} (rows of kvpress presses, prefill=inline or engine "
+                f"runs carry none, and rows from before the fidelity columns: rerun them with rerun=true), so "
+                f"{bound} cannot be measured"
+            )
+        value = float(values.quantile(0.95)) if statistic == "p95" else float(values.mean())
+        record(
+            f"{column} {statistic}" if statistic != "mean" else column,
+            op,
+            getattr(threshold, bound),
+            value,
+            len(values),
+        )
     return f"ok {threshold.label}: {', '.join(measured)} (n={n}{note})", failures
 
 

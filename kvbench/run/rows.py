@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kvbench.engine import inline
+from kvbench.engine import fidelity, inline
 from kvbench.engine.batched import batch_columns
 from kvbench.engine.engine import Engine, Generation
 from kvbench.engine.grid_decode import MAX_PADDING
@@ -36,6 +36,7 @@ class RowContext:
     grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.engine.grid_decode)
     grid_padding: float = MAX_PADDING
     backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
+    fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.engine.fidelity)
 
     @property
     def lm(self):
@@ -103,12 +104,13 @@ def nominal_columns(c: Configuration, gen: Generation) -> dict:
 def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, prefill=None) -> list[dict]:
     """One prefill serves every configuration that shares it; methods that change the model get their own.
 
-    `prefill(ids, request)` replaces engine.prefill for the shared one (the prefix cache: kvbench.run.requests).
-    With ctx.prefill=inline every configuration prefills on its own, compressing inside the forward pass
-    (kvbench.engine.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
-    caches allow (kvbench.engine.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
-    rows are the same, timings the batch's. ctx.diagnose: rows gain the diagnostic columns and the per-(layer,
-    KV head) records go to ctx.side."""
+        `prefill(ids, request)` replaces engine.prefill for the shared one (the prefix cache: kvbench.run.requests).
+        With ctx.prefill=inline every configuration prefills on its own, compressing inside the forward pass
+        (kvbench.engine.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
+        caches allow (kvbench.engine.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
+        rows are the same, timings the batch's. ctx.diagnose: rows gain the diagnostic columns and the per-(layer,
+        KV head) records go to ctx.side. With ctx.fidelity every row gains the fidelity columns
+    (kvbench.engine.fidelity), computed after every row is measured."""
     engine, diagnose = ctx.engine, ctx.diagnose
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = ctx.prefill, ctx.prefill_chunk
@@ -124,15 +126,18 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
         confs = [(c.method, c.budget) for c in shared]
         gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, ctx.grid_padding)
         together = {id(c): gen for c, gen in zip(shared, gens)}
+    runs = []  # how each row's cache can be rebuilt for its fidelity columns (kvbench.engine.fidelity)
     for c in todo:
         if id(c) in together:
             gen = together[id(c)]
             rows.append(generation_row(c, ex, ctx, gen))
+            runs.append(fidelity.Ran(c.method, c.budget, engine, prefill, gen))
             continue
         own = engine if c.method.caps.shares_prefill else engine.prepared(c.method)
         if isinstance(c.method, HooksPrefill):  # kvpress: prefill and decode under its own hooks
             gen = own.hooked_generate(c.method, c.budget, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
             rows.append(generation_row(c, ex, ctx, gen))
+            runs.append(fidelity.Ran(c.method, c.budget, own, None, gen))
             continue
         if mode == "inline":
             source = inline.prefill(own, c.method, c.budget, prompt_ids, chunk)
@@ -142,6 +147,9 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
             source = own.prefill(prompt_ids, c.method.stats_request())
         gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(generation_row(c, ex, ctx, gen))
+        runs.append(fidelity.Ran(c.method, c.budget, own, None if mode == "inline" else source, gen))
+    if ctx.fidelity:
+        fidelity.add_columns(rows, runs, engine, prefill, prompt_ids, suffix_ids, ex.max_new_tokens, ex.stop)
     if diagnose is not None:
         from kvbench.guide.diagnose_run import diagnose_example
 

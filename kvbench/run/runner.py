@@ -107,6 +107,7 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         grid_batch=grid_batching(spec, lm, requested=len(confs) - 1),  # confs[0]: the baseline
         grid_padding=grid_padding(spec),
         backend=backend,
+        fidelity=spec.fidelity,
     )
     facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding)
     if modes.batched(facts):

@@ -122,7 +122,15 @@ def test_a_single_method_run_decodes_each_configuration_alone(tmp_path, capsys):
     together = capsys.readouterr().out
     key = ["method", "budget", "example_id"]
     a, b = auto.sort_values(key).reset_index(drop=True), forced.sort_values(key).reset_index(drop=True)
-    timings = {"run_id", "timestamp", "prefill_s", "decode_s", "decode_ms_per_token", "decode_tokens_per_s"}
+    timings = {
+        "run_id",
+        "timestamp",
+        "prefill_s",
+        "decode_s",
+        "decode_ms_per_token",
+        "decode_tokens_per_s",
+        "fidelity_s",
+    }
     measured = timings | {"latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
     assert [c for c in a.columns if c not in measured and not a[c].equals(b[c])] == []
     assert set(a.method) == {"full", "streamingllm"} and (a.batch_size == 1).all() and (b.batch_size == 2).all()
@@ -173,7 +181,9 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     assert grid_batching(RunSpec(grid_batch="auto"), fp32, 2) and not grid_batching(RunSpec(), bf16, 2)
     assert grid_batching(RunSpec(grid_batch=True), bf16, 2)
     assert not grid_batching(RunSpec(grid_batch=False), fp32, 2)
-    assert grid_batching(RunSpec(), lm(torch.bfloat16, True), 2) and grid_batching(RunSpec(), lm(torch.float32, True), 2)
+    assert grid_batching(RunSpec(), lm(torch.bfloat16, True), 2) and grid_batching(
+        RunSpec(), lm(torch.float32, True), 2
+    )
     # one requested configuration besides the baseline (the default job): auto decodes each alone, true still batches
     assert not grid_batching(RunSpec(), lm(torch.bfloat16, True), 1) and not grid_batching(RunSpec(), fp32, 1)
     assert grid_batching(RunSpec(grid_batch=True), fp32, 1)

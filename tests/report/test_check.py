@@ -87,7 +87,8 @@ thresholds:
         ),
         (
             "thresholds:\n  - select: {method: full}\n    min_scor: 0.9\n    min_score: 0.9\n",
-            "thresholds entry 1: unknown key(s) min_scor; valid keys: select, min_score, max_drop_vs_full, min_examples",
+            "thresholds entry 1: unknown key(s) min_scor; valid keys: select, min_score, max_drop_vs_full, "
+            "max_kl_mean, max_kl_p95, min_top1_agreement, min_examples",
         ),
         ("thresholds:\n  - select: {methd: full}\n    min_score: 0.9\n", "unknown key(s) methd; valid keys: "),
         (
@@ -151,3 +152,37 @@ thresholds:
         "ok {budget: 0.5, method: [snapkv, h2o]}: score 0.5 >= 0.5, drop_vs_full 0.5 <= 0.5 "
         "(n=4; 2 rows left out: not run by every selected configuration)"
     ]
+
+
+def test_fidelity_bounds_gate_a_mean_and_a_tail(tmp_path, capsys):
+    """max_kl_mean bounds the mean of the rows' kl_mean, max_kl_p95 its 95th percentile over the rows (one bad
+    examples of twenty set the tail, not the mean), min_top1_agreement the mean agreement."""
+    kl = [0.01] * 17 + [1.0] * 3  # mean 0.1585 passes 0.2; the 95th percentile (1.0) fails 0.1
+    rows = [row("full", 1.0, f"e{i}", 1.0, kl_mean=0.0, top1_agreement=1.0) for i in range(20)] + [
+        row("snapkv", 0.25, f"e{i}", 1.0, kl_mean=k, top1_agreement=0.9) for i, k in enumerate(kl)
+    ]
+    results = store(tmp_path / "results", rows)
+    text = """
+thresholds:
+  - select: {method: full}
+    max_kl_p95: 0.0
+    min_top1_agreement: 1.0
+  - select: {method: snapkv}
+    max_kl_mean: 0.2
+    max_kl_p95: 0.1
+    min_top1_agreement: 0.95
+"""
+    code, out, err = run_check(results, tmp_path, text, capsys)
+    assert code == 1 and err == ""
+    assert out == [
+        "ok {method: full}: kl_mean p95 0 <= 0, top1_agreement 1 >= 1 (n=20)",
+        "FAIL {method: snapkv}: kl_mean p95 expected <= 0.1, measured 1 (n=20)",
+        "FAIL {method: snapkv}: top1_agreement expected >= 0.95, measured 0.9 (n=20)",
+    ]
+
+
+def test_a_fidelity_bound_on_rows_without_the_columns_is_bad_input(results, tmp_path, capsys):
+    code, out, err = run_check(
+        results, tmp_path, "thresholds:\n  - select: {method: full}\n    max_kl_p95: 0.1\n", capsys
+    )
+    assert code == 2 and out == [] and "no row has kl_mean" in err and "max_kl_p95 cannot be measured" in err

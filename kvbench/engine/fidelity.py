@@ -1,0 +1,144 @@
+"""Fidelity beyond a task score: how far a compressed cache's next-token distributions move from the full cache's.
+
+Teacher-forced along the full cache's own greedy answer (llama.cpp's KL-divergence check of a KV type against f16):
+both caches are fed the same tokens, so step i compares the two distributions the full answer's token i is read
+from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ compressed) in nats, `top1_agreement`
+(the share of steps whose most likely token is the full cache's), `fidelity_tokens` (steps compared) and
+`length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
+`fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
+
+Cost per example: the full cache's distributions once (one forward over its answer), shared by every configuration
+of the example; per compressed configuration its compression again from the shared prefill (compression is
+deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
+single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
+lengths, methods acting on decode steps — are fed token by token, as decoding feeds them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
+from kvbench.methods import Budget, Method, build_method
+from kvbench.methods.modes import DecodeTime, decode_time
+from kvbench.model.attention import StatsRequest, recording
+from kvbench.model.cache import layer_lengths
+
+COLUMNS = ("kl_mean", "kl_max", "kl_max_step", "top1_agreement", "fidelity_tokens", "length_vs_full")
+PLAIN = (DynamicLayer, DynamicSlidingWindowLayer)  # layers whose multi-token append equals token-by-token appends
+
+
+def one_forward(method: Method, start: Compressed) -> bool:
+    """Whether the answer can be fed in one forward (as Engine._extend feeds a suffix) and give what decoding gives."""
+    layers = start.cache.layers
+    return (
+        not isinstance(method, DecodeTime)
+        and not method.caps.extends_token_by_token
+        and all(type(layer) in PLAIN for layer in layers)
+        and len(set(layer_lengths(start.cache))) == 1
+    )
+
+
+@torch.inference_mode()
+def forced_logits(engine: Engine, start: Compressed, method: Method, answer: list[int]) -> torch.Tensor:
+    """(n, V) fp32: the distributions answer[0..n) are read from when `start`'s cache is fed `answer` (the cache is
+    consumed). Step 0 is the compressed cache's first distribution; step i follows answer[:i]."""
+    first = start.logits.float()[None]  # (1, V)
+    rest, position, cache = answer[:-1], start.position, start.cache
+    if not rest:
+        return first
+    if one_forward(method, start):
+        logits = engine.forward(rest, list(range(position, position + len(rest))), cache, all_logits=True)
+        return torch.cat([first, logits])  # (n, V)
+    hooks = decode_time(method)
+    hooks.on_decode_start(cache, position)
+    out = [first]
+    for token in rest:
+        with recording(hooks.decode_request()) as stats:
+            out.append(engine.forward([token], [hooks.position(position, cache)], cache)[-1:])  # (1, V)
+        hooks.on_decode_step(cache, stats)  # evictions as decoding makes them
+        position += 1
+    return torch.cat(out)  # (n, V)
+
+
+def compressed_logits(
+    engine: Engine, prefill, method: Method, budget: Budget | None, suffix_ids: list[int], answer: list[int]
+) -> torch.Tensor:
+    """(n, V): the configuration's cache rebuilt from `prefill` (Engine.compressed), fed `answer`. A prefix cache's
+    `adopt` (kvbench.run.requests: it records each configuration's cache) is not called for the rebuilt one."""
+    start = engine.compressed(replace(prefill, adopt=None), method, budget, suffix_ids)
+    return forced_logits(engine, start, method, answer)
+
+
+def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
+    """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
+    log_p, log_q = torch.log_softmax(full.float(), -1), torch.log_softmax(other.float(), -1)  # (n, V)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # (n,) KL(p ‖ q); rounding can dip below 0
+    top1 = (full.argmax(-1) == other.argmax(-1)).float()  # (n,)
+    step = int(kl.argmax())
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl[step]),
+        "kl_max_step": step,
+        "top1_agreement": float(top1.mean()),
+        "fidelity_tokens": int(kl.numel()),
+    }
+
+
+def identical(n: int) -> dict:
+    """The columns of a distribution compared with itself over n steps (the full cache's own rows)."""
+    return {"kl_mean": 0.0, "kl_max": 0.0, "kl_max_step": 0, "top1_agreement": 1.0, "fidelity_tokens": n}
+
+
+@dataclass
+class Ran:
+    """One configuration of an example as it ran: `source` is the Prefill its cache was compressed from (None: the
+    cache cannot be rebuilt without a prefill of its own — kvpress's hooks, prefill=inline — its KL columns stay
+    empty)."""
+
+    method: Method
+    budget: Budget | None
+    engine: Engine
+    source: Prefill | None
+    gen: Generation
+
+
+@torch.inference_mode()
+def add_columns(
+    rows: list[dict],
+    runs: list[Ran],
+    engine: Engine,
+    prefill: Prefill | None,
+    prompt_ids: list[int],
+    suffix_ids: list[int],
+    max_new_tokens: int,
+    stop: tuple[str, ...] = (),
+) -> None:
+    """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
+    share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
+    answer is its row's; without a full row here (reused from the store) it is decoded once."""
+    full_run = next((r for r in runs if r.method.name == "full"), None)
+    rebuild = [r for r in runs if r.source is not None and r.method.name != "full"]
+    reference, start = None, time.perf_counter()
+    if full_run is not None:
+        answer = full_run.gen.token_ids
+    if rebuild or full_run is None:
+        full = build_method("full")
+        prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
+        if full_run is None:
+            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids)
+            answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
+        reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer) if rebuild else None
+    shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
+    for row, run in zip(rows, runs):
+        start = time.perf_counter()
+        row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
+        if run.method.name == "full":  # the reference itself
+            row.update(identical(len(answer)), fidelity_s=shared_s)
+        elif run.source is not None and reference is not None:
+            logits = compressed_logits(run.engine, run.source, run.method, run.budget, suffix_ids, answer)
+            row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)
