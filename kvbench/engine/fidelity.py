@@ -24,7 +24,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
 from kvbench.methods import Budget, Method, build_method
-from kvbench.methods.modes import DecodeTime, decode_time
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import layer_lengths
 
@@ -36,7 +35,7 @@ def one_forward(method: Method, start: Compressed) -> bool:
     """Whether the answer can be fed in one forward (as Engine._extend feeds a suffix) and give what decoding gives."""
     layers = start.cache.layers
     return (
-        not isinstance(method, DecodeTime)
+        not start.hooks.acts_while_decoding
         and not method.caps.extends_token_by_token
         and all(type(layer) in PLAIN for layer in layers)
         and len(set(layer_lengths(start.cache))) == 1
@@ -54,7 +53,7 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
     if one_forward(method, start):
         logits = engine.forward(rest, list(range(position, position + len(rest))), cache, all_logits=True)
         return torch.cat([first, logits])  # (n, V)
-    hooks = decode_time(method)
+    hooks = start.hooks  # this configuration's compression: its decode-time evictions
     hooks.on_decode_start(cache, position)
     out = [first]
     for token in rest:
@@ -66,11 +65,17 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
 
 
 def compressed_logits(
-    engine: Engine, prefill, method: Method, budget: Budget | None, suffix_ids: list[int], answer: list[int]
+    engine: Engine,
+    prefill,
+    method: Method,
+    budget: Budget | None,
+    suffix_ids: list[int],
+    answer: list[int],
+    max_new_tokens: int | None = None,
 ) -> torch.Tensor:
     """(n, V): the configuration's cache rebuilt from `prefill` (Engine.compressed), fed `answer`. A prefix cache's
     `adopt` (kvbench.run.requests: it records each configuration's cache) is not called for the rebuilt one."""
-    start = engine.compressed(replace(prefill, adopt=None), method, budget, suffix_ids)
+    start = engine.compressed(replace(prefill, adopt=None), method, budget, suffix_ids, max_new_tokens)
     return forced_logits(engine, start, method, answer)
 
 
@@ -130,9 +135,11 @@ def add_columns(
         full = build_method("full")
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         if full_run is None:
-            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids)
+            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
             answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
-        reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer) if rebuild else None
+        reference = (
+            compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens) if rebuild else None
+        )
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
         start = time.perf_counter()
@@ -140,5 +147,7 @@ def add_columns(
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
         elif run.source is not None and reference is not None:
-            logits = compressed_logits(run.engine, run.source, run.method, run.budget, suffix_ids, answer)
+            logits = compressed_logits(
+                run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
+            )
             row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)

@@ -52,11 +52,12 @@ def tie_stats(scores: torch.Tensor, n_keep: int) -> tuple[torch.Tensor, torch.Te
 
 
 def kept_sets(engine, method: Method, budget, prompt_ids: list[int]) -> Kept:
-    """Compress `prompt_ids`' prefill with `method` and read what it kept (`Method.kept_positions`)."""
+    """Compress `prompt_ids`' prefill with `method` and read what it kept (its Compression's `kept`)."""
     prefill = engine.prefill(prompt_ids, method.stats_request())
     method.bind(engine.lm)
-    method.compress(prefill.kv, prefill.stats, budget)
-    positions = [None if p is None else p[0].cpu() for p in (method.kept_positions or [])]  # (H_kv, N) per layer
+    compression = method.begin(prefill.n_tokens, len(prefill.kv), budget)
+    compression.run(prefill.kv, prefill.stats)
+    positions = [None if p is None else p[0].cpu() for p in (compression.kept or [])]  # (H_kv, N) per layer
     out = Kept(positions)
     if type(method).scores is Method.scores:
         return out
