@@ -228,7 +228,7 @@ def parse(argv):
     for key in ("requests", "context", "max_new_tokens"):
         if getattr(args, key) < 1:
             raise KvbenchError(f"--{key.replace('_', '-')}={getattr(args, key)} must be ≥ 1")
-    if not 0 < args.budget:
+    if not args.budget > 0:
         raise KvbenchError(f"--budget={args.budget} must be > 0 (a fraction ≤ 1 or a token count)")
     from kvbench.serving.engines import check_engines
 
