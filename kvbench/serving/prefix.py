@@ -47,7 +47,7 @@ def task_overrides(args, workload: str) -> list[str]:
         f"task.context_length={args.context}",
         f"task.{COUNT_KEY[workload]}={args.requests}",
         f"task.max_new_tokens={args.max_new_tokens}",
-        "device=cpu",
+        f"device={args.device}",
         f"dtype={args.dtype}",
     ]
 
@@ -154,7 +154,7 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
     from kvbench.serving.engines import wire
 
     first = compose(task_overrides(args, workloads[0]))
-    lm = load_model(first.model, "cpu", args.dtype)
+    lm = load_model(first.model, "cpu", args.dtype)  # its tokenizer and stop ids (the engines load their own)
     engine = Engine(lm)
     dtype = str(lm.dtype).removeprefix("torch.")
     model_cfg = dict(plain(first.model))
@@ -215,6 +215,7 @@ def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="kvbench's own runs")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--requests", type=int, default=6, help="questions (turns) per workload")
     parser.add_argument("--context", type=int, default=1024, help="tokens of the shared document")

@@ -45,7 +45,7 @@ def test_table_has_measured_beside_predicted():
     table = shown_table(runs())
     first = table.iloc[0].to_dict()
     assert first["method"] == "full" and first["KV budget MB"] == "40.0"
-    assert first["concurrency"] == 2 and first["planner concurrency"] == 3
+    assert first["concurrency"] == 2 and first["planner concurrency"] == "3"
     assert first["tokens/s"] == "10" and first["planner tokens/s"] == "5,000"
     assert first["ttft p99 s"] == "2" and first["goodput req/s"] == "0.2"
 

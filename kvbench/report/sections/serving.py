@@ -57,10 +57,10 @@ def shown_table(runs: pd.DataFrame) -> pd.DataFrame:
         }
     )
     if "predicted_max_concurrency" in runs:
-        out["planner concurrency"] = runs["predicted_max_concurrency"].astype(int)
+        out["planner concurrency"] = runs["predicted_max_concurrency"].map(lambda v: "" if pd.isna(v) else str(int(v)))
     out["tokens/s"] = runs["throughput_tokens_s"].map(lambda v: f"{v:.3g}")
     if "predicted_tokens_s" in runs:
-        out["planner tokens/s"] = runs["predicted_tokens_s"].map(lambda v: f"{v:,.0f}")
+        out["planner tokens/s"] = runs["predicted_tokens_s"].map(lambda v: "" if pd.isna(v) else f"{v:,.0f}")
     for name in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
         if name in runs:
             out[name.removesuffix("_s").replace("_", " ") + " s"] = runs[name].map(lambda v: f"{v:.3g}")
