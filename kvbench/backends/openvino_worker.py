@@ -161,10 +161,12 @@ def serve_trace(
     """A request trace through the ContinuousBatchingPipeline's own scheduler within `kv_blocks` blocks
     (kvbench.backends.trace_driver). After each step the pipeline tells its block usage and how many requests it
     scheduled; it does not say which, nor its preemptions or prefix-cache hits (those stay unknown)."""
+    from typing import Any
+
     from kvbench.backends.trace_driver import drive
 
     pipe = serving_pipeline(worker, knobs, kv_blocks, prefix_caching)
-    handles: dict[int, object] = {}
+    handles: dict[int, Any] = {}
 
     def add(r: dict) -> None:
         config = genai.GenerationConfig()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+from typing import Any
 
 from kvbench import KvbenchError
 
@@ -27,29 +28,38 @@ KV_BYTES = {"full": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "sum": None, "
 
 
 def check_engines(value) -> dict[str, tuple[str, ...]]:
-    """`serving.engines`: {} or {engine: [option, ...]}, each an option the engine serves a trace with."""
+    """`serving.engines`: null, or a list of `<engine>:<option>`, each an option the engine serves a trace with;
+    returns {engine: (option, ...)} in the order given."""
     from kvbench.backends.source import venv_python
 
-    if value is None or value == {}:
+    if value is None or value == [] or value == {}:
         return {}
-    if not isinstance(value, dict):
+    if isinstance(value, str):
+        value = [value]
+    if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.count(":") == 1 for v in value)):
         raise KvbenchError(
-            f"serving.engines={value!r} must be a mapping engine → options; use 'serving.engines={{vllm:[full,fp8]}}'"
+            f"serving.engines={value!r} must be a list of <engine>:<option>; use 'serving.engines=[vllm:full,vllm:fp8]'"
         )
+    grouped: dict[str, list[str]] = {}
+    for entry in value:
+        name, option = entry.split(":")
+        grouped.setdefault(name, []).append(option)
     out = {}
-    for name, options in value.items():
+    for name, options in grouped.items():
         if name not in SERVING_OPTIONS:
-            raise KvbenchError(f"serving.engines.{name}: no such serving engine; use {' or '.join(SERVING_OPTIONS)}")
-        options = [options] if isinstance(options, str) else list(options or [])
+            raise KvbenchError(f"serving.engines: {name} is no serving engine; use {' or '.join(SERVING_OPTIONS)}")
         bad = [o for o in options if o not in SERVING_OPTIONS[name]]
-        if bad or not options:
+        if bad:
             raise KvbenchError(
-                f"serving.engines.{name}={options}: {name} serves a trace with {', '.join(SERVING_OPTIONS[name])}; "
-                f"use serving.engines.{name}=[{SERVING_OPTIONS[name][0]}]"
+                f"serving.engines: {name}:{bad[0]} is not an option {name} serves a trace with; use one of "
+                + ", ".join(f"{name}:{o}" for o in SERVING_OPTIONS[name])
             )
         venv = {"vllm": ".venv-vllm", "openvino": ".venv-openvino"}[name]
         if not venv_python(venv).exists():
-            raise KvbenchError(f"serving.engines.{name} needs {venv}: run `make engine-{name}`")
+            raise KvbenchError(
+                f"serving.engines: {name} needs {venv}: run `make engine-{name}`, or serve without it "
+                f"(serving.engines=null: kvbench's own scheduler only)"
+            )
         out[name] = tuple(options)
     return out
 
@@ -173,7 +183,7 @@ class OpenvinoServer:
         self.backend.close()
 
 
-def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple[str, str, float, int, object, dict]]:
+def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple[str, str, float, int, Any, dict]]:
     """Every engine × option × KV budget: (engine, option, budget, kv_budget, ServeResult, reply). `ctx`: the
     serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with."""
     from kvbench.config.rules import plain

@@ -86,7 +86,8 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
     engine.run(confs[0].method, None, requests[0].prompt_ids[:32], max_new_tokens=2)  # first-call costs, untimed
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     context = round(sum(r.prompt_tokens + r.max_new_tokens for r in requests) / len(requests))
-    req_rows, run_rows = [], []
+    req_rows: list[dict] = []
+    run_rows: list[dict] = []
 
     def record(engine_name: str, method: str, budget: float, kv_budget: int, result, plan: dict, extra: dict) -> None:
         keys = {

@@ -27,9 +27,9 @@ for m in smollm2-135m gemma3-270m; do
 sys.exit(0 if importlib.util.find_spec(OmegaConf.load('conf/model/$m.yaml').package) else 1)" 2>/dev/null &&
     models+=("$m") || echo "serving.sh: missing: model $m's package (see conf/model/$m.yaml); skipped"
 done
-engines=""
+engines="serving.engines=null"
 if [ -x .venv-vllm/bin/python ] && .venv-vllm/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  engines="serving.engines={vllm:[full,fp8]}"
+  engines="serving.engines=[vllm:full,vllm:fp8]"
 else
   echo "serving.sh: missing: a CUDA build of vLLM in .venv-vllm; kvbench's scheduler only (the CPU engines would time the CPU)"
 fi
@@ -44,10 +44,10 @@ for m in "${models[@]}"; do
   timeout 900 "$PY" -m kvbench +experiment=serving model=$m device=cuda dtype=bfloat16 serving.hardware=h200 \
     'task.context_lengths=[1024,2048]' serving.requests=32 serving.rate=16 \
     "serving.kv_budget_bytes=[$small,$large]" 'grid.method=[snapkv,streamingllm,kivi]' 'grid.budget=[0.25]' \
-    ${engines:+"$engines"} "serving.out=$OUT/$m" hydra.run.dir="$OUT/$m/hydra" ||
+    "$engines" "serving.out=$OUT/$m" hydra.run.dir="$OUT/$m/hydra" ||
     echo "serving.sh: the serving run of $m failed (exit $?); see above"
   prefix_engines=()
-  [ -n "$engines" ] && prefix_engines=(--engines vllm) || prefix_engines=(--engines)
+  [ "$engines" != "serving.engines=null" ] && prefix_engines=(--engines vllm) || prefix_engines=(--engines)
   timeout 600 "$PY" -m kvbench.serving.prefix --model "$m" --device cuda --requests 10 --context 2048 \
     "${prefix_engines[@]}" \
     --out "$OUT/$m" || echo "serving.sh: the prefix-caching table of $m failed (exit $?)"

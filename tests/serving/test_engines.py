@@ -43,7 +43,7 @@ def served(tmp_path_factory):
                 "serving.requests=4",
                 "serving.arrival=burst",
                 f"serving.kv_budget_bytes=[{BUDGET}]",
-                "serving.engines={vllm:[full],openvino:[full]}",
+                "serving.engines=[vllm:full,openvino:full]",
             ],
         )
     return serve(cfg, tmp_path_factory.mktemp("serving"), hardware=HW, echo=False)

@@ -21,6 +21,8 @@ TINY = [
     "task.depths=[0.2,0.8]",
     "task.max_new_tokens=6",
     "serving.kv_budget_bytes=[2000000]",
+    "grid.method=[snapkv,streamingllm]",
+    "serving.engines=null",
 ]
 
 
@@ -53,10 +55,9 @@ def test_the_preset_passes():
         ("serving.output_tokens=0", "serving.output_tokens=0 must be ≥ 1"),
         ("serving.shared_prefix=1.0", "serving.shared_prefix=1.0 must be in [0, 1)"),
         ("+serving.rates=2", "serving.rates is not a serving setting"),
-        ("serving.engines={tgi:[full]}", "serving.engines.tgi: no such serving engine; use vllm or openvino"),
-        ("serving.engines={vllm:[q8_0]}", "vllm serves a trace with full, fp8"),
-        ("serving.engines={openvino:[]}", "use serving.engines.openvino=[full]"),
-        ("serving.engines=[vllm]", "must be a mapping engine → options"),
+        ("serving.engines=[tgi:full]", "serving.engines: tgi is no serving engine; use vllm or openvino"),
+        ("serving.engines=[vllm:q8_0]", "vllm:q8_0 is not an option vllm serves a trace with; use one of vllm:full"),
+        ("serving.engines=[vllm]", "must be a list of <engine>:<option>"),
     ],
 )
 def test_bad_input_is_one_line(override, expected):
@@ -104,9 +105,9 @@ def test_engine_blocks_need_whole_blocks_of_the_longest_request():
     # vLLM's CPU blocks are 16 tokens: 606 tokens take 38 blocks = 608 tokens of 1,024 bytes, more than kvbench's
     # own need (607 tokens); OpenVINO's 32-token blocks take 19 × 32 = 608 tokens too
     need = 608 * 1024
-    check(serving_config(f"serving.kv_budget_bytes={need}", "serving.engines={vllm:[full],openvino:[full]}"))
+    check(serving_config(f"serving.kv_budget_bytes={need}", "serving.engines=[vllm:full,openvino:full]"))
     with pytest.raises(KvbenchError, match=f"holds not one request in vllm:full's blocks .* ≥ {need:,}"):
-        check(serving_config(f"serving.kv_budget_bytes={need - 1}", "serving.engines={vllm:[full]}"))
+        check(serving_config(f"serving.kv_budget_bytes={need - 1}", "serving.engines=[vllm:full]"))
     # fp8 blocks hold a byte per element (a quarter of float32's four); OpenVINO's blocks are 32 tokens
     assert engine_need("vllm", "fp8", 1024, 256, 606) == 608 * 256
     assert engine_need("openvino", "full", 1024, 256, 609) == 640 * 1024
