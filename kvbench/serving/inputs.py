@@ -207,7 +207,18 @@ def check(cfg) -> tuple[ServingSpec, list]:
     spec = serving_spec(cfg.get("serving"))
     rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "serving"])
     check_config(rest)
-    confs = configurations(RunSpec.of(rest))
+    run = RunSpec.of(rest)
+    if run.engine_name != "kvbench":  # the run's engine key answers examples one at a time, not a trace
+        raise KvbenchError(
+            f"engine={run.engine_name} with a serving trace: engines serve it through serving.engines; use "
+            f"engine=kvbench 'serving.engines=[{run.engine_name}:full]'"
+        )
+    if run.prefix_cache:
+        raise KvbenchError(
+            "prefix_cache=true with a serving trace: the scheduler has no prefix cache; compare prefix caching with "
+            "python -m kvbench.serving.prefix"
+        )
+    confs = configurations(run)
     config = model_config(cfg.model, cheap=True)
     if config is not None:  # the bundled GGUF before its first conversion: checked once loaded (check_requests)
         dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))

@@ -58,6 +58,8 @@ def test_the_preset_passes():
         ("serving.engines=[tgi:full]", "serving.engines: tgi is no serving engine; use vllm or openvino"),
         ("serving.engines=[vllm:q8_0]", "vllm:q8_0 is not an option vllm serves a trace with; use one of vllm:full"),
         ("serving.engines=[vllm]", "must be a list of <engine>:<option>"),
+        ("engine=vllm", "engine=vllm with a serving trace: engines serve it through serving.engines"),
+        ("prefix_cache=true", "the scheduler has no prefix cache; compare prefix caching with"),
     ],
 )
 def test_bad_input_is_one_line(override, expected):
