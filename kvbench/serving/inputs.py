@@ -172,7 +172,7 @@ def request_need(shape, method, budget, prompt: int, output: int) -> int:
 
     layout = shape.layout
     decoded = predict_kv_bytes(method, budget, shape, prompt, decoded_tokens=output).kv_bytes
-    return max(layout.full_bytes(prompt), decoded) + layout.full_bytes(1)
+    return max(layout.dense_bytes(prompt), decoded) + layout.full_bytes(1)  # the prefill: every layer, whole prompt
 
 
 def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int, what: str) -> None:

@@ -233,7 +233,7 @@ def parse(argv):
         raise KvbenchError(f"--budget={args.budget} must be > 0 (a fraction ≤ 1 or a token count)")
     from kvbench.serving.engines import check_engines
 
-    check_engines({e: ["full"] for e in args.engines})  # the engines' venvs, before any model loads
+    check_engines([f"{e}:full" for e in args.engines])  # the engines' venvs, before any model loads
     return args
 
 
