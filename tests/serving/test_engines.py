@@ -39,7 +39,7 @@ def served(tmp_path_factory):
                 "grid.budget=null",
                 "task.context_lengths=[300]",
                 "task.depths=[0.2,0.4,0.6,0.8]",
-                "task.max_new_tokens=6",
+                "task.max_new_tokens=10",  # a 7-digit value is 8 tokens
                 "serving.requests=4",
                 "serving.arrival=burst",
                 f"serving.kv_budget_bytes=[{BUDGET}]",
