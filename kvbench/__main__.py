@@ -93,7 +93,12 @@ class RunDirCheck(Callback):
 
 def launch(cfg: DictConfig, output_dir: str | None = None):
     """The launcher picks where the run's examples go: this process (launcher=local) or Ray workers, each running
-    `kvbench.run.runner.run` on its shard (launcher=ray; the driver gathers them)."""
+    `kvbench.run.runner.run` on its shard (launcher=ray; the driver gathers them). A config with a `serving:` block
+    (`+experiment=serving`) serves a request trace under KV memory budgets instead (kvbench.serving.run)."""
+    if cfg.get("serving") is not None:
+        from kvbench.serving.run import main as serve_trace
+
+        return serve_trace(cfg, Path(cfg.serving.get("out") or output_dir or "outputs/serving"))
     if (cfg.get("launcher") or {}).get("name", "local") == "ray" and (cfg.launcher.get("shard") is None):
         from kvbench.integrations.ray_launcher import run_ray
 

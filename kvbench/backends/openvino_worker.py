@@ -16,7 +16,7 @@ import numpy as np
 import openvino as ov
 import openvino_genai as genai
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
 
 MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
 
@@ -119,6 +119,95 @@ class OpenvinoWorker:
             "engine_block_bytes": metrics.kv_cache_size_in_bytes // self.kv_blocks,
             "peak_mem_bytes": peak_rss_bytes(),
         }
+
+
+def serving_pipeline(worker: OpenvinoWorker, knobs: dict, kv_blocks: int, prefix_caching: bool):
+    """A pipeline of its own for one served trace: `kv_blocks` blocks of KV (the run's budget), the engine's own
+    scheduler defaults otherwise (chunked prefill: dynamic_split_fuse, max_num_batched_tokens), prefix caching on or
+    off, the option's KV precision and eviction."""
+    scheduler = genai.SchedulerConfig()
+    scheduler.num_kv_blocks = kv_blocks
+    scheduler.cache_size = 0
+    scheduler.enable_prefix_caching = prefix_caching
+    eviction = knobs.get("cache_eviction")
+    if eviction:
+        scheduler.use_cache_eviction = True
+        scheduler.cache_eviction_config = genai.CacheEvictionConfig(
+            int(eviction["start_size"]),
+            int(eviction["recent_size"]),
+            int(eviction["max_cache_size"]),
+            getattr(genai.AggregationMode, eviction["aggregation_mode"]),
+            apply_rotation=bool(eviction.get("apply_rotation", False)),
+            snapkv_window_size=int(eviction.get("snapkv_window_size", 8)),
+        )
+    properties = {
+        "INFERENCE_PRECISION_HINT": worker.inference_precision,
+        "KV_CACHE_PRECISION": knobs.get("kv_cache_precision", worker.inference_precision),
+        "INFERENCE_NUM_THREADS": worker.threads,
+    }
+    return genai.ContinuousBatchingPipeline(worker.model_dir, scheduler, "CPU", properties)
+
+
+@worker_op("serve_trace")
+def serve_trace(
+    worker: OpenvinoWorker,
+    requests: list[dict],
+    stop_ids: list[int],
+    knobs: dict,
+    kv_blocks: int,
+    prefix_caching: bool = False,
+    sequential: bool = False,
+) -> dict:
+    """A request trace through the ContinuousBatchingPipeline's own scheduler within `kv_blocks` blocks
+    (kvbench.backends.trace_driver). After each step the pipeline tells its block usage and how many requests it
+    scheduled; it does not say which, nor its preemptions or prefix-cache hits (those stay unknown)."""
+    from typing import Any
+
+    from kvbench.backends.trace_driver import drive
+
+    pipe = serving_pipeline(worker, knobs, kv_blocks, prefix_caching)
+    handles: dict[int, Any] = {}
+
+    def add(r: dict) -> None:
+        config = genai.GenerationConfig()
+        config.max_new_tokens = int(r["max_new_tokens"])
+        config.do_sample = False
+        config.ignore_eos = False  # ignore_eos=True would ignore stop_token_ids too
+        config.stop_token_ids = set(stop_ids)
+        ids = ov.Tensor(np.array([r["prompt_ids"]], dtype=np.int64))  # (1, T)
+        handles[int(r["id"])] = pipe.add_request(int(r["id"]), ids, config)
+
+    def step() -> list:
+        pipe.step()
+        events = []
+        for rid, handle in list(handles.items()):
+            new: list[int] = []
+            if handle.can_read():
+                for out in handle.read().values():
+                    new += list(out.generated_ids)
+            status = handle.get_status()
+            done = "" if status == genai.GenerationStatus.RUNNING else status.name
+            if done:
+                handles.pop(rid)
+            if new or done:
+                events.append((rid, new, done))
+        return events
+
+    def sample() -> dict:
+        metrics = pipe.get_metrics()
+        return {
+            "running": None,
+            "kv_blocks": round(metrics.cache_usage / 100 * kv_blocks),
+            "concurrency": int(metrics.scheduled_requests),
+        }
+
+    reset_peak_rss()
+    out = drive(requests, add, step, pipe.has_non_finished_requests, sample, sequential)
+    return {
+        **out,
+        "engine_block_bytes": pipe.get_metrics().kv_cache_size_in_bytes // kv_blocks,
+        "peak_mem_bytes": peak_rss_bytes(),
+    }
 
 
 def main() -> None:

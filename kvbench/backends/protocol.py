@@ -142,11 +142,27 @@ def serve(handle: Callable[[dict], dict]) -> None:
         replies.write(json.dumps(reply) + "\n")
 
 
+OPS: dict[str, Callable[..., dict]] = {}  # ops beyond start/generate/close: name -> function(worker, **fields)
+
+
+def worker_op(name: str) -> Callable:
+    """Register a worker module's function `f(worker, **fields) -> dict` as op `name` (serve_worker dispatches it)."""
+
+    def register(function: Callable[..., dict]) -> Callable[..., dict]:
+        OPS[name] = function
+        return function
+
+    return register
+
+
 def serve_worker(worker) -> None:
-    """`serve` a worker object whose methods are the ops: start(**fields), generate(**fields), close() (optional)."""
+    """`serve` a worker object whose methods are the ops: start(**fields), generate(**fields), close() (optional);
+    and the functions registered with `worker_op`."""
 
     def handle(request: dict) -> dict:
         op = request.pop("op")
+        if op in OPS:
+            return OPS[op](worker, **request)
         if op in ("start", "generate"):
             return getattr(worker, op)(**request)
         if op == "close":

@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP
 
 import time
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker
+from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
 
 
 def held_blocks(manager, request_id: str) -> int:
@@ -97,6 +97,76 @@ class VllmWorker:
             "blocks_seen": blocks,  # the most blocks its block table held before the last step
             "peak_mem_bytes": peak_rss_bytes(),
         }
+
+
+@worker_op("serve_trace")
+def serve_trace(
+    worker: VllmWorker, requests: list[dict], stop_ids: list[int], sequential: bool = False, fresh: bool = True
+) -> dict:
+    """A request trace through vLLM's own continuous batching within the KV space `start` fixed
+    (kvbench.backends.trace_driver: arrivals on the trace's clock, every step's tokens stamped). After each step the
+    scheduler tells which requests it runs, its block pool's usage, each request's blocks and preemptions (vLLM
+    preempts by recompute when the pool is full) and the prompt tokens its prefix cache supplied."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvbench.backends.trace_driver import drive
+
+    assert worker.llm is not None, "start first"
+    if fresh:  # no prefix cached by an earlier trace (`fresh=False`: keep them)
+        worker.llm.reset_prefix_cache()
+    engine = worker.llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    manager = scheduler.kv_cache_manager
+    total_blocks = manager.block_pool.num_gpu_blocks - 1  # the null block is never handed out
+    seen: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    run = f"t{worker.next_id}"  # ids unique across calls: a finished request's id may not come back
+    worker.next_id += 1
+
+    def own(request_id: str) -> int:
+        return int(request_id.split("-")[0].removeprefix(run + "r")) if request_id.startswith(run + "r") else -1
+
+    def add(r: dict) -> None:
+        params = SamplingParams(
+            temperature=0.0, max_tokens=int(r["max_new_tokens"]), stop_token_ids=list(stop_ids), ignore_eos=True
+        )  # greedy, stopping only at kvbench's stop ids, as kvbench's own decode
+        engine.add_request(f"{run}r{r['id']}", TokensPrompt(prompt_token_ids=list(r["prompt_ids"])), params)
+        seen[int(r["id"])] = 0
+
+    def step() -> list:
+        events = []
+        for out in engine.step():
+            rid = own(out.request_id)
+            if rid < 0:
+                continue
+            tokens = list(out.outputs[0].token_ids)  # cumulative
+            events.append((rid, tokens[seen[rid] :], "FINISHED" if out.finished else ""))
+            seen[rid] = len(tokens)
+            cached[rid] = max(cached.get(rid, 0), int(out.num_cached_tokens or 0))
+        return events
+
+    def sample() -> dict:
+        requests_now = {own(rid): r for rid, r in scheduler.requests.items() if own(rid) >= 0}
+        return {
+            "running": [own(r.request_id) for r in scheduler.running],
+            "kv_blocks": round(manager.usage * total_blocks),
+            "concurrency": len(scheduler.running),
+            "preemptions": {rid: r.num_preemptions for rid, r in requests_now.items()},
+            "blocks": {rid: held_blocks(manager, r.request_id) for rid, r in requests_now.items()},
+            "cached": dict(cached),
+        }
+
+    reset_peak_rss()
+    out = drive(requests, add, step, engine.has_unfinished_requests, sample, sequential)
+    config = manager.kv_cache_config
+    return {
+        **out,
+        "num_blocks": config.num_blocks,
+        "block_size": worker.llm.llm_engine.vllm_config.cache_config.block_size,
+        "block_bytes": sum(tensor.size for tensor in config.kv_cache_tensors) // config.num_blocks,
+        "peak_mem_bytes": peak_rss_bytes(),
+    }
 
 
 def main() -> None:

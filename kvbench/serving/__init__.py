@@ -7,4 +7,7 @@ scheduler.py  continuous batching: admit while the budget holds, compress at adm
 metrics.py    per-request and per-run figures (TTFT, TPOT, percentiles, goodput under an SLO)
 predict.py    the capacity planner's concurrency and tokens/s for the same model, budget and method
 run.py        one trace × every configuration × every KV budget → rows; `python -m kvbench.serving`
+              (`python -m kvbench +experiment=serving` routes here)
+engines.py    the same trace through vLLM's and OpenVINO's continuous batching (their workers' serve_trace op)
+prefix.py     prefix caching side by side: kvbench vs vLLM vs OpenVINO (`python -m kvbench.serving.prefix`)
 """

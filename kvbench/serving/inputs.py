@@ -12,9 +12,10 @@ configuration (its prefill's whole prompt, then its compressed cache growing to 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbench import KvbenchError
+from kvbench.serving.engines import check_engine_budgets, check_engines
 
 DEFAULTS = {
     "requests": 8,
@@ -28,6 +29,7 @@ DEFAULTS = {
     "slo_ttft_s": 10.0,
     "slo_tpot_s": 1.0,
     "hardware": "cpu",
+    "engines": {},
     "out": None,
 }
 
@@ -46,6 +48,7 @@ class ServingSpec:
     slo_tpot_s: float
     hardware: str
     out: str | None
+    engines: dict = field(default_factory=dict)  # engine -> options serving the same trace (kvbench.serving.engines)
 
     def trace_spec(self, seed: int):
         from kvbench.serving.trace import TraceSpec
@@ -141,6 +144,7 @@ def serving_spec(block) -> ServingSpec:
         float(v["slo_tpot_s"]),
         str(v["hardware"]),
         v["out"],
+        check_engines(v["engines"]),
     )
 
 
@@ -168,7 +172,7 @@ def request_need(shape, method, budget, prompt: int, output: int) -> int:
 
     layout = shape.layout
     decoded = predict_kv_bytes(method, budget, shape, prompt, decoded_tokens=output).kv_bytes
-    return max(layout.full_bytes(prompt), decoded) + layout.full_bytes(1)
+    return max(layout.dense_bytes(prompt), decoded) + layout.full_bytes(1)  # the prefill: every layer, whole prompt
 
 
 def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int, what: str) -> None:
@@ -203,7 +207,18 @@ def check(cfg) -> tuple[ServingSpec, list]:
     spec = serving_spec(cfg.get("serving"))
     rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "serving"])
     check_config(rest)
-    confs = configurations(RunSpec.of(rest))
+    run = RunSpec.of(rest)
+    if run.engine_name != "kvbench":  # the run's engine key answers examples one at a time, not a trace
+        raise KvbenchError(
+            f"engine={run.engine_name} with a serving trace: engines serve it through serving.engines; use "
+            f"engine=kvbench 'serving.engines=[{run.engine_name}:full]'"
+        )
+    if run.prefix_cache:
+        raise KvbenchError(
+            "prefix_cache=true with a serving trace: the scheduler has no prefix cache; compare prefix caching with "
+            "python -m kvbench.serving.prefix"
+        )
+    confs = configurations(run)
     config = model_config(cfg.model, cheap=True)
     if config is not None:  # the bundled GGUF before its first conversion: checked once loaded (check_requests)
         dtype = resolve_dtype(cfg.dtype, resolve_device(cfg.device))
@@ -216,14 +231,15 @@ def check(cfg) -> tuple[ServingSpec, list]:
         )
         prompt, output = longest(cfg, spec)
         check_fit(shape, config.max_position_embeddings, confs, spec.kv_budgets, prompt, output, "the longest request")
+        check_engine_budgets(spec.engines, shape, spec.kv_budgets, prompt, output)
     return spec, confs
 
 
-def check_requests(requests, lm, confs, budgets) -> None:
+def check_requests(requests, lm, confs, budgets, engines=None) -> None:
     """The built trace against the loaded model: exact prompt lengths (tokenized) and output lengths."""
     from kvbench.model.kv_bytes import KVShape
 
     r = max(requests, key=lambda q: q.prompt_tokens + q.max_new_tokens)
-    check_fit(
-        KVShape.of(lm), lm.max_context, confs, budgets, r.prompt_tokens, r.max_new_tokens, f"request {r.request_id}"
-    )
+    shape = KVShape.of(lm)
+    check_fit(shape, lm.max_context, confs, budgets, r.prompt_tokens, r.max_new_tokens, f"request {r.request_id}")
+    check_engine_budgets(engines or {}, shape, budgets, r.prompt_tokens, r.max_new_tokens)

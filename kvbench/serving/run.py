@@ -21,6 +21,7 @@ KEY_COLUMNS = [
     "run_id",
     "model",
     "task",
+    "engine",
     "method",
     "budget",
     "kv_budget_bytes",
@@ -29,6 +30,7 @@ KEY_COLUMNS = [
     "dtype",
     "device_name",
 ]
+PLAN_COLUMNS = ["predicted_max_concurrency", "predicted_tokens_s", "predicted_kv_bytes_per_request"]
 
 
 def build_requests(cfg, spec, lm):
@@ -78,45 +80,65 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
         hardware = build_hardware(OmegaConf.load(path))
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
     requests, task = build_requests(cfg, spec, lm)
-    check_requests(requests, lm, confs, spec.kv_budgets)
+    check_requests(requests, lm, confs, spec.kv_budgets, spec.engines)
     arch = arch_of(cfg.model)
     engine = Engine(lm)
     engine.run(confs[0].method, None, requests[0].prompt_ids[:32], max_new_tokens=2)  # first-call costs, untimed
     run_id = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
     context = round(sum(r.prompt_tokens + r.max_new_tokens for r in requests) / len(requests))
-    req_rows, run_rows = [], []
+    req_rows: list[dict] = []
+    run_rows: list[dict] = []
+
+    def record(engine_name: str, method: str, budget: float, kv_budget: int, result, plan: dict, extra: dict) -> None:
+        keys = {
+            "run_id": run_id,
+            "model": lm.name,
+            "task": cfg.task.name if task is not None else "random",
+            "engine": engine_name,
+            "method": method,
+            "budget": budget,
+            "kv_budget_bytes": kv_budget,
+            "arrival": spec.arrival,
+            "rate": spec.rate if spec.arrival == "poisson" else float("nan"),
+            "dtype": str(lm.dtype).removeprefix("torch."),
+            "device_name": device_name(lm.device),
+        }
+        rows = []
+        for s in result.served:
+            text = engine.answer_text(s.emitted, s.request.stop)
+            score = task.score(text, s.request.example)["score"] if task is not None else None
+            rows.append(request_row(s, spec.slo_ttft_s, spec.slo_tpot_s, text, score))
+        run = run_row(rows, result, spec.slo_ttft_s, spec.slo_tpot_s)
+        req_rows.extend({**keys, **r} for r in rows)
+        run_rows.append({**keys, **run, **plan, "hardware": hardware.name, **extra})
+        if echo:
+            print(
+                f"[serving] {method} {budget:g} at {kv_budget / 1e6:.1f} MB: {run['throughput_tokens_s']:.1f} tok/s, "
+                f"concurrency {run['max_concurrency']}, {run['preemptions']} preemptions, wall {result.wall_s:.1f} s",
+                file=sys.stderr,
+            )
+
     for c in confs:
         for kv_budget in spec.kv_budgets:
-            keys = {
-                "run_id": run_id,
-                "model": lm.name,
-                "task": cfg.task.name if task is not None else "random",
-                "method": variant_label(c.method.name, c.method.params()),
-                "budget": c.budget_value,
-                "kv_budget_bytes": kv_budget,
-                "arrival": spec.arrival,
-                "rate": spec.rate if spec.arrival == "poisson" else float("nan"),
-                "dtype": str(lm.dtype).removeprefix("torch."),
-                "device_name": device_name(lm.device),
-            }
             result = Scheduler(engine, c.method, c.budget, kv_budget).run(requests)
-            rows = []
-            for s in result.served:
-                stop = s.request.stop
-                text = engine.answer_text(s.emitted, stop)
-                score = task.score(text, s.request.example)["score"] if task is not None else None
-                rows.append(request_row(s, spec.slo_ttft_s, spec.slo_tpot_s, text, score))
-            run = run_row(rows, result, spec.slo_ttft_s, spec.slo_tpot_s)
             plan = predicted(arch, hardware, c.method, c.budget, lm.dtype, kv_budget, context, len(requests))
-            req_rows += [{**keys, **r} for r in rows]
-            run_rows.append({**keys, **run, **plan, "hardware": hardware.name})
-            if echo:
-                print(
-                    f"[serving] {keys['method']} {c.budget_value:g} at {kv_budget / 1e6:.1f} MB: "
-                    f"{run['throughput_tokens_s']:.1f} tok/s, concurrency {run['max_concurrency']}, "
-                    f"{run['preemptions']} preemptions, wall {result.wall_s:.1f} s",
-                    file=sys.stderr,
-                )
+            label = variant_label(c.method.name, c.method.params())
+            record("kvbench", label, c.budget_value, kv_budget, result, plan, {})
+    if spec.engines:
+        from kvbench.methods import build_method
+        from kvbench.serving.engines import serve_engines
+
+        for name, option, budget, kv_budget, result, reply in serve_engines(
+            (cfg, lm, engine), spec.engines, requests, spec.kv_budgets, confs
+        ):
+            plan = (  # the planner knows the engines' uncompressed caches only (their own options: NaN)
+                predicted(arch, hardware, build_method("full"), None, lm.dtype, kv_budget, context, len(requests))
+                if option == "full"
+                else dict.fromkeys(PLAN_COLUMNS, float("nan")) | {"predicted_context": context}
+            )
+            record(
+                name, f"{name}:{option}", budget, kv_budget, result, plan, {"engine_version": reply["engine_version"]}
+            )
     requests_frame, runs_frame = pd.DataFrame(req_rows), pd.DataFrame(run_rows)
     if out_dir is not None:
         out_dir = Path(out_dir)

@@ -146,8 +146,9 @@ class Scheduler:
         )
 
     def _fits_admission(self, s: Served) -> bool:
-        """The prompt's uncompressed K/V during its prefill, and one more token for every running request and it."""
-        need = self.layout.full_bytes(s.request.prompt_tokens) + (len(self.running) + 1) * self.token_bytes
+        """The prompt's uncompressed K/V during its prefill — every layer holds the whole prompt until compression
+        and a sliding layer's trim (dense_bytes) — and one more token for every running request and it."""
+        need = self.layout.dense_bytes(s.request.prompt_tokens) + (len(self.running) + 1) * self.token_bytes
         if self.held() + need <= self.kv_budget:
             return True
         if not self.running:  # nothing will free memory: the budget cannot hold this request at all

@@ -10,6 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kvbench import KvbenchError
+from kvbench.serving.engines import engine_need
 from kvbench.serving.inputs import check, serving_spec
 from tests.conftest import CONF_DIR
 
@@ -20,6 +21,8 @@ TINY = [
     "task.depths=[0.2,0.8]",
     "task.max_new_tokens=6",
     "serving.kv_budget_bytes=[2000000]",
+    "grid.method=[snapkv,streamingllm]",
+    "serving.engines=null",
 ]
 
 
@@ -52,6 +55,11 @@ def test_the_preset_passes():
         ("serving.output_tokens=0", "serving.output_tokens=0 must be ≥ 1"),
         ("serving.shared_prefix=1.0", "serving.shared_prefix=1.0 must be in [0, 1)"),
         ("+serving.rates=2", "serving.rates is not a serving setting"),
+        ("serving.engines=[tgi:full]", "serving.engines: tgi is no serving engine; use vllm or openvino"),
+        ("serving.engines=[vllm:q8_0]", "vllm:q8_0 is not an option vllm serves a trace with; use one of vllm:full"),
+        ("serving.engines=[vllm]", "must be a list of <engine>:<option>"),
+        ("engine=vllm", "engine=vllm with a serving trace: engines serve it through serving.engines"),
+        ("prefix_cache=true", "the scheduler has no prefix cache; compare prefix caching with"),
     ],
 )
 def test_bad_input_is_one_line(override, expected):
@@ -92,4 +100,39 @@ def test_entry_exits_2_with_one_line_before_the_model_loads(tmp_path: Path):
     lines = proc.stderr.strip().splitlines()
     assert lines == [
         "kvbench.serving: error: serving.rate=0 must be a number > 0 (requests per second); use serving.rate=2"
+    ]
+
+
+def test_engine_blocks_need_whole_blocks_of_the_longest_request():
+    # vLLM's CPU blocks are 16 tokens: 606 tokens take 38 blocks = 608 tokens of 1,024 bytes, more than kvbench's
+    # own need (607 tokens); OpenVINO's 32-token blocks take 19 × 32 = 608 tokens too
+    need = 608 * 1024
+    check(serving_config(f"serving.kv_budget_bytes={need}", "serving.engines=[vllm:full,openvino:full]"))
+    with pytest.raises(KvbenchError, match=f"holds not one request in vllm:full's blocks .* ≥ {need:,}"):
+        check(serving_config(f"serving.kv_budget_bytes={need - 1}", "serving.engines=[vllm:full]"))
+    # fp8 blocks hold a byte per element (a quarter of float32's four); OpenVINO's blocks are 32 tokens
+    assert engine_need("vllm", "fp8", 1024, 256, 606) == 608 * 256
+    assert engine_need("openvino", "full", 1024, 256, 609) == 640 * 1024
+
+
+def test_main_entry_routes_the_serving_experiment_and_refuses_bad_input_in_one_line(tmp_path: Path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench",
+            "+experiment=serving",
+            *TINY,
+            "serving.slo_tpot_s=9",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvbench: error: serving.slo_tpot_s=9 > serving.slo_ttft_s=5.0: the SLOs are in the wrong order (the first "
+        "token includes a prefill, so its bound is the larger); swap them"
     ]

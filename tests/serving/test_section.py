@@ -45,7 +45,7 @@ def test_table_has_measured_beside_predicted():
     table = shown_table(runs())
     first = table.iloc[0].to_dict()
     assert first["method"] == "full" and first["KV budget MB"] == "40.0"
-    assert first["concurrency"] == 2 and first["planner concurrency"] == 3
+    assert first["concurrency"] == 2 and first["planner concurrency"] == "3"
     assert first["tokens/s"] == "10" and first["planner tokens/s"] == "5,000"
     assert first["ttft p99 s"] == "2" and first["goodput req/s"] == "0.2"
 
@@ -69,3 +69,35 @@ def test_section_shows_the_runs_beside_the_store(tmp_path):
     assert "Serving under a KV memory budget" in page and "| full | 1.00 | 40.0 | 2 | 3 |" in page
     assert (out / "serving.png").is_file()
     assert "Serving under a KV memory budget" in (out / "report.html").read_text()
+
+
+def test_prefix_table_beside_the_runs(tmp_path):
+    prefix = pd.DataFrame(
+        [
+            {
+                "workload": "shared_doc",
+                "system": "vllm",
+                "option": "full",
+                "requests": 6,
+                "hit_rate": 0.8,
+                "ttft_with_s": 1.0,
+                "ttft_without_s": 4.0,
+                "identical": True,
+                "score": 1.0,
+            },
+            {
+                "workload": "shared_doc",
+                "system": "openvino",
+                "option": "full",
+                "requests": 6,
+                "hit_rate": float("nan"),
+                "ttft_with_s": 3.0,
+                "ttft_without_s": 2.0,
+                "identical": False,
+                "score": 0.5,
+            },
+        ]
+    )
+    section = render(runs(), tmp_path, prefix=prefix)
+    assert "| shared_doc | vllm | full | 6 | 0.80 | 0.25 | yes | 1.00 |" in section.markdown
+    assert "| shared_doc | openvino | full | 6 | n/a | 1.50 | no | 0.50 |" in section.markdown

@@ -5,7 +5,8 @@ prediction) and the goodput curve (requests per second meeting the SLO, against 
 `python -m kvbench.serving` writes `serving_runs.parquet` (one row per configuration × KV budget); the section
 shows the first such file found beside the report's inputs: `<input>/`, `<input>/serving/`, `<input>/../` or
 `<input>/../serving/`. `render` draws it for any frame of run rows (the serving entry writes its own page with
-it). Torch-free."""
+it); engines' rows (`engine` vllm / openvino, `method` <engine>:<option>) are lines of their own. A
+`prefix_serving.parquet` beside it (python -m kvbench.serving.prefix) adds the prefix-caching table. Torch-free."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from kvbench.guide.selection import markdown
 from kvbench.report.section import Context, Section, report_section
 
 FILE = "serving_runs.parquet"
+PREFIX_FILE = "prefix_serving.parquet"  # python -m kvbench.serving.prefix --out <the same directory>
 NEEDED = [
     "method",
     "budget",
@@ -55,10 +57,10 @@ def shown_table(runs: pd.DataFrame) -> pd.DataFrame:
         }
     )
     if "predicted_max_concurrency" in runs:
-        out["planner concurrency"] = runs["predicted_max_concurrency"].astype(int)
+        out["planner concurrency"] = runs["predicted_max_concurrency"].map(lambda v: "" if pd.isna(v) else str(int(v)))
     out["tokens/s"] = runs["throughput_tokens_s"].map(lambda v: f"{v:.3g}")
     if "predicted_tokens_s" in runs:
-        out["planner tokens/s"] = runs["predicted_tokens_s"].map(lambda v: f"{v:,.0f}")
+        out["planner tokens/s"] = runs["predicted_tokens_s"].map(lambda v: "" if pd.isna(v) else f"{v:,.0f}")
     for name in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"):
         if name in runs:
             out[name.removesuffix("_s").replace("_", " ") + " s"] = runs[name].map(lambda v: f"{v:.3g}")
@@ -103,7 +105,24 @@ def plot(runs: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def render(runs: pd.DataFrame, out_dir: Path, source: str = FILE) -> Section:
+def prefix_table(prefix: pd.DataFrame) -> pd.DataFrame:
+    """kvbench.serving.prefix's rows: per workload and system, hit rate, TTFT with / without the cache, identical
+    answers (and compress-once against per-question for kvbench's compressing method)."""
+    return pd.DataFrame(
+        {
+            "workload": prefix["workload"],
+            "system": prefix["system"],
+            "option": prefix["option"],
+            "requests": prefix["requests"],
+            "hit rate": prefix["hit_rate"].map(lambda v: "n/a" if pd.isna(v) else f"{v:.2f}"),
+            "TTFT with / without": (prefix["ttft_with_s"] / prefix["ttft_without_s"]).map(lambda v: f"{v:.2f}"),
+            "identical answers": prefix["identical"].map(lambda v: "yes" if v else "no"),
+            "score": prefix["score"].map(lambda v: f"{v:.2f}"),
+        }
+    )
+
+
+def render(runs: pd.DataFrame, out_dir: Path, source: str = FILE, prefix: pd.DataFrame | None = None) -> Section:
     missing = [c for c in NEEDED if c not in runs]
     if missing:
         raise ValueError(f"{source} lacks columns {missing}")
@@ -115,13 +134,19 @@ def render(runs: pd.DataFrame, out_dir: Path, source: str = FILE) -> Section:
         "once; planner: kvbench.plan's largest batch within the budget and its decode roofline. Goodput: requests "
         "meeting both SLOs per second."
     )
-    table = shown_table(runs.sort_values(["method", "budget", "kv_budget_bytes"]))
+    order = [c for c in ("engine", "method", "budget", "kv_budget_bytes") if c in runs]
+    table = shown_table(runs.sort_values(order, kind="stable"))
     png = plot(runs, Path(out_dir) / "serving.png")
-    return Section(
-        html=f"<p>{html.escape(intro)}</p>" + table.to_html(index=False),
-        markdown=intro + "\n\n" + markdown(table),
-        files=[png],
-    )
+    page_html, page_md = f"<p>{html.escape(intro)}</p>" + table.to_html(index=False), intro + "\n\n" + markdown(table)
+    if prefix is not None and len(prefix):
+        words = (
+            "Prefix caching side by side (python -m kvbench.serving.prefix): each shared-prefix workload's requests in "
+            "order through each system without, then with, its prefix cache; TTFT summed over the requests."
+        )
+        shown = prefix_table(prefix)
+        page_html += f"<p>{html.escape(words)}</p>" + shown.to_html(index=False)
+        page_md += "\n\n" + words + "\n\n" + markdown(shown)
+    return Section(html=page_html, markdown=page_md, files=[png])
 
 
 @report_section("Serving under a KV memory budget", where="tables")
@@ -129,4 +154,6 @@ def serving(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Sect
     path = find_runs(list(context.inputs))
     if path is None:
         return None
-    return render(pd.read_parquet(path), context.out_dir, path.name)
+    beside = path.parent / PREFIX_FILE
+    prefix = pd.read_parquet(beside) if beside.is_file() else None
+    return render(pd.read_parquet(path), context.out_dir, path.name, prefix)

@@ -1,0 +1,216 @@
+"""The same trace served by real engines' continuous batching under the same KV budget (`serving.engines`): vLLM's
+CPU build and OpenVINO GenAI's ContinuousBatchingPipeline, each in its own venv and worker process
+(kvbench.backends; the worker's `serve_trace` op drives the engine on the trace's clock:
+kvbench.backends.trace_driver).
+
+The KV budget becomes the engine's whole KV space: vLLM's `kv_cache_memory_bytes` (its block pool holds
+budget // its bytes per block blocks; fp8 blocks are half the size, so twice as many), OpenVINO's `num_kv_blocks` =
+budget // (32 tokens × the model's K/V elements per token × the KV precision's bytes). Each engine schedules,
+batches, chunks prefills and preempts by its own rules. Rows are kvbench's own (kvbench.serving.metrics), with
+`engine` and `method` = `<engine>:<option>`; what an engine does not tell is NaN: OpenVINO's queueing time,
+preemptions and per-request blocks; vLLM's are read from its scheduler after every step. Scores: the engine's
+greedy ids as text, cut as kvbench cuts its own (Engine.answer_text), scored by the task.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+from kvbench import KvbenchError
+
+# engine -> the options it serves a trace with (its Backend's options; OpenVINO's u8/u4 scale bytes are not in a
+# fixed block count, so the budget would not hold: left out)
+SERVING_OPTIONS = {"vllm": ("full", "fp8", "fp8_e4m3", "fp8_e5m2"), "openvino": ("full", "sum", "norm_sum")}
+BLOCK_TOKENS = {"vllm": 16, "openvino": 32}  # the engines' KV blocks on the CPU, in tokens
+KV_BYTES = {"full": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "sum": None, "norm_sum": None}  # None: model dtype
+
+
+def check_engines(value) -> dict[str, tuple[str, ...]]:
+    """`serving.engines`: null, or a list of `<engine>:<option>`, each an option the engine serves a trace with;
+    returns {engine: (option, ...)} in the order given."""
+    from kvbench.backends.source import venv_python
+
+    if value is None or value == [] or value == {}:
+        return {}
+    if isinstance(value, str):
+        value = [value]
+    if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.count(":") == 1 for v in value)):
+        raise KvbenchError(
+            f"serving.engines={value!r} must be a list of <engine>:<option>; use 'serving.engines=[vllm:full,vllm:fp8]'"
+        )
+    grouped: dict[str, list[str]] = {}
+    for entry in value:
+        name, option = entry.split(":")
+        grouped.setdefault(name, []).append(option)
+    out = {}
+    for name, options in grouped.items():
+        if name not in SERVING_OPTIONS:
+            raise KvbenchError(f"serving.engines: {name} is no serving engine; use {' or '.join(SERVING_OPTIONS)}")
+        bad = [o for o in options if o not in SERVING_OPTIONS[name]]
+        if bad:
+            raise KvbenchError(
+                f"serving.engines: {name}:{bad[0]} is not an option {name} serves a trace with; use one of "
+                + ", ".join(f"{name}:{o}" for o in SERVING_OPTIONS[name])
+            )
+        venv = {"vllm": ".venv-vllm", "openvino": ".venv-openvino"}[name]
+        if not venv_python(venv).exists():
+            raise KvbenchError(
+                f"serving.engines: {name} needs {venv}: run `make engine-{name}`, or serve without it "
+                f"(serving.engines=null: kvbench's own scheduler only)"
+            )
+        out[name] = tuple(options)
+    return out
+
+
+def engine_need(engine: str, option: str, token_bytes_model: int, elements_per_token: int, tokens: int) -> int:
+    """Bytes of the engine's KV space one request of `tokens` tokens needs: whole blocks at the option's
+    precision."""
+    per_element = KV_BYTES[option]
+    token = token_bytes_model if per_element is None else elements_per_token * per_element
+    return math.ceil(tokens / BLOCK_TOKENS[engine]) * BLOCK_TOKENS[engine] * token
+
+
+def check_engine_budgets(engines: dict, shape, budgets, prompt: int, output: int) -> None:
+    """Every KV budget holds the longest request in each engine's blocks (before any engine starts)."""
+    token_bytes = shape.layout.full_bytes(1)
+    elements = 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim
+    for engine, options in engines.items():
+        for option in options:
+            need = engine_need(engine, option, token_bytes, elements, prompt + output)
+            for b in budgets:
+                if b < need:
+                    raise KvbenchError(
+                        f"serving.kv_budget_bytes={b:,} holds not one request in {engine}:{option}'s blocks "
+                        f"({prompt:,} prompt + {output} output tokens need {need:,} bytes); use "
+                        f"serving.kv_budget_bytes ≥ {need:,}"
+                    )
+
+
+def wire(requests) -> list[dict]:
+    """The trace as the workers read it: the whole prompt (context + question, and any appended suffix)."""
+    return [
+        {
+            "id": r.request_id,
+            "arrival_s": r.arrival_s,
+            "prompt_ids": [*r.prompt_ids, *r.suffix_ids],
+            "max_new_tokens": r.max_new_tokens,
+        }
+        for r in requests
+    ]
+
+
+def result_of(requests, reply: dict, block_bytes: int, knows_queue: bool):
+    """A worker's serve_trace reply as the scheduler's ServeResult (kvbench.serving.metrics reads it)."""
+    from kvbench.serving.scheduler import Served, ServeResult
+
+    served = []
+    for r, rec in zip(requests, reply["requests"]):
+        if rec["status"] != "FINISHED":
+            raise KvbenchError(f"the engine ended request {r.request_id} {rec['status'] or 'unfinished'}")
+        s = Served(r)
+        s.admitted_s = rec["admitted_s"] if knows_queue else math.nan
+        s.first_token_s, s.finish_s = rec["first_token_s"], rec["finish_s"]
+        s.emitted, s.emitted_s = list(rec["tokens"]), list(rec["emitted_s"])
+        s.preemptions = rec["preemptions"] if knows_queue else math.nan  # type: ignore[assignment]
+        s.kv_bytes = rec["blocks"] * block_bytes if knows_queue else math.nan  # type: ignore[assignment]
+        s.prefill_s = math.nan  # inside the engine's steps (chunked, batched with decodes)
+        s.recompute_mismatches = 0
+        s.decode_mode = "engine"
+        served.append(s)
+    blocks = [b for _, b, _ in reply["samples"]] or [0]
+    return ServeResult(
+        served=served,
+        samples=[(t, b * block_bytes, c) for t, b, c in reply["samples"]],
+        peak_held_bytes=max(blocks) * block_bytes,
+        peak_padded_bytes=max(blocks) * block_bytes,
+        max_concurrency=max((c for _, _, c in reply["samples"]), default=0),
+        decode_steps=reply["steps"],
+        duration_s=max(s.finish_s for s in served),
+        wall_s=reply["wall_s"],
+        idle_skipped_s=reply["idle_skipped_s"],
+    )
+
+
+def serve_vllm(model_cfg: dict, dtype: str, option: str, kv_budget: int, requests, stop_ids, max_len: int, **kw):
+    """One vLLM worker with `kv_budget` bytes of KV space serves the trace (prefix caching per `prefix_caching`)."""
+    from kvbench.backends.vllm import VllmBackend
+
+    backend = VllmBackend(kv_cache_memory_bytes=int(kv_budget), max_model_len=max_len)
+    backend.start(model_cfg, dtype)
+    try:
+        kv_dtype = backend.options[option].get("kv_cache_dtype", "auto")
+        worker, info = backend.worker(kv_dtype, bool(kw.pop("prefix_caching", False)))
+        reply = worker.request("serve_trace", requests=wire(requests), stop_ids=list(stop_ids), **kw)
+    finally:
+        backend.close()
+    reply["engine_version"] = info["engine_version"]
+    return reply, int(reply["block_bytes"])
+
+
+class OpenvinoServer:
+    """One OpenVINO worker (the model's IR compiled anew per served trace: each its own block count and knobs)."""
+
+    def __init__(self, model_cfg: dict, dtype: str):
+        from kvbench.backends.openvino import OpenvinoBackend
+
+        self.backend = OpenvinoBackend()
+        self.backend.start(model_cfg, dtype)
+
+    def block_bytes(self) -> int:
+        from kvbench.backends.openvino import BLOCK, BYTES
+
+        assert self.backend.shape is not None
+        return int(BLOCK * self.backend.shape.elements_per_token() * BYTES[self.backend.precision])
+
+    def serve(self, option: str, budget: float | None, kv_budget: int, requests, stop_ids, **kw):
+        from kvbench.backends.base import EngineRequest
+
+        longest = max(requests, key=lambda r: r.prompt_tokens)
+        probe = EngineRequest([0] * longest.prompt_tokens, longest.max_new_tokens, option, budget=budget)
+        knobs = self.backend.knobs(probe)  # eviction: max_cache_size from the budget and the longest request
+        kv_blocks = int(kv_budget) // self.block_bytes()
+        assert self.backend.worker is not None
+        reply = self.backend.worker.request(
+            "serve_trace", requests=wire(requests), stop_ids=list(stop_ids), knobs=knobs, kv_blocks=kv_blocks, **kw
+        )
+        reply["engine_version"] = self.backend.version
+        reply["knobs"] = knobs
+        return reply, int(reply["engine_block_bytes"])
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple[str, str, float, int, Any, dict]]:
+    """Every engine × option × KV budget: (engine, option, budget, kv_budget, ServeResult, reply). `ctx`: the
+    serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with."""
+    from kvbench.config.rules import plain
+
+    cfg, lm, engine = ctx
+    model_cfg, dtype = dict(plain(cfg.model)), str(lm.dtype).removeprefix("torch.")
+    stop_ids = sorted(int(t) for t in engine.eos_ids if isinstance(t, int))
+    longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
+    max_len = math.ceil((longest + 1) / BLOCK_TOKENS["vllm"]) * BLOCK_TOKENS["vllm"]
+    evict_budget = next((c.budget_value for c in confs if c.budget is not None), 0.25)
+    out = []
+    for name, options in engines.items():
+        server = OpenvinoServer(model_cfg, dtype) if name == "openvino" else None
+        try:
+            for option in options:
+                budget = evict_budget if option in ("sum", "norm_sum") else None
+                for kv_budget in kv_budgets:
+                    print(f"[serving] {name}:{option} at {kv_budget / 1e6:.1f} MB ...", file=sys.stderr, flush=True)
+                    if server is not None:
+                        reply, block_bytes = server.serve(option, budget, kv_budget, requests, stop_ids)
+                    else:
+                        reply, block_bytes = serve_vllm(
+                            model_cfg, dtype, option, kv_budget, requests, stop_ids, max_len
+                        )
+                    result = result_of(requests, reply, block_bytes, knows_queue=name == "vllm")
+                    out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
+        finally:
+            if server is not None:
+                server.close()
+    return out

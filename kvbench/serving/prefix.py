@@ -1,0 +1,262 @@
+"""Prefix caching side by side: the shared-prefix workloads (`shared_doc`, `multiturn`, `system_prompt`:
+kvbench/tasks/shared_prefix.py) through kvbench's prefix cache, vLLM's automatic prefix caching and OpenVINO
+GenAI's `enable_prefix_caching`, each with and without its cache, requests in order (each after the one before
+finished: a chat's turns need it, and a request's TTFT is then its own prefill).
+
+    python -m kvbench.serving.prefix                                   # smollm2-135m, the three workloads
+    python -m kvbench.serving.prefix --model gemma3-270m --requests 4 --context 512 --engines vllm
+
+Per workload × system: requests, prompt tokens, hit rate (prompt tokens the cache supplied / prompt tokens; kvbench:
+its `reused_tokens`, vLLM: its `num_cached_tokens`; OpenVINO does not say: NaN), total TTFT without and with the
+cache and their ratio, whether every answer is the same token string as without the cache, and the score. Then
+compression and reuse: kvbench's `reuse=compress_once` (SnapKV compresses the shared context once and answers every
+request from it) against `per_question` (every request compresses its whole prompt beside the cached pages), with
+its TTFT ratio, bytes held and score; the engines cannot reuse a compressed prefix (vLLM's blocks are the
+uncompressed tokens; OpenVINO's eviction and its prefix cache do not combine), so they have no such row.
+Timings are ratios within one run of one machine. Writes `prefix_serving.parquet` (+ `.md`) into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench import KvbenchError, conf_dir
+
+WORKLOADS = ("shared_doc", "multiturn", "system_prompt")
+COUNT_KEY = {"shared_doc": "questions", "multiturn": "turns", "system_prompt": "questions"}
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=overrides)
+
+
+def task_overrides(args, workload: str) -> list[str]:
+    return [
+        f"model={args.model}",
+        f"task={workload}",
+        f"task.context_length={args.context}",
+        f"task.{COUNT_KEY[workload]}={args.requests}",
+        f"task.max_new_tokens={args.max_new_tokens}",
+        f"device={args.device}",
+        f"dtype={args.dtype}",
+    ]
+
+
+def kvbench_rows(tmp: Path, overrides: list[str]) -> pd.DataFrame:
+    from kvbench.run.runner import run
+
+    name = str(abs(hash(tuple(overrides))))
+    cfg = compose([*overrides, f"results_dir={tmp / 'store'}", "report=false", "rerun=true"])
+    rows = run(cfg, output_dir=tmp / name)
+    return rows.sort_values("request_index")
+
+
+def kvbench_side(tmp: Path, args, workload: str) -> list[dict]:
+    """kvbench's prefix cache on the full cache, then compress-once vs per-question reuse for --method."""
+    base = task_overrides(args, workload)
+    without = kvbench_rows(tmp, [*base, "method=full"])
+    with_cache = kvbench_rows(tmp, [*base, "method=full", "prefix_cache=true"])
+    prompt = int((with_cache.reused_tokens + with_cache.prefill_tokens).sum())
+    out = [
+        {
+            "workload": workload,
+            "system": "kvbench",
+            "option": "full",
+            "requests": len(without),
+            "prompt_tokens": prompt,
+            "hit_rate": with_cache.reused_tokens.sum() / prompt,
+            "ttft_without_s": without.prefill_s.sum(),
+            "ttft_with_s": with_cache.prefill_s.sum(),
+            "identical": list(without.prediction) == list(with_cache.prediction),
+            "score": with_cache.score.mean(),
+            "held_MB": with_cache.held_bytes.iloc[-1] / 1e6,
+        }
+    ]
+    method = [f"method={args.method}", f"budget={args.budget}", "prefix_cache=true"]
+    per_question = kvbench_rows(tmp, [*base, *method])
+    once = kvbench_rows(tmp, [*base, *method, "reuse=compress_once"])
+    per_question, once = (r[r.method == args.method] for r in (per_question, once))
+    prompt = int((once.reused_tokens + once.prefill_tokens).sum())
+    out.append(
+        {
+            "workload": workload,
+            "system": "kvbench",
+            "option": f"{args.method} {args.budget:g}: compress_once vs per_question",
+            "requests": len(once),
+            "prompt_tokens": prompt,
+            "hit_rate": once.reused_tokens.sum() / prompt,
+            "ttft_without_s": per_question.prefill_s.sum(),
+            "ttft_with_s": once.prefill_s.sum(),
+            "identical": list(per_question.prediction) == list(once.prediction),
+            "score": once.score.mean(),
+            "score_without": per_question.score.mean(),
+            "held_MB": once.held_bytes.iloc[-1] / 1e6,
+            "held_without_MB": per_question.held_bytes.iloc[-1] / 1e6,
+        }
+    )
+    return out
+
+
+def engine_requests(cfg, lm):
+    """The workload's requests in order, as kvbench.serving.trace Requests (whole prompts, arrival 0)."""
+    from kvbench.serving.trace import Request
+    from kvbench.tasks import build_task
+
+    task = build_task(cfg.task, lm.tokenizer, int(cfg.seed), lm.max_context)
+    examples = task.examples()
+    requests = [
+        Request(i, 0.0, ex.context_ids + ex.question_ids, [], ex.max_new_tokens, example=ex, stop=tuple(ex.stop))
+        for i, ex in enumerate(examples)
+    ]
+    return requests, task
+
+
+def engine_row(workload, name, requests, task, engine, without: dict, with_cache: dict) -> dict:
+    def ttft(reply):
+        return sum(r["first_token_s"] - r["arrival_s"] for r in reply["requests"])
+
+    tokens = [r["tokens"] for r in with_cache["requests"]]
+    texts = [engine.answer_text(t, q.stop) for t, q in zip(tokens, requests)]
+    prompt = sum(q.prompt_tokens for q in requests)
+    cached = sum(r["cached_tokens"] for r in with_cache["requests"])
+    return {
+        "workload": workload,
+        "system": name,
+        "option": "full",
+        "requests": len(requests),
+        "prompt_tokens": prompt,
+        "hit_rate": cached / prompt if name == "vllm" else math.nan,  # OpenVINO does not report its hits
+        "ttft_without_s": ttft(without),
+        "ttft_with_s": ttft(with_cache),
+        "identical": tokens == [r["tokens"] for r in without["requests"]],
+        "score": sum(task.score(t, q.example)["score"] for t, q in zip(texts, requests)) / len(requests),
+    }
+
+
+def engines_side(args, workloads: list[str]) -> list[dict]:
+    """Each engine, one worker (vLLM: one per cache setting, kept across workloads, the cache reset before each),
+    every workload's requests in order without then with prefix caching."""
+    from kvbench.backends.openvino import OpenvinoBackend
+    from kvbench.backends.vllm import VllmBackend
+    from kvbench.config.rules import plain
+    from kvbench.engine.engine import Engine
+    from kvbench.model.load import load_model
+    from kvbench.serving.engines import wire
+
+    first = compose(task_overrides(args, workloads[0]))
+    lm = load_model(first.model, "cpu", args.dtype)  # its tokenizer and stop ids (the engines load their own)
+    engine = Engine(lm)
+    dtype = str(lm.dtype).removeprefix("torch.")
+    model_cfg = dict(plain(first.model))
+    stop_ids = sorted(int(t) for t in engine.eos_ids if isinstance(t, int))
+    traces = {w: engine_requests(compose(task_overrides(args, w)), lm) for w in workloads}
+    longest = max(q.prompt_tokens + q.max_new_tokens for reqs, _ in traces.values() for q in reqs)
+    out = []
+    if "vllm" in args.engines:
+        backend = VllmBackend(kv_cache_memory_bytes=args.kv_space, max_model_len=16 * math.ceil((longest + 1) / 16))
+        backend.start(model_cfg, dtype)
+        try:
+            for w, (requests, task) in traces.items():
+                replies = {}
+                for cached in (False, True):
+                    worker, _ = backend.worker("auto", cached)
+                    replies[cached] = worker.request(
+                        "serve_trace", requests=wire(requests), stop_ids=stop_ids, sequential=True
+                    )
+                out.append(engine_row(w, "vllm", requests, task, engine, replies[False], replies[True]))
+        finally:
+            backend.close()
+    if "openvino" in args.engines:
+        ov = OpenvinoBackend()
+        ov.start(model_cfg, dtype)
+        try:
+            assert ov.worker is not None
+            for w, (requests, task) in traces.items():
+                replies = {
+                    cached: ov.worker.request(
+                        "serve_trace",
+                        requests=wire(requests),
+                        stop_ids=stop_ids,
+                        knobs={},
+                        kv_blocks=ov.kv_blocks,
+                        prefix_caching=cached,
+                        sequential=True,
+                    )
+                    for cached in (False, True)
+                }
+                out.append(engine_row(w, "openvino", requests, task, engine, replies[False], replies[True]))
+        finally:
+            ov.close()
+    return out
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    from kvbench.guide.selection import markdown
+
+    shown = table.assign(
+        hit_rate=table.hit_rate.map(lambda v: "n/a" if math.isnan(v) else f"{v:.2f}"),
+        ttft_ratio=(table.ttft_with_s / table.ttft_without_s).map(lambda v: f"{v:.2f}"),
+        score=table.score.map(lambda v: f"{v:.2f}"),
+    )[["workload", "system", "option", "requests", "prompt_tokens", "hit_rate", "ttft_ratio", "identical", "score"]]
+    return markdown(shown)
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="kvbench's own runs")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--requests", type=int, default=6, help="questions (turns) per workload")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of the shared document")
+    parser.add_argument("--max-new-tokens", type=int, default=12, help="a 7-digit answer is ~9 tokens")
+    parser.add_argument("--method", default="snapkv", help="the compressing method for compress_once")
+    parser.add_argument("--budget", type=float, default=0.25)
+    parser.add_argument("--engines", nargs="*", default=["vllm", "openvino"], choices=["vllm", "openvino"])
+    parser.add_argument("--kv-space", type=int, default=256 << 20, help="vLLM's KV space (bytes)")
+    parser.add_argument("--out", default=None, help="directory for prefix_serving.parquet/.md")
+    args = parser.parse_args(argv)
+    for key in ("requests", "context", "max_new_tokens"):
+        if getattr(args, key) < 1:
+            raise KvbenchError(f"--{key.replace('_', '-')}={getattr(args, key)} must be ≥ 1")
+    if not args.budget > 0:
+        raise KvbenchError(f"--budget={args.budget} must be > 0 (a fraction ≤ 1 or a token count)")
+    from kvbench.serving.engines import check_engines
+
+    check_engines([f"{e}:full" for e in args.engines])  # the engines' venvs, before any model loads
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse(argv)
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = [r for w in args.workloads for r in kvbench_side(Path(tmp), args, w)]
+        if args.engines:
+            rows += engines_side(args, args.workloads)
+    except KvbenchError as error:
+        print(f"kvbench.serving.prefix: error: {error}", file=sys.stderr)
+        return 2
+    table = pd.DataFrame(rows).sort_values(["workload", "system"], kind="stable")
+    text = markdown_table(table)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_parquet(out / "prefix_serving.parquet", index=False)
+        (out / "prefix_serving.md").write_text(text + "\n")
+    return 0 if table.identical[table.option == "full"].all() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
