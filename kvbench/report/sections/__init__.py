@@ -7,6 +7,7 @@ on the page.
 from kvbench.report.sections import (
     batched,
     diagnose,
+    engines,
     guide,
     kvpress,
     leaderboard,
@@ -20,6 +21,7 @@ from kvbench.report.sections import (
 __all__ = [
     "batched",
     "diagnose",
+    "engines",
     "guide",
     "kvpress",
     "leaderboard",
