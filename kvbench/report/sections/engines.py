@@ -200,4 +200,23 @@ def engines_tables(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) 
         )
         html_parts += [f"<p>{html.escape(lead)}</p>", h]
         md_parts += [lead, "", m]
+    for line in not_run(everything):
+        html_parts.append(f"<p>{html.escape(line)}</p>")
+        md_parts += ["", line]
     return Section(html="\n".join(html_parts), markdown="\n".join(md_parts))
+
+
+def not_run(rows: pd.DataFrame) -> list[str]:
+    """Per engine in the rows: the options it offers (kvbench.backends) that these rows do not hold."""
+    from kvbench.backends import BACKENDS
+
+    lines = []
+    for engine in sorted(set(rows["engine"]) - {"kvbench"}):
+        if engine not in BACKENDS.names():
+            continue
+        backend = BACKENDS.get(engine)
+        ran = set(rows.loc[rows["engine"] == engine, "method"])
+        rest = [o for o in [*backend.options, *backend.applies] if o not in ran]
+        if rest:
+            lines.append(f"engine={engine} also offers (not in these rows): {', '.join(rest)}.")
+    return lines
