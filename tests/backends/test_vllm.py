@@ -51,8 +51,9 @@ def test_bad_options_refused_in_one_line():
     why = backend.unavailable(model_cfg(), "q8_0")
     assert why and "\n" not in why and "fp8_e5m2" in why
     assert backend.unavailable(model_cfg(), "int8_per_token_head") is None  # runs, its rows marked invalid
-    gpu = backend.unavailable(model_cfg(), "turboquant_4bit_nc")
-    assert gpu and "CUDA build" in gpu and "scripts/gpu/engines.sh" in gpu and "\n" not in gpu
-    with pytest.raises(KvbenchError, match="CUDA build"):
-        backend.generate(EngineRequest([1, 2, 3], 2, "fp8_per_token_head"))
+    assert backend.unavailable(model_cfg(), "turboquant_4bit_nc") is None
+    other = backend.unavailable(model_cfg(), "nvfp4")
+    assert other and "Blackwell" in other and "scripts/gpu/engines.sh" in other and "\n" not in other
+    with pytest.raises(KvbenchError, match="DeepSeek's MLA"):
+        backend.generate(EngineRequest([1, 2, 3], 2, "fp8_ds_mla"))
     assert not backend.workers  # refused before any worker started
