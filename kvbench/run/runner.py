@@ -175,6 +175,10 @@ def write_outputs(
     print_summary(
         summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame), batches(labelled)
     )
+    if "engine_invalid" in frame:  # a serving engine's garbage option: stored, never averaged
+        flagged = frame[frame["engine_invalid"].fillna("").astype(str) != ""]
+        for method, group in flagged.groupby("method"):
+            print(f"not averaged: {method} ({len(group)} rows): {group['engine_invalid'].iloc[0]}")
     if spec.report:
         from kvbench.report.build import build_report  # imported here: matplotlib only when a report is wanted
 

