@@ -166,7 +166,7 @@ def offers_table(rows: pd.DataFrame) -> pd.DataFrame:
                 "n": len(g),
                 "score": f"{mean:.3f} [{interval_text(low, high)}]",
                 "kv_ratio": float(g["kv_ratio"].mean()),
-                "bytes/token": per_token,
+                "bytes/token": round(per_token),
                 "tokens in 1 GiB": int(SPACE // per_token) if per_token > 0 else "–",
                 "tokens = engine's full": f"{int(matched.sum())}/{len(matched)}" if len(matched) else "–",
                 "valid": "no: " + str(g["engine_invalid"].iloc[0]) if bad[g.index].any() else "yes",
