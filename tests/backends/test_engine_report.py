@@ -80,3 +80,20 @@ def test_report_shows_every_engine_parity_and_offers(tmp_path, capsys):
     assert "fp8_e4m3" in also and "turboquant_k8v4" in also and "fp8_e5m2" not in also  # the options not run
     summary = pd.read_csv(out / "summary.csv")
     assert "int8_per_token_head" not in set(summary["method"])
+
+
+def test_gate_and_guide_never_see_garbage_rows(tmp_path, capsys):
+    from kvbench.guide.selection import main as guide_main
+    from kvbench.report.gate import main as gate_main
+
+    results = store(tmp_path, frame())
+    thresholds = tmp_path / "t.yaml"
+    thresholds.write_text("thresholds:\n  - select: {method: int8_per_token_head}\n    min_score: 0.5\n")
+    assert gate_main([str(results), "--thresholds", str(thresholds)]) == 2  # its rows are not there to gate on
+    assert "int8_per_token_head" in capsys.readouterr().err
+    thresholds.write_text("thresholds:\n  - select: {method: fp8_e5m2}\n    min_score: 0.9\n")
+    assert gate_main([str(results), "--thresholds", str(thresholds)]) == 0
+    capsys.readouterr()
+    assert guide_main([str(results), "--min-n", "1"]) == 0
+    guide = capsys.readouterr().out
+    assert "fp8_e5m2" in guide and "int8_per_token_head" not in guide
