@@ -28,6 +28,7 @@ from kvbench.config.rules import Rule, check_args, check_value
 from kvbench.report import sections as _registered  # noqa: F401  (importing it registers the sections)
 from kvbench.report.page import Page
 from kvbench.report.section import PLACES, Context, build_sections
+from kvbench.report.sections.engines import engine_labels
 from kvbench.report.tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report.takeaways import takeaways
 from kvbench.store.aggregate import (
@@ -129,6 +130,7 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     loaded = with_experiment_labels(load_rows(paths))
     # one line per configuration variant: kivi bits=2 and bits=4 are different curves, each with its own colour
     loaded = loaded.assign(method=with_variants(loaded)["variant"])
+    loaded = loaded.assign(method=engine_labels(loaded))  # several engines: `q8_0 @llamacpp`, each its own curve
     rows = averaged(loaded)  # a serving engine's garbage rows are shown apart (sections/engines.py), never averaged
     summary = summarize(rows)
     knee = knees(summary, tolerance)

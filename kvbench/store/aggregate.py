@@ -161,7 +161,7 @@ def with_experiment_labels(rows: pd.DataFrame) -> pd.DataFrame:
     rows = with_experiment_keys(rows)
     if rows["dtype"].nunique() > 1:
         rows = rows.assign(model=rows["model"].astype(str) + " (" + rows["dtype"] + ")")
-    config = _text_keys(rows, ["model", "dtype", "method", "method_params", "budget", "query_aware"])
+    config = _text_keys(rows, ["model", "engine", "dtype", "method", "method_params", "budget", "query_aware"])
     mixed = config.map(rows.groupby(config)["code_fingerprint"].nunique()) > 1
     if mixed.any():
         suffix = " @" + rows["code_fingerprint"].str[:8]

@@ -79,7 +79,11 @@ def test_report_shows_every_engine_parity_and_offers(tmp_path, capsys):
     also = next(line for line in lines if line.startswith("engine=vllm also offers"))
     assert "fp8_e4m3" in also and "turboquant_k8v4" in also and "fp8_e5m2" not in also  # the options not run
     summary = pd.read_csv(out / "summary.csv")
-    assert "int8_per_token_head" not in set(summary["method"])
+    assert not any(str(m).startswith("int8_per_token_head") for m in summary["method"])
+    task = summary[summary["level"] == "task"]
+    # several engines: each engine's options are their own curves, `full` each engine's own baseline
+    assert {"fp8_e5m2 @vllm", "sum @openvino", "snapkv"} <= set(task["method"])
+    assert sorted(task.loc[task["method"] == "full", "engine"]) == ["kvbench", "openvino", "vllm"]
 
 
 def test_gate_and_guide_never_see_garbage_rows(tmp_path, capsys):

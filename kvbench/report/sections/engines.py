@@ -26,6 +26,22 @@ MARKERS = {"kvbench": "o", "vllm": "s", "llamacpp": "^", "openvino": "D"}  # one
 SPACE = 1 << 30  # the KV space "fits" is counted in: 1 GiB
 
 
+def engine_labels(rows: pd.DataFrame) -> pd.Series:
+    """The rows' method labels, with ` @<engine>` after a serving engine's options when the rows hold several engines
+    (kvbench's streamingllm and llama.cpp's are different curves on every plot and table); `full` stays `full`,
+    each engine's own baseline (the summary compares every option with its own engine's full run)."""
+    if "engine" not in rows or rows["engine"].fillna("kvbench").nunique() < 2:
+        return rows["method"]
+    engine = rows["engine"].fillna("kvbench").astype(str)
+    tagged = (engine != "kvbench") & (rows["method"] != FULL)
+    return rows["method"].where(~tagged, rows["method"].astype(str) + " @" + engine)
+
+
+def option_name(label: str) -> str:
+    """An engine option's name from its label (`q8_0 @llamacpp` -> `q8_0`)."""
+    return str(label).split(" @")[0]
+
+
 def _extra(rows: pd.DataFrame) -> pd.Series:
     """engine_extra parsed ({} for kvbench's own rows)."""
     return rows["engine_extra"].map(lambda v: json.loads(v) if isinstance(v, str) and v else {})
@@ -80,7 +96,8 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
             )
             if not few and not math.isnan(r["ci_low"]):
                 ax.plot([r["kv_ratio"]] * 2, [r["ci_low"], r["ci_high"]], color=colour, lw=0.8, alpha=0.6)
-            label = r["method"] if r["method"] == FULL or r["budget"] >= 1 else f"{r['method']} {r['budget']:g}"
+            name = option_name(r["method"])  # the marker names the engine
+            label = name if r["budget"] >= 1 else f"{name} {r['budget']:g}"
             ax.annotate(label, (r["kv_ratio"], r["score"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
         apart = context.set_apart
         flagged = apart[(apart["model"] == model) & (apart["task"] == task)]
@@ -150,6 +167,7 @@ def offers_table(rows: pd.DataFrame) -> pd.DataFrame:
     engines = rows[rows["engine"] != "kvbench"]
     extra, same, bad = _extra(engines), _same_as_full(engines), _invalid(engines)
     records = []
+    engines = engines.assign(method=engines["method"].map(option_name))
     for (engine, model, method, budget), g in engines.groupby(["engine", "model", "method", "budget"], sort=True):
         knobs = extra[g.index[0]].get("knobs", {})
         held = g["context_tokens"] + (g["new_tokens"] - 1).clip(lower=0)  # the last generated token is never written
@@ -215,7 +233,7 @@ def not_run(rows: pd.DataFrame) -> list[str]:
         if engine not in BACKENDS.names():
             continue
         backend = BACKENDS.get(engine)
-        ran = set(rows.loc[rows["engine"] == engine, "method"])
+        ran = set(rows.loc[rows["engine"] == engine, "method"].map(option_name))
         rest = [o for o in [*backend.options, *backend.applies] if o not in ran]
         if rest:
             lines.append(f"engine={engine} also offers (not in these rows): {', '.join(rest)}.")
