@@ -84,8 +84,8 @@ for length in map(int, args.lengths.split(",")):
         text = tokenizer.decode(ids[:cut]) + needle + tokenizer.decode(ids[cut:])
         question = "What is the special magic number for the key mentioned in the text above?"
         chat = [{"role": "user", "content": text + "\n" + question}]
-        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-        prompts.append((list(prompt["input_ids"] if isinstance(prompt, dict) else prompt), value))
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)  # text, then ids
+        prompts.append((list(tokenizer(prompt, add_special_tokens=False).input_ids), value))
 
 results, reference = [], None
 for dtype in args.dtypes.split(","):
@@ -95,7 +95,8 @@ for dtype in args.dtypes.split(","):
     try:
         info = worker.request(
             "start", model_dir=str(folder), dtype="bfloat16", kv_cache_dtype=dtype,
-            kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False, max_model_len=8192,
+            kv_cache_memory_bytes=int(args.kv_gib * 2**30), enable_prefix_caching=False,
+            max_model_len=max(len(ids) for ids, _ in prompts) + 64,  # the longest prompt + the answer
         )
         outs = [worker.request("generate", prompt_ids=ids, max_new_tokens=24, stop_ids=[]) for ids, _ in prompts]
         texts = [tokenizer.decode(o["token_ids"]) for o in outs]

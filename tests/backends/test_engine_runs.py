@@ -81,6 +81,8 @@ def test_engine_refusals_come_before_any_model_loads(monkeypatch, tmp_path):
         check_run(compose_config("engine=vllm", "grid.method=[q4_0]", store))
     with pytest.raises(KvbenchError, match="engine=openvino has no option 'fp8'"):
         check_run(compose_config("engine=openvino", "grid.method=[fp8]", store))
+    with pytest.raises(KvbenchError, match=r"adaptive_rkv fails on CPU .* use sum, norm_sum or kvcrush"):
+        check_run(compose_config("engine=openvino", "grid.method=[adaptive_rkv]", store))
     monkeypatch.setattr(source, "REPO", tmp_path)  # no engine venv there: as on a fresh clone
     for engine, option, target in [("vllm", "fp8", "engine-vllm"), ("openvino", "sum", "engine-openvino")]:
         with pytest.raises(KvbenchError, match=f"run `make {target}`") as refused:
