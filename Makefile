@@ -74,8 +74,9 @@ $(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile scripts/llamacpp_g
 test-llamacpp: install $(VENV_LLAMACPP)/.installed
 	$(BIN)/python -m pytest tests/backends -q
 
-# engine=vllm: the CPU build of vLLM 0.32 on torch 2.13 (a 3.5 GB venv, 3.5 min here). torchvision, torchaudio and
-# torchcodec come as its dependencies and break `import vllm` on the CPU torch: removed.
+# engine=vllm: the CPU build of vLLM 0.32 on torch 2.13 (a 3.5 GB venv; 207 s here, 2 cores). torchvision, torchaudio
+# and torchcodec come as its dependencies and break `import vllm` on the CPU torch: removed. CI builds it (.ci/run):
+# tests/backends then run vLLM in `make test`.
 engine-vllm: $(VENV_VLLM)/.installed
 
 $(VENV_VLLM)/.installed: pyproject.toml setup.py Makefile
@@ -86,7 +87,8 @@ $(VENV_VLLM)/.installed: pyproject.toml setup.py Makefile
 	touch $@
 
 # engine=openvino: OpenVINO GenAI's CPU wheels (no torch), and a converter venv with optimum-intel (it wants
-# transformers < 5.6) that exports kvbench's converted model to OpenVINO IR once per model (~40 s). 15 s + 70 s here.
+# transformers < 5.6) that exports kvbench's converted model to OpenVINO IR once per model (~40 s). 15 s + 70 s here
+# (~85 s in all, 2 cores). CI builds both (.ci/run): tests/backends then run OpenVINO in `make test`.
 engine-openvino: $(VENV_OPENVINO)/.installed $(VENV_OV_CONVERT)/.installed
 
 $(VENV_OPENVINO)/.installed: pyproject.toml setup.py Makefile

@@ -6,7 +6,7 @@ top-1 - top-2 logit gap at that step (a gap near 0 is a near-tie that rounding i
 large gap points at the weights or a bug). Then each option of the engine on the same prompts: eviction options at
 budget 1.0 (nothing to evict) must equal the engine's full run; every option's bytes per token.
 
-    python scripts/engine_parity.py --engine openvino [--dtype float32] [--options u8,u4,sum] [--limit 9]
+    python scripts/engine_options_parity.py --engine openvino [--dtype float32] [--options u8,u4,sum] [--limit 9]
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from kvbench.model.load import load_model
 from kvbench.tasks.base import build_task
 
 
-def backend(name: str, broken_ok: bool):
+def backend(name: str):
     if name == "vllm":
         from kvbench.backends.vllm import VllmBackend
 
-        return VllmBackend(broken_ok=broken_ok)
+        return VllmBackend()
     if name == "openvino":
         from kvbench.backends.openvino import OpenvinoBackend
 
@@ -53,7 +53,6 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="kvbench's and the engine's dtype")
     parser.add_argument("--options", default="", help="comma-separated; default: every option but full")
     parser.add_argument("--limit", type=int, default=9)
-    parser.add_argument("--broken", action="store_true", help="vllm: also the options that generate garbage")
     parser.add_argument("--budget", type=float, default=None, help="also run the options at this budget")
     args = parser.parse_args()
     model_cfg = OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml")
@@ -71,8 +70,9 @@ def main() -> None:
         gen = engine.run(full, None, ids, max_new_tokens=ex.max_new_tokens, keep_logits=True)
         ours[ex.example_id] = gen
 
-    be = backend(args.engine, args.broken)
-    options = [o for o in (args.options.split(",") if args.options else be.options) if o and o != "full"]
+    be = backend(args.engine)
+    every = [o for o in be.options if not be.unavailable(OmegaConf.to_container(model_cfg), o)]  # runs here
+    options = [o for o in (args.options.split(",") if args.options else every) if o and o != "full"]
     for option in ["full", *options]:
         why = be.unavailable(OmegaConf.to_container(model_cfg), option)
         if why:
@@ -124,8 +124,8 @@ def table(be, task, lm, examples, options, engine_full, stop, budget) -> None:
             ratios.append(got.kv_bytes / got.kv_bytes_full)
             per_token.append(got.kv_bytes / (len(ids) + got.decode_steps))
             scores.append(task.score(lm.tokenizer.decode(got.token_ids, skip_special_tokens=True), ex)["score"])
-            if got.extra.get("garbage"):
-                notes.add(f"garbage (match_full {got.extra['match_full']})")
+            if got.invalid:
+                notes.add(f"garbage, not averaged (match_full {got.extra['match_full']})")
         n = len(ratios)
         if n:
             print(

@@ -38,6 +38,8 @@ class EngineGeneration:
     peak_mem_bytes: int  # the worker process's peak RSS during the request
     engine_version: str
     extra: dict = field(default_factory=dict)  # engine-specific measured values (blocks used, evicted tokens, ...)
+    invalid: str = ""  # why this generation is not a valid result (an option known to compute garbage): kept out of
+    # every average (report, guide, gate), shown apart with this reason; "" for a valid one
 
 
 class Backend(abc.ABC):

@@ -115,6 +115,7 @@ class LlamaCpp(Backend):
             budget=request.budget,
             stop_ids=list(request.stop_ids),
         )
+        result["extra"] = {"knobs": knobs, **result.get("extra", {})}  # the engine's own option names, as run
         return EngineGeneration(**result)
 
     def close(self) -> None:

@@ -70,6 +70,11 @@ class OpenvinoBackend(Backend):
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
             return f"engine=openvino has no option {option!r}; use one of {', '.join(self.options)}"
+        if option == "adaptive_rkv":  # measured on SmolLM2: it runs while nothing is evicted, fails once it evicts
+            return (
+                f"engine=openvino adaptive_rkv fails on CPU in OpenVINO GenAI {VERSION} as soon as it evicts "
+                "(Check '!m_last_block_diversity.empty()' failed); use sum, norm_sum or kvcrush"
+            )
         for venv in (self.venv, self.converter_venv):
             if not venv_python(venv).exists():
                 return f"engine=openvino needs {venv}: run `make {self.make_target}`"

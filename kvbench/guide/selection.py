@@ -29,6 +29,7 @@ from kvbench.config.rules import Rule, check_args
 from kvbench.store.aggregate import (
     MATCH_KEYS,
     add_results_argument,
+    averaged,
     load_rows,
     lower_is_better,
     variant_label,
@@ -295,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     try:
         check_args(args, ARGS)
-        table = guide_table(load_rows(args.results), args.max_drop, args.max_kv_ratio, args.min_n, args.scenario)
+        table = guide_table(
+            averaged(load_rows(args.results)), args.max_drop, args.max_kv_ratio, args.min_n, args.scenario
+        )
         combos = compositions(table, args.max_drop, args.max_kv_ratio)
         if args.out:
             from kvbench.store.results import check_writable, write_atomic, write_csv

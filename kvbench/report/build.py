@@ -28,11 +28,13 @@ from kvbench.config.rules import Rule, check_args, check_value
 from kvbench.report import sections as _registered  # noqa: F401  (importing it registers the sections)
 from kvbench.report.page import Page
 from kvbench.report.section import PLACES, Context, build_sections
+from kvbench.report.sections.engines import engine_labels
 from kvbench.report.tables import Column, fixed, plain_columns, summary_columns
 from kvbench.report.takeaways import takeaways
 from kvbench.store.aggregate import (
     ALL,
     add_results_argument,
+    averaged,
     knees,
     load_rows,
     pareto,
@@ -125,15 +127,17 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     from kvbench.report.plots import plot_all  # matplotlib import only once the input is known to be good
 
     # different experiments (dtypes, code versions) apart: kvbench.store.aggregate.with_experiment_labels
-    rows = with_experiment_labels(load_rows(paths))
+    loaded = with_experiment_labels(load_rows(paths))
     # one line per configuration variant: kivi bits=2 and bits=4 are different curves, each with its own colour
-    rows = rows.assign(method=with_variants(rows)["variant"])
+    loaded = loaded.assign(method=with_variants(loaded)["variant"])
+    loaded = loaded.assign(method=engine_labels(loaded))  # several engines: `q8_0 @llamacpp`, each its own curve
+    rows = averaged(loaded)  # a serving engine's garbage rows are shown apart (sections/engines.py), never averaged
     summary = summarize(rows)
     knee = knees(summary, tolerance)
     frontier = pareto(summary)
     check_writable(out_dir)
     plots = plot_all(rows, summary, knee, frontier, out_dir, tolerance)
-    context = Context(out_dir, tuple(Path(p) for p in paths))
+    context = Context(out_dir, tuple(Path(p) for p in paths), loaded.loc[loaded.index.difference(rows.index)])
     extra = {place: build_sections(rows, summary, context, place) for place in PLACES}
     page = render(rows, summary, knee, frontier, plots, extra, paths, tolerance)
 

@@ -18,7 +18,14 @@ import yaml
 
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_args
-from kvbench.store.aggregate import add_results_argument, common_examples, drop_vs_full, load_rows, with_full_scores
+from kvbench.store.aggregate import (
+    add_results_argument,
+    averaged,
+    common_examples,
+    drop_vs_full,
+    load_rows,
+    with_full_scores,
+)
 
 TOP_KEYS = ["description", "thresholds"]
 ENTRY_KEYS = [
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args, ARGS)
         thresholds = load_thresholds(args.thresholds)
-        rows = with_full_scores(load_rows(args.results))
+        rows = with_full_scores(averaged(load_rows(args.results)))  # an engine's garbage rows: not gated on
         # evaluate every entry before printing any line: bad input anywhere gives exit 2 and no verdicts
         results = [evaluate(rows, t) for t in thresholds]
     except KvbenchError as error:

@@ -51,6 +51,8 @@ class Context:
 
     out_dir: Path  # the report's directory: a section's PNGs go there
     inputs: tuple[Path, ...] = ()  # the report's store directories or row files, as given on its command line
+    set_apart: pd.DataFrame = field(default_factory=pd.DataFrame)  # rows left out of every average (a serving
+    # engine's option known to compute garbage: `engine_invalid`), for the sections that show them apart
 
 
 @dataclass

@@ -132,7 +132,7 @@ MODES = {
             lambda f: f"engine={f.spec.engine_name}",
             lambda f: f.spec.engine_name != "kvbench",
             lambda spec: {"engine": spec.engine_name},  # + the engine's version, once it has started (config_hash)
-            ("engine", "engine_version", "engine_extra"),
+            ("engine", "engine_version", "engine_extra", "engine_invalid"),
         ),
     )
 }

@@ -202,7 +202,11 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
     """Each configuration's row from a serving engine (kvbench.backends): the whole prompt through the engine's own
     process, greedy. kv_bytes is what the engine holds for the sequence, kv_bytes_full the same engine's uncompressed
     cache at the same tokens (its own baseline); the dense and MHA byte baselines are kvbench's accounting, not the
-    engine's: left empty. The answer is cut at the task's stop strings as kvbench's engine cuts it."""
+    engine's: left empty. The answer is cut at the task's stop strings as kvbench's engine cuts it.
+
+    engine_extra keeps the generated ids (`token_ids`); the `full` row also carries `parity`: kvbench's own full
+    cache run greedily on the same token ids (`engine_parity`). `engine_invalid` is the backend's reason when the
+    generation is known to be garbage (kept out of every average), "" otherwise."""
     from kvbench.backends.base import EngineRequest
 
     prompt = ex.context_ids + ex.question_ids
@@ -235,8 +239,30 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
                 decode_s=gen.decode_s,
                 decode_ms_per_token=1000 * gen.decode_s / gen.decode_steps if gen.decode_steps else math.nan,
                 engine_version=gen.engine_version,
-                engine_extra=json.dumps(gen.extra, sort_keys=True, default=str),
+                engine_extra=json.dumps(
+                    {**gen.extra, "token_ids": gen.token_ids, **engine_parity(ctx, c, prompt, ex, gen)},
+                    sort_keys=True,
+                    default=str,
+                ),
+                engine_invalid=gen.invalid,
                 **ctx.task.score(text, ex),
             )
         )
     return rows
+
+
+def engine_parity(ctx: RowContext, c: Configuration, prompt: list[int], ex: Example, gen) -> dict:
+    """The engine's uncompressed run against kvbench's full cache on the same token ids, both greedy at the run's
+    dtype: {"parity": {identical, first_divergence (the first step whose tokens differ, None when identical over
+    the shorter run), compared (tokens both generated), kvbench_ids}}; {} for the engine's other options."""
+    if c.method.name != "full":
+        return {}
+    from kvbench.methods import build_method
+
+    ours = ctx.engine.run(build_method("full"), None, prompt, max_new_tokens=ex.max_new_tokens).token_ids
+    theirs = list(gen.token_ids)
+    compared = min(len(ours), len(theirs))
+    step = next((i for i in range(compared) if ours[i] != theirs[i]), None)
+    if step is None and len(ours) != len(theirs):  # one stopped where the other went on: they differ there
+        step = compared
+    return {"parity": {"identical": step is None, "first_divergence": step, "compared": compared, "kvbench_ids": ours}}

