@@ -9,7 +9,7 @@
 # CPU) over the same 9 needle prompts (1K/2K/4K × depth 10/50/90 %, the model's chat template, greedy, 24 tokens):
 # per type, its bytes per token (the engine's own blocks), the tokens its KV space holds, the needles found, and
 # how many prompts generate the `auto` (bf16) cache's tokens exactly / where they first diverge. A table on stdout,
-# the same as JSON in $OUT/gpu_engines.json (or ./gpu_engines.json). Timing: ~20-40 s per type to start the engine.
+# the same as JSON in $OUT/gpu_engines.json (or outputs/gpu_engines.json). Timing: ~20-40 s per type to start the engine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=""
@@ -135,7 +135,8 @@ for r in results:
         f"| {r['kv_cache_dtype']} | {r['bytes_per_token']:.0f} | {ratio} | {r['kv_space_tokens']} | {r['needles']}/{len(prompts)} "
         f"| {r['identical_to_auto']}/{len(prompts)} | {r['first_divergence'] or '–'} | {r['decode_ms_per_token']:.1f} |"
     )
-out = Path(os.environ.get("OUT") or ".") / "gpu_engines.json"
+out = Path(os.environ.get("OUT") or "outputs") / "gpu_engines.json"  # outputs/: git-ignored
+out.parent.mkdir(parents=True, exist_ok=True)
 out.write_text(json.dumps(results, indent=1))
 print(f"\n{out}")
 PYTHON
