@@ -128,6 +128,12 @@ MODES = {
         Mode("sliding", lambda f: "a model with sliding-window layers", lambda f: bool(f.sliding)),
         Mode("context_only", lambda f: "query_aware=false", lambda f: not f.spec.query_aware),
         Mode(
+            "no_fidelity",
+            lambda f: "fidelity=false",
+            lambda f: not f.spec.fidelity,
+            lambda spec: {"fidelity": False},  # its rows lack the KL columns: never served to a run that wants them
+        ),
+        Mode(
             "engine",
             lambda f: f"engine={f.spec.engine_name}",
             lambda f: f.spec.engine_name != "kvbench",
@@ -212,6 +218,7 @@ WHEN = {  # when each mode is active, in words (the table's second column)
     "chunk_limited_method": "a method that cannot re-compress per chunk (`adakv`, `compose`, ...)",
     "sliding": "a model with sliding-window layers (Gemma 2/3, Mistral, gpt-oss)",
     "context_only": "`query_aware=false`",
+    "no_fidelity": "`fidelity=false` (no KL columns, kvbench.engine.fidelity)",
     "engine": "`engine=llamacpp`, `vllm`, `openvino` (kvbench.backends)",
 }
 

@@ -120,7 +120,7 @@ BASE = {
     ("fields", "line"),
     [
         ({"model_type": "mistral", "sliding_window": 1}, "sliding_window=1 for a sliding_attention layer"),
-        ({"intermediate_size": 128.0}, "Field 'intermediate_size' expected int, got float"),
+        ({"intermediate_size": 128.0}, "intermediate_size=128.0 is a float, not an integer"),
         ({"num_hidden_layers": 2**40}, "num_hidden_layers=1099511627776 is beyond 4096"),
         ({"quantization_config": {"quant_method": "exl9"}}, "quant_method=exl9 is not one the planner can count"),
     ],

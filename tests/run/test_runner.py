@@ -71,11 +71,12 @@ def test_interrupted_sweep_resumes(tmp_path, monkeypatch):
         return real_compressed(self, *args, **kwargs)
 
     monkeypatch.setattr(runner.Engine, "compressed", failing_compressed)
+    overrides = tiny_overrides(tmp_path, "fidelity=false")  # one compression per configuration: no KL rebuilds
     with pytest.raises(KeyboardInterrupt):
-        run(compose_config(*tiny_overrides(tmp_path)), output_dir=tmp_path / "a")
+        run(compose_config(*overrides), output_dir=tmp_path / "a")
     assert len(read_rows(tmp_path / "store")) == 4  # two finished examples × two configurations
     monkeypatch.setattr(runner.Engine, "compressed", real_compressed)
-    rows = run(compose_config(*tiny_overrides(tmp_path)), output_dir=tmp_path / "b")
+    rows = run(compose_config(*overrides), output_dir=tmp_path / "b")
     assert rows.reused.sum() == 4 and (~rows.reused).sum() == 4
 
 

@@ -61,7 +61,7 @@ def test_a_float_min_examples_is_bad_input(tmp_path, capsys):
     code = check_main([str(store(tmp_path, runs())), "--thresholds", str(thresholds)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1  # before: exit 0, "examples 3 >= 3"
-    assert "min_examples must be a positive integer, got 3.0 (min_examples is a float, not an integer)" in err[0]
+    assert "min_examples must be a positive integer, got 3.0 (min_examples is a float, not an integer" in err[0]
 
 
 def test_the_guide_ranks_a_configuration_per_model(tmp_path):
