@@ -21,6 +21,23 @@ from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_work
 MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
 
 
+def eviction_config(eviction: dict) -> genai.CacheEvictionConfig:
+    """OpenVINO's cache eviction from the option's `cache_eviction` knobs (kvbench.backends.openvino), KVCrush's
+    representative tokens beside it when the option gives them a budget."""
+    crush = None
+    if eviction.get("kvcrush_budget"):
+        crush = genai.KVCrushConfig(int(eviction["kvcrush_budget"]), genai.KVCrushAnchorPointMode.RANDOM, 0)
+    return genai.CacheEvictionConfig(
+        int(eviction["start_size"]),
+        int(eviction["recent_size"]),
+        int(eviction["max_cache_size"]),
+        getattr(genai.AggregationMode, eviction["aggregation_mode"]),
+        apply_rotation=bool(eviction.get("apply_rotation", False)),
+        snapkv_window_size=int(eviction.get("snapkv_window_size", 8)),
+        kvcrush_config=crush,
+    )
+
+
 class OpenvinoWorker:
     def __init__(self) -> None:
         self.model_dir = ""
@@ -53,19 +70,8 @@ class OpenvinoWorker:
         scheduler.enable_prefix_caching = False
         eviction = knobs.get("cache_eviction")
         if eviction:
-            crush = None
-            if eviction.get("kvcrush_budget"):
-                crush = genai.KVCrushConfig(int(eviction["kvcrush_budget"]), genai.KVCrushAnchorPointMode.RANDOM, 0)
             scheduler.use_cache_eviction = True
-            scheduler.cache_eviction_config = genai.CacheEvictionConfig(
-                int(eviction["start_size"]),
-                int(eviction["recent_size"]),
-                int(eviction["max_cache_size"]),
-                getattr(genai.AggregationMode, eviction["aggregation_mode"]),
-                apply_rotation=bool(eviction.get("apply_rotation", False)),
-                snapkv_window_size=int(eviction.get("snapkv_window_size", 8)),
-                kvcrush_config=crush,
-            )
+            scheduler.cache_eviction_config = eviction_config(eviction)
         properties = {
             "INFERENCE_PRECISION_HINT": self.inference_precision,
             "KV_CACHE_PRECISION": knobs.get("kv_cache_precision", self.inference_precision),
@@ -132,14 +138,7 @@ def serving_pipeline(worker: OpenvinoWorker, knobs: dict, kv_blocks: int, prefix
     eviction = knobs.get("cache_eviction")
     if eviction:
         scheduler.use_cache_eviction = True
-        scheduler.cache_eviction_config = genai.CacheEvictionConfig(
-            int(eviction["start_size"]),
-            int(eviction["recent_size"]),
-            int(eviction["max_cache_size"]),
-            getattr(genai.AggregationMode, eviction["aggregation_mode"]),
-            apply_rotation=bool(eviction.get("apply_rotation", False)),
-            snapkv_window_size=int(eviction.get("snapkv_window_size", 8)),
-        )
+        scheduler.cache_eviction_config = eviction_config(eviction)
     properties = {
         "INFERENCE_PRECISION_HINT": worker.inference_precision,
         "KV_CACHE_PRECISION": knobs.get("kv_cache_precision", worker.inference_precision),

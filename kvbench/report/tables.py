@@ -160,3 +160,13 @@ def markdown_table(part: pd.DataFrame, columns: list[Column]) -> str:
 def plain_columns(frame: pd.DataFrame) -> list[Column]:
     """Columns for an already formatted frame (provenance): each cell as it is."""
     return [Column(str(c), operator.itemgetter(c), left=True) for c in frame.columns]
+
+
+def small_table(frame: pd.DataFrame) -> tuple[str, str]:
+    """(html, markdown) of a small table, numbers to 3 significant digits."""
+    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in frame.itertuples(index=False)]
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in cells)
+    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
+    lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells]
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>", "\n".join(lines)

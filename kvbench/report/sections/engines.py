@@ -18,6 +18,7 @@ import pandas as pd
 
 from kvbench.report.plots import method_colours
 from kvbench.report.section import Context, Section, report_section
+from kvbench.report.tables import small_table
 from kvbench.store.aggregate import FULL
 from kvbench.store.intervals import MIN_N, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
@@ -51,16 +52,6 @@ def _invalid(rows: pd.DataFrame) -> pd.Series:
     if "engine_invalid" not in rows:
         return pd.Series(False, index=rows.index)
     return rows["engine_invalid"].fillna("").astype(str) != ""
-
-
-def _table(frame: pd.DataFrame) -> tuple[str, str]:
-    """(html, markdown) of a small table, floats to 3 significant digits."""
-    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in frame.itertuples(index=False)]
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in cells)
-    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells]
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>", "\n".join(lines)
 
 
 def _label(method: str, budget: float, evicts: bool) -> str:
@@ -128,7 +119,7 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
     return Section(html=note, markdown=html.unescape(note.replace("<p>", "").replace("</p>", "")), files=files)
 
 
-def parity_table(rows: pd.DataFrame) -> pd.DataFrame:
+def paritysmall_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per engine, model, dtype and task: how many of the engine's uncompressed runs generated kvbench's full-cache
     tokens on the same ids, and where the others first diverged."""
     full = rows[(rows["method"] == FULL) & (rows["engine"] != "kvbench")]
@@ -160,7 +151,7 @@ def _same_as_full(rows: pd.DataFrame) -> pd.Series:
     return pd.Series([full.get(k) == t if k in full else None for k, t in zip(keys, ids)], index=rows.index)
 
 
-def offers_table(rows: pd.DataFrame) -> pd.DataFrame:
+def offerssmall_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Per engine, model and option: the engine's knobs, the bytes it held per token, the tokens that fit in 1 GiB
     of KV space at that rate, the score with its interval, and how often the option's tokens were the engine's
     uncompressed run's (an eviction option at a budget ≥ the prompt must be: 'no compression')."""
@@ -196,12 +187,12 @@ def offers_table(rows: pd.DataFrame) -> pd.DataFrame:
 @report_section("Serving engines: parity and what each engine offers", needs=["engine_extra"], where="tables")
 def engines_tables(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     everything = pd.concat([rows, context.set_apart], ignore_index=True)
-    parity, offers = parity_table(everything), offers_table(everything)
+    parity, offers = paritysmall_table(everything), offerssmall_table(everything)
     if parity.empty and offers.empty:
         return None
     html_parts, md_parts = [], []
     if len(parity):
-        h, m = _table(parity)
+        h, m = small_table(parity)
         lead = (
             "Parity: each engine's uncompressed run of an example against kvbench's full cache on the same token "
             "ids, both greedy at the run's dtype (first divergence: the first generated step whose tokens differ)."
@@ -209,7 +200,7 @@ def engines_tables(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) 
         html_parts += [f"<p>{html.escape(lead)}</p>", h]
         md_parts += [lead, "", m, ""]
     if len(offers):
-        h, m = _table(offers)
+        h, m = small_table(offers)
         lead = (
             "What each engine offers for this model: its options as run, with the engine's own knobs; bytes/token = "
             "bytes held over the tokens written; tokens in 1 GiB = a KV space of 1 GiB at that rate; tokens = "

@@ -14,6 +14,7 @@ import pandas as pd
 
 from kvbench.guide.selection import CHANGES_MODEL, PRECISION
 from kvbench.report.section import Context, Section, report_section
+from kvbench.report.tables import small_table
 from kvbench.store.aggregate import FULL
 from kvbench.store.intervals import interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
@@ -26,16 +27,6 @@ def _mode(rows: pd.DataFrame) -> pd.Series:
     cached = rows["prefix_cache"].fillna(False).astype(bool) if "prefix_cache" in rows else False
     once = rows["reuse"].eq("compress_once") if "reuse" in rows else False
     return pd.Series("no prefix cache", index=rows.index).mask(cached, "prefix cache").mask(once, "compress once")
-
-
-def _table(frame: pd.DataFrame) -> tuple[str, str]:
-    """(html, markdown) of a small table, numbers to 3 significant digits."""
-    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row] for row in frame.itertuples(index=False)]
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in frame.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(v)}</td>" for v in row) + "</tr>" for row in cells)
-    lines = ["| " + " | ".join(map(str, frame.columns)) + " |", "|" + "---|" * len(frame.columns)]
-    lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells]
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>", "\n".join(lines)
 
 
 @report_section("Prefix caching: time to first token and memory vs requests", needs=["reused_tokens", "held_bytes"])
@@ -79,7 +70,7 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         "resident; TTFT = prefill_s (lookup, prefill of the uncached rest, compression). Timings compare "
         "runs of one machine; ratios within one run are the reliable figures.</p>"
     )
-    table_html, table_md = _table(table)
+    table_html, table_md = small_table(table)
     return Section(
         html=note + table_html,
         markdown=html.unescape(note.replace("<p>", "").replace("</p>", "\n\n")) + table_md,
@@ -153,5 +144,5 @@ def compress_once(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -
         "last paired request (the prefix cache once + every request's own cache), each run's last value averaged "
         "over runs.</p>"
     )
-    table_html, table_md = _table(table)
+    table_html, table_md = small_table(table)
     return Section(html=note + table_html, markdown=html.unescape(note[3:-4]) + "\n\n" + table_md)
