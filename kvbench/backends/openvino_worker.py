@@ -62,22 +62,8 @@ class OpenvinoWorker:
             return self.pipelines[key]
         while len(self.pipelines) >= MAX_PIPELINES:
             self.pipelines.pop(next(iter(self.pipelines)))
-        scheduler = genai.SchedulerConfig()
-        scheduler.num_kv_blocks = self.kv_blocks  # a fixed KV space: usage % x blocks = the blocks held
-        scheduler.cache_size = 0
-        scheduler.max_num_batched_tokens = 1 << 16  # the whole prompt in one prefill step
-        scheduler.dynamic_split_fuse = True
-        scheduler.enable_prefix_caching = False
-        eviction = knobs.get("cache_eviction")
-        if eviction:
-            scheduler.use_cache_eviction = True
-            scheduler.cache_eviction_config = eviction_config(eviction)
-        properties = {
-            "INFERENCE_PRECISION_HINT": self.inference_precision,
-            "KV_CACHE_PRECISION": knobs.get("kv_cache_precision", self.inference_precision),
-            "INFERENCE_NUM_THREADS": self.threads,
-        }
-        self.pipelines[key] = genai.ContinuousBatchingPipeline(self.model_dir, scheduler, "CPU", properties)
+        # a fixed KV space (usage % x blocks = the blocks held), the whole prompt in one prefill step
+        self.pipelines[key] = build_pipeline(self, knobs, self.kv_blocks, prefix_caching=False, whole_prompt=True)
         return self.pipelines[key]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int], knobs: dict) -> dict:
@@ -127,14 +113,19 @@ class OpenvinoWorker:
         }
 
 
-def serving_pipeline(worker: OpenvinoWorker, knobs: dict, kv_blocks: int, prefix_caching: bool):
-    """A pipeline of its own for one served trace: `kv_blocks` blocks of KV (the run's budget), the engine's own
-    scheduler defaults otherwise (chunked prefill: dynamic_split_fuse, max_num_batched_tokens), prefix caching on or
-    off, the option's KV precision and eviction."""
+def build_pipeline(
+    worker: OpenvinoWorker, knobs: dict, kv_blocks: int, prefix_caching: bool, whole_prompt: bool = False
+) -> genai.ContinuousBatchingPipeline:
+    """A pipeline over `kv_blocks` blocks of KV, prefix caching on or off, the option's KV precision and eviction.
+    whole_prompt: the prompt in one prefill step (a run's examples); else the engine's own scheduler defaults
+    (chunked prefill: dynamic_split_fuse, max_num_batched_tokens), as a served trace has them."""
     scheduler = genai.SchedulerConfig()
     scheduler.num_kv_blocks = kv_blocks
     scheduler.cache_size = 0
     scheduler.enable_prefix_caching = prefix_caching
+    if whole_prompt:
+        scheduler.max_num_batched_tokens = 1 << 16
+        scheduler.dynamic_split_fuse = True
     eviction = knobs.get("cache_eviction")
     if eviction:
         scheduler.use_cache_eviction = True
@@ -164,7 +155,7 @@ def serve_trace(
 
     from kvbench.backends.trace_driver import drive
 
-    pipe = serving_pipeline(worker, knobs, kv_blocks, prefix_caching)
+    pipe = build_pipeline(worker, knobs, kv_blocks, prefix_caching)
     handles: dict[int, Any] = {}
 
     def add(r: dict) -> None:
