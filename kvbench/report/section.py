@@ -55,6 +55,15 @@ class Context:
     # engine's option known to compute garbage: `engine_invalid`), for the sections that show them apart
 
 
+def save_figure(fig, path: Path, tight: bool = False) -> Path:
+    """Write a section's figure as a PNG into the report's directory and free it; its path for `Section.files`."""
+    import matplotlib.pyplot as plt  # here: importing a section's module stays free of matplotlib
+
+    fig.savefig(path, dpi=110, **({"bbox_inches": "tight"} if tight else {}))
+    plt.close(fig)
+    return path
+
+
 @dataclass
 class _Entry:
     title: str

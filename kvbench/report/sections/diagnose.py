@@ -13,7 +13,7 @@ import pandas as pd
 
 from kvbench.guide.selection import markdown
 from kvbench.guide.verdict import NOT_LOST, VERDICTS
-from kvbench.report.section import Context, Section, report_section
+from kvbench.report.section import Context, Section, report_section, save_figure
 
 CONFIG = ["method", "budget"]  # `method` is already the variant label (kivi(bits=2)) in the report's rows
 
@@ -46,8 +46,7 @@ def _heatmaps(rows: pd.DataFrame, column: str, title: str, out_dir: Path) -> Pat
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8)
     fig.suptitle(title, fontsize=9)
     path = out_dir / f"diagnose_{column}.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, tight=True)
     return path
 
 
@@ -77,8 +76,7 @@ def _kl_curves(rows: pd.DataFrame, out_dir: Path) -> Path | None:
     ax.set_yscale("symlog", linthresh=1e-3)
     ax.legend(fontsize=6, ncol=2)
     path = out_dir / "diagnose_kl_per_step.png"
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, tight=True)
     return path
 
 

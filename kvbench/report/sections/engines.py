@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.report.plots import method_colours
-from kvbench.report.section import Context, Section, report_section
+from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import small_table
 from kvbench.store.aggregate import FULL
 from kvbench.store.intervals import MIN_N, interval_text, mean_interval
@@ -108,8 +108,7 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = context.out_dir / f"engines_{model}_{task}.png".replace("/", "_").replace(" ", "_")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
         files.append(path)
     note = (
         "<p>One marker per engine, one colour per option. An engine's kv_ratio is against its own uncompressed "

@@ -13,7 +13,7 @@ import math
 import pandas as pd
 
 from kvbench.report.page import Page
-from kvbench.report.section import Context, Section, report_section
+from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import Column, fixed, html_table, markdown_table, mib, seconds
 from kvbench.store.intervals import mean_interval
 
@@ -144,8 +144,7 @@ def plot(table: pd.DataFrame, out_dir) -> list:
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = out_dir / "leaderboard_ruler.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return [path]
 
 

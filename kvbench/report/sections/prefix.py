@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.guide.selection import CHANGES_MODEL, PRECISION
-from kvbench.report.section import Context, Section, report_section
+from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import small_table
 from kvbench.store.aggregate import FULL
 from kvbench.store.intervals import interval_text, mean_interval
@@ -62,8 +62,7 @@ def prefix_reuse(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         held.legend(fontsize=7)
         fig.tight_layout()
         path = context.out_dir / f"prefix_{task}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
         files.append(path)
     note = (
         "<p>held = the prefix cache's pages (each once) + every request's own cache so far, as if all stayed "

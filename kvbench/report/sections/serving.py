@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from kvbench.guide.selection import markdown
-from kvbench.report.section import Context, Section, report_section
+from kvbench.report.section import Context, Section, report_section, save_figure
 
 FILE = "serving_runs.parquet"
 PREFIX_FILE = "prefix_serving.parquet"  # python -m kvbench.serving.prefix --out <the same directory>
@@ -100,8 +100,7 @@ def plot(runs: pd.DataFrame, path: Path) -> Path:
         slo = f" — SLO: TTFT ≤ {runs['slo_ttft_s'].iloc[0]:g} s, TPOT ≤ {runs['slo_tpot_s'].iloc[0]:g} s"
     fig.suptitle(f"Serving under a KV budget{slo} (dashed: the planner's concurrency)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
