@@ -66,45 +66,38 @@ def kvbench_side(tmp: Path, args, workload: str) -> list[dict]:
     base = task_overrides(args, workload)
     without = kvbench_rows(tmp, [*base, "method=full"])
     with_cache = kvbench_rows(tmp, [*base, "method=full", "prefix_cache=true"])
-    prompt = int((with_cache.reused_tokens + with_cache.prefill_tokens).sum())
-    out = [
-        {
-            "workload": workload,
-            "system": "kvbench",
-            "option": "full",
-            "requests": len(without),
-            "prompt_tokens": prompt,
-            "hit_rate": with_cache.reused_tokens.sum() / prompt,
-            "ttft_without_s": without.prefill_s.sum(),
-            "ttft_with_s": with_cache.prefill_s.sum(),
-            "identical": list(without.prediction) == list(with_cache.prediction),
-            "score": with_cache.score.mean(),
-            "held_MB": with_cache.held_bytes.iloc[-1] / 1e6,
-        }
-    ]
+    out = [kvbench_row(workload, "full", without, with_cache)]
     method = [f"method={args.method}", f"budget={args.budget}", "prefix_cache=true"]
     per_question = kvbench_rows(tmp, [*base, *method])
     once = kvbench_rows(tmp, [*base, *method, "reuse=compress_once"])
     per_question, once = (r[r.method == args.method] for r in (per_question, once))
-    prompt = int((once.reused_tokens + once.prefill_tokens).sum())
+    option = f"{args.method} {args.budget:g}: compress_once vs per_question"
     out.append(
         {
-            "workload": workload,
-            "system": "kvbench",
-            "option": f"{args.method} {args.budget:g}: compress_once vs per_question",
-            "requests": len(once),
-            "prompt_tokens": prompt,
-            "hit_rate": once.reused_tokens.sum() / prompt,
-            "ttft_without_s": per_question.prefill_s.sum(),
-            "ttft_with_s": once.prefill_s.sum(),
-            "identical": list(per_question.prediction) == list(once.prediction),
-            "score": once.score.mean(),
+            **kvbench_row(workload, option, per_question, once),
             "score_without": per_question.score.mean(),
-            "held_MB": once.held_bytes.iloc[-1] / 1e6,
             "held_without_MB": per_question.held_bytes.iloc[-1] / 1e6,
         }
     )
     return out
+
+
+def kvbench_row(workload: str, option: str, without: pd.DataFrame, reused: pd.DataFrame) -> dict:
+    """One line of the prefix table from kvbench's rows of a workload run without and with reuse."""
+    prompt = int((reused.reused_tokens + reused.prefill_tokens).sum())
+    return {
+        "workload": workload,
+        "system": "kvbench",
+        "option": option,
+        "requests": len(reused),
+        "prompt_tokens": prompt,
+        "hit_rate": reused.reused_tokens.sum() / prompt,
+        "ttft_without_s": without.prefill_s.sum(),
+        "ttft_with_s": reused.prefill_s.sum(),
+        "identical": list(without.prediction) == list(reused.prediction),
+        "score": reused.score.mean(),
+        "held_MB": reused.held_bytes.iloc[-1] / 1e6,
+    }
 
 
 def engine_requests(cfg, lm):
