@@ -3,7 +3,7 @@ jy-yuan/KIVI), physically packed.
 
 The prefill attends to full-precision K/V (as in KIVI); `compress` then stores each layer as a `KiviLayer`, split
 exactly as KIVI's LlamaAttention_KIVI splits the prefill, and decoding follows its flush rules. Quantization is
-asymmetric min/max with bit packing (kernels/quantize.py: contract and word layout; Triton on CUDA).
+asymmetric min/max with bit packing (kvbench/kernels/quantize.py: contract and word layout; Triton on CUDA).
 
 Storage layout of one KiviLayer — every tensor is an attribute, so kvbench.model.cache.cache_nbytes counts it:
 - keys, quantized PER CHANNEL (K has outlier channels): for each channel, groups of G = group_size consecutive
@@ -29,7 +29,7 @@ the block it is about to quantize in full precision); then keys flush their resi
 holds R tokens, values quantize their oldest tokens beyond R. `update` hands attention a view of that storage (a
 shallow copy: the same tensors) instead of K/V tensors, and kvbench's attention computes a decode step's single
 query directly on the packed groups — scales and zeros folded into the query and the probabilities
-(kernels/kivi_attention.py) — so no dequantized copy of the cache is made per step; with several queries, a mask
+(kvbench/kernels/kivi_attention.py) — so no dequantized copy of the cache is made per step; with several queries, a mask
 or recorded statistics it dequantizes (`kv`) and uses sdpa. Either way nothing extra is kept.
 Keys and values take their own bit widths (`key_bits`, `value_bits`; both default to `bits`), each 2, 4, 8 or 16;
 16 is a passthrough for that part (nothing quantized, every token in its residual): bits=16 reproduces the full
@@ -226,9 +226,11 @@ class KiviLayer(DynamicLayer):
         return kivi_decode_attention(query, self.storage(), scaling)
 
     def storage(self) -> KiviStorage:
-        """The tensors and knobs attention reads (kernels/kivi_attention.py)."""
-        tensors = (getattr(self, name) for name in TENSORS)
-        return KiviStorage(*tensors, self.key_bits, self.value_bits, self.group_size, self.dead)
+        """The tensors and knobs attention reads (kvbench/kernels/kivi_attention.py)."""
+        tensors = {name: getattr(self, name) for name in TENSORS}
+        return KiviStorage(
+            **tensors, key_bits=self.key_bits, value_bits=self.value_bits, group_size=self.group_size, dead=self.dead
+        )
 
     def n_stored(self) -> int:
         """Stored slots, live or dead."""

@@ -57,7 +57,7 @@ def kivi_path(path: str):
     """KIVI's attention on the packed groups by the dispatcher's choice (path="packed": the C kernel on the CPU), by
     the torch version (path="torch": C kernels off), or the dense path they replaced (path="dense": dequantize, then
     sdpa); path="torch-decode": the decode step's linear layers and attention by torch (nn.Linear, sdpa) instead of
-    the C decode kernels (kernels/decode_linear.py, kernels/decode_attention.py), everything else as is."""
+    the C decode kernels (kvbench/kernels/decode_linear.py, kvbench/kernels/decode_attention.py), everything else as is."""
     if path == "torch-decode":
         stack = ExitStack()
         for module in (decode_linear, decode_attention):

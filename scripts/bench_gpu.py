@@ -7,7 +7,7 @@
 Per context length: one shared prefill (with the statistics every method needs), then per method: prefill_s
 (shared prefill + compression), decode ms/token over a fixed number of greedy steps (EOS ignored), kv_bytes
 held at the end, peak device memory. Random weights: the timings are real, the generated text is not. `kivi` in
---methods decodes on the packed groups with the Triton kernel (kernels/triton/kivi.py) on CUDA.
+--methods decodes on the packed groups with the Triton kernel (kvbench/kernels/triton/kivi.py) on CUDA.
 """
 
 from __future__ import annotations

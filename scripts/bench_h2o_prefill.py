@@ -4,7 +4,7 @@
                                         [--repeats 2]
 
 Per context length, on one random prompt, interleaved within each repeat: the plain prefill (no statistics), the
-prefill recording H2O's statistics with the C kernel (kernels/csrc/softmax_column_sums.c, the default on CPU), and
+prefill recording H2O's statistics with the C kernel (kvbench/kernels/csrc/softmax_column_sums.c, the default on CPU), and
 the same with the torch loop it replaced (KVBENCH_NO_CPU_EXT=1). Best of `repeats`; ratios to the plain prefill of
 this run, and over all lengths together (Σ H2O / Σ plain: the issue's "mean on 1K–4K"). Threads: KVBENCH_THREADS.
 """

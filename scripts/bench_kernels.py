@@ -5,8 +5,8 @@
 
 Shapes of Llama-3.1-8B (H_q=32, H_kv=8, D=128), bf16. Column sums: Q=T is H2O's prefill statistic, Q=32 SnapKV's
 window. --kivi: one decode step's attention alone, KIVI at kvbench's defaults (group 64, residual 64) on random K/V,
-per context and bit width: the Triton kernel on the packed groups (kernels/triton/kivi.py), the torch version
-(kernels/kivi_attention.py), dequantize-then-sdpa (KIVI's path with several queries) and sdpa on the full bf16
+per context and bit width: the Triton kernel on the packed groups (kvbench/kernels/triton/kivi.py), the torch version
+(kvbench/kernels/kivi_attention.py), dequantize-then-sdpa (KIVI's path with several queries) and sdpa on the full bf16
 cache, in ms (median of --reps), and the kernel's max error against dequantize-then-sdpa relative to the largest
 output (it must agree with the torch version to one bf16 step). `--device cpu` with TRITON_INTERPRET=1 runs the same
 code interpreted: a smoke check, its timings mean nothing.

@@ -6,7 +6,7 @@ configuration besides the baseline, so a single method's run times each configur
 Why the kernels: torch's CPU products round a row differently depending on the batch's row count (MKL's float32
 one-row and several-row products sum in different orders; oneDNN's bf16 kernels at some row counts — measured on
 the bundled model: the MLP's down projection at 10 rows, the whole MLP at 3 — enough to flip a greedy token in
-bf16). The CPU backend's kernels/cpu/decode_linear.py (every linear layer, ≤ MAX_ROWS rows) and single_query.py
+bf16). The CPU backend's kvbench/kernels/cpu/decode_linear.py (every linear layer, ≤ MAX_ROWS rows) and single_query.py
 (one query per row) compute each row the same way whatever the batch, and a decode alone goes through the same
 kernels, so a grid row is its one-by-one self.
 

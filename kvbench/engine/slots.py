@@ -82,7 +82,7 @@ def use_slots(cache, hooks: Compression, model) -> bool:
 
 
 def decode_kernels(model) -> bool:
-    """Whether the model's decode steps run the CPU backend's row-independent kernels (kernels/cpu)."""
+    """Whether the model's decode steps run the CPU backend's row-independent kernels (kvbench/kernels/cpu)."""
     cpu = backend("cpu")
     return cpu is not None and cpu.rows_independent(model)
 

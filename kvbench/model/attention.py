@@ -99,7 +99,7 @@ class StatsRecorder:
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         """One query (B, H_q, 1, D), no mask: record its attention row as every requested statistic and return the
-        attention output (B, 1, H_q, D) computed from the same probabilities (kernels/attention_stats.py)."""
+        attention output (B, 1, H_q, D) computed from the same probabilities (kvbench/kernels/attention_stats.py)."""
         output, row = self.decode_step(query, key, value, scaling)  # row: (B, H_q, T)
         self.store_decode_row(layer_idx, row)
         return output

@@ -51,13 +51,13 @@ def forced_grid_keys(spec: RunSpec) -> dict:
 
 
 def decode_kernels(lm) -> bool:
-    """Whether decode steps run the CPU backend's C kernels (kernels/cpu/decode_linear.py, single_query.py)."""
+    """Whether decode steps run the CPU backend's C kernels (kvbench/kernels/cpu/decode_linear.py, single_query.py)."""
     return slots.decode_kernels(lm.model)
 
 
 def bf16_kernels(lm) -> bool:
     """Whether a bf16 model's attention statistics run the CPU backend's AVX512-BF16 dot products (H2O's all-query
-    column sums, kernels/cpu/column_sums.py) instead of widened sgemm: they sum in their own order."""
+    column sums, kvbench/kernels/cpu/column_sums.py) instead of widened sgemm: they sum in their own order."""
     if lm.device.type != "cpu" or str(lm.dtype) != "torch.bfloat16":  # asked first: CUDA and fp32 runs build nothing
         return False
     cpu = backend("cpu")

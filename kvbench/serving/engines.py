@@ -183,9 +183,13 @@ class OpenvinoServer:
         self.backend.close()
 
 
-def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple[str, str, float, int, Any, dict]]:
-    """Every engine × option × KV budget: (engine, option, budget, kv_budget, ServeResult, reply). `ctx`: the
-    serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with."""
+def serve_engines(
+    ctx, engines: dict, requests, kv_budgets, confs
+) -> tuple[list[tuple[str, str, float, int, Any, dict]], list[str]]:
+    """Every engine × option × KV budget: ([(engine, option, budget, kv_budget, ServeResult, reply)], skipped).
+    An engine that fails (its model will not convert, its worker dies) keeps the runs it finished and is skipped
+    from there with one line, so the other engines and kvbench's own rows are still written; `skipped` holds those
+    lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with."""
     from kvbench.config.rules import plain
 
     cfg, lm, engine = ctx
@@ -194,10 +198,13 @@ def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple
     longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
     max_len = math.ceil((longest + 1) / BLOCK_TOKENS["vllm"]) * BLOCK_TOKENS["vllm"]
     evict_budget = next((c.budget_value for c in confs if c.budget is not None), 0.25)
-    out = []
+    out: list[tuple[str, str, float, int, Any, dict]] = []
+    skipped: list[str] = []
     for name, options in engines.items():
-        server = OpenvinoServer(model_cfg, dtype) if name == "openvino" else None
+        server = None
+        option = options[0]
         try:
+            server = OpenvinoServer(model_cfg, dtype) if name == "openvino" else None
             for option in options:
                 budget = evict_budget if option in ("sum", "norm_sum") else None
                 for kv_budget in kv_budgets:
@@ -210,7 +217,11 @@ def serve_engines(ctx, engines: dict, requests, kv_budgets, confs) -> list[tuple
                         )
                     result = result_of(requests, reply, block_bytes, knows_queue=name == "vllm")
                     out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
+        except KvbenchError as e:
+            left = options[options.index(option) :]
+            skipped.append(f"{name} skipped ({', '.join(f'{name}:{o}' for o in left)} not served): {e}")
+            print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
         finally:
             if server is not None:
                 server.close()
-    return out
+    return out, skipped

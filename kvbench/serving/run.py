@@ -53,7 +53,8 @@ def build_requests(cfg, spec, lm):
 
 def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Check, load, run every configuration × KV budget; returns (request rows, run rows) and writes them to
-    `out_dir` when given. `hardware`: the planner's Hardware (default: conf/hardware/<serving.hardware>.yaml)."""
+    `out_dir` when given. `hardware`: the planner's Hardware (default: conf/hardware/<serving.hardware>.yaml).
+    An engine that failed is named in `runs.attrs["skipped"]` (and in `skipped.txt` in `out_dir`)."""
     from omegaconf import OmegaConf
 
     from kvbench import conf_dir
@@ -88,6 +89,7 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
     context = round(sum(r.prompt_tokens + r.max_new_tokens for r in requests) / len(requests))
     req_rows: list[dict] = []
     run_rows: list[dict] = []
+    skipped: list[str] = []  # engines that failed, one line each (kvbench.serving.engines.serve_engines)
 
     def record(engine_name: str, method: str, budget: float, kv_budget: int, result, plan: dict, extra: dict) -> None:
         keys = {
@@ -128,9 +130,8 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
         from kvbench.methods import build_method
         from kvbench.serving.engines import serve_engines
 
-        for name, option, budget, kv_budget, result, reply in serve_engines(
-            (cfg, lm, engine), spec.engines, requests, spec.kv_budgets, confs
-        ):
+        served, skipped = serve_engines((cfg, lm, engine), spec.engines, requests, spec.kv_budgets, confs)
+        for name, option, budget, kv_budget, result, reply in served:
             plan = (  # the planner knows the engines' uncompressed caches only (their own options: NaN)
                 predicted(arch, hardware, build_method("full"), None, lm.dtype, kv_budget, context, len(requests))
                 if option == "full"
@@ -140,11 +141,15 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
                 name, f"{name}:{option}", budget, kv_budget, result, plan, {"engine_version": reply["engine_version"]}
             )
     requests_frame, runs_frame = pd.DataFrame(req_rows), pd.DataFrame(run_rows)
+    runs_frame.attrs["skipped"] = skipped
     if out_dir is not None:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         requests_frame.to_parquet(out_dir / "serving_requests.parquet", index=False)
         runs_frame.to_parquet(out_dir / "serving_runs.parquet", index=False)
+        (out_dir / "skipped.txt").unlink(missing_ok=True)
+        if skipped:
+            (out_dir / "skipped.txt").write_text("".join(f"{line}\n" for line in skipped))
     return requests_frame, runs_frame
 
 
@@ -179,8 +184,13 @@ def main(cfg, out_dir: Path) -> int:
 
     _, runs = serve(cfg, out_dir)
     page = render(runs, Path(out_dir))  # the report's serving section, on its own page
-    (Path(out_dir) / "serving.md").write_text(f"# Serving under a KV memory budget\n\n{page.markdown}\n")
+    skipped = "".join(f"\n- {line}" for line in runs.attrs["skipped"])
+    (Path(out_dir) / "serving.md").write_text(
+        f"# Serving under a KV memory budget\n\n{page.markdown}\n" + (f"\nNot served:{skipped}\n" if skipped else "")
+    )
     print(table(runs))
+    for line in runs.attrs["skipped"]:
+        print(f"not served: {line}")
     print(f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s (wall, model load included)")
     for name in ("serving_requests.parquet", "serving_runs.parquet", "serving.md", "serving.png"):
         print(f"{name}: {Path(out_dir) / name}")

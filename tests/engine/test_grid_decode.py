@@ -39,7 +39,7 @@ def confs():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
 def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
-    """fp32 and bf16 (the row-independent linear kernel: kernels/cpu/decode_linear.py, which the loader installs)."""
+    """fp32 and bf16 (the row-independent linear kernel: kvbench/kernels/cpu/decode_linear.py, which the loader installs)."""
     from kvbench.engine.slots import decode_kernels
 
     if dtype == "bfloat16":

@@ -1,4 +1,4 @@
-"""The CPU backend is optional (kvbench.kernels.backend): with kernels/cpu absent — its import made to fail, the
+"""The CPU backend is optional (kvbench.kernels.backend): with kvbench/kernels/cpu absent — its import made to fail, the
 model loaded afresh — the tiny model runs end to end (a grid of eviction methods decoded together, and KIVI) with the
 rows of KVBENCH_NO_CPU_EXT=1, and with the same tokens as with the C kernels."""
 
@@ -41,7 +41,7 @@ def test_without_the_folder_rows_are_those_of_the_switch_and_tokens_those_of_the
     assert len(absent) == 2 * 4 and set(absent.method) == {"full", "snapkv", "h2o", "kivi"}
     pd.testing.assert_frame_equal(absent, rows(tmp_path, monkeypatch, "switched_off", env="1"))
     if backend("cpu") is None:
-        pytest.skip("KVBENCH_NO_CPU_EXT=1 or no kernels/cpu here: nothing to compare with")
+        pytest.skip("KVBENCH_NO_CPU_EXT=1 or no kvbench/kernels/cpu here: nothing to compare with")
     with_kernels = rows(tmp_path, monkeypatch, "kernels", env="0")
     assert with_kernels.prediction.tolist() == absent.prediction.tolist()  # fp32: the same greedy tokens
     assert with_kernels.kv_bytes.tolist() == absent.kv_bytes.tolist()

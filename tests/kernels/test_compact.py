@@ -1,4 +1,4 @@
-"""Keeping tokens (kernels/compact.py; by runs in the CPU backend, kernels/cpu/tokens.py): in place, slots [0, N) end
+"""Keeping tokens (kvbench/kernels/compact.py; by runs in the CPU backend, kvbench/kernels/cpu/tokens.py): in place, slots [0, N) end
 up exactly as a gather would make them; out of place, the very tensor torch's gather makes."""
 
 import pytest

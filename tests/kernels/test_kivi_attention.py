@@ -1,4 +1,4 @@
-"""KIVI decode attention on the packed groups (kernels/kivi_attention.py) ≡ dequantize-then-attend; separate key
+"""KIVI decode attention on the packed groups (kvbench/kernels/kivi_attention.py) ≡ dequantize-then-attend; separate key
 and value bit widths (storage and predicted bytes)."""
 
 import pytest

@@ -1,5 +1,5 @@
-"""The Triton KIVI decode-attention kernel (kernels/triton/kivi.py) equals the torch version on the packed groups
-(kernels/kivi_attention.packed_decode_attention) on real KiviLayer storage: interpreted on CPU, compiled on CUDA.
+"""The Triton KIVI decode-attention kernel (kvbench/kernels/triton/kivi.py) equals the torch version on the packed groups
+(kvbench/kernels/kivi_attention.packed_decode_attention) on real KiviLayer storage: interpreted on CPU, compiled on CUDA.
 
 As in test_quant_kernels.py the interpreted run happens in a child process that sets TRITON_INTERPRET=1 from the
 start. Tolerance: both compute in fp32 but sum in different orders (the kernel also dequantizes values in registers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import pandas as pd
 
@@ -49,3 +50,31 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert abs(sum(gaps) / len(gaps) - 0.25) < 0.02
     assert arrivals(3, "burst", 4.0, 0) == [0.0, 0.0, 0.0]
+
+
+def test_a_failing_engine_is_skipped_with_one_line_and_the_rest_is_written(tmp_path, monkeypatch, capsys):
+    """An engine that fails after the checks (here OpenVINO's model export, raised as the real backend raises it)
+    keeps kvbench's rows and the other engines: the run writes its rows, names the engine in one line and in
+    skipped.txt. Isolated from the real engines: the venv check sees a python, the server fails at its start."""
+    from pathlib import Path
+
+    from kvbench import KvbenchError
+    from kvbench.backends import source
+    from kvbench.serving import engines, run
+
+    monkeypatch.setattr(source, "venv_python", lambda venv: Path(sys.executable))
+
+    class Unexportable:
+        def __init__(self, model_cfg, dtype):
+            raise KvbenchError("optimum-intel could not export the model to OpenVINO IR (ValueError: too new)")
+
+    monkeypatch.setattr(engines, "OpenvinoServer", Unexportable)
+    cfg = serving_config("serving.requests=2", "serving.engines=[openvino:full,openvino:sum]")
+    assert run.main(cfg, tmp_path) == 0
+    out = capsys.readouterr()
+    line = "openvino skipped (openvino:full, openvino:sum not served): optimum-intel could not export"
+    assert f"[serving] {line}" in out.err and f"not served: {line}" in out.out
+    runs = pd.read_parquet(tmp_path / "serving_runs.parquet")
+    assert sorted(runs.method) == ["full", "snapkv", "streamingllm"] and (runs.engine == "kvbench").all()
+    assert (tmp_path / "skipped.txt").read_text().startswith(line)
+    assert "Not served:\n- openvino skipped" in (tmp_path / "serving.md").read_text()

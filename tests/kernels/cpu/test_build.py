@@ -1,4 +1,4 @@
-"""Building the CPU backend's C kernels (kernels/cpu/build.py): cached by source, headers and CPU, and a kernel that
+"""Building the CPU backend's C kernels (kvbench/kernels/cpu/build.py): cached by source, headers and CPU, and a kernel that
 cannot be built or loaded — no compiler, broken source, unwritable cache, KVBENCH_NO_CPU_EXT=1 — is None (torch)."""
 
 import pytest

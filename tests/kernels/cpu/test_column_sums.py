@@ -1,4 +1,4 @@
-"""H2O's / SnapKV's column sums in C (kernels/cpu/column_sums.py): equal to their definition and to the torch loop of
+"""H2O's / SnapKV's column sums in C (kvbench/kernels/cpu/column_sums.py): equal to their definition and to the torch loop of
 kvbench.kernels.attention_stats, whatever the thread count."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The decode-step linear kernel (kernels/cpu/csrc/decode_linear.c via kernels/cpu/decode_linear.py): each row's
+"""The decode-step linear kernel (kvbench/kernels/cpu/csrc/decode_linear.c via kvbench/kernels/cpu/decode_linear.py): each row's
 result is the same bits whatever the row count and thread count, close to the float64 product, and everything it
 does not take goes to nn.Linear unchanged."""
 

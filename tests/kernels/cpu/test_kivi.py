@@ -1,5 +1,5 @@
-"""KIVI's C kernel in the CPU backend (kernels/cpu/kivi.py): decode attention on the packed groups against the torch
-version it replaces (kernels/kivi_attention.packed_decode_attention)."""
+"""KIVI's C kernel in the CPU backend (kvbench/kernels/cpu/kivi.py): decode attention on the packed groups against the torch
+version it replaces (kvbench/kernels/kivi_attention.packed_decode_attention)."""
 
 import shutil
 

@@ -1,4 +1,4 @@
-"""The single-query attention kernel (kernels/cpu/csrc/decode_attention.c via kernels/cpu/single_query.py): close to the
+"""The single-query attention kernel (kvbench/kernels/cpu/csrc/decode_attention.c via kvbench/kernels/cpu/single_query.py): close to the
 float64 softmax attention, each row's output the same bits whatever the other rows and the thread count, and the
 decode steps the model makes go through it (and the rest through sdpa)."""
 

@@ -62,7 +62,7 @@ class CpuKernels(Protocol):
         ...
 
     def kivi_decode_attention(self, query: torch.Tensor, storage: KiviStorage, scaling: float) -> torch.Tensor | None:
-        """kernels/kivi_attention.packed_decode_attention (to fp32 summation order)."""
+        """kvbench/kernels/kivi_attention.packed_decode_attention (to fp32 summation order)."""
         ...
 
 

@@ -1,6 +1,6 @@
 """Kernels (attention statistics, KIVI quantization and attention, token copies): the pure-torch references and the
-public functions that dispatch — to the Triton modules on CUDA (kernels/triton/, `fast_module`), to the optional CPU
-backend (kernels/cpu/, reached only through kvbench.kernels.backend), else to the torch reference.
+public functions that dispatch — to the Triton modules on CUDA (triton/, `fast_module`), to the optional CPU
+backend (cpu/, reached only through kvbench.kernels.backend), else to the torch reference.
 
 Imports happen inside the functions on purpose: run from the repository root, this folder is also importable
 as a top-level `kernels` module, which transformers probes (the Hugging Face `kernels` package has the same
@@ -62,7 +62,7 @@ def quantize_pack(x, bits: int, group_size: int):
     """KIVI quantization of x (..., L) by groups on the last axis -> packed int32, scale, zero (contract: quantize).
 
     Triton on CUDA unless KVBENCH_NO_TRITON=1; the torch reference otherwise (bit for bit the same). The CPU
-    has no C kernel for it: one would save at most 4 % of a KIVI example (measured: kernels/cpu)."""
+    has no C kernel for it: one would save at most 4 % of a KIVI example (measured: kvbench/kernels/cpu)."""
     fast = fast_module(x, "quant")
     if fast:
         return fast.triton_quantize_pack(x, bits, group_size)
@@ -80,8 +80,8 @@ def unpack_dequantize(packed, scale, zero, bits: int, group_size: int, dtype):
 def kivi_decode_attention(query, storage, scaling: float):
     """Decode attention of one query on a KIVI layer's packed storage (a kivi_attention.KiviStorage).
 
-    Triton on CUDA (kernels/triton/kivi.py, every bit width: a bits=16 part is simply empty) unless
-    KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kernels/cpu/kivi.py) unless KVBENCH_NO_CPU_EXT=1
+    Triton on CUDA (kvbench/kernels/triton/kivi.py, every bit width: a bits=16 part is simply empty) unless
+    KVBENCH_NO_TRITON=1; on the CPU the CPU backend's C kernel (kvbench/kernels/cpu/kivi.py) unless KVBENCH_NO_CPU_EXT=1
     or no C compiler; the torch version otherwise.
     """
     from kvbench.kernels.backend import backend

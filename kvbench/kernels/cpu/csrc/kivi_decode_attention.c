@@ -1,5 +1,5 @@
 /* KIVI decode attention on the packed int32 words, for the CPU: one query per sequence and query head over a layer's
- * KiviStorage (kernels/kivi_attention.py: layout and the folding of scales and zeros, which this follows). The codes
+ * KiviStorage (kvbench/kernels/kivi_attention.py: layout and the folding of scales and zeros, which this follows). The codes
  * are unpacked from the words straight into vector registers and used there by every query head of the KV head (the
  * fast path, below; unusual word counts go one word row at a time through a buffer of G' floats that stays in L1):
  * nothing of the cache's size is written, where the torch path writes every code out as a 4-byte float.

@@ -1,7 +1,7 @@
 """Decode attention straight on KIVI's packed groups: no dequantized copy of the cache (the torch reference; its C
-version is the CPU backend's, kernels/cpu/kivi.py).
+version is the CPU backend's, kvbench/kernels/cpu/kivi.py).
 
-Storage (methods/kivi.py, kernels/quantize.py): keys quantized per channel in groups of G tokens, values per token
+Storage (methods/kivi.py, quantize.py): keys quantized per channel in groups of G tokens, values per token
 in groups of G channels; k = c·s + z with integer codes c, one (scale s, zero z) per group. For one query x the
 scale and zero fold out of the sums, so the codes are never scaled element by element:
 

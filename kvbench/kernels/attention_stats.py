@@ -51,7 +51,7 @@ def attention_column_sums(
     # bf16/fp16 products with fp32 accumulation, 2.2× faster than fp32 products on this CPU; softmax and sums in fp32
     product_dtype = key.dtype if key.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(bsz, n_kv_heads, group, n_keys, dtype=torch.float32, device=query.device)
-    # the whole loop below in one C call (the CPU backend's, kernels/cpu/column_sums.py), causal and uncapped;
+    # the whole loop below in one C call (the CPU backend's, kvbench/kernels/cpu/column_sums.py), causal and uncapped;
     # inconsistent shapes: torch's loop says why. The scaled query is rounded as eager attention rounds it; bf16 × bf16
     # is exact in fp32, so both C paths are the bf16 product with fp32 accumulation
     whole = mask is None and softcap is None and n_queries <= n_keys and key.shape[-1] == head_dim
