@@ -150,3 +150,14 @@ def test_only_the_backend_registry_imports_the_cpu_backend():
     works (tests/kernels/test_backend.py)."""
     assert not cpu_backend_importers(graph()), "\n".join(cpu_backend_importers(graph()))
     assert cpu_backend_importers({"kvbench.engine.engine": {"kvbench.kernels.cpu.decode_linear"}})  # it can fail
+
+
+def test_no_root_folder_shadows_an_installed_package():
+    """The repository root is on sys.path wherever kvbench runs from a checkout (pytest, `python -m kvbench`, the
+    engine workers' PYTHONPATH), so a root folder named like an installed package hides it: a root `kernels/` hid
+    Hugging Face's `kernels`, which transformers imports."""
+    from importlib.metadata import packages_distributions
+
+    installed = packages_distributions()
+    roots = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    assert not {name: installed[name] for name in roots & set(installed) if name != "kvbench"}
