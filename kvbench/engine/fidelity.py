@@ -7,11 +7,13 @@ from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ com
 `length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
 `fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
 
-Cost per example: the full cache's distributions once (one forward over its answer), shared by every configuration
-of the example; per compressed configuration its compression again from the shared prefill (compression is
-deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
-single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
-lengths, methods acting on decode steps — are fed token by token, as decoding feeds them.
+Cost per example: decoding keeps each step's distribution (keep_logits), so the full cache's are its decode's, and
+a configuration that generated exactly the full answer has been fed the answer's tokens already — its decode's
+distributions are the teacher-forced ones, at no extra cost. Only a configuration whose answer differs is rebuilt:
+its compression again from the shared prefill (compression is deterministic, so the cache is the one the row decoded
+from) and one forward over the answer's tokens; caches a single multi-token forward would not reproduce exactly —
+quantized or otherwise custom layers, layers of different lengths, methods acting on decode steps — are fed token
+by token, as decoding feeds them.
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ class Ran:
     gen: Generation
 
 
+def decoded_logits(gen: Generation, answer: list[int]) -> torch.Tensor | None:
+    """(n, V) fp32: the distributions a decode kept (keep_logits) where it generated exactly `answer` — its decode was
+    then fed the answer's tokens, which is what teacher forcing feeds, so no rebuild is needed; else None."""
+    if gen.token_ids != answer or len(gen.logits) != len(answer):
+        return None
+    return torch.stack(gen.logits).float()  # (n, V)
+
+
 @torch.inference_mode()
 def add_columns(
     rows: list[dict],
@@ -125,21 +135,24 @@ def add_columns(
 ) -> None:
     """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
     share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
-    answer is its row's; without a full row here (reused from the store) it is decoded once."""
+    answer is its row's; without a full row here (reused from the store) it is decoded once. A row whose decode
+    kept its distributions and generated the full answer exactly is compared on those (`decoded_logits`); the others
+    are rebuilt and teacher-forced (`compressed_logits`)."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
-    rebuild = [r for r in runs if r.source is not None and r.method.name != "full"]
+    compared = [r for r in runs if r.source is not None and r.method.name != "full"]
     reference, start = None, time.perf_counter()
-    if full_run is not None:
-        answer = full_run.gen.token_ids
-    if rebuild or full_run is None:
-        full = build_method("full")
+    answer = full_run.gen.token_ids if full_run is not None else []
+    if full_run is None:
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
-        if full_run is None:
-            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
-            answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
-        reference = (
-            compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens) if rebuild else None
-        )
+        full = build_method("full")
+        start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
+        answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
+    if compared:
+        reference = decoded_logits(full_run.gen, answer) if full_run is not None else None
+        if reference is None:
+            prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
+            full = build_method("full")
+            reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
         start = time.perf_counter()
@@ -147,7 +160,9 @@ def add_columns(
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
         elif run.source is not None and reference is not None:
-            logits = compressed_logits(
-                run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
-            )
+            logits = decoded_logits(run.gen, answer)
+            if logits is None:
+                logits = compressed_logits(
+                    run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
+                )
             row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)

@@ -57,8 +57,9 @@ def test_compare_on_constructed_distributions():
     assert fidelity.compare(p.log(), p.log()) == fidelity.identical(3)
 
 
-def rows_of(tiny_engine, prompt_ids, confs, with_full=True):
-    """add_columns on configurations decoded from one shared prefill (the full cache first when `with_full`)."""
+def rows_of(tiny_engine, prompt_ids, confs, with_full=True, keep_logits=False):
+    """add_columns on configurations decoded from one shared prefill (the full cache first when `with_full`;
+    `keep_logits`: the decodes keep their distributions, as a run with fidelity=true does)."""
     prompt, question = prompt_ids[:-12], prompt_ids[-12:]
     request = StatsRequest()
     for method, _ in confs:
@@ -66,7 +67,7 @@ def rows_of(tiny_engine, prompt_ids, confs, with_full=True):
     prefill = tiny_engine.prefill(prompt, request)
     runs = []
     for method, budget in ([(build("full", {}), None)] if with_full else []) + confs:
-        gen = tiny_engine.generate(prefill, method, budget, question, max_new_tokens=10)
+        gen = tiny_engine.generate(prefill, method, budget, question, max_new_tokens=10, keep_logits=keep_logits)
         runs.append(fidelity.Ran(method, budget, tiny_engine, prefill, gen))
     rows: list[dict] = [{} for _ in runs]
     fidelity.add_columns(rows, runs, tiny_engine, prefill, prompt, question, 10)
@@ -83,6 +84,24 @@ def test_full_rows_are_the_reference_and_a_lossless_configuration_has_kl_zero(ti
     assert lossless["kl_mean"] < 1e-7 and lossless["top1_agreement"] == 1.0
     assert lossy["kl_mean"] > 1e-4 and lossy["kl_max"] >= lossy["kl_mean"]
     assert 0 <= lossy["kl_max_step"] < 10 and set(fidelity.COLUMNS) <= set(lossy)
+
+
+def test_a_row_that_decoded_the_full_answer_is_compared_on_its_own_decode(tiny_engine, prompt_ids, monkeypatch):
+    """With the decodes' distributions kept, the full row and every row that generated the full answer exactly need
+    no rebuild (their decode was fed the answer's tokens); a row whose answer differs is rebuilt and teacher-forced.
+    The columns equal the all-rebuilt ones."""
+    confs = [(build("knorm", {}), Budget.parse(1.0)), (build("knorm", {}), Budget.parse(0.05))]
+    forced = rows_of(tiny_engine, prompt_ids, confs)
+    rebuilt = []
+    real = fidelity.compressed_logits
+    monkeypatch.setattr(fidelity, "compressed_logits", lambda e, p, m, *a: rebuilt.append(m.name) or real(e, p, m, *a))
+    decoded = rows_of(tiny_engine, prompt_ids, confs, keep_logits=True)
+    assert rebuilt == ["knorm"]  # knorm at 1.0 decoded the full answer; at 0.05 its first token already differs
+    for d, f in zip(decoded, forced):
+        assert d["top1_agreement"] == f["top1_agreement"] and d["fidelity_tokens"] == f["fidelity_tokens"]
+        assert d["kl_mean"] == pytest.approx(f["kl_mean"], rel=1e-4, abs=1e-7)
+        assert d["kl_max"] == pytest.approx(f["kl_max"], rel=1e-4, abs=1e-7)
+    assert decoded[2]["top1_agreement"] < 1 and decoded[1]["kl_mean"] < 1e-7  # the rebuilt row is the lossy one
 
 
 def test_without_a_full_row_the_reference_is_decoded_here(tiny_engine, prompt_ids):
