@@ -136,33 +136,40 @@ def add_columns(
     """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
     share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
     answer is its row's; without a full row here (reused from the store) it is decoded once. A row whose decode
-    kept its distributions and generated the full answer exactly is compared on those (`decoded_logits`); the others
-    are rebuilt and teacher-forced (`compressed_logits`)."""
+    kept its distributions and generated the full answer exactly is compared on those, against the full cache's
+    decode (`decoded_logits`); the others are rebuilt and teacher-forced (`compressed_logits`), against the full
+    cache teacher-forced the same way."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
     compared = [r for r in runs if r.source is not None and r.method.name != "full"]
-    reference, start = None, time.perf_counter()
-    answer = full_run.gen.token_ids if full_run is not None else []
-    if full_run is None:
+    start = time.perf_counter()
+    full_gen = full_run.gen if full_run is not None else None
+    if full_gen is None:
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         full = build_method("full")
         start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
-        answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
-    if compared:
-        reference = decoded_logits(full_run.gen, answer) if full_run is not None else None
-        if reference is None:
-            prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
-            full = build_method("full")
-            reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
+        full_gen = engine.decode(start_full, full, max_new_tokens, stop, keep_logits=bool(compared))
+    answer = full_gen.token_ids
+    # each side of a comparison comes from the same path (two decodes, or two teacher-forced forwards): in bfloat16
+    # the two paths round differently by about the KL of a near-lossless cache
+    decoded = decoded_logits(full_gen, answer)
+    own = {id(r): decoded_logits(r.gen, answer) if decoded is not None else None for r in compared}
+    forced = None
+    if any(v is None for v in own.values()):
+        prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
+        full = build_method("full")
+        forced = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
         start = time.perf_counter()
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
-        elif run.source is not None and reference is not None:
-            logits = decoded_logits(run.gen, answer)
+        elif run.source is not None:
+            logits = own[id(run)]
             if logits is None:
                 logits = compressed_logits(
                     run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
                 )
+            reference = decoded if own[id(run)] is not None else forced
+            assert reference is not None  # forced is made whenever a row is rebuilt
             row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)
