@@ -19,9 +19,9 @@ is a mask inside attention), and its eviction has no notion of layer types: it e
 down to the same max_cache_size, and the sliding layers then behave as if their window counted the cache slots
 left, not token positions. Once
 max_cache_size - start_size < window, the never-evicted start tokens (the attention sink, far beyond the window by
-position) fall inside the sliding layers' window again and the model generates garbage (measured on a 700-token
-prompt: start_size 32 is exact at max_cache_size 544 and garbage at 512; start_size 64 is garbage at 544 and exact at
-608; a prompt shorter than the window evicts exactly). Such generations run and are flagged invalid
+position) fall inside the sliding layers' window again and the needle is lost (measured on a 700-token prompt:
+start_size 32 is exact at max_cache_size 544 and wrong at 512; start_size 64 is wrong at 544 and exact at 608; a
+prompt shorter than the window evicts exactly; docs/engine.md). Such generations run and are flagged invalid
 (`sliding_window_break`), as vLLM's garbage kv_cache_dtypes are: the threshold depends on the prompt's length, known
 only per example.
 
@@ -169,7 +169,7 @@ class OpenvinoBackend(Backend):
         return (
             f"OpenVINO GenAI {VERSION} evicts the {self.shape.sliding_layers} sliding-window layers too and windows "
             f"the slots left: max_cache_size {size} - start_size {start} < window {window}, so the start tokens "
-            f"re-enter the window (garbage, measured); valid from budget >= "
+            f"re-enter the window (wrong tokens, measured); valid from budget >= "
             f"{window + start - request.max_new_tokens} tokens"
         )
 
