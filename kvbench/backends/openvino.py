@@ -164,13 +164,15 @@ class OpenvinoBackend(Backend):
         if not eviction or self.shape is None or not self.shape.sliding_layers:
             return ""
         window, start, size = self.shape.window, int(eviction["start_size"]), int(eviction["max_cache_size"])
-        if size - start >= window or len(request.prompt_ids) + request.max_new_tokens <= window:
-            return ""  # the start tokens stay outside the window, or no token ever leaves it
+        tokens = len(request.prompt_ids) + request.max_new_tokens
+        if size - start >= window or tokens <= window or size >= tokens:
+            return ""  # the start tokens stay outside the window, no token ever leaves it, or nothing is evicted
+        # the smallest budget (tokens) whose max_cache_size, rounded up to a block, reaches window + start_size
+        smallest = (math.ceil((window + start) / BLOCK) - 1) * BLOCK + 1 - request.max_new_tokens
         return (
             f"OpenVINO GenAI {VERSION} evicts the {self.shape.sliding_layers} sliding-window layers too and windows "
             f"the slots left: max_cache_size {size} - start_size {start} < window {window}, so the start tokens "
-            f"re-enter the window (wrong tokens, measured); valid from budget >= "
-            f"{window + start - request.max_new_tokens} tokens"
+            f"re-enter the window (wrong tokens, measured); valid from budget >= {smallest} tokens"
         )
 
     def generate(self, request: EngineRequest) -> EngineGeneration:

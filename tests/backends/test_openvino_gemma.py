@@ -52,13 +52,13 @@ def test_gemma3_full_matches_kvbench_f32_and_sliding_eviction_is_flagged(gemma):
         full = backend.generate(EngineRequest(ids, NEW, "full", stop_ids=stop))
         assert full.token_ids == ours and full.invalid == ""  # exact at f32, sliding-window masks included
         assert full.extra["blocks_held"] == -(-(len(ids) + full.decode_steps) // 32)  # every token, every layer
-        # max_cache_size 544 - start_size 32 = the window: the start tokens stay outside it, the eviction is exact
-        kept = backend.generate(EngineRequest(ids, NEW, "sum", budget=520, stop_ids=stop))
+        # 501 + 12 tokens -> max_cache_size 544, - start_size 32 = the window: the start tokens stay outside it
+        kept = backend.generate(EngineRequest(ids, NEW, "sum", budget=501, stop_ids=stop))
         assert kept.extra["knobs"]["cache_eviction"]["max_cache_size"] == 544 and kept.invalid == ""
         assert kept.token_ids == ours and kept.kv_bytes < full.kv_bytes
-        # 512 - 32 < 512: the start tokens fall inside the sliding layers' window again: run, flagged invalid
-        broken = backend.generate(EngineRequest(ids, NEW, "sum", budget=490, stop_ids=stop))
+        # one token less: 512 - 32 < 512, the start tokens fall inside the sliding layers' window: run, flagged invalid
+        broken = backend.generate(EngineRequest(ids, NEW, "sum", budget=500, stop_ids=stop))
         assert broken.extra["knobs"]["cache_eviction"]["max_cache_size"] == 512
-        assert "sliding-window layers" in broken.invalid and "valid from budget >= 532 tokens" in broken.invalid
+        assert "sliding-window layers" in broken.invalid and "valid from budget >= 501 tokens" in broken.invalid
     finally:
         backend.close()
