@@ -6,7 +6,8 @@
 # TASKS (default "niah ruler"): NIAH at 2K over 5 depths (n=5 per option: the fewest that give an interval) and the
 # official RULER at 2K, its 13 tasks with one sample each (n=13). ENGINES (default "kvbench llamacpp vllm openvino").
 # An engine whose venv is not built, or that cannot run the model, says so in one line and the others go on.
-# ENGINES_STORE (default outputs/engines-store) and ENGINES_REPORT move the store and the report.
+# ENGINES_STORE (default outputs/engines-store) and ENGINES_REPORT move the store and the report (ENGINES_REPORT=none:
+# no report, for a chain of calls into one store).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2-135m}
@@ -35,5 +36,5 @@ for task in ${TASKS:-niah ruler}; do
       "results_dir=$store" "$@" || { echo "[engines] $model $task $engine: did not finish (exit $?)"; failed=1; }
   done
 done
-"$py" -m kvbench.report "$store" --out "$report" || failed=1
+if [ "$report" != none ]; then "$py" -m kvbench.report "$store" --out "$report" || failed=1; fi
 exit $failed
