@@ -99,7 +99,9 @@ $(VENV_OPENVINO)/.installed: pyproject.toml setup.py Makefile
 
 $(VENV_OV_CONVERT)/.installed: Makefile
 	$(PYTHON) -m venv $(VENV_OV_CONVERT)
-	nice -n 19 $(VENV_OV_CONVERT)/bin/pip install -q torch==2.13.0 optimum-intel==2.2.0 "transformers<5.6" \
+	# transformers 5.0.0: optimum-intel 2.2 exports Gemma 3 (gemma3_text) only up to transformers 5.0, and 5.0.0
+	# reads kvbench's converted folders (written by a newer transformers) and exports SmolLM2 as well
+	nice -n 19 $(VENV_OV_CONVERT)/bin/pip install -q torch==2.13.0 optimum-intel==2.2.0 transformers==5.0.0 \
 	  openvino==2026.4.1 openvino-tokenizers==2026.4.1.0
 	$(VENV_OV_CONVERT)/bin/pip uninstall -q -y torchvision   # optimum-intel's dependency; its CUDA-era ops break transformers' import
 	touch $@

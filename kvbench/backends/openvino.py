@@ -1,9 +1,11 @@
 """engine=openvino: OpenVINO GenAI's ContinuousBatchingPipeline (CPU) behind kvbench's Backend interface.
 
 The model: kvbench's converted HF folder exported once to OpenVINO IR by optimum-intel in .venv-ov-convert
-(~40 s) into $KVBENCH_CACHE/<model>/openvino-<version>/. Exact runs: INFERENCE_PRECISION_HINT follows kvbench's
-dtype (f32 for dtype=float32, bf16 for bfloat16); the `full` cache is KV_CACHE_PRECISION at that same precision
-(OpenVINO's CPU default would be u8).
+(~40 s) into $KVBENCH_CACHE/<model>/openvino-<version>/. That venv holds transformers 5.0.0: optimum-intel 2.2 exports
+Gemma 3 only up to transformers 5.0 (Llama, SmolLM2's, with any version it installs with), and 5.0.0 reads kvbench's
+converted folders, so one converter serves both bundled models. Exact runs: INFERENCE_PRECISION_HINT follows
+kvbench's dtype (f32 for dtype=float32, bf16 for bfloat16); the `full` cache is KV_CACHE_PRECISION at that same
+precision (OpenVINO's CPU default would be u8).
 
 Options: `u8`, `u4` (KV_CACHE_PRECISION), and eviction inside continuous batching: `sum`, `norm_sum`, `kvcrush`
 (SUM + KVCrush), `adaptive_rkv`. Eviction works on 32-token blocks per layer (scores summed over heads), keeps
@@ -11,6 +13,17 @@ Options: `u8`, `u4` (KV_CACHE_PRECISION), and eviction inside continuous batchin
 prefill (the peak holds the whole prompt) and first evicts after a decode step. kvbench's budget b (tokens of the
 prompt) maps to max_cache_size = b + max_new_tokens rounded up to a block: kvbench's methods compress the prompt to b
 and append the generated tokens, so at budget ≥ prompt nothing is evicted and the run is the engine's full run.
+
+Sliding-window layers (Gemma 3: 15 of 18, window 512): OpenVINO holds every token in every layer (the IR's window
+is a mask inside attention), and its eviction has no notion of layer types: it evicts the sliding layers' blocks too,
+down to the same max_cache_size, and the sliding layers then behave as if their window counted the cache slots
+left, not token positions. Once
+max_cache_size - start_size < window, the never-evicted start tokens (the attention sink, far beyond the window by
+position) fall inside the sliding layers' window again and the needle is lost (measured on a 700-token prompt:
+start_size 32 is exact at max_cache_size 544 and wrong at 512; start_size 64 is wrong at 544 and exact at 608; a
+prompt shorter than the window evicts exactly; docs/engine.md). Such generations run and are flagged invalid
+(`sliding_window_break`), as vLLM's garbage kv_cache_dtypes are: the threshold depends on the prompt's length, known
+only per example.
 
 kv_bytes = the blocks the sequence holds at its last step (PipelineMetrics.cache_usage × num_kv_blocks) × the
 block's bytes at the real precision: the engine's own block size (kv_cache_size_in_bytes / num_kv_blocks, which
@@ -38,6 +51,13 @@ VERSION = "2026.4.1"
 PRECISION = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 BYTES = {"f32": 4.0, "bf16": 2.0, "f16": 2.0, "u8": 1.0, "u4": 0.5}
 EVICTION = {"sum": "SUM", "norm_sum": "NORM_SUM", "kvcrush": "SUM", "adaptive_rkv": "ADAPTIVE_RKV"}
+CONVERTER_TRANSFORMERS = "5.0.0"  # optimum-intel 2.2's bound for Gemma 3's export (make engine-openvino pins it)
+
+
+def installed_version(venv: str, package: str) -> str | None:
+    """A package's version in an engine venv, from its dist-info folder (no interpreter started)."""
+    found = sorted(venv_python(venv).parent.parent.glob(f"lib/python*/site-packages/{package}-*.dist-info"))
+    return found[-1].name.removesuffix(".dist-info").split("-")[-1] if found else None
 
 
 @BACKENDS.register("openvino")
@@ -78,7 +98,18 @@ class OpenvinoBackend(Backend):
         for venv in (self.venv, self.converter_venv):
             if not venv_python(venv).exists():
                 return f"engine=openvino needs {venv}: run `make {self.make_target}`"
+        converter = installed_version(self.converter_venv, "transformers")
+        if not (self.ir_dir(model_cfg) / "openvino_model.xml").is_file() and converter != CONVERTER_TRANSFORMERS:
+            return (
+                f"engine=openvino exports the model with transformers {CONVERTER_TRANSFORMERS} in "
+                f"{self.converter_venv} (optimum-intel 2.2 exports Gemma 3 only up to 5.0), which has {converter}: "
+                f"run `make {self.make_target}`"
+            )
         return None
+
+    @staticmethod
+    def ir_dir(model_cfg: dict) -> Path:
+        return cache_root() / str(model_cfg.get("name", "model")) / f"openvino-{VERSION}"
 
     def start(self, model_cfg: dict, dtype: str) -> None:
         if dtype not in PRECISION:
@@ -95,7 +126,7 @@ class OpenvinoBackend(Backend):
 
     def converted(self, model_cfg: dict) -> Path:
         """The model as OpenVINO IR, exported once from kvbench's HF folder by optimum-intel (its own venv)."""
-        target = cache_root() / str(model_cfg.get("name", "model")) / f"openvino-{VERSION}"
+        target = self.ir_dir(model_cfg)
         if (target / "openvino_model.xml").is_file():
             return target
         source = hf_model_dir(model_cfg)
@@ -125,6 +156,25 @@ class OpenvinoBackend(Backend):
             knobs["cache_eviction"] = {**sizes, **knobs["cache_eviction"]}
         return knobs
 
+    def sliding_window_break(self, request: EngineRequest, knobs: dict) -> str:
+        """Why an eviction on a model with sliding-window layers computes garbage here ("" when it does not): the
+        engine windows the slots left after eviction, so below window + start_size the start tokens re-enter the
+        window (module docstring)."""
+        eviction = knobs.get("cache_eviction")
+        if not eviction or self.shape is None or not self.shape.sliding_layers:
+            return ""
+        window, start, size = self.shape.window, int(eviction["start_size"]), int(eviction["max_cache_size"])
+        tokens = len(request.prompt_ids) + request.max_new_tokens
+        if size - start >= window or tokens <= window or size >= tokens:
+            return ""  # the start tokens stay outside the window, no token ever leaves it, or nothing is evicted
+        # the smallest budget (tokens) whose max_cache_size, rounded up to a block, reaches window + start_size
+        smallest = (math.ceil((window + start) / BLOCK) - 1) * BLOCK + 1 - request.max_new_tokens
+        return (
+            f"OpenVINO GenAI {VERSION} evicts the {self.shape.sliding_layers} sliding-window layers too and windows "
+            f"the slots left: max_cache_size {size} - start_size {start} < window {window}, so the start tokens "
+            f"re-enter the window (wrong tokens, measured); valid from budget >= {smallest} tokens"
+        )
+
     def generate(self, request: EngineRequest) -> EngineGeneration:
         if self.worker is None or self.shape is None:
             raise KvbenchError("OpenvinoBackend.generate before start()")
@@ -153,6 +203,7 @@ class OpenvinoBackend(Backend):
             kv_bytes_full=blocks_full * full_block,
             peak_mem_bytes=reply["peak_mem_bytes"],
             engine_version=self.version,
+            invalid=self.sliding_window_break(request, knobs),
             extra={
                 "knobs": knobs,
                 "blocks_held": reply["blocks_held"],

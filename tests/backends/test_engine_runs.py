@@ -88,3 +88,26 @@ def test_engine_refusals_come_before_any_model_loads(monkeypatch, tmp_path):
         with pytest.raises(KvbenchError, match=f"run `make {target}`") as refused:
             check_run(compose_config(f"engine={engine}", f"grid.method=[{option}]", store))
         assert "\n" not in str(refused.value)
+
+
+def test_openvino_converter_must_hold_the_pinned_transformers(monkeypatch, tmp_path):
+    """A converter venv built with another transformers is refused (naming the make target) while the model's IR is
+    not exported yet; its version is read from the venv's dist-info folder, no interpreter started."""
+    import kvbench.backends.openvino as openvino
+    import kvbench.backends.source as source
+
+    for venv in (".venv-openvino", ".venv-ov-convert"):  # both venvs there, as far as kvbench looks
+        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin" / "python").touch()
+    (tmp_path / ".venv-ov-convert" / "lib" / "python3.11" / "site-packages" / "transformers-5.5.4.dist-info").mkdir(
+        parents=True
+    )
+    monkeypatch.setattr(source, "REPO", tmp_path)
+    assert openvino.installed_version(".venv-ov-convert", "transformers") == "5.5.4"
+    assert openvino.installed_version(".venv-ov-convert", "torch") is None
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))  # no IR exported yet
+    config = compose_config("engine=openvino", "model=gemma3-270m", "grid.method=[sum]", f"results_dir={tmp_path}")
+    with pytest.raises(
+        KvbenchError, match=r"transformers 5\.0\.0 in \.venv-ov-convert .* has 5\.5\.4: run `make engine-openvino`"
+    ):
+        check_run(config)
