@@ -138,6 +138,21 @@ def build_pipeline(
     return genai.ContinuousBatchingPipeline(worker.model_dir, scheduler, "CPU", properties)
 
 
+@worker_op("block_bytes")
+def block_bytes(worker: OpenvinoWorker, knobs: dict, kv_blocks: int = 8) -> dict:
+    """The engine's bytes per KV block at the option's precision, scales and zero points included (u8/u4 add them
+    per token and head): kv_cache_size_in_bytes of a pipeline over `kv_blocks` blocks, once one token has run (the
+    cache is allocated at the first step)."""
+    pipe = build_pipeline(worker, knobs, kv_blocks, prefix_caching=False)
+    config = genai.GenerationConfig()
+    config.max_new_tokens = 1
+    config.do_sample = False
+    handle = pipe.add_request(0, ov.Tensor(np.array([[1]], dtype=np.int64)), config)  # (1, 1)
+    while handle.get_status() == genai.GenerationStatus.RUNNING:
+        pipe.step()
+    return {"engine_block_bytes": pipe.get_metrics().kv_cache_size_in_bytes // kv_blocks}
+
+
 @worker_op("serve_trace")
 def serve_trace(
     worker: OpenvinoWorker,

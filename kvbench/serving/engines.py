@@ -20,11 +20,13 @@ from typing import Any
 
 from kvbench import KvbenchError
 
-# engine -> the options it serves a trace with (its Backend's options; OpenVINO's u8/u4 scale bytes are not in a
-# fixed block count, so the budget would not hold: left out)
-SERVING_OPTIONS = {"vllm": ("full", "fp8", "fp8_e4m3", "fp8_e5m2"), "openvino": ("full", "sum", "norm_sum")}
+# engine -> the options it serves a trace with (its Backend's options)
+SERVING_OPTIONS = {"vllm": ("full", "fp8", "fp8_e4m3", "fp8_e5m2"), "openvino": ("full", "u8", "u4", "sum", "norm_sum")}
 BLOCK_TOKENS = {"vllm": 16, "openvino": 32}  # the engines' KV blocks on the CPU, in tokens
-KV_BYTES = {"full": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "sum": None, "norm_sum": None}  # None: model dtype
+# bytes per K/V element, for the check that a budget holds one request before any engine starts. None: the model's
+# dtype — also for OpenVINO's u8/u4, whose scales and zero points the engine alone knows (an upper bound here; the
+# served block count comes from the engine's own block bytes: OpenvinoServer.block_bytes)
+KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 def check_engines(value) -> dict[str, tuple[str, ...]]:
@@ -67,7 +69,7 @@ def check_engines(value) -> dict[str, tuple[str, ...]]:
 def engine_need(engine: str, option: str, token_bytes_model: int, elements_per_token: int, tokens: int) -> int:
     """Bytes of the engine's KV space one request of `tokens` tokens needs: whole blocks at the option's
     precision."""
-    per_element = KV_BYTES[option]
+    per_element = KV_BYTES.get(option)
     token = token_bytes_model if per_element is None else elements_per_token * per_element
     return math.ceil(tokens / BLOCK_TOKENS[engine]) * BLOCK_TOKENS[engine] * token
 
@@ -158,11 +160,18 @@ class OpenvinoServer:
         self.backend = OpenvinoBackend()
         self.backend.start(model_cfg, dtype)
 
-    def block_bytes(self) -> int:
+    def block_bytes(self, option: str) -> int:
+        """Bytes of one 32-token block at the option's KV precision: the model dtype's, or for u8/u4 the engine's
+        own block (scales and zero points included; u4 data counted at half a byte, as engine=openvino counts it)."""
         from kvbench.backends.openvino import BLOCK, BYTES
 
-        assert self.backend.shape is not None
-        return int(BLOCK * self.backend.shape.elements_per_token() * BYTES[self.backend.precision])
+        assert self.backend.shape is not None and self.backend.worker is not None
+        elements = BLOCK * self.backend.shape.elements_per_token()  # K and V elements of one block, all layers
+        precision = self.backend.options[option].get("kv_cache_precision")
+        if precision is None:
+            return int(elements * BYTES[self.backend.precision])
+        engine_block = self.backend.worker.request("block_bytes", knobs=self.backend.options[option])
+        return int(engine_block["engine_block_bytes"]) - (elements // 2 if precision == "u4" else 0)
 
     def serve(self, option: str, budget: float | None, kv_budget: int, requests, stop_ids, **kw):
         from kvbench.backends.base import EngineRequest
@@ -170,14 +179,15 @@ class OpenvinoServer:
         longest = max(requests, key=lambda r: r.prompt_tokens)
         probe = EngineRequest([0] * longest.prompt_tokens, longest.max_new_tokens, option, budget=budget)
         knobs = self.backend.knobs(probe)  # eviction: max_cache_size from the budget and the longest request
-        kv_blocks = int(kv_budget) // self.block_bytes()
+        block = self.block_bytes(option)
+        kv_blocks = int(kv_budget) // block
         assert self.backend.worker is not None
         reply = self.backend.worker.request(
             "serve_trace", requests=wire(requests), stop_ids=list(stop_ids), knobs=knobs, kv_blocks=kv_blocks, **kw
         )
         reply["engine_version"] = self.backend.version
         reply["knobs"] = knobs
-        return reply, int(reply["engine_block_bytes"])
+        return reply, block
 
     def close(self) -> None:
         self.backend.close()

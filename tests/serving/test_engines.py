@@ -43,7 +43,7 @@ def served(tmp_path_factory):
                 "serving.requests=4",
                 "serving.arrival=burst",
                 f"serving.kv_budget_bytes=[{BUDGET}]",
-                "serving.engines=[vllm:full,openvino:full]",
+                "serving.engines=[vllm:full,openvino:full,openvino:u8]",
             ],
         )
     return serve(cfg, tmp_path_factory.mktemp("serving"), hardware=HW, echo=False)
@@ -52,11 +52,11 @@ def served(tmp_path_factory):
 def test_engines_answer_as_kvbench_does(served):
     requests, runs = served
     assert set(REQUEST_COLUMNS) <= set(requests.columns)
-    assert sorted(runs.method) == ["full", "openvino:full", "vllm:full"]
+    assert sorted(runs.method) == ["full", "openvino:full", "openvino:u8", "vllm:full"]
     ours = requests[requests.engine == "kvbench"].set_index("request_id")
     assert (ours.score == 1.0).sum() >= 3
     for engine in ("vllm", "openvino"):
-        theirs = requests[requests.engine == engine].set_index("request_id")
+        theirs = requests[requests.method == f"{engine}:full"].set_index("request_id")
         assert theirs.score.to_dict() == ours.score.to_dict(), engine  # the same needles found
         # batched float32 may round a late token differently from kvbench's rows: most answers are the same text
         same = (theirs.prediction == ours.prediction).sum()
@@ -77,6 +77,12 @@ def test_engines_stay_within_the_budget_and_queue(served):
     assert (vllm.kv_bytes > 0).all() and (vllm.kv_bytes <= BUDGET).all()
     ov = requests[requests.engine == "openvino"]
     assert ov.queue_s.isna().all() and ov.preemptions.isna().all()  # the pipeline does not say
+    # u8 blocks (the engine's own bytes, scales included) are ~1/3 of float32's: the same budget holds more of them,
+    # so more requests run at once, still within the budget
+    ov_runs = runs.set_index("method")
+    assert ov_runs.max_concurrency["openvino:u8"] > ov_runs.max_concurrency["openvino:full"]
+    u8 = requests[requests.method == "openvino:u8"]
+    assert (u8.output_tokens > 0).all() and u8.score.notna().all()
     last = requests.groupby("method").ttft_s.max()
     first = requests.groupby("method").ttft_s.min()
     assert (last > first).all()  # the ones that waited came later
