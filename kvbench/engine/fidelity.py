@@ -81,11 +81,17 @@ def compressed_logits(
     return forced_logits(engine, start, method, answer)
 
 
-def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
-    """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
+def per_step(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) KL(full ‖ other) in nats and (n,) top-1 agreement (1.0 / 0.0) of logits `other` (n, V) against the full
+    cache's `full` (n, V), step by step (diagnose's per-step columns read the same)."""
     log_p, log_q = torch.log_softmax(full.float(), -1), torch.log_softmax(other.float(), -1)  # (n, V)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # (n,) KL(p ‖ q); rounding can dip below 0
-    top1 = (full.argmax(-1) == other.argmax(-1)).float()  # (n,)
+    return kl, (full.argmax(-1) == other.argmax(-1)).float()  # (n,), (n,)
+
+
+def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
+    """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
+    kl, top1 = per_step(full, other)  # (n,), (n,)
     step = int(kl.argmax())
     return {
         "kl_mean": float(kl.mean()),

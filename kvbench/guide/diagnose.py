@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from kvbench.engine.fidelity import per_step
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import SELECT_OBSERVERS
@@ -176,10 +177,8 @@ def compare(full: Pass, other: Pass, evidence: torch.Tensor, n_kv_heads: int) ->
 
     Heads are the original model's KV heads (`n_kv_heads`): per-query-head numbers are averaged over each group, so
     a head-merged cache is compared head for head with the model it came from."""
-    log_p = [torch.log_softmax(x, -1) for x in full.logits]
-    log_q = [torch.log_softmax(x, -1) for x in other.logits]
-    kl = [float((lp.exp() * (lp - lq)).sum()) for lp, lq in zip(log_p, log_q)]
-    top1 = [int(a.argmax() == b.argmax()) for a, b in zip(full.logits, other.logits)]
+    kl_steps, top1_steps = per_step(torch.stack(full.logits), torch.stack(other.logits))  # (n,), (n,)
+    kl, top1 = kl_steps.tolist(), [int(t) for t in top1_steps.tolist()]  # the fidelity columns' definition
     diverged = [i for i, same in enumerate(top1) if not same]
     n_layers = len(full.attention[0])
     n_q = full.attention[0][0].shape[0]
