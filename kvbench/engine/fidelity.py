@@ -7,13 +7,15 @@ from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ com
 `length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
 `fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
 
-Cost per example: decoding keeps each step's distribution (keep_logits), so the full cache's are its decode's, and
-a configuration that generated exactly the full answer has been fed the answer's tokens already — its decode's
-distributions are the teacher-forced ones, at no extra cost. Only a configuration whose answer differs is rebuilt:
-its compression again from the shared prefill (compression is deterministic, so the cache is the one the row decoded
-from) and one forward over the answer's tokens; caches a single multi-token forward would not reproduce exactly —
-quantized or otherwise custom layers, layers of different lengths, methods acting on decode steps — are fed token
-by token, as decoding feeds them.
+Cost per example: where the configurations decode together as one batch (grid decode), each row is compared with the
+full cache's row of the same batch at every step, as they decode (scalars only: no distribution is kept, so memory
+is measured as without the columns); a row that generated exactly the full answer was fed the answer's tokens, so
+those are its columns, at no extra cost. Any other row is rebuilt: its compression again from the shared prefill
+(compression is deterministic, so the cache is the one the row decoded from) and one forward over the answer's
+tokens — token by token where a single multi-token forward would not reproduce decoding (quantized or otherwise
+custom layers, layers of different lengths, methods acting on decode steps) — against the full cache teacher-forced
+the same way, once per example: each comparison's two sides come from the same path, since in bfloat16 a decode and
+a multi-token forward round differently by about the KL of a near-lossless cache.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ def per_step(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
     """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
-    kl, top1 = per_step(full, other)  # (n,), (n,)
+    return columns(*per_step(full, other))
+
+
+def columns(kl: torch.Tensor, top1: torch.Tensor) -> dict:
+    """Fidelity columns of per-step KL (n,) and top-1 agreement (n,)."""
     step = int(kl.argmax())
     return {
         "kl_mean": float(kl.mean()),
@@ -120,12 +126,15 @@ class Ran:
     gen: Generation
 
 
-def decoded_logits(gen: Generation, answer: list[int]) -> torch.Tensor | None:
-    """(n, V) fp32: the distributions a decode kept (keep_logits) where it generated exactly `answer` — its decode was
-    then fed the answer's tokens, which is what teacher forcing feeds, so no rebuild is needed; else None."""
-    if gen.token_ids != answer or len(gen.logits) != len(answer):
+def decoded_steps(gen: Generation, answer: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(n,) KL and (n,) top-1 per step that a grid decode measured against the full cache's row in its batch
+    (Generation.fidelity_steps), where this row generated exactly `answer`: its decode was then fed the answer's
+    tokens, which is what teacher forcing feeds, so no rebuild is needed; else None."""
+    steps = gen.fidelity_steps
+    if not steps or gen.token_ids != answer or len(steps) != len(answer):
         return None
-    return torch.stack(gen.logits).float()  # (n, V)
+    values = torch.tensor(steps, dtype=torch.float64)  # (n, 2)
+    return values[:, 0], values[:, 1]
 
 
 @torch.inference_mode()
@@ -141,41 +150,36 @@ def add_columns(
 ) -> None:
     """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
     share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
-    answer is its row's; without a full row here (reused from the store) it is decoded once. A row whose decode
-    kept its distributions and generated the full answer exactly is compared on those, against the full cache's
-    decode (`decoded_logits`); the others are rebuilt and teacher-forced (`compressed_logits`), against the full
-    cache teacher-forced the same way."""
+    answer is its row's; without a full row here (reused from the store) it is decoded once. A row that generated
+    exactly the full answer in a grid batch with the full cache takes the steps measured there (`decoded_steps`);
+    the others are rebuilt and teacher-forced (`compressed_logits`), against the full cache forced the same way."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
-    compared = [r for r in runs if r.source is not None and r.method.name != "full"]
     start = time.perf_counter()
-    full_gen = full_run.gen if full_run is not None else None
-    if full_gen is None:
+    if full_run is not None:
+        answer = full_run.gen.token_ids
+    else:
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         full = build_method("full")
         start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
-        full_gen = engine.decode(start_full, full, max_new_tokens, stop, keep_logits=bool(compared))
-    answer = full_gen.token_ids
-    # each side of a comparison comes from the same path (two decodes, or two teacher-forced forwards): in bfloat16
-    # the two paths round differently by about the KL of a near-lossless cache
-    decoded = decoded_logits(full_gen, answer)
-    own = {id(r): decoded_logits(r.gen, answer) if decoded is not None else None for r in compared}
-    forced = None
-    if any(v is None for v in own.values()):
+        answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
+    decoded = {id(r): decoded_steps(r.gen, answer) for r in runs if r.source is not None and r.method.name != "full"}
+    reference = None
+    if any(v is None for v in decoded.values()):  # rows rebuilt and teacher-forced, against the full cache forced too
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         full = build_method("full")
-        forced = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
+        reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
         start = time.perf_counter()
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
-        elif run.source is not None:
-            logits = own[id(run)]
-            if logits is None:
+        elif id(run) in decoded:
+            steps = decoded[id(run)]
+            if steps is None:
+                assert reference is not None  # made whenever a row is rebuilt
                 logits = compressed_logits(
                     run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
                 )
-            reference = decoded if own[id(run)] is not None else forced
-            assert reference is not None  # forced is made whenever a row is rebuilt
-            row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)
+                steps = per_step(reference, logits)
+            row.update(columns(*steps), fidelity_s=time.perf_counter() - start)

@@ -215,9 +215,14 @@ def row_stats(stats: StatsRecorder, row: int, lengths: list[int]) -> StatsRecord
 
 
 def decode_grid(
-    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...], keep_logits: bool = False
+    engine: Engine,
+    starts: list[Compressed],
+    max_new_tokens: int,
+    stop: tuple[str, ...],
+    reference: int | None = None,
 ) -> list[BatchedGeneration]:
-    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch."""
+    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; `reference`: the
+    row (the full cache) every other row is compared with at each step (Generation.fidelity_steps)."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
@@ -276,9 +281,9 @@ def decode_grid(
         row_bytes=lambda row: sum(g.lengths[ids.index(row)] * b for g, b in zip(grids, token_bytes)),
         max_new_tokens=max_new_tokens,
         stop=stop,
-        keep_logits=keep_logits,
         drop_rows=drop_rows,
         recorder=recorder,
+        reference=reference,
     )
     return [
         BatchedGeneration(
@@ -295,7 +300,7 @@ def decode_grid(
             batch_size=n_rows,
             decode_tokens_per_s=done.tokens_per_s,
             latency_s=s.prefill_s + done.seconds[row],
-            logits=done.logits[row],
+            fidelity_steps=done.divergence[row] if reference is not None else None,
         )
         for row, s in enumerate(starts)
     ]
@@ -309,11 +314,11 @@ def generate_grid(
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
     max_padding: float = MAX_PADDING,
-    keep_logits: bool = False,
+    compare_full: bool = False,
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
-    padded bytes stay ≤ max_padding × their own: `groups`); in order. `keep_logits`: each Generation keeps its
-    steps' distributions (the fidelity columns read them: kvbench.engine.fidelity)."""
+    padded bytes stay ≤ max_padding × their own: `groups`); in order. `compare_full`: a batch holding the full cache
+    compares every row with it at each step (Generation.fidelity_steps, read by kvbench.engine.fidelity)."""
     device = engine.lm.device
     base = reset_peak(device)
 
@@ -323,7 +328,7 @@ def generate_grid(
 
     def alone(i: int) -> Generation:
         before = held()
-        gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop, keep_logits)
+        gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop)
         gen.peak_mem_bytes = max(starts[i].prefill_peak, gen.peak_mem_bytes - before)
         gen.peak_mem_delta_bytes = gen.peak_mem_bytes - starts[i].baseline_bytes
         return gen
@@ -347,7 +352,8 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, keep_logits)
+            full = [n for n, i in enumerate(rows) if confs[i][0].name == "full"] if compare_full else []
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, full[0] if full else None)
             for i, gen in zip(rows, gens):
                 out[i] = gen
     for i in range(len(confs)):

@@ -147,7 +147,7 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
             source = prefill
         else:
             source = own.prefill(prompt_ids, c.method.stats_request())
-        gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop, ctx.fidelity)
+        gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
         rows.append(generation_row(c, ex, ctx, gen))
         runs.append(fidelity.Ran(c.method, c.budget, own, None if mode == "inline" else source, gen))
     if ctx.fidelity:
