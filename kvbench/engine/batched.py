@@ -151,7 +151,6 @@ class Decoded:
     nbytes: list[int]  # the row's cache bytes when it finished
     decode_s: float
     peak: int
-    divergence: list[list[tuple[float, float]]]  # per row, per step: (KL, top-1) against `reference` (else empty)
 
     @property
     def tokens_per_s(self) -> float:
@@ -174,7 +173,6 @@ def decode_together(
     keep_logits: bool = False,
     drop_rows=None,
     recorder=None,
-    reference: int | None = None,
 ) -> Decoded:
     """Greedy decoding of B rows in one batch from `logits` (B, V) at the prompt's end, until every row is done.
 
@@ -184,29 +182,13 @@ def decode_together(
     `live`: the rows still in the batch (original indices, in batch order). positions(p, n) → (n, 1) RoPE positions
     of the next step at absolute position p; request(live) → the StatsRequest the step records; after_step(stats,
     live) after each forward (decode-time eviction); recorder(request, live) → the StatsRecorder to record with
-    (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. `reference`: a row (the full
-    cache's) every other row's distribution is compared with at each step while both decode (`Decoded.divergence`:
-    scalars only, nothing of the batch's logits is kept)."""
-    from kvbench.engine.fidelity import per_step
-
+    (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
     tokens = logits.argmax(-1)  # (B,)
     generated = [[int(t)] for t in tokens]
     kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
-    divergence: list[list[tuple[float, float]]] = [[] for _ in range(n_rows)]
-
-    def compare(logits: torch.Tensor, live: list[int]) -> None:  # logits (B_live, V)
-        if reference is None or reference not in live or done[reference]:
-            return
-        full = logits[live.index(reference)][None]  # (1, V)
-        for i, row in enumerate(live):
-            if not done[row]:
-                kl, top1 = per_step(full, logits[i][None])  # (1,), (1,): one row at a time, no (B, V) temporaries
-                divergence[row].append((float(kl[0]), float(top1[0])))
-
     done = [False] * n_rows
-    compare(logits, list(range(n_rows)))
     steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
     reset_peak(device)
     start = time.perf_counter()
@@ -235,7 +217,6 @@ def decode_together(
             logits = forward_batch(engine, tokens[:, None], positions(position, len(live)), cache)  # (B_live, V)
         after_step(stats, live)
         position, steps = position + 1, steps + 1
-        compare(logits, live)  # before this step's tokens are counted: `done` is the rows' state at this step
         tokens = logits.argmax(-1)  # (B_live,)
         for i, row in enumerate(live):
             if not done[row]:  # finished rows still in the batch keep decoding; their output is masked out
@@ -244,7 +225,7 @@ def decode_together(
                     kept[row].append(logits[i])
     synchronize(device)
     decode_s = time.perf_counter() - start
-    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device), divergence)
+    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device))
 
 
 def _extend_batch(engine: Engine, cache, hooks: Compression, ids: torch.Tensor, position: int) -> torch.Tensor:

@@ -70,9 +70,6 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)
     peak_mem_delta_bytes: int | None = None  # peak over the memory in use before the prefill (None: not measured)
     kv_bytes_full_dense: int = 0  # every token in every layer (sliding layers as if global)
-    # per step (KL in nats, top-1 agreement) against the full cache's row decoded in the same batch (grid decode with
-    # compare_full): the fidelity columns' values wherever this row generated exactly the full answer
-    fidelity_steps: list[tuple[float, float]] | None = None
 
     @property
     def decode_ms_per_token(self) -> float:

@@ -7,15 +7,11 @@ from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ com
 `length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
 `fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
 
-Cost per example: where the configurations decode together as one batch (grid decode), each row is compared with the
-full cache's row of the same batch at every step, as they decode (scalars only: no distribution is kept, so memory
-is measured as without the columns); a row that generated exactly the full answer was fed the answer's tokens, so
-those are its columns, at no extra cost. Any other row is rebuilt: its compression again from the shared prefill
-(compression is deterministic, so the cache is the one the row decoded from) and one forward over the answer's
-tokens — token by token where a single multi-token forward would not reproduce decoding (quantized or otherwise
-custom layers, layers of different lengths, methods acting on decode steps) — against the full cache teacher-forced
-the same way, once per example: each comparison's two sides come from the same path, since in bfloat16 a decode and
-a multi-token forward round differently by about the KL of a near-lossless cache.
+Cost per example: the full cache's distributions once (one forward over its answer), shared by every configuration
+of the example; per compressed configuration its compression again from the shared prefill (compression is
+deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
+single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
+lengths, methods acting on decode steps — are fed token by token, as decoding feeds them.
 """
 
 from __future__ import annotations
@@ -93,11 +89,7 @@ def per_step(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
     """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
-    return columns(*per_step(full, other))
-
-
-def columns(kl: torch.Tensor, top1: torch.Tensor) -> dict:
-    """Fidelity columns of per-step KL (n,) and top-1 agreement (n,)."""
+    kl, top1 = per_step(full, other)  # (n,), (n,)
     step = int(kl.argmax())
     return {
         "kl_mean": float(kl.mean()),
@@ -126,17 +118,6 @@ class Ran:
     gen: Generation
 
 
-def decoded_steps(gen: Generation, answer: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(n,) KL and (n,) top-1 per step that a grid decode measured against the full cache's row in its batch
-    (Generation.fidelity_steps), where this row generated exactly `answer`: its decode was then fed the answer's
-    tokens, which is what teacher forcing feeds, so no rebuild is needed; else None."""
-    steps = gen.fidelity_steps
-    if not steps or gen.token_ids != answer or len(steps) != len(answer):
-        return None
-    values = torch.tensor(steps, dtype=torch.float64)  # (n, 2)
-    return values[:, 0], values[:, 1]
-
-
 @torch.inference_mode()
 def add_columns(
     rows: list[dict],
@@ -150,36 +131,29 @@ def add_columns(
 ) -> None:
     """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
     share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
-    answer is its row's; without a full row here (reused from the store) it is decoded once. A row that generated
-    exactly the full answer in a grid batch with the full cache takes the steps measured there (`decoded_steps`);
-    the others are rebuilt and teacher-forced (`compressed_logits`), against the full cache forced the same way."""
+    answer is its row's; without a full row here (reused from the store) it is decoded once."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
-    start = time.perf_counter()
+    rebuild = [r for r in runs if r.source is not None and r.method.name != "full"]
+    reference, start = None, time.perf_counter()
     if full_run is not None:
         answer = full_run.gen.token_ids
-    else:
-        prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
+    if rebuild or full_run is None:
         full = build_method("full")
-        start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
-        answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
-    decoded = {id(r): decoded_steps(r.gen, answer) for r in runs if r.source is not None and r.method.name != "full"}
-    reference = None
-    if any(v is None for v in decoded.values()):  # rows rebuilt and teacher-forced, against the full cache forced too
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
-        full = build_method("full")
-        reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
+        if full_run is None:
+            start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
+            answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
+        reference = (
+            compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens) if rebuild else None
+        )
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     for row, run in zip(rows, runs):
         start = time.perf_counter()
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
-        elif id(run) in decoded:
-            steps = decoded[id(run)]
-            if steps is None:
-                assert reference is not None  # made whenever a row is rebuilt
-                logits = compressed_logits(
-                    run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
-                )
-                steps = per_step(reference, logits)
-            row.update(columns(*steps), fidelity_s=time.perf_counter() - start)
+        elif run.source is not None and reference is not None:
+            logits = compressed_logits(
+                run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
+            )
+            row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)

@@ -215,14 +215,9 @@ def row_stats(stats: StatsRecorder, row: int, lengths: list[int]) -> StatsRecord
 
 
 def decode_grid(
-    engine: Engine,
-    starts: list[Compressed],
-    max_new_tokens: int,
-    stop: tuple[str, ...],
-    reference: int | None = None,
+    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...]
 ) -> list[BatchedGeneration]:
-    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; `reference`: the
-    row (the full cache) every other row is compared with at each step (Generation.fidelity_steps)."""
+    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
@@ -283,7 +278,6 @@ def decode_grid(
         stop=stop,
         drop_rows=drop_rows,
         recorder=recorder,
-        reference=reference,
     )
     return [
         BatchedGeneration(
@@ -300,7 +294,6 @@ def decode_grid(
             batch_size=n_rows,
             decode_tokens_per_s=done.tokens_per_s,
             latency_s=s.prefill_s + done.seconds[row],
-            fidelity_steps=done.divergence[row] if reference is not None else None,
         )
         for row, s in enumerate(starts)
     ]
@@ -314,11 +307,9 @@ def generate_grid(
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
     max_padding: float = MAX_PADDING,
-    compare_full: bool = False,
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
-    padded bytes stay ≤ max_padding × their own: `groups`); in order. `compare_full`: a batch holding the full cache
-    compares every row with it at each step (Generation.fidelity_steps, read by kvbench.engine.fidelity)."""
+    padded bytes stay ≤ max_padding × their own: `groups`); in order."""
     device = engine.lm.device
     base = reset_peak(device)
 
@@ -352,8 +343,7 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            full = [n for n, i in enumerate(rows) if confs[i][0].name == "full"] if compare_full else []
-            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, full[0] if full else None)
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop)
             for i, gen in zip(rows, gens):
                 out[i] = gen
     for i in range(len(confs)):

@@ -85,36 +85,6 @@ def test_full_rows_are_the_reference_and_a_lossless_configuration_has_kl_zero(ti
     assert 0 <= lossy["kl_max_step"] < 10 and set(fidelity.COLUMNS) <= set(lossy)
 
 
-def test_a_row_that_decoded_the_full_answer_in_the_grid_is_compared_there(tiny_engine, prompt_ids, monkeypatch):
-    """Decoded as one grid batch with the full cache, a row that generated the full answer takes the per-step KL and
-    top-1 measured in the batch (no rebuild, no distribution kept); a row whose answer differs is rebuilt and
-    teacher-forced, against the full cache forced the same way. The columns equal the all-rebuilt ones."""
-    from kvbench.engine.grid_decode import generate_grid
-
-    confs = [(build("knorm", {}), Budget.parse(1.0)), (build("knorm", {}), Budget.parse(0.05))]
-    forced = rows_of(tiny_engine, prompt_ids, confs)
-    prompt, question = prompt_ids[:-12], prompt_ids[-12:]
-    prefill = tiny_engine.prefill(prompt, StatsRequest())
-    together = [(build("full", {}), None), *confs]
-    rebuilt = []
-    real = fidelity.compressed_logits
-    monkeypatch.setattr(fidelity, "compressed_logits", lambda e, p, m, *a: rebuilt.append(m.name) or real(e, p, m, *a))
-    for compare_full in (True, False):
-        rebuilt.clear()
-        gens = generate_grid(tiny_engine, prefill, together, question, 10, compare_full=compare_full)
-        assert (gens[0].fidelity_steps is not None) == compare_full and gens[1].token_ids == gens[0].token_ids
-        runs = [fidelity.Ran(m, b, tiny_engine, prefill, g) for (m, b), g in zip(together, gens)]
-        rows: list[dict] = [{} for _ in runs]
-        fidelity.add_columns(rows, runs, tiny_engine, prefill, prompt, question, 10)
-        # knorm at 1.0 decoded the full answer; at 0.05 its first token already differs: forced, with the full cache
-        assert rebuilt == (["full", "knorm"] if compare_full else ["full", "knorm", "knorm"])
-        for d, f in zip(rows, forced):
-            assert d["top1_agreement"] == f["top1_agreement"] and d["fidelity_tokens"] == f["fidelity_tokens"]
-            assert d["kl_mean"] == pytest.approx(f["kl_mean"], rel=1e-4, abs=1e-6)
-            assert d["kl_max"] == pytest.approx(f["kl_max"], rel=1e-4, abs=1e-6)
-        assert rows[2]["top1_agreement"] < 1 and rows[1]["kl_mean"] < 1e-6  # the rebuilt row is the lossy one
-
-
 def test_without_a_full_row_the_reference_is_decoded_here(tiny_engine, prompt_ids):
     """Rows computed without the full cache's (its row reused from the store) get the same columns."""
     confs = [(build("random", {}), Budget.parse(0.1))]
@@ -125,8 +95,7 @@ def test_without_a_full_row_the_reference_is_decoded_here(tiny_engine, prompt_id
 
 
 def test_every_generating_row_has_the_columns_grid_or_not(tmp_path):
-    """A run's rows (grid-batched or one by one: the same columns — measured in the grid batch or teacher-forced, to
-    float rounding); the full cache's rows are the reference."""
+    """A run's rows (grid-batched or one by one: the same columns); the full cache's rows are the reference."""
     grid = ["grid.method=[snapkv,h2o]", "grid.budget=[0.2]", "task.max_new_tokens=5"]
     on = run(compose_config(*tiny_overrides(tmp_path / "on", *grid)), output_dir=tmp_path / "on" / "out")
     off = run(
@@ -135,11 +104,7 @@ def test_every_generating_row_has_the_columns_grid_or_not(tmp_path):
     key = ["method", "budget", "example_id"]
     a, b = on.sort_values(key).reset_index(drop=True), off.sort_values(key).reset_index(drop=True)
     columns = list(fidelity.COLUMNS)
-    assert a[columns].notna().all().all() and b[columns].notna().all().all()
-    exact = ["top1_agreement", "fidelity_tokens", "length_vs_full"]
-    assert a[exact].equals(b[exact])
-    for column in ("kl_mean", "kl_max"):
-        assert a[column].tolist() == pytest.approx(b[column].tolist(), rel=1e-2, abs=1e-6), column
+    assert a[columns].notna().all().all() and a[columns].equals(b[columns])
     full = a[a.method == "full"]
     assert (full.kl_mean == 0).all() and (full.top1_agreement == 1).all() and (full.length_vs_full == 1).all()
     assert (a[a.method != "full"].kl_mean > 0).all()

@@ -132,10 +132,7 @@ def test_a_single_method_run_decodes_each_configuration_alone(tmp_path, capsys):
         "fidelity_s",
     }
     measured = timings | {"latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
-    kl = {"kl_mean", "kl_max"}  # measured in the grid batch, or teacher-forced when decoded alone: to float rounding
-    assert [c for c in a.columns if c not in measured | kl and not a[c].equals(b[c])] == []
-    for column in kl:
-        assert a[column].tolist() == pytest.approx(b[column].tolist(), rel=1e-2, abs=1e-6), column
+    assert [c for c in a.columns if c not in measured and not a[c].equals(b[c])] == []
     assert set(a.method) == {"full", "streamingllm"} and (a.batch_size == 1).all() and (b.batch_size == 2).all()
     assert "batch_ms_per_step" not in alone and "decode_ms_per_token" in alone
     assert "batch_ms_per_step" in together

@@ -52,9 +52,7 @@ def assert_same_cache(a, b):
 @pytest.mark.parametrize("name", ALL_METHODS)
 def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine, prompt_ids):
     method = built(name)
-    if not inline.compresses_per_layer(
-        method
-    ):  # refused by kvbench.run.modes (kvzip: its second forward needs every layer)
+    if not inline.compresses_per_layer(method):  # refused by kvbench.run.modes (kvzip: its second forward needs every layer)
         pytest.skip(f"{name} compresses after the whole prefill")
     budget = Budget.parse(0.25) if method.caps.has_budget else None
     engine = tiny_engine.prepared(method)
