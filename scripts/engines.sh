@@ -31,10 +31,17 @@ declare -A grids=(  # every option each engine runs on this CPU (`full` is alway
 )
 
 for task in ${TASKS:-niah ruler}; do
+  [ -n "${task_args[$task]:-}" ] || { echo "engines.sh: TASKS=$task: use niah and/or ruler"; exit 2; }
+done
+for engine in ${ENGINES:-kvbench llamacpp vllm openvino}; do
+  [ -n "${grids[$engine]:-}" ] || { echo "engines.sh: ENGINES=$engine: use kvbench, llamacpp, vllm and/or openvino"; exit 2; }
+done
+
+for task in ${TASKS:-niah ruler}; do
   for engine in ${ENGINES:-kvbench llamacpp vllm openvino}; do
     echo "[engines] $model $task $engine"
-    # shellcheck disable=SC2086  # the args are word lists on purpose
     grid_var="GRID_$engine"
+    # shellcheck disable=SC2086  # the args are word lists on purpose
     "$py" -m kvbench "model=$model" ${task_args[$task]} "engine=$engine" ${!grid_var:-${grids[$engine]}} fidelity=false report=false \
       "results_dir=$store" "$@" || { echo "[engines] $model $task $engine: did not finish (exit $?)"; failed=1; }
   done

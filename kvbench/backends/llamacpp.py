@@ -58,7 +58,7 @@ class LlamaCpp(Backend):
     def __init__(self, root: Path | None = None, n_threads: int | None = None):
         self.root = Path(root) if root else ROOT
         # every core, as OpenVINO's worker and llama.cpp's own CLI take them (OMP_NUM_THREADS caps it, as for torch)
-        self.n_threads = n_threads or int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        self.n_threads = n_threads or int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
         self.worker: Worker | None = None
         self.info: dict = {}
 

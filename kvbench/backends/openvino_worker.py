@@ -150,6 +150,8 @@ def block_bytes(worker: OpenvinoWorker, knobs: dict, kv_blocks: int = 8) -> dict
     handle = pipe.add_request(0, ov.Tensor(np.array([[1]], dtype=np.int64)), config)  # (1, 1)
     while handle.get_status() == genai.GenerationStatus.RUNNING:
         pipe.step()
+    if handle.get_status() != genai.GenerationStatus.FINISHED:
+        raise RuntimeError(f"the one-token probe ended {handle.get_status().name}")
     return {"engine_block_bytes": pipe.get_metrics().kv_cache_size_in_bytes // kv_blocks}
 
 

@@ -158,7 +158,12 @@ class OpenvinoServer:
         from kvbench.backends.openvino import OpenvinoBackend
 
         self.backend = OpenvinoBackend()
-        self.backend.start(model_cfg, dtype)
+        self.blocks: dict[str, int] = {}  # option -> bytes per block (u8/u4: one probe pipeline each)
+        try:
+            self.backend.start(model_cfg, dtype)
+        except BaseException:
+            self.backend.close()  # a worker whose start failed would otherwise live on, holding the model
+            raise
 
     def block_bytes(self, option: str) -> int:
         """Bytes of one 32-token block at the option's KV precision: the model dtype's, or for u8/u4 the engine's
@@ -170,8 +175,23 @@ class OpenvinoServer:
         precision = self.backend.options[option].get("kv_cache_precision")
         if precision is None:
             return int(elements * BYTES[self.backend.precision])
-        engine_block = self.backend.worker.request("block_bytes", knobs=self.backend.options[option])
-        return int(engine_block["engine_block_bytes"]) - (elements // 2 if precision == "u4" else 0)
+        if option not in self.blocks:
+            engine_block = int(
+                self.backend.worker.request("block_bytes", knobs=self.backend.options[option])["engine_block_bytes"]
+            )
+            if engine_block <= elements // 2:
+                raise KvbenchError(f"OpenVINO reported {engine_block} bytes per KV block for {option}: not a block")
+            self.blocks[option] = engine_block - (elements // 2 if precision == "u4" else 0)
+        return self.blocks[option]
+
+    def refusal(self, option: str, budget: float | None, requests) -> str:
+        """Why an eviction option would compute wrong tokens on this model ("" when it would not): OpenVINO evicts
+        sliding-window layers too (OpenvinoBackend.sliding_window_break), checked on the longest request."""
+        from kvbench.backends.base import EngineRequest
+
+        longest = max(requests, key=lambda r: r.prompt_tokens)
+        probe = EngineRequest([0] * longest.prompt_tokens, longest.max_new_tokens, option, budget=budget)
+        return self.backend.sliding_window_break(probe, self.backend.knobs(probe))
 
     def serve(self, option: str, budget: float | None, kv_budget: int, requests, stop_ids, **kw):
         from kvbench.backends.base import EngineRequest
@@ -212,11 +232,17 @@ def serve_engines(
     skipped: list[str] = []
     for name, options in engines.items():
         server = None
-        option = options[0]
+        option, served = options[0], 0
         try:
             server = OpenvinoServer(model_cfg, dtype) if name == "openvino" else None
             for option in options:
                 budget = evict_budget if option in ("sum", "norm_sum") else None
+                served = 0  # KV budgets of this option done
+                refused = server.refusal(option, budget, requests) if server is not None else ""
+                if refused:
+                    skipped.append(f"{name}:{option} not served: {refused}")
+                    print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
+                    continue
                 for kv_budget in kv_budgets:
                     print(f"[serving] {name}:{option} at {kv_budget / 1e6:.1f} MB ...", file=sys.stderr, flush=True)
                     if server is not None:
@@ -227,9 +253,12 @@ def serve_engines(
                         )
                     result = result_of(requests, reply, block_bytes, knows_queue=name == "vllm")
                     out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
+                    served += 1
         except KvbenchError as e:
-            left = options[options.index(option) :]
-            skipped.append(f"{name} skipped ({', '.join(f'{name}:{o}' for o in left)} not served): {e}")
+            left = [f"{name}:{o}" for o in options[options.index(option) :]]
+            if served:
+                left[0] += f" at {len(kv_budgets) - served} of {len(kv_budgets)} KV budgets"
+            skipped.append(f"{name} skipped ({', '.join(left)} not served): {e}")
             print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
         finally:
             if server is not None:
