@@ -160,11 +160,15 @@ def serve_trace(
     reset_peak_rss()
     out = drive(requests, add, step, engine.has_unfinished_requests, sample, sequential)
     config = manager.kv_cache_config
+    # the bytes of one block of the pool the samples and block tables count: a hybrid model's KV cache groups (Gemma
+    # 3: 6, sliding and global layers) alias one buffer from byte 0, each listed as its own tensor of its full size
+    # (vllm/v1/core/kv_cache_utils.py), and every group takes its blocks from that one pool
+    pool_block = sum(tensor.size for tensor in config.kv_cache_tensors) // len(config.kv_cache_groups)
     return {
         **out,
         "num_blocks": config.num_blocks,
         "block_size": worker.llm.llm_engine.vllm_config.cache_config.block_size,
-        "block_bytes": sum(tensor.size for tensor in config.kv_cache_tensors) // config.num_blocks,
+        "block_bytes": pool_block // config.num_blocks,
         "peak_mem_bytes": peak_rss_bytes(),
     }
 
