@@ -141,9 +141,9 @@ def main() -> None:
         how = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}.get(
             signal.Signals(signum), "hung up (SIGHUP)"
         )
-        from kvbench.store.results import SAVED
+        from kvbench.store.results import saved_rows
 
-        saved = sum(SAVED.values())  # what this process's stores hold of it (kvbench.store.results.ResultStore)
+        saved = saved_rows()  # what this process's stores hold of it on disk (kvbench.store.results.ResultStore)
         where = f"the {saved} rows computed so far are in the store" if saved else "no row was computed before it"
         print(  # the run's claims are released on the way here (kvbench.run.runner's finally)
             f"\nkvbench: {how}; {where}: rerun the same command to {'resume' if saved else 'start again'}",

@@ -186,8 +186,16 @@ def config_hash(payload: dict) -> str:
 
 HOST = socket.gethostname()
 TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)@(?P<host>.+?)\.[^.]+\.tmp$")  # write_atomic's names
-# rows each ResultStore of this process saved, by its rows file: what an interrupted run tells the user is safe
-SAVED: dict[str, int] = {}
+# the rows files this process's ResultStores write: an interrupted run counts their rows on disk to tell the user
+# what is safe (a count kept beside the write would miss a signal landing between the rename and the count)
+SAVING: set[Path] = set()
+
+
+def saved_rows() -> int:
+    """Rows the files in SAVING hold now (Parquet footers only)."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(path).num_rows for path in SAVING if path.exists())
 
 
 def write_atomic(path: Path, write) -> None:
@@ -324,6 +332,6 @@ class ResultStore:
 
     def save_run(self, run_id: str, rows: list[dict]) -> Path:
         path = self.rows_dir / f"{run_id}.parquet"
+        SAVING.add(path)  # before the write: whatever lands on disk is counted
         write_rows(pd.DataFrame(rows), path)
-        SAVED[str(path)] = len(rows)
         return path

@@ -50,20 +50,24 @@ def test_claim_folders_go_as_they_empty(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("saved", "line"),
+    ("rows", "line"),
     [
-        ({}, "no row was computed before it: rerun the same command to start"),
-        ({"x": 4}, "the 4 rows computed so far are in the store: rerun"),
+        (0, "no row was computed before it: rerun the same command to start"),
+        (4, "the 4 rows computed so far are in the store: rerun"),
     ],
 )
-def test_an_interrupted_run_says_what_the_store_holds(monkeypatch, capsys, saved, line):
+def test_an_interrupted_run_says_what_the_store_holds(monkeypatch, capsys, tmp_path, rows, line):
     import kvbench.__main__ as entry
 
     def stopped():
         raise KeyboardInterrupt
 
     monkeypatch.setattr(entry, "_main", stopped)
-    monkeypatch.setattr(results, "SAVED", saved)
+    monkeypatch.setattr(results, "SAVING", set())
+    store = results.ResultStore(tmp_path)
+    if rows:
+        store.save_run("run", [{"config_hash": "h", "example_id": str(i)} for i in range(rows)])
+    results.SAVING.add(store.rows_dir / "never-written.parquet")  # a write the signal beat: counts nothing
     with pytest.raises(SystemExit) as exited:
         entry.main()
     assert exited.value.code == 130 and line in capsys.readouterr().err
