@@ -214,6 +214,23 @@ def row_stats(stats: StatsRecorder, row: int, lengths: list[int]) -> StatsRecord
     return out
 
 
+def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
+    """Row i's decode-time policy (its hooks' on_decode_step) on a batch-1 view of its own slots, with its slice of
+    the step's statistics, as alone; what it keeps is written back into its slots."""
+    recorded = getattr(stats, "rows", [])
+    layers = [grid.row(i) for grid in grids]
+    view = DynamicCache()
+    view.layers.extend(layers)
+    before = [layer.keys for layer in layers]
+    own = StatsRecorder(StatsRequest())
+    if i in recorded:
+        own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
+    policy.on_decode_step(view, own)
+    for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
+        if layer.keys is not old and not layer.compacted:  # replaced: its tokens become the row's slots
+            grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+
+
 def decode_grid(
     engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...]
 ) -> list[BatchedGeneration]:
@@ -243,22 +260,9 @@ def decode_grid(
         return RowsRecorder(step_request, asking, device)
 
     def after_step(stats, live: list[int]) -> None:
-        recorded = getattr(stats, "rows", [])
         for i, row in enumerate(live):
-            if row not in hooked:
-                continue
-            compression = hooks[row]  # its decode-time policy on its own tokens, as alone
-            layers = [grid.row(i) for grid in grids]
-            view = DynamicCache()
-            view.layers.extend(layers)
-            before = [layer.keys for layer in layers]
-            own = StatsRecorder(StatsRequest())
-            if i in recorded:
-                own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
-            compression.on_decode_step(view, own)
-            for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
-                if layer.keys is not old and not layer.compacted:  # replaced otherwise: its tokens become the slots
-                    grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+            if row in hooked:
+                decode_step_on_row(grids, i, hooks[row], stats)  # its decode-time policy on its own tokens
 
     def drop_rows(keep: list[int]) -> None:
         for grid in grids:

@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.batched import forward_batch
-from kvbench.engine.grid_decode import GROW, GridLayer, GridRow, RowsRecorder, row_stats
-from kvbench.model.attention import StatsRecorder, StatsRequest, recording
+from kvbench.engine.grid_decode import GROW, GridLayer, RowsRecorder, decode_step_on_row
+from kvbench.model.attention import StatsRequest, recording
 
 
 def join(layer: GridLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -102,20 +102,6 @@ class RowBatch:
 
     def _after_step(self, stats) -> None:
         """Each evicting row's policy on a batch-1 view of its own slots (kvbench.engine.grid_decode.decode_grid)."""
-        recorded = getattr(stats, "rows", [])
-        grids = self.grids
         for i, row in enumerate(self.rows):
-            hooks = row.hooks
-            if not hooks.acts_while_decoding:
-                continue  # nothing to do while generating
-            layers = [grid.row(i) for grid in grids]
-            view = DynamicCache()
-            view.layers.extend(layers)
-            before = [layer.keys for layer in layers]
-            own = StatsRecorder(StatsRequest())
-            if i in recorded:
-                own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
-            hooks.on_decode_step(view, own)
-            for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
-                if layer.keys is not old and not layer.compacted:  # replaced: its tokens become the row's slots
-                    grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
+            if row.hooks.acts_while_decoding:  # else nothing to do while generating
+                decode_step_on_row(self.grids, i, row.hooks, stats)
