@@ -42,7 +42,6 @@ import copy
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
@@ -50,6 +49,7 @@ from kvbench.kernels import quantize_pack, unpack_dequantize
 from kvbench.kernels.kivi_attention import TENSORS, KiviStorage
 from kvbench.methods.base import METHODS, Capabilities, Method
 from kvbench.methods.compression import Compression
+from kvbench.model.cache import MappedLayer
 
 BITS = (2, 4, 8, 16)
 
@@ -69,7 +69,7 @@ def check_config(bits: int, group_size: int, residual_length: int, knob: str = "
         )
 
 
-class KiviLayer(DynamicLayer):
+class KiviLayer(MappedLayer):
     """One decoder layer's KIVI cache (layout in the module docstring); `keys`/`values` stay None."""
 
     is_croppable = False  # crop goes through select
@@ -306,15 +306,6 @@ class KiviLayer(DynamicLayer):
                 setattr(self, name, fn(getattr(self, name)))
             if self.dead is not None:
                 self.dead = fn(self.dead)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def offload(self):
         self._map(lambda t: t.to("cpu", non_blocking=True))

@@ -40,13 +40,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method, check_choice
 from kvbench.methods.compression import Compression
-from kvbench.model.cache import kv_layer
+from kvbench.model.cache import MappedLayer, kv_layer
 
 PRESETS = {  # vLLM's kv-cache dtypes: key format, bits, norm correction
     "turboquant_k8v4": {"key_bits": 8, "value_bits": 4, "norm_correction": False, "fp8_keys": True},
@@ -180,7 +179,7 @@ class Quantizer:
         return -(-dim * self.bits // 8) + (4 if self.mode == "uniform" else 2)
 
 
-class TurboQuantLayer(DynamicLayer):
+class TurboQuantLayer(MappedLayer):
     """One decoder layer's TurboQuant cache: `key_*` and `value_*` tensors (module docstring); keys/values None."""
 
     is_croppable = False
@@ -244,15 +243,6 @@ class TurboQuantLayer(DynamicLayer):
 
     def _map(self, fn) -> None:
         self.stored = {part: {k: fn(t) for k, t in tensors.items()} for part, tensors in self.stored.items()}
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices])
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
 
 
 @METHODS.register("turboquant")

@@ -50,6 +50,23 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return keys, values
 
 
+class MappedLayer(DynamicLayer):
+    """A cache layer that stores its own tensors (codes, scales, residuals): transformers' batch operations (beam
+    reorder, row selection, repetition) as one `_map(fn)` over every tensor it holds."""
+
+    def _map(self, fn) -> None:
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+
 def window_layer(keys: torch.Tensor, values: torch.Tensor, window: int) -> WindowLayer:
     """A sliding layer after a prompt whose keys/values (B, H_kv, T, D) are given: the last min(T, W − 1)."""
     layer = WindowLayer(sliding_window=window)

@@ -143,3 +143,25 @@ def test_composed_under_eviction(tiny_engine, prompt_ids):
     gen = tiny_engine.run(method, Budget.parse(64), prompt_ids, max_new_tokens=8)
     per_token = 2 * (8 + 2 + 8 + 4)  # 2 heads × (keys ⌈16·4/8⌉ + norm, values + scale + zero) at D = 16
     assert gen.kv_bytes == 4 * 64 * per_token
+
+
+def test_batch_operations_act_on_every_stored_tensor():
+    """transformers' batch operations (kvbench.model.cache.MappedLayer) on the packed layers of TurboQuant and
+    KIVI: a row selected, reordered or repeated decodes to exactly that row's tokens."""
+    from kvbench.methods.kivi import KiviLayer
+
+    keys, values = torch.randn(2, 3, 2, 40, 32).unbind(0)  # (B=3, H=2, T=40, D=32) each
+    layers = [
+        lambda: TurboQuantLayer.from_kv(keys, values, *build_method("turboquant").quantizers()),
+        lambda: KiviLayer.from_kv(keys, values, bits=4, group_size=8, residual_length=16),
+    ]
+    for make in layers:
+        whole_k, whole_v = make().kv()  # (3, 2, 40, 32)
+        layer = make()
+        layer.batch_select_indices(torch.tensor([2, 0]))
+        k, v = layer.kv()
+        assert torch.equal(k, whole_k[[2, 0]]) and torch.equal(v, whole_v[[2, 0]])
+        layer.reorder_cache(torch.tensor([1, 0]))
+        assert torch.equal(layer.kv()[0], whole_k[[0, 2]])
+        layer.batch_repeat_interleave(2)
+        assert torch.equal(layer.kv()[1], whole_v[[0, 0, 2, 2]])
