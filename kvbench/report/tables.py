@@ -56,6 +56,13 @@ class Column:
         return f' class="{" ".join(names)}"' if names else ""
 
 
+MEASURED = [  # what a row measured beside its score: every summary shows these
+    Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
+    Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
+    Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
+]
+
+
 def summary_columns(
     part: pd.DataFrame, *, subset: bool = False, model: bool = False, tasks: bool = False, setting: bool = False
 ) -> list[Column]:
@@ -83,9 +90,7 @@ def summary_columns(
             fixed(3, signed=True),
             title="full-cache mean minus this mean on the same examples (perplexity: negative = worse)",
         ),
-        Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
-        Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
-        Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
+        *MEASURED,
         Column(
             "decode ms/token",
             lambda r: r["decode_ms_per_token"],

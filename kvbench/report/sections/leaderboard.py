@@ -14,7 +14,7 @@ import pandas as pd
 
 from kvbench.report.page import Page
 from kvbench.report.section import Context, Section, report_section, save_figure
-from kvbench.report.tables import Column, fixed, html_table, markdown_table, mib, seconds
+from kvbench.report.tables import MEASURED, Column, fixed, html_table, markdown_table
 from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
@@ -103,9 +103,7 @@ COLUMNS = [
         lambda r: r["ci_low"],
         title="Wilson for 0/1 scores, bootstrap otherwise; none below 5 examples",
     ),
-    Column("kv_ratio", lambda r: r["kv_ratio"], fixed(3), title="measured cache bytes / full cache bytes"),
-    Column("peak MiB", lambda r: r["peak_mem_bytes"], mib, title="peak device memory during an example"),
-    Column("prefill s", lambda r: r["prefill_s"], seconds, title="prefill including compression"),
+    *MEASURED,
     Column(
         "decode ms/token",
         lambda r: r["decode_ms_per_token"],
