@@ -58,7 +58,15 @@ def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
     assert "niah" not in section.markdown
     page = (tmp_path / "leaderboard.html").read_text()  # the page alone: table, sorting script, plot inline
     assert '<table class="sortable' in page and "addEventListener('click'" in page and "data:image/png" in page
-    assert "| 83.3 |" in (tmp_path / "leaderboard.md").read_text()
+    standalone = (tmp_path / "leaderboard.md").read_text()
+    assert "| 83.3 |" in standalone
+    # the score by compression ratio: a column per ratio, ordered by the mean over the ratios each ran
+    grid = standalone.split("## Score by compression ratio")[1].split("## Every line")[0]
+    heading = next(x for x in grid.splitlines() if x.startswith("| model"))
+    assert heading.split("|")[5:9] == [" 0 ", " 0.5 ", " 0.75 ", " mean "]
+    lines = [x for x in grid.splitlines() if x.startswith("| tiny ")]
+    assert [x.split("|")[4].strip() for x in lines] == ["full", "snapkv", "streamingllm"]
+    assert lines[1].split("|")[6:9] == [" 83.3 ", " 50.0 ", " 66.7 "]  # snapkv at 0.5, 0.75, their mean
     csv = pd.read_csv(tmp_path / "leaderboard.csv")
     assert len(csv) == 5 and set(csv["method"]) == {"full", "snapkv", "streamingllm"}
 

@@ -170,11 +170,41 @@ def ruler_leaderboard(rows: pd.DataFrame, summary: pd.DataFrame, context: Contex
     )
 
 
+def by_ratio(table: pd.DataFrame) -> tuple[pd.DataFrame, list[Column]]:
+    """kvpress's board as it reads: a line per model × setting × engine × method, its score at each compression
+    ratio in a column (budgets only: a quantized cache's measured ratio is its own), ordered by the mean over the
+    ratios it ran; the full cache's line at ratio 0."""
+    keys = ["model", "query_aware", "engine", "method"]
+    nominal = table[table["nominal"]]
+    wide = nominal.pivot_table(index=keys, columns="ratio", values="score", aggfunc="first")  # (lines, ratios)
+    ratios = list(wide.columns)
+    wide = wide.assign(mean=wide[[r for r in ratios if r > 0]].mean(axis=1)).reset_index()
+    wide = wide.assign(compressed=wide["method"] != FULL)  # the full cache's line first
+    wide = wide.sort_values(["model", "query_aware", "compressed", "mean"], ascending=[True, True, True, False])
+    columns = [
+        Column("model", lambda r: r["model"], left=True),
+        Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
+        Column("engine", lambda r: r["engine"], left=True),
+        Column("method", lambda r: r["method"], left=True),
+        *(
+            Column(f"{r:g}", lambda row, r=r: row[r], fixed(1), title=f"score at compression ratio {r:g}")
+            for r in ratios
+        ),
+        Column("mean", lambda r: r["mean"], fixed(1), title="mean score over the ratios > 0 this line ran"),
+    ]
+    return wide, columns
+
+
 def standalone(table: pd.DataFrame, few: pd.Series, note: str, plots: list, out_dir) -> None:
-    """The leaderboard as a page of its own (self-contained HTML with the plot inline, and Markdown), to publish."""
+    """The leaderboard as a page of its own (self-contained HTML with the plot inline, and Markdown), to publish:
+    the score by compression ratio first, then every line with its interval and measurements."""
     page = Page("RULER leaderboard")
     page.note(note)
     page.images(plots)
+    wide, columns = by_ratio(table)
+    page.heading(2, "Score by compression ratio")
+    page.table(wide, columns)
+    page.heading(2, "Every line, with its 95 % interval and measurements")
     page.table(table, COLUMNS, few)
     (out_dir / "leaderboard.html").write_text(page.html([]))
     (out_dir / "leaderboard.md").write_text(page.markdown())
