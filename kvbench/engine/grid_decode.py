@@ -24,8 +24,10 @@ every row keeps what it keeps alone.
 
 Decoded alone instead (automatically, with `Engine.decode`, exactly today's path): caches with storage of their
 own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
-(StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), and every configuration
-when only one would be in the batch.
+(StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), on a model with
+sliding-window layers the methods that evict while decoding, and every configuration when only one would be in the
+batch. A model's window layers (Gemma 3's local layers: no method compresses them) hold the same number of tokens in
+every row, so they are stacked into one batch as they are (`GridWindowLayer`).
 Rows are grouped so padding at most doubles the bytes a batch holds (`grid_padding`, default MAX_PADDING = 2), at
 most MAX_ROWS per batch. Pads cost memory, never compute (each row attends over its own slots): a larger
 `grid_padding` puts more configurations in one batch — fewer steps, more memory (README "Grid decoding").
@@ -52,6 +54,7 @@ from kvbench.engine.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
+from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
 
 MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
@@ -138,21 +141,53 @@ class GridRow(DynamicLayer):
         self.grid.lengths[self.row], self.compacted = index.shape[-1], True
 
 
+class GridWindowLayer(WindowLayer):
+    """A sliding-window layer of grid rows (Gemma 3's local layers, which no method compresses): the rows stand at
+    the same position and none evicts while decoding, so their windows hold the same tokens' count and one
+    (B, H_kv, ≤ W − 1, D) tensor steps as transformers' layer does — the attention of each row is the one it has
+    alone (the CPU backend's single-query kernel is row-independent)."""
+
+    def __init__(self, rows: list[WindowLayer]):
+        super().__init__(sliding_window=rows[0].sliding_window)
+        first = rows[0]
+        if any(r.keys.shape != first.keys.shape or r.cumulative_length != first.cumulative_length for r in rows):
+            raise ValueError("grid rows' window layers differ: such rows decode alone (decodes_in_grid)")
+        self.lazy_initialization(first.keys, first.values)
+        self.keys = torch.cat([r.keys for r in rows])  # (B, H_kv, n, D)
+        self.values = torch.cat([r.values for r in rows])
+        self.cumulative_length = first.cumulative_length
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.keys.shape[2]] * self.keys.shape[0]
+
+    def keep_rows(self, keep: list[int]) -> None:
+        index = torch.tensor(keep, device=self.device)
+        self.keys, self.values = self.keys[index], self.values[index]  # (B_kept, H_kv, n, D)
+
+
 def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
-    """One cache of the rows' caches (each batch 1, plain layers): their tensors copied into GridLayers."""
+    """One cache of the rows' caches (each batch 1): plain layers' tensors copied into GridLayers, window layers
+    stacked into GridWindowLayers."""
     cache = DynamicCache()
     for layer_idx in range(len(caches[0].layers)):
-        rows = [cast(DynamicLayer, c.layers[layer_idx]) for c in caches]
+        rows = [c.layers[layer_idx] for c in caches]
+        if type(rows[0]) is WindowLayer:
+            cache.layers.append(GridWindowLayer(cast(list[WindowLayer], rows)))
+            continue
         cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in rows]))
     return cache
 
 
 def decodes_in_grid(method: Method, start: Compressed) -> bool:
     """Whether this configuration's cache can be a row of a grid batch (else it decodes alone)."""
+    window_ok = not start.hooks.acts_while_decoding  # a window layer's rows step together: none may evict there
     return (
         method.caps.shares_prefill
         and not method.caps.decodes_alone
-        and all(type(layer) is DynamicLayer for layer in start.cache.layers)  # plain tensors, dense heads
+        and all(  # plain tensors, dense heads; the model's windows as they are
+            type(layer) is DynamicLayer or (window_ok and type(layer) is WindowLayer) for layer in start.cache.layers
+        )
         and start.cache.layers[0].keys.shape[0] == 1
         and start.hooks.position(start.position, start.cache) == start.position  # no re-indexed positions
     )

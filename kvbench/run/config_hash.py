@@ -18,8 +18,8 @@ def grid_batching(spec: RunSpec, lm, requested: int) -> bool:
     where the rows are identical to one by one (tested) and the run requests more than one configuration besides the
     full-cache baseline — a single method's run (the default job) decodes each configuration alone, so the first
     decode_ms_per_token a user reads is each method's own, not a batch's shared step; true always; false never."""
-    if lm.layout.has_sliding:
-        return False  # window layers (kvbench.model.cache.WindowLayer) decode alone: grid rows are plain layers
+    if lm.layout.has_sliding and not decode_kernels(lm):
+        return False  # window layers step together (grid_decode.GridWindowLayer) where the kernels are tested exact
     setting = spec.grid_batch
     return requested > 1 and grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 

@@ -251,3 +251,45 @@ def test_a_grid_step_attends_row_by_row_as_alone(tiny, dtype):
         assert torch.equal(out[row : row + 1], fused)
         assert torch.equal(recorder.all_queries[0][i, :, :n], probs[0])
         assert not recorder.all_queries[0][i, :, n:].any()
+
+
+WINDOW_GRID = [  # (name, knobs, budget, decoded in the grid?)
+    ("full", {}, None, True),
+    ("snapkv", {"window_size": 8}, 0.25, True),
+    ("knorm", {}, 0.5, True),
+    ("pyramidkv", {"window_size": 8}, 0.5, True),  # per-layer counts on the global layers
+    ("h2o", {}, 0.25, None),  # evicts while decoding: alone where its cache keeps window layers
+    ("kivi", {"group_size": 16, "residual_length": 16}, None, False),  # storage of its own (on global layers)
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "gemma2", "gpt-oss"])
+def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
+    """Models with sliding-window layers (tests/model/families.py, windows of 64 under a 150-token prompt): the rows
+    whose methods do not evict while decoding share one batch (their windows stacked: GridWindowLayer) and give
+    exactly what each gives alone."""
+    import torch
+
+    from kvbench.engine.slots import decode_kernels
+    from kvbench.model.load import byte_tokenizer, finish
+    from tests.model.families import build as build_family
+
+    torch_dtype = getattr(torch, dtype)
+    lm = finish(build_family(family, dtype=torch_dtype), byte_tokenizer(), family, torch.device("cpu"), torch_dtype)
+    engine = Engine(lm)
+    if not decode_kernels(lm.model):
+        pytest.skip("the decode kernels do not take every linear layer of this model: its rows decode alone")
+    ids = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    confs = [(build(n, p), Budget.parse(b) if b else None) for n, p, b, _ in WINDOW_GRID]
+    request = None
+    for method, _ in confs:
+        request = method.stats_request() if request is None else request | method.stats_request()
+    prefill = engine.prefill(ids, request)
+    together = generate_grid(engine, prefill, confs, [], max_new_tokens=10, max_padding=100.0)
+    alone = [engine.generate(prefill, m, b, [], max_new_tokens=10) for m, b in confs]
+    for (name, _, budget, in_grid), got, want in zip(WINDOW_GRID, together, alone):
+        label = f"{family} {name} {budget}"
+        assert got.token_ids == want.token_ids and got.kv_bytes == want.kv_bytes, label
+        if family == "gemma3" and in_grid is not None:  # global and window layers (the others: every layer alike)
+            assert (getattr(got, "batch_size", 1) >= 4) == in_grid, label
