@@ -49,3 +49,25 @@ def test_full_cache_is_transformers_generate_and_windows_hold(gemma):
     # only the 3 global layers are compressed: the saving is a share of their bytes, the windows stay
     growing = gemma.layout.growing_share(len(ids) + half.decode_steps)
     assert 1 - growing / 2 - 0.02 < half.kv_ratio < 1.0
+
+
+def test_grid_rows_with_stacked_windows_are_the_rows_alone(gemma):
+    """A grid of configurations decodes as one batch on Gemma 3 (its 15 window layers stacked,
+    kvbench.engine.grid_decode.GridWindowLayer) and each row is token for token, byte for byte, its decode alone."""
+    from kvbench.engine.grid_decode import generate_grid
+    from kvbench.engine.slots import decode_kernels
+
+    if not decode_kernels(gemma.model):
+        pytest.skip("the decode kernels are not built (no C compiler): Gemma's grid rows decode alone")
+    text = "The Eiffel Tower is in Paris. The Colosseum is in Rome. " * 50 + "The Colosseum is in"
+    ids = [gemma.tokenizer.bos_token_id] + gemma.tokenizer(text, add_special_tokens=False)["input_ids"]
+    engine = Engine(gemma)
+    confs = [(build_method(n), None if n == "full" else Budget.parse(b)) for n, b in
+             [("full", 1), ("snapkv", 0.5), ("knorm", 0.25), ("pyramidkv", 0.5)]]  # fmt: skip
+    request = build_method("snapkv").stats_request() | build_method("pyramidkv").stats_request()
+    prefill = engine.prefill(ids, request)
+    together = generate_grid(engine, prefill, confs, [], max_new_tokens=8)
+    for (method, budget), got in zip(confs, together):
+        want = engine.generate(prefill, method, budget, [], 8)
+        assert got.token_ids == want.token_ids and got.kv_bytes == want.kv_bytes, method.name
+        assert got.batch_size == 4, method.name  # one batch: windows and global layers together
