@@ -25,6 +25,7 @@ class EngineRequest:
     knobs: dict = field(default_factory=dict)  # the option's engine knobs, with the run's overrides
     budget: float | None = None  # eviction options: kvbench's budget (fraction of the prompt, or tokens > 1)
     stop_ids: list[int] = field(default_factory=list)  # end-of-turn ids: generation stops after one
+    reuse_prefix: bool = False  # the engine may keep the previous request's tokens this prompt starts with (llama.cpp)
 
 
 @dataclass

@@ -115,6 +115,7 @@ class LlamaCpp(Backend):
             knobs=knobs,
             budget=request.budget,
             stop_ids=list(request.stop_ids),
+            reuse_prefix=request.reuse_prefix,
         )
         result["extra"] = {"knobs": knobs, **result.get("extra", {})}  # the engine's own option names, as run
         return EngineGeneration(**result)

@@ -6,7 +6,9 @@ token eviction runs inside the engine through `llama_memory_seq_rm`, which remov
 and every KV head at once: that is the granularity llama.cpp allows (no per-head or per-layer selection).
 
 Requests: {"op": "start", "model_path", "n_ctx", "n_threads"} -> the model's shape; {"op": "generate", ...} with the
-fields of base.EngineRequest -> the fields of base.EngineGeneration.
+fields of base.EngineRequest -> the fields of base.EngineGeneration. With `reuse_prefix` (the uncompressed options)
+the prompt's tokens that the previous request's sequence starts with are reused, as llama-server's prompt cache
+does (`extra.cached_tokens`).
 
 Cache bytes come from llama.cpp's own state-size API: `llama_state_seq_get_size` (the whole sequence) and
 `llama_state_seq_get_size_ext(..., PARTIAL_ONLY)` (the sliding-window part of an iSWA cache, Gemma 3). Each part is
@@ -116,6 +118,7 @@ class Engine:
         self.lib.llama_backend_init()
         self.model = None
         self.contexts: dict[tuple, tuple] = {}
+        self.fed: tuple = (None, [])  # (context, the token ids its sequence 0 holds at positions 0..): a prompt cache
 
     # -- start -------------------------------------------------------------------------------------------------
     def start(self, model_path: str, n_ctx: int, n_threads: int) -> dict:
@@ -242,19 +245,22 @@ class Engine:
         n_ctx = max(self.n_ctx, 1 << (need - 1).bit_length()) if need > self.n_ctx else self.n_ctx
         ctx, calibration = self.context(type_k, type_v, flash, method == "snapkv", n_ctx)
         mem = self.lib.llama_get_memory(ctx)
-        self.lib.llama_memory_clear(mem, True)
         n_keep = keep_count(request.get("budget"), len(ids)) if method else len(ids)
         evicting = bool(method) and n_keep < len(ids)  # kvbench's rule: a budget >= the prompt evicts nothing
         window = int(knobs.get("window_size", 32))
         shifted = knobs.get("positions", "kept") == "shifted"
+        capture = method == "snapkv"  # also at no compression: the callback path must not change the tokens
+        cached = self.reuse(ctx, mem, ids) if request.get("reuse_prefix") and not method else 0
+        if not cached:
+            self.lib.llama_memory_clear(mem, True)
+        self.fed = (None, [])
         protocol.reset_peak_rss()
 
         t0 = time.perf_counter()
-        capture = method == "snapkv"  # also at no compression: the callback path must not change the tokens
         if capture:
             self.attention.begin(len(ids), 512, window)
         try:
-            self.decode(ctx, ids, 0)
+            self.decode(ctx, ids[cached:], cached)
         finally:
             self.attention.active = False
         logits = self.logits(ctx)
@@ -294,6 +300,8 @@ class Engine:
             tokens.append(int(step.argmax()))
             margins.append(top2_margin(step))
         decode_s = time.perf_counter() - t1
+        if not method:  # what sequence 0 holds now, for the next request's prompt cache (the last token is not fed)
+            self.fed = (ctx, ids + tokens[:-1])
         cache = self.kv_bytes(ctx, calibration, type_k, type_v, fed=len(ids) + len(tokens) - 1)
         return {
             "token_ids": tokens,
@@ -313,8 +321,27 @@ class Engine:
                 "top2_margins": margins,
                 "flash_attn": flash,
                 "n_ctx": n_ctx,
+                "cached_tokens": cached,
             },
         }
+
+    def reuse(self, ctx, mem, ids: list[int]) -> int:
+        """llama.cpp's prompt cache (llama-server's `cache_prompt`): the previous request's tokens that this prompt
+        starts with stay in sequence 0 and the rest are removed (llama_memory_seq_rm), so only the new tokens are
+        decoded; at least the last prompt token is decoded again (its logits start the answer). Not on a model
+        with sliding-window layers: their cells left the window as the sequence grew (llama-server then
+        re-processes the prompt too). Returns the tokens reused (0: nothing, the caller clears the sequence)."""
+        held_ctx, held = self.fed
+        if held_ctx is not ctx or self.n_swa > 0:
+            return 0
+        common = 0
+        for a, b in zip(held, ids[:-1]):
+            if a != b:
+                break
+            common += 1
+        if common == 0 or not self.lib.llama_memory_seq_rm(mem, 0, common, -1):
+            return 0
+        return common
 
     def remove(self, mem, positions: list[int], shifted: bool, relative: list[int] | None = None) -> None:
         """llama_memory_seq_rm over each contiguous run of `positions` (original positions), from the last run

@@ -1,18 +1,22 @@
 """Prefix caching side by side: the shared-prefix workloads (`shared_doc`, `multiturn`, `system_prompt`:
 kvbench/tasks/shared_prefix.py) through kvbench's prefix cache, vLLM's automatic prefix caching and OpenVINO
-GenAI's `enable_prefix_caching`, each with and without its cache, requests in order (each after the one before
-finished: a chat's turns need it, and a request's TTFT is then its own prefill).
+GenAI's `enable_prefix_caching` and llama.cpp's prompt cache (the previous request's tokens this prompt starts with
+kept in its one sequence, as llama-server's `cache_prompt`: kvbench.backends.llamacpp_worker), each with and
+without its cache, requests in order (each after the one before finished: a chat's turns need it, and a request's
+TTFT is then its own prefill).
 
     python -m kvbench.serving.prefix                                   # smollm2-135m, the three workloads
     python -m kvbench.serving.prefix --model gemma3-270m --requests 4 --context 512 --engines vllm
 
 Per workload × system: requests, prompt tokens, hit rate (prompt tokens the cache supplied / prompt tokens; kvbench:
-its `reused_tokens`, vLLM: its `num_cached_tokens`; OpenVINO does not say: NaN), total TTFT without and with the
-cache and their ratio, whether every answer is the same token string as without the cache, and the score. Then
-compression and reuse: kvbench's `reuse=compress_once` (SnapKV compresses the shared context once and answers every
-request from it) against `per_question` (every request compresses its whole prompt beside the cached pages), with
-its TTFT ratio, bytes held and score; the engines cannot reuse a compressed prefix (vLLM's blocks are the
-uncompressed tokens; OpenVINO's eviction and its prefix cache do not combine), so they have no such row.
+its `reused_tokens`, vLLM: its `num_cached_tokens`, llama.cpp: the tokens kept; OpenVINO does not say: NaN), total
+TTFT without and with the cache and their ratio, whether every answer is the same token string as without the cache,
+and the score. Then compression and reuse: kvbench's `reuse=compress_once` (SnapKV compresses the shared context
+once and answers every request from it) against `per_question` (every request compresses its whole prompt beside the
+cached pages), with its TTFT ratio, bytes held and score; the engines cannot reuse a compressed prefix (vLLM's
+blocks are the uncompressed tokens; OpenVINO's eviction and its prefix cache do not combine; llama.cpp's kept tokens
+are the uncompressed sequence), so they have no such row. On a model with sliding-window layers llama.cpp keeps
+nothing (cells left the window as the sequence grew; llama-server re-processes the prompt there too): hit rate 0.
 Timings are ratios within one run of one machine. Writes `prefix_serving.parquet` (+ `.md`) into --out.
 """
 
@@ -114,7 +118,9 @@ def engine_requests(cfg, lm):
     return requests, task
 
 
-def engine_row(workload, name, requests, task, engine, without: dict, with_cache: dict) -> dict:
+def engine_row(workload, name, requests, task, engine, without: dict, with_cache: dict, hits: bool = True) -> dict:
+    """`hits`: the engine reports the prompt tokens its cache supplied (OpenVINO does not)."""
+
     def ttft(reply):
         return sum(r["first_token_s"] - r["arrival_s"] for r in reply["requests"])
 
@@ -128,7 +134,7 @@ def engine_row(workload, name, requests, task, engine, without: dict, with_cache
         "option": "full",
         "requests": len(requests),
         "prompt_tokens": prompt,
-        "hit_rate": cached / prompt if name == "vllm" else math.nan,  # OpenVINO does not report its hits
+        "hit_rate": cached / prompt if hits else math.nan,
         "ttft_without_s": ttft(without),
         "ttft_with_s": ttft(with_cache),
         "identical": tokens == [r["tokens"] for r in without["requests"]],
@@ -187,9 +193,44 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
                     )
                     for cached in (False, True)
                 }
-                out.append(engine_row(w, "openvino", requests, task, engine, replies[False], replies[True]))
+                out.append(engine_row(w, "openvino", requests, task, engine, replies[False], replies[True], hits=False))
         finally:
             ov.close()
+    if "llamacpp" in args.engines:
+        out += llamacpp_side(model_cfg, dtype, traces, stop_ids, engine)
+    return out
+
+
+def llamacpp_side(model_cfg: dict, dtype: str, traces: dict, stop_ids: list[int], engine) -> list[dict]:
+    """llama.cpp serves one sequence: each workload's requests in order, without then with its prompt cache (each
+    request keeps the tokens the previous one's sequence starts with; the first request of a pass starts cold)."""
+    from kvbench.backends.base import EngineRequest
+    from kvbench.backends.llamacpp import LlamaCpp
+
+    backend = LlamaCpp()
+    backend.start(model_cfg, dtype)
+    out = []
+    try:
+        for w, (requests, task) in traces.items():
+            replies = {}
+            for cached in (False, True):
+                gens = [
+                    backend.generate(
+                        EngineRequest(q.prompt_ids + q.suffix_ids, q.max_new_tokens, "full", stop_ids=stop_ids,
+                                      reuse_prefix=cached and i > 0)
+                    )
+                    for i, q in enumerate(requests)
+                ]  # fmt: skip
+                replies[cached] = {
+                    "requests": [
+                        {"tokens": g.token_ids, "arrival_s": 0.0, "first_token_s": g.prefill_s,
+                         "cached_tokens": g.extra["cached_tokens"]}
+                        for g in gens
+                    ]
+                }  # fmt: skip
+            out.append(engine_row(w, "llamacpp", requests, task, engine, replies[False], replies[True]))
+    finally:
+        backend.close()
     return out
 
 
@@ -215,7 +256,9 @@ def parse(argv):
     parser.add_argument("--max-new-tokens", type=int, default=12, help="a 7-digit answer is ~9 tokens")
     parser.add_argument("--method", default="snapkv", help="the compressing method for compress_once")
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--engines", nargs="*", default=["vllm", "openvino"], choices=["vllm", "openvino"])
+    parser.add_argument(
+        "--engines", nargs="*", default=["vllm", "openvino", "llamacpp"], choices=["vllm", "openvino", "llamacpp"]
+    )
     parser.add_argument("--kv-space", type=int, default=256 << 20, help="vLLM's KV space (bytes)")
     parser.add_argument("--out", default=None, help="directory for prefix_serving.parquet/.md")
     args = parser.parse_args(argv)
@@ -224,9 +267,12 @@ def parse(argv):
             raise KvbenchError(f"--{key.replace('_', '-')}={getattr(args, key)} must be ≥ 1")
     if not args.budget > 0:
         raise KvbenchError(f"--budget={args.budget} must be > 0 (a fraction ≤ 1 or a token count)")
+    from kvbench.backends.source import venv_python
     from kvbench.serving.engines import check_engines
 
-    check_engines([f"{e}:full" for e in args.engines])  # the engines' venvs, before any model loads
+    check_engines([f"{e}:full" for e in args.engines if e != "llamacpp"])  # the engines' venvs, before any model loads
+    if "llamacpp" in args.engines and not venv_python(".venv-llamacpp").exists():
+        raise KvbenchError("--engines llamacpp needs .venv-llamacpp: run `make engine-llamacpp`, or leave it out")
     return args
 
 

@@ -146,3 +146,24 @@ def test_a_killed_worker_is_named_in_one_line():
         assert str(died.value).startswith("the llamacpp worker died (exit code -9: killed by SIGKILL)")
     finally:
         backend.close()
+
+
+def test_prompt_cache_keeps_the_shared_prefix_and_answers_as_without(engine, prompts):
+    """llama.cpp's prompt cache (reuse_prefix, as llama-server's cache_prompt): a prompt that starts with the previous
+    request's tokens decodes only the rest, and answers token for token as a cold prompt; an evicting option, a
+    prompt sharing nothing, or a request without the flag keep nothing."""
+    first, second = prompts  # the same haystack, the needle elsewhere: they share the tokens before the first needle
+    ids = [e.context_ids + e.question_ids for e in (first, second)]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b)
+    cold = run(engine, second)
+    assert cold.extra["cached_tokens"] == 0
+    run(engine, first)
+    warm = engine.generate(EngineRequest(ids[1], second.max_new_tokens, "full", stop_ids=[2], reuse_prefix=True))
+    assert warm.extra["cached_tokens"] == shared > 50
+    assert warm.token_ids == cold.token_ids and warm.kv_bytes == cold.kv_bytes
+    again = engine.generate(EngineRequest(ids[1], second.max_new_tokens, "full", stop_ids=[2], reuse_prefix=True))
+    assert again.extra["cached_tokens"] == len(ids[1]) - 1 and again.token_ids == cold.token_ids  # all but the last
+    evicting = engine.generate(
+        EngineRequest(ids[1], second.max_new_tokens, "streamingllm", budget=0.5, stop_ids=[2], reuse_prefix=True)
+    )
+    assert evicting.extra["cached_tokens"] == 0

@@ -48,7 +48,7 @@ def test_engine_row_hit_rate_ttft_and_identity():
     assert row["ttft_without_s"] == 3.0 and row["ttft_with_s"] == 1.5
     assert math.isclose(row["score"], 2 / 3)
     ov = engine_row(
-        "shared_doc", "openvino", requests, Exact, Tokens, without, reply([[1], [1, 2], [3]], [1] * 3, [0] * 3)
+        "shared_doc", "openvino", requests, Exact, Tokens, without, reply([[1], [1, 2], [3]], [1] * 3, [0] * 3), False
     )
     assert math.isnan(ov["hit_rate"]) and ov["identical"] is False
     table = markdown_table(pd.DataFrame([row, ov]))
