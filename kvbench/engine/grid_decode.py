@@ -147,15 +147,19 @@ class GridWindowLayer(WindowLayer):
     (B, H_kv, ≤ W − 1, D) tensor steps as transformers' layer does — the attention of each row is the one it has
     alone (the CPU backend's single-query kernel is row-independent)."""
 
+    keys: torch.Tensor  # (B, H_kv, ≤ W − 1, D), never None once built
+    values: torch.Tensor
+
     def __init__(self, rows: list[WindowLayer]):
         super().__init__(sliding_window=rows[0].sliding_window)
-        first = rows[0]
-        if any(r.keys.shape != first.keys.shape or r.cumulative_length != first.cumulative_length for r in rows):
+        keys = [cast(torch.Tensor, r.keys) for r in rows]  # (1, H_kv, n, D) each
+        values = [cast(torch.Tensor, r.values) for r in rows]
+        seen = {r.cumulative_length for r in rows}
+        if len({k.shape for k in keys}) > 1 or len(seen) > 1:
             raise ValueError("grid rows' window layers differ: such rows decode alone (decodes_in_grid)")
-        self.lazy_initialization(first.keys, first.values)
-        self.keys = torch.cat([r.keys for r in rows])  # (B, H_kv, n, D)
-        self.values = torch.cat([r.values for r in rows])
-        self.cumulative_length = first.cumulative_length
+        self.lazy_initialization(keys[0], values[0])
+        self.keys, self.values = torch.cat(keys), torch.cat(values)  # (B, H_kv, n, D)
+        self.cumulative_length = seen.pop()
 
     @property
     def lengths(self) -> list[int]:
@@ -175,7 +179,8 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
         if type(rows[0]) is WindowLayer:
             cache.layers.append(GridWindowLayer(cast(list[WindowLayer], rows)))
             continue
-        cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in rows]))
+        plain = cast(list[DynamicLayer], rows)
+        cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in plain]))
     return cache
 
 

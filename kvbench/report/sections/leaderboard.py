@@ -170,6 +170,10 @@ def ruler_leaderboard(rows: pd.DataFrame, summary: pd.DataFrame, context: Contex
     )
 
 
+def ratio_column(ratio: float) -> Column:
+    return Column(f"{ratio:g}", lambda row: row[ratio], fixed(1), title=f"score at compression ratio {ratio:g}")
+
+
 def by_ratio(table: pd.DataFrame) -> tuple[pd.DataFrame, list[Column]]:
     """kvpress's board as it reads: a line per model × setting × engine × method, its score at each compression
     ratio in a column (budgets only: a quantized cache's measured ratio is its own), ordered by the mean over the
@@ -186,10 +190,7 @@ def by_ratio(table: pd.DataFrame) -> tuple[pd.DataFrame, list[Column]]:
         Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
         Column("engine", lambda r: r["engine"], left=True),
         Column("method", lambda r: r["method"], left=True),
-        *(
-            Column(f"{r:g}", lambda row, r=r: row[r], fixed(1), title=f"score at compression ratio {r:g}")
-            for r in ratios
-        ),
+        *(ratio_column(r) for r in ratios),
         Column("mean", lambda r: r["mean"], fixed(1), title="mean score over the ratios > 0 this line ran"),
     ]
     return wide, columns
