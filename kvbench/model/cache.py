@@ -12,6 +12,8 @@ length), so it sees exactly the positions inside its window. Methods compress th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import DynamicCache
@@ -52,10 +54,9 @@ class WindowLayer(DynamicSlidingWindowLayer):
 
 class MappedLayer(DynamicLayer):
     """A cache layer that stores its own tensors (codes, scales, residuals): transformers' batch operations (beam
-    reorder, row selection, repetition) as one `_map(fn)` over every tensor it holds."""
+    reorder, row selection, repetition) as one `_map(fn)` over every tensor it holds, which each such layer defines."""
 
-    def _map(self, fn) -> None:
-        raise NotImplementedError
+    _map: Callable[[Callable[[torch.Tensor], torch.Tensor]], None]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
