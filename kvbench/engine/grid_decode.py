@@ -186,12 +186,18 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
 
 def decodes_in_grid(method: Method, start: Compressed) -> bool:
     """Whether this configuration's cache can be a row of a grid batch (else it decodes alone)."""
+
+    def whole_window(layer) -> bool:  # the model's window as it is (every row at this position holds the same)
+        if type(layer) is not WindowLayer:
+            return False
+        return cast(torch.Tensor, layer.keys).shape[2] == min(layer.cumulative_length, layer.sliding_window - 1)
+
     window_ok = not start.hooks.acts_while_decoding  # a window layer's rows step together: none may evict there
     return (
         method.caps.shares_prefill
         and not method.caps.decodes_alone
         and all(  # plain tensors, dense heads; the model's windows as they are
-            type(layer) is DynamicLayer or (window_ok and type(layer) is WindowLayer) for layer in start.cache.layers
+            type(layer) is DynamicLayer or (window_ok and whole_window(layer)) for layer in start.cache.layers
         )
         and start.cache.layers[0].keys.shape[0] == 1
         and start.hooks.position(start.position, start.cache) == start.position  # no re-indexed positions
