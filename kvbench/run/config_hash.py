@@ -65,9 +65,10 @@ def bf16_kernels(lm) -> bool:
 
 
 def hash_configuration(
-    c: Configuration, spec: RunSpec, lm, data: dict[str, str] | None = None, engine_version: str | None = None
+    c: Configuration, spec: RunSpec, lm, data: list[tuple[str, str]] | None = None, engine_version: str | None = None
 ) -> str:
-    """`data`: path → sha256 of each file the task reads (task.data_files()): an edited file is a new key.
+    """`data`: (file name, sha256) of each file the task reads (store.results.data_digests): an edited file is a new
+    key, a moved one is not.
     `engine_version`: a serving engine's (engine=llamacpp, ...): another build's rows are other rows."""
     selection = TASKS.get(spec.task_name).selection_keys  # they pick examples, not change them: rows stay reusable
     task = {k: v for k, v in spec.task.items() if k not in selection}

@@ -36,8 +36,8 @@ from kvbench.store.results import (
     StoreFault,
     check_writable,
     code_fingerprint,
+    data_digests,
     fault_text,
-    file_digest,
     provenance,
     write_csv,
     write_rows,
@@ -59,7 +59,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
         raise KvbenchError("the task selected no examples; check the task's grid/subsets and `limit`")
     if task.kind != "stream":  # a stream may run past the context window: that is what it measures
         check_fits(examples, lm.max_context)
-    data = {str(path): file_digest(path) for path in task.data_files()}
+    data = data_digests(task.data_files())
     store = ResultStore(spec.results_dir)  # checked only once the input is known to be good
     out_dir = check_outputs(store, output_dir)
     backend = start_backend(spec, lm)  # a serving engine's worker process (engine=kvbench: None)

@@ -132,6 +132,13 @@ def code_fingerprint() -> str:
 _FILE_DIGESTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) → sha256: multiruns hash a file once
 
 
+def data_digests(files) -> list[tuple[str, str]]:
+    """The data a task reads, as the configuration hash keys it: (file name, sha256 of its content) per file, sorted.
+    Where the files live (a venv's site-packages, a data folder) is not part of it: the same data in another
+    checkout, venv or machine gives the same key, so a store shared by several of them reuses its rows."""
+    return sorted((Path(path).name, file_digest(path)) for path in files)
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a data file's content (the key of reused rows includes it: an edited file is recomputed)."""
     path = Path(path)

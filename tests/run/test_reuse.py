@@ -125,3 +125,16 @@ def test_selection_keys_only_select(tiny, wide, narrow):
     all_examples, some = examples(wide), examples(narrow)
     assert some and set(some) < set(all_examples)
     assert all(some[k] == all_examples[k] for k in some)
+
+
+def test_the_data_key_follows_content_not_where_the_files_live(tmp_path):
+    """The same data in another folder (another checkout, venv or machine) keys the same rows; an edit does not."""
+    from kvbench.store.results import data_digests
+
+    shutil.copytree(FIXTURES, tmp_path / "one")
+    shutil.copytree(FIXTURES, tmp_path / "two")
+    one, two = (data_digests(_longbench(tmp_path / d).data_files()) for d in ("one", "two"))
+    assert one == two and ("qasper.jsonl", file_digest(tmp_path / "one" / "qasper.jsonl")) in one
+    path = tmp_path / "two" / "qasper.jsonl"
+    path.write_text(path.read_text().replace('"answers": [', '"answers": ["edited", ', 1))
+    assert data_digests(_longbench(tmp_path / "two").data_files()) != one
