@@ -24,7 +24,7 @@ from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
-from kvbench.model.cache import cache_kv, cache_nbytes, layer_lengths
+from kvbench.model.cache import cache_kv, cache_nbytes, one_mask
 
 
 @dataclass
@@ -231,7 +231,7 @@ def decode_together(
 def _extend_batch(engine: Engine, cache, hooks: Compression, ids: torch.Tensor, position: int) -> torch.Tensor:
     """Append ids (B, n) after compression (the question when query_aware=false), as Engine._extend does."""
     hooks.on_extend(ids.shape[1])
-    one_pass = len(set(layer_lengths(cache))) == 1  # else token by token: one causal mask per forward
+    one_pass = one_mask(cache)  # else token by token
     chunks = [ids] if one_pass else [ids[:, i : i + 1] for i in range(ids.shape[1])]
     for chunk in chunks:  # (B, n_chunk)
         base = hooks.position(position, cache)

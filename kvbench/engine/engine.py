@@ -23,7 +23,7 @@ from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.methods.modes import ChangesModel, HooksPrefill
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
-from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, layer_lengths
+from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, one_mask
 from kvbench.model.load import LoadedModel
 
 
@@ -281,11 +281,10 @@ class Engine:
         """Append `ids` after compression (the question when query_aware=false; a scored continuation);
         returns the last logits (V,), or with all_logits every position's (len(ids), V).
 
-        One forward when every layer holds the same number of tokens; token by token otherwise, because
-        transformers builds a single causal mask from the first layer's length.
+        One forward when one mask fits every layer (kvbench.model.cache.one_mask); token by token otherwise.
         """
         hooks.on_extend(len(ids))  # the appended question is not part of the compressed budget
-        one_forward = len(set(layer_lengths(cache))) == 1 and not hooks.method.caps.extends_token_by_token
+        one_forward = one_mask(cache) and not hooks.method.caps.extends_token_by_token
         chunks = [ids] if one_forward else [[t] for t in ids]  # decode-time compression: appended = decode steps
         outputs = []
         for chunk in chunks:

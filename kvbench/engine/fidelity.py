@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
 from kvbench.methods import Budget, Method, build_method
 from kvbench.model.attention import StatsRequest, recording
-from kvbench.model.cache import layer_lengths
+from kvbench.model.cache import one_mask
 
 COLUMNS = ("kl_mean", "kl_max", "kl_max_step", "top1_agreement", "fidelity_tokens", "length_vs_full")
 PLAIN = (DynamicLayer, DynamicSlidingWindowLayer)  # layers whose multi-token append equals token-by-token appends
@@ -38,7 +38,7 @@ def one_forward(method: Method, start: Compressed) -> bool:
         not start.hooks.acts_while_decoding
         and not method.caps.extends_token_by_token
         and all(type(layer) in PLAIN for layer in layers)
-        and len(set(layer_lengths(start.cache))) == 1
+        and one_mask(start.cache)
     )
 
 

@@ -1,9 +1,11 @@
 """Prefix cache: a radix tree over token ids whose pages hold K/V shared, not copied, between requests.
 
 Granularity is `page_size` tokens (1 = token level): a request reuses the longest cached prefix made of whole pages.
-A page holds the K/V of `page_size` consecutive tokens for every layer in one tensor of its own storage,
-(L, 2, B, H_kv, P, D); a request's cache refers to its pages through views, so the bytes are held once however
-many requests use them. Pages are reference-counted while a request uses them; when the store holds more than
+A page holds the K/V of `page_size` consecutive tokens for every layer in tensors of its own storage,
+(L, 2, B, H_kv, P, D), the sliding-window layers' apart (`PageKV`); a request's cache refers to its pages through
+views, so the bytes are held once however many requests use them. A sliding-window layer resumes from the pages it
+needs (its last W − 1 tokens before the reuse point are in them) and then keeps a private window, as without the
+prefix cache. Pages are reference-counted while a request uses them; when the store holds more than
 `budget_bytes`, the least recently used leaves whose pages nobody references are evicted (a page in use is never
 freed, so the store can exceed the budget by the working set of the requests in flight).
 
@@ -28,7 +30,7 @@ from kvbench.model.cache import KV, gather_kv
 
 @dataclass(eq=False)
 class Page:
-    data: Any  # (L, 2, B, H_kv, P, D) K/V of P tokens for every layer (any object in unit tests)
+    data: Any  # PageKV: the K/V of P tokens for every layer (any object in unit tests)
     nbytes: int
     refs: int = 0
 
@@ -217,10 +219,11 @@ class PrefixCache:
     def storages(self) -> set[int]:
         """data_ptr of every storage the store holds (to tell a request's shared bytes from its own)."""
         ptrs = {
-            p.data.untyped_storage().data_ptr()
+            t.untyped_storage().data_ptr()
             for n in self._nodes()
             for p in n.pages
-            if isinstance(p.data, torch.Tensor)
+            if isinstance(p.data, PageKV)
+            for t in p.data.groups
         }
         for entry in self.entries.values():
             ptrs |= set(getattr(entry.value, "storages", ()))
@@ -228,17 +231,44 @@ class PrefixCache:
 
 
 # ---- pages of K/V ------------------------------------------------------------------------------------------------
-def page_of(kv: list[KV], start: int, stop: int) -> tuple[torch.Tensor, int]:
-    """Tokens [start, stop) of every layer's K/V, copied into one page tensor (L, 2, B, H_kv, P, D)."""
-    page = torch.stack([torch.stack([k[:, :, start:stop], v[:, :, start:stop]]) for k, v in kv])  # (L, 2, B, H, P, D)
-    return page, page.numel() * page.element_size()
+@dataclass(eq=False)
+class PageKV:
+    """One page's K/V for every layer: one tensor per group of layers, (L_g, 2, B, H_kv, P, D), the groups split by
+    whether a request's cache refers to the page (a full-attention layer: a view of it) or keeps a private copy
+    (a sliding-window layer holds its own last W − 1 tokens: kvbench.model.cache.keep_windows). A request then holds
+    only its group's storage; the store holds both, for the sliding layers of a later request that resumes here."""
+
+    groups: tuple[torch.Tensor, ...]
+    where: tuple[tuple[int, int], ...]  # layer i → (its group, its row in the group)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.groups[0].shape[4]
+
+    def layer(self, i: int) -> KV:
+        """Layer i's keys and values (B, H_kv, P, D): views of the page."""
+        group, row = self.where[i]
+        return self.groups[group][row, 0], self.groups[group][row, 1]
+
+
+def page_of(kv: list[KV], start: int, stop: int, private: frozenset[int] = frozenset()) -> tuple[PageKV, int]:
+    """Tokens [start, stop) of every layer's K/V, copied into a page: the layers in `private` (sliding-window layers)
+    in a tensor of their own, apart from the others'."""
+    layers = [[i for i in range(len(kv)) if i not in private], sorted(i for i in private if i < len(kv))]
+    layers = [group for group in layers if group]
+    groups = tuple(
+        torch.stack([torch.stack([kv[i][0][:, :, start:stop], kv[i][1][:, :, start:stop]]) for i in group])
+        for group in layers
+    )  # (L_g, 2, B, H_kv, P, D) each
+    where = tuple(sorted(((i, (g, r)) for g, group in enumerate(layers) for r, i in enumerate(group))))
+    page = PageKV(groups, tuple(w for _, w in where))
+    return page, sum(t.numel() * t.element_size() for t in groups)
 
 
 def gather_pages(pages: list[Page], layer_idx: int) -> KV:
     """One layer's K/V over `pages`, as new contiguous tensors (B, H_kv, n·P, D)."""
-    keys = torch.cat([p.data[layer_idx, 0] for p in pages], dim=2)  # (B, H_kv, n·P, D)
-    values = torch.cat([p.data[layer_idx, 1] for p in pages], dim=2)
-    return keys, values
+    kv = [p.data.layer(layer_idx) for p in pages]
+    return torch.cat([k for k, _ in kv], dim=2), torch.cat([v for _, v in kv], dim=2)  # (B, H_kv, n·P, D) each
 
 
 class PagedLayer(DynamicLayer):
@@ -298,10 +328,10 @@ def shared_layer(keys: torch.Tensor, values: torch.Tensor) -> PagedLayer:
 def share_pages(cache, prefill_kv: list[KV], pages: list[Page]):
     """Replace each layer of `cache` that still holds the prefill's own tensors (nothing evicted) by a PagedLayer
     over `pages` plus a private copy of the tokens after them; compressed layers are private already."""
-    n_paged = sum(p.data.shape[4] for p in pages)
+    n_paged = sum(p.data.n_tokens for p in pages)
     for i, layer in enumerate(cache.layers):
         keys, values = prefill_kv[i]
         if type(layer) is DynamicLayer and layer.keys is keys and n_paged:
             tail_k, tail_v = keys[:, :, n_paged:].clone(), values[:, :, n_paged:].clone()  # (B, H_kv, T − paged, D)
-            cache.layers[i] = PagedLayer([(p.data[i, 0], p.data[i, 1]) for p in pages], tail_k, tail_v)
+            cache.layers[i] = PagedLayer([p.data.layer(i) for p in pages], tail_k, tail_v)
     return cache

@@ -98,6 +98,16 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     ]
 
 
+def one_mask(cache: DynamicCache) -> bool:
+    """Whether several tokens can be fed in one forward: transformers builds one full-attention mask from the first
+    full layer's length and one sliding mask from the first window layer's (each window layer tracks its own offset),
+    so every layer but the window layers must hold the same number of tokens; otherwise token by token."""
+    lengths = {
+        n for n, layer in zip(layer_lengths(cache), cache.layers) if not isinstance(layer, DynamicSlidingWindowLayer)
+    }
+    return len(lengths) <= 1
+
+
 def gather_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> KV:
     """Keep `index` (B, H_kv, N) positions of keys/values (B, H_kv, T, D): new, smaller tensors."""
     from kvbench.kernels.compact import gather_tokens

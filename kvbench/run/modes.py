@@ -159,8 +159,8 @@ _HOOKS = (
     "batch_size=1, no prefix cache or diagnose, on a generation task"
 )
 _WINDOWS = (
-    "sliding-window layers are not yet kept at their window there; run it with prefill=shared, batch_size=1, no "
-    "prefix cache and a generation task"
+    "sliding-window layers are not yet kept at their window there; run it with prefill=shared, batch_size=1 and a "
+    "generation task"
 )
 _ENGINE = (
     "a serving engine runs each whole prompt greedily in its own process, one request at a time; use engine=kvbench "
@@ -197,7 +197,6 @@ CONFLICTS: list[tuple[str, str, str]] = [
     ),
     *(("engine", other, _ENGINE) for other in ENGINE_ALONE),
     ("inline", "sliding", _WINDOWS),
-    ("prefix_cache", "sliding", _WINDOWS),
     ("batch", "sliding", _WINDOWS),
     ("stream", "sliding", _WINDOWS),
 ]

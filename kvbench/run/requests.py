@@ -99,6 +99,8 @@ class RequestRunner:
         self.store = PrefixCache(spec.page_size, spec.prefix_cache_bytes) if spec.prefix_cache else None
         self.own_bytes: dict[str, int] = {}  # per configuration: Σ requests' own cache bytes so far
         self.requests: dict[str, int] = {}  # per configuration: requests so far (request_index of plain tasks)
+        # sliding-window layers: their page tensors apart, since a request keeps its own window of them
+        self.windows = frozenset(i for i, kind in enumerate(self.lm.layout.layers) if kind.kind == "sliding")
 
     def rows(self, ctx, todo, ex) -> list[dict]:
         """Each configuration's row for request `ex` (ctx: kvbench.run.rows.RowContext); with ctx.diagnose the rows
@@ -134,7 +136,7 @@ class RequestRunner:
             n_reused = len(pages) * p
             prefix = cache_from_kv([gather_pages(pages, i) for i in range(lm.n_layers)]) if pages else None
             out = self.engine.prefill(ids[n_reused:], request, prefix, position=n_reused)
-            all_pages = self.store.insert(ids, lambda i: page_of(out.kv, i * p, (i + 1) * p))
+            all_pages = self.store.insert(ids, lambda i: page_of(out.kv, i * p, (i + 1) * p, self.windows))
             self.store.lock(all_pages)
             self.store.release(pages)
             used.update(reused=n_reused, pages=all_pages)
@@ -169,21 +171,17 @@ class RequestRunner:
         hit, peak = entry is not None, 0
         if not hit:
             out = engine.prefill(ex.context_ids, c.method.stats_request())
-            c.method.bind(engine.lm)
-            compression = c.method.begin(out.n_tokens, len(out.kv), c.budget)
-            cache = compression.run(out.kv, out.stats)
+            done = engine.compressed(out, c.method, c.budget, [])  # sliding layers at the model's own windows
             value = StoredContext(
-                list(cache.layers),
-                copy.deepcopy(compression),
+                list(done.cache.layers),
+                copy.deepcopy(done.hooks),
                 out.last_logits,
                 len(ex.context_ids),
-                set(storages_of(cache)),
+                set(storages_of(done.cache)),
             )
-            entry, peak = (
-                self.store.put((c.hash, tuple(ex.context_ids)), value, cache_nbytes(cache)),
-                out.peak_mem_bytes,
-            )
-            del cache, out
+            entry = self.store.put((c.hash, tuple(ex.context_ids)), value, cache_nbytes(done.cache))
+            peak = done.prefill_peak
+            del done, out
         assert entry is not None  # found, or just stored
         reused = len(ex.context_ids) if hit else 0
         entry.refs += 1

@@ -276,33 +276,13 @@ def parse(argv):
     return args
 
 
-def kvbench_refusal(args) -> str | None:
-    """Why kvbench's prefix cache does not run on this model (sliding-window layers: kvbench.run.modes), else None."""
-    import torch
-
-    from kvbench.model.layout import cache_layout
-    from kvbench.model.load import model_config
-
-    config = model_config(compose(task_overrides(args, args.workloads[0])).model)
-    if config is not None and cache_layout(config, torch.float32).has_sliding:
-        return "kvbench's prefix cache does not keep sliding-window layers at their window yet (docs/prefix-caching.md)"
-    return None
-
-
 def main(argv=None) -> int:
     try:
         args = parse(argv)
-        rows: list[dict] = []
-        refused = kvbench_refusal(args)
-        if refused:  # the engines' rows still come: one line says why kvbench's do not
-            print(f"kvbench.serving.prefix: kvbench's rows not run: {refused}", file=sys.stderr)
-        else:
-            with tempfile.TemporaryDirectory() as tmp:
-                rows = [r for w in args.workloads for r in kvbench_side(Path(tmp), args, w)]
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = [r for w in args.workloads for r in kvbench_side(Path(tmp), args, w)]
         if args.engines:
             rows += engines_side(args, args.workloads)
-        if not rows:
-            raise KvbenchError(f"nothing to run: {refused}; add --engines vllm, openvino or llamacpp")
     except KvbenchError as error:
         print(f"kvbench.serving.prefix: error: {error}", file=sys.stderr)
         return 2

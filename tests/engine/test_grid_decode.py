@@ -293,3 +293,29 @@ def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
         assert got.token_ids == want.token_ids and got.kv_bytes == want.kv_bytes, label
         if family == "gemma3" and in_grid is not None:  # global and window layers (the others: every layer alike)
             assert (getattr(got, "batch_size", 1) >= 4) == in_grid, label
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "gemma2"])
+def test_an_appended_question_goes_in_one_forward_past_window_layers(family, monkeypatch):
+    """A question appended after compression (query_aware=false) is one forward when only the window layers hold
+    fewer tokens than the others (each window layer masks from its own offset: kvbench.model.cache.one_mask), and
+    gives what feeding it token by token gives."""
+    import torch
+
+    import kvbench.engine.engine as engine_module
+    from kvbench.model.cache import one_mask
+    from kvbench.model.load import byte_tokenizer, finish
+    from tests.model.families import build as build_family
+
+    lm = finish(build_family(family), byte_tokenizer(), family, torch.device("cpu"), torch.float32)
+    engine = Engine(lm)
+    ids = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    question = ids[20:50]
+    method, budget = build("snapkv", {}), Budget.parse(0.5)
+    start = engine.compressed(engine.prefill(ids, method.stats_request()), method, budget, [])
+    assert one_mask(start.cache)  # the window layers hold 63 tokens, the others 75
+    one = engine.generate(engine.prefill(ids, method.stats_request()), method, budget, question, 8, keep_logits=True)
+    monkeypatch.setattr(engine_module, "one_mask", lambda cache: False)
+    each = engine.generate(engine.prefill(ids, method.stats_request()), method, budget, question, 8, keep_logits=True)
+    assert one.token_ids == each.token_ids and one.kv_bytes == each.kv_bytes
+    assert max(float((a - b).abs().max()) for a, b in zip(one.logits, each.logits)) < 1e-4

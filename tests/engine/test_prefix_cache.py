@@ -109,6 +109,7 @@ def test_pages_are_shared_storage_and_paged_layer_matches_plain_kv():
     tree = PrefixCache(page_size=4)
     pages = tree.insert(list(range(11)), lambda i: page_of(kv, 4 * i, 4 * i + 4))
     assert len(pages) == 2 and tree.nbytes == 2 * 3 * 2 * 2 * 4 * 4 * 4  # pages × (L, 2, B, H, P, D) fp32
+    assert len(pages[0].data.groups) == 1  # no sliding-window layer: one tensor
     keys, values = gather_pages(pages, 1)
     assert torch.equal(keys, kv[1][0][:, :, :8]) and torch.equal(values, kv[1][1][:, :, :8])
 
@@ -124,6 +125,30 @@ def test_pages_are_shared_storage_and_paged_layer_matches_plain_kv():
     cache.layers[2].select(index)
     assert cache.layers[2].get_seq_length() == 3 and torch.equal(cache.layers[2].keys[:, :, 1], kv[2][0][:, :, 5])
     assert cache.layers[2].shared_keys == [] and tree.nbytes < cache_nbytes(cache)  # layers 0-1 still share
+
+
+def test_window_layers_pages_are_apart_and_a_request_holds_only_the_others():
+    """Sliding-window layers' K/V sit in a page tensor of their own: a request resumes them from the pages but keeps
+    its own window, so its cache refers only to the other layers' page tensor; the store holds both."""
+    from kvbench.model.cache import window_layer
+
+    torch.manual_seed(0)
+    kv = [(torch.randn(1, 2, 11, 4), torch.randn(1, 2, 11, 4)) for _ in range(3)]  # (B, H_kv, T, D) × 3 layers
+    tree = PrefixCache(page_size=4)
+    pages = tree.insert(list(range(11)), lambda i: page_of(kv, 4 * i, 4 * i + 4, frozenset({0, 2})))
+    assert [g.shape[0] for g in pages[0].data.groups] == [1, 2]  # layer 1; layers 0 and 2
+    assert tree.nbytes == 2 * 3 * 2 * 2 * 4 * 4 * 4  # every layer's tokens, as one tensor would hold
+    for layer in range(3):
+        keys, values = gather_pages(pages, layer)
+        assert torch.equal(keys, kv[layer][0][:, :, :8]) and torch.equal(values, kv[layer][1][:, :, :8])
+    cache = cache_from_kv(kv)
+    for i in (0, 2):
+        cache.layers[i] = window_layer(*kv[i], 4)  # the last 3 tokens, private
+    cache = share_pages(cache, kv, pages)
+    assert [type(layer).__name__ for layer in cache.layers] == ["WindowLayer", "PagedLayer", "WindowLayer"]
+    shared, three_tokens = 2 * (1 * 2 * 2 * 4 * 4 * 4), 2 * 2 * 3 * 4 * 4  # 2 pages of layer 1; (K/V, H, 3, D) fp32
+    assert cache_nbytes(cache) == shared + three_tokens + 2 * three_tokens  # + layer 1's tail + the 2 windows
+    assert len(tree.storages()) == 4  # 2 pages × 2 groups
 
 
 def test_paged_layer_crop_equals_cropping_the_plain_kv():

