@@ -71,7 +71,7 @@ def downloaded() -> bool:
     from kvbench.model.load import converted_dir
 
     return (
-        all(download_dir(QWEN).glob(f"{p.replace('-', '_')}-*.whl") for p in QWEN.packages)
+        all(any(download_dir(QWEN).glob(f"{p.replace('-', '_')}-*.whl")) for p in QWEN.packages)
         or (converted_dir(QWEN.name) / "config.json").exists()
     )
 
