@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import transformers
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -98,12 +99,20 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
     ]
 
 
+# The transformers versions where each window layer masks from its own offset, checked token by token on Gemma 2 and 3
+# and Mistral (tests/engine/test_grid_decode.py); 5.2 (kvpress's venv) differs on Gemma 2 by 0.018 in a logit.
+WINDOW_MASK_APART = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25)
+
+
 def one_mask(cache: DynamicCache) -> bool:
     """Whether several tokens can be fed in one forward: transformers builds one full-attention mask from the first
     full layer's length and one sliding mask from the first window layer's (each window layer tracks its own offset),
     so every layer but the window layers must hold the same number of tokens; otherwise token by token."""
+    apart = WINDOW_MASK_APART  # before it, Gemma 2's window layers mask a multi-token step from another offset
     lengths = {
-        n for n, layer in zip(layer_lengths(cache), cache.layers) if not isinstance(layer, DynamicSlidingWindowLayer)
+        n
+        for n, layer in zip(layer_lengths(cache), cache.layers)
+        if not (apart and isinstance(layer, DynamicSlidingWindowLayer))
     }
     return len(lengths) <= 1
 
