@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from packaging.version import Version
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -101,7 +102,7 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
 
 # The transformers versions where each window layer masks from its own offset, checked token by token on Gemma 2 and 3
 # and Mistral (tests/engine/test_grid_decode.py); 5.2 (kvpress's venv) differs on Gemma 2 by 0.018 in a logit.
-WINDOW_MASK_APART = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25)
+WINDOW_MASK_APART = Version(transformers.__version__).release >= (5, 25)
 
 
 def one_mask(cache: DynamicCache) -> bool:
