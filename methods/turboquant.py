@@ -105,11 +105,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         padded = torch.nn.functional.pad(codes.to(torch.uint8), (0, -codes.shape[-1] % per_byte))
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # (8/bits,)
         return (padded.unflatten(-1, (-1, per_byte)) << shifts).sum(-1, dtype=torch.uint8)  # disjoint bits: sum = or
-    shifts = torch.arange(bits, device=codes.device)
-    flat = ((codes.long().unsqueeze(-1) >> shifts) & 1).flatten(-2)  # (..., D·bits) bits
-    pad = -flat.shape[-1] % 8
-    flat = torch.nn.functional.pad(flat, (0, pad)).unflatten(-1, (-1, 8))  # (..., bytes, 8)
-    return (flat << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+    # `bits` bytes hold 8 codes: code 8g + m of group g sits at bit m·bits of the group's little-endian word
+    padded = torch.nn.functional.pad(codes.long(), (0, -codes.shape[-1] % 8)).unflatten(-1, (-1, 8))  # (..., G, 8)
+    words = (padded << torch.arange(0, 8 * bits, bits, device=codes.device)).sum(-1)  # (..., G) disjoint bits
+    groups = (words.unsqueeze(-1) >> torch.arange(0, 8 * bits, 8, device=codes.device)) & 255  # (..., G, bits)
+    return groups.flatten(-2)[..., : -(-codes.shape[-1] * bits // 8)].to(torch.uint8)  # (..., ⌈D·bits/8⌉)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -118,9 +118,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (8/bits,)
         codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., bytes, 8/bits) uint8
         return codes.flatten(-2)[..., :dim].long()
-    flat = ((packed.long().unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)  # (..., 8·bytes)
-    per_code = flat[..., : dim * bits].unflatten(-1, (dim, bits))  # (..., D, bits)
-    return (per_code << torch.arange(bits, device=packed.device)).sum(-1)
+    groups = torch.nn.functional.pad(packed, (0, -packed.shape[-1] % bits)).unflatten(-1, (-1, bits))  # (..., G, bits)
+    words = (groups.long() << torch.arange(0, 8 * bits, 8, device=packed.device)).sum(-1)  # (..., G) 8 codes each
+    codes = (words.unsqueeze(-1) >> torch.arange(0, 8 * bits, bits, device=packed.device)) & (2**bits - 1)  # (..., G, 8)
+    return codes.flatten(-2)[..., :dim]
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,17 @@ def test_bits_pack_exactly():
         assert torch.equal(unpack_bits(packed, bits, 24), codes)
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_bit_layout_is_least_significant_first(bits):
+    """Code c's bit j is bit (c·bits + j) of the byte stream, byte by byte from bit 0."""
+    dim = 13  # not a multiple of 8: the last byte is part padding
+    codes = torch.randint(0, 2**bits, (dim,), generator=torch.Generator().manual_seed(bits))
+    stream = [(int(c) >> j) & 1 for c in codes for j in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    expected = [sum(bit << i for i, bit in enumerate(stream[b : b + 8])) for b in range(0, len(stream), 8)]
+    assert pack_bits(codes, bits).tolist() == expected
+
+
 @pytest.mark.parametrize(
     "preset,key_bytes,value_bytes",
     [  # per token and head at D = 64: vLLM's ⌈D·b/8⌉ + 2 (fp16 norm) keys, ⌈D·b/8⌉ + 4 (fp16 scale, zero) values
