@@ -11,7 +11,9 @@ Cost per example: the full cache's distributions once (one forward over its answ
 of the example; per compressed configuration its compression again from the shared prefill (compression is
 deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
 single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
-lengths, methods acting on decode steps — are fed token by token, as decoding feeds them.
+lengths, methods acting on decode steps — are fed token by token, as decoding feeds them; a grid-batched row of
+those that kept its decoding's distributions (kvbench.engine.grid_decode) and followed the full answer is read from
+them instead: the same tokens fed the same way, the same logits.
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
         hooks.on_decode_step(cache, stats)  # evictions as decoding makes them
         position += 1
     return torch.cat(out)  # (n, V)
+
+
+def decoded_logits(gen: Generation, answer: list[int]) -> torch.Tensor | None:
+    """(n, V) fp32: the distributions the row's own decoding read its tokens from, when they are what teacher forcing
+    along `answer` gives — the row kept them (a token-by-token configuration: kvbench.engine.grid_decode) and its
+    first n − 1 tokens are the answer's, so forcing would feed the same tokens the same way; else None."""
+    n = len(answer)
+    if len(gen.logits) < n or gen.token_ids[: n - 1] != answer[: n - 1]:
+        return None
+    return torch.stack(gen.logits[:n]).float()  # (n, V)
 
 
 def compressed_logits(
@@ -153,7 +165,9 @@ def add_columns(
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
         elif run.source is not None and reference is not None:
-            logits = compressed_logits(
-                run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
-            )
+            logits = decoded_logits(run.gen, answer)
+            if logits is None:  # the row left the answer (or kept nothing): its cache is rebuilt and forced along it
+                logits = compressed_logits(
+                    run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
+                )
             row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)

@@ -50,6 +50,7 @@ from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.batched import BatchedGeneration, decode_together
 from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
+from kvbench.engine.fidelity import one_forward
 from kvbench.engine.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
@@ -58,6 +59,7 @@ from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
 
 MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
+KEEP_LOGITS_BYTES = 64 * 2**20  # a batched row's kept distributions (fidelity): 341 steps of a 49K vocabulary
 # rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)
 MAX_ROWS = 16
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
@@ -278,9 +280,10 @@ def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
 
 
 def decode_grid(
-    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...]
+    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...], keep_logits: bool = False
 ) -> list[BatchedGeneration]:
-    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch."""
+    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; keep_logits:
+    every row keeps the distribution each of its tokens was read from."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
@@ -328,6 +331,7 @@ def decode_grid(
         stop=stop,
         drop_rows=drop_rows,
         recorder=recorder,
+        keep_logits=keep_logits,
     )
     return [
         BatchedGeneration(
@@ -340,6 +344,7 @@ def decode_grid(
             kv_bytes=done.nbytes[row],
             **engine.baselines(s.position + done.steps[row]),
             peak_mem_bytes=s.prefill_peak,
+            logits=done.logits[row],
             peak_mem_delta_bytes=s.prefill_peak - s.baseline_bytes,
             batch_size=n_rows,
             decode_tokens_per_s=done.tokens_per_s,
@@ -357,9 +362,14 @@ def generate_grid(
     max_new_tokens: int,
     stop: tuple[str, ...] = (),
     max_padding: float = MAX_PADDING,
+    keep_logits: bool = False,
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
-    padded bytes stay ≤ max_padding × their own: `groups`); in order."""
+    padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: the grid-batched rows whose
+    fidelity pass would feed an answer token by token (kvbench.engine.fidelity.one_forward is false: decode-time
+    evictions) keep their decoding's distributions, which that pass reproduces wherever the row followed the full
+    cache's answer — at most KEEP_LOGITS_BYTES a row. Only batched rows: their peak memory is their prefill's, so
+    the kept distributions change no measurement; a row decoded alone measures its decode's peak."""
     device = engine.lm.device
     base = reset_peak(device)
 
@@ -375,6 +385,7 @@ def generate_grid(
         return gen
 
     starts: list[Compressed] = []
+    keep: list[bool] = []  # per configuration: whether its row keeps its distributions
     out: list[Generation | None] = [None] * len(confs)
     together = []
     for i, (method, budget) in enumerate(confs):
@@ -382,6 +393,8 @@ def generate_grid(
         start = engine.compressed(prefill, method, budget, suffix_ids, max_new_tokens)
         start.prefill_peak = max(prefill.peak_mem_bytes, start.prefill_peak - before)
         starts.append(start)
+        step_bytes = start.logits.numel() * 4  # one fp32 distribution
+        keep.append(keep_logits and not one_forward(method, start) and max_new_tokens * step_bytes <= KEEP_LOGITS_BYTES)
         if decodes_in_grid(method, start):
             together.append(i)
         else:
@@ -393,9 +406,10 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop)
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, any(keep[i] for i in rows))
             for i, gen in zip(rows, gens):
                 out[i] = gen
+                gen.logits = gen.logits if keep[i] else []  # a batch keeps every row's: only these are read
     for i in range(len(confs)):
         if out[i] is None:
             out[i] = alone(i)

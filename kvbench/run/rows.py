@@ -124,7 +124,9 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
         from kvbench.engine.grid_decode import generate_grid  # configurations of this example decoded as one batch
 
         confs = [(c.method, c.budget) for c in shared]
-        gens = generate_grid(engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, ctx.grid_padding)
+        gens = generate_grid(
+            engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, ctx.grid_padding, keep_logits=ctx.fidelity
+        )
         together = {id(c): gen for c, gen in zip(shared, gens)}
     runs = []  # how each row's cache can be rebuilt for its fidelity columns (kvbench.engine.fidelity)
     for c in todo:

@@ -143,3 +143,40 @@ def test_fidelity_false_skips_the_columns(tmp_path):
         output_dir=tmp_path / "out",
     )
     assert len(rows) == 2 and not set(fidelity.COLUMNS) & set(rows.columns)
+
+
+def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_ids):
+    """A grid's batched rows that evict while decoding keep the distributions they decoded from; where a row
+    followed the full cache's answer those are its columns (no rebuild, no second pass), equal to what rebuilding
+    the cache and forcing the answer gives. One-forward rows and rows decoded alone (quantized) keep nothing."""
+    from kvbench.engine.grid_decode import generate_grid
+
+    prompt, question = prompt_ids[:-12], prompt_ids[-12:]
+    confs = [
+        (build("full", {}), None),
+        (build("snapkv", {"window_size": 8}), Budget.parse(0.5)),
+        (build("h2o", {}), Budget.parse(0.9)),
+        (build("rkv", {}), Budget.parse(0.5)),
+        (build("h2o", {}), Budget.parse(0.05)),
+        (build("kivi", {"bits": 8, "group_size": 16, "residual_length": 32}), None),
+    ]
+    request = StatsRequest()
+    for method, _ in confs:
+        request = request | method.stats_request()
+    prefill = tiny_engine.prefill(prompt, request)
+    gens = generate_grid(tiny_engine, prefill, confs, question, 10, max_padding=100.0, keep_logits=True)
+    assert [bool(g.logits) for g in gens] == [False, False, True, True, True, False]
+    answer = gens[0].token_ids
+    followed = [fidelity.decoded_logits(g, answer) is not None for g in gens[2:5]]
+    assert any(followed) and not all(followed)  # both paths: reused, and rebuilt where the row left the answer
+    runs = [fidelity.Ran(m, b, tiny_engine, prefill, g) for (m, b), g in zip(confs, gens)]
+    reused: list[dict] = [{} for _ in runs]
+    fidelity.add_columns(reused, runs, tiny_engine, prefill, prompt, question, 10)
+    for g in gens:
+        g.logits = []
+    forced: list[dict] = [{} for _ in runs]
+    fidelity.add_columns(forced, runs, tiny_engine, prefill, prompt, question, 10)
+    for a, b in zip(reused[1:], forced[1:]):
+        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
+        assert a["kl_max"] == pytest.approx(b["kl_max"], rel=1e-4, abs=1e-7)
+        assert (a["top1_agreement"], a["fidelity_tokens"]) == (b["top1_agreement"], b["fidelity_tokens"])
