@@ -223,13 +223,24 @@ class Engine:
 
     @torch.inference_mode()
     def decode(
-        self, start: Compressed, method: Method, max_new_tokens: int, stop: tuple[str, ...] = (), keep_logits=False
+        self,
+        start: Compressed,
+        method: Method,
+        max_new_tokens: int,
+        stop: tuple[str, ...] = (),
+        keep_logits=False,
+        logits_buffer: torch.Tensor | None = None,
     ) -> Generation:
-        """The second half of `generate`: greedy decoding of one configuration from its compressed cache."""
+        """The second half of `generate`: greedy decoding of one configuration from its compressed cache. keep_logits:
+        the Generation keeps the distribution each token was read from; into `logits_buffer` (max_new_tokens, V) fp32
+        when given — allocated before a measurement, keeping them then adds nothing to the decode's peak."""
         device, tokenizer = self.lm.device, self.lm.tokenizer
         cache, logits, position = start.cache, start.logits, start.position
         token = int(logits.argmax())
+        keep_logits = keep_logits or logits_buffer is not None
         generated, kept_logits = [token], [logits] if keep_logits else []
+        if logits_buffer is not None:
+            kept_logits = [logits_buffer[0].copy_(logits)]  # views of the buffer: step i's row i
         steps, t0 = 0, time.perf_counter()
         hooks = start.hooks
         hooks.on_decode_start(cache, position)
@@ -243,7 +254,9 @@ class Engine:
             position, steps = position + 1, steps + 1
             token = int(logits.argmax())
             generated.append(token)
-            if keep_logits:
+            if logits_buffer is not None:
+                kept_logits.append(logits_buffer[len(generated) - 1].copy_(logits))
+            elif keep_logits:
                 kept_logits.append(logits)
         synchronize(device)
         decode_s = time.perf_counter() - t0

@@ -365,11 +365,11 @@ def generate_grid(
     keep_logits: bool = False,
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
-    padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: the grid-batched rows whose
-    fidelity pass would feed an answer token by token (kvbench.engine.fidelity.one_forward is false: decode-time
-    evictions) keep their decoding's distributions, which that pass reproduces wherever the row followed the full
-    cache's answer — at most KEEP_LOGITS_BYTES a row. Only batched rows: their peak memory is their prefill's, so
-    the kept distributions change no measurement; a row decoded alone measures its decode's peak."""
+    padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: the rows whose fidelity pass
+    would feed an answer token by token (kvbench.engine.fidelity.one_forward is false: decode-time evictions,
+    quantized layers) keep their decoding's distributions, which that pass reproduces wherever the row followed the
+    full cache's answer — at most KEEP_LOGITS_BYTES a row. They change no measurement: a batched row's peak memory
+    is its prefill's, and a row decoded alone keeps them in a buffer filled before its measurement starts."""
     device = engine.lm.device
     base = reset_peak(device)
 
@@ -378,8 +378,10 @@ def generate_grid(
         return max(0, reset_peak(device) - base)
 
     def alone(i: int) -> Generation:
+        width = starts[i].logits.numel()
+        buffer = torch.zeros(max_new_tokens, width, device=device) if keep[i] else None  # (N, V): in use before
         before = held()
-        gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop)
+        gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop, logits_buffer=buffer)
         gen.peak_mem_bytes = max(starts[i].prefill_peak, gen.peak_mem_bytes - before)
         gen.peak_mem_delta_bytes = gen.peak_mem_bytes - starts[i].baseline_bytes
         return gen

@@ -146,9 +146,10 @@ def test_fidelity_false_skips_the_columns(tmp_path):
 
 
 def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_ids):
-    """A grid's batched rows that evict while decoding keep the distributions they decoded from; where a row
-    followed the full cache's answer those are its columns (no rebuild, no second pass), equal to what rebuilding
-    the cache and forcing the answer gives. One-forward rows and rows decoded alone (quantized) keep nothing."""
+    """A grid's rows fed token by token (batched rows that evict while decoding, quantized rows decoded alone) keep
+    the distributions they decoded from; where a row followed the full cache's answer those are its columns (no
+    rebuild, no second pass), equal to what rebuilding the cache and forcing the answer gives. One-forward rows keep
+    nothing; a row decoded alone keeps them in one buffer allocated before its measurement."""
     from kvbench.engine.grid_decode import generate_grid
 
     prompt, question = prompt_ids[:-12], prompt_ids[-12:]
@@ -165,9 +166,11 @@ def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_
         request = request | method.stats_request()
     prefill = tiny_engine.prefill(prompt, request)
     gens = generate_grid(tiny_engine, prefill, confs, question, 10, max_padding=100.0, keep_logits=True)
-    assert [bool(g.logits) for g in gens] == [False, False, True, True, True, False]
+    assert [bool(g.logits) for g in gens] == [False, False, True, True, True, True]
+    kivi = gens[5].logits
+    assert all(step.untyped_storage().data_ptr() == kivi[0].untyped_storage().data_ptr() for step in kivi)
     answer = gens[0].token_ids
-    followed = [fidelity.decoded_logits(g, answer) is not None for g in gens[2:5]]
+    followed = [fidelity.decoded_logits(g, answer) is not None for g in gens[2:]]
     assert any(followed) and not all(followed)  # both paths: reused, and rebuilt where the row left the answer
     runs = [fidelity.Ran(m, b, tiny_engine, prefill, g) for (m, b), g in zip(confs, gens)]
     reused: list[dict] = [{} for _ in runs]
