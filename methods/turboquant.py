@@ -120,7 +120,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return codes.flatten(-2)[..., :dim].long()
     groups = torch.nn.functional.pad(packed, (0, -packed.shape[-1] % bits)).unflatten(-1, (-1, bits))  # (..., G, bits)
     words = (groups.long() << torch.arange(0, 8 * bits, 8, device=packed.device)).sum(-1)  # (..., G) 8 codes each
-    codes = (words.unsqueeze(-1) >> torch.arange(0, 8 * bits, bits, device=packed.device)) & (2**bits - 1)  # (..., G, 8)
+    shifts = torch.arange(0, 8 * bits, bits, device=packed.device)  # (8,): each code's offset in its word
+    codes = (words.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., G, 8)
     return codes.flatten(-2)[..., :dim]
 
 
