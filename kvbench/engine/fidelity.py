@@ -11,9 +11,9 @@ Cost per example: the full cache's distributions once (one forward over its answ
 of the example; per compressed configuration its compression again from the shared prefill (compression is
 deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
 single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
-lengths, methods acting on decode steps — are fed token by token, as decoding feeds them; a grid-batched row of
-those that kept its decoding's distributions (kvbench.engine.grid_decode) and followed the full answer is read from
-them instead: the same tokens fed the same way, the same logits.
+lengths, methods acting on decode steps — are fed token by token, as decoding feeds them; a row of those that kept
+its decoding's distributions (kvbench.engine.grid_decode: grid-batched or alone) and followed the full answer is read
+from them instead: the same tokens fed the same way, the same logits.
 """
 
 from __future__ import annotations

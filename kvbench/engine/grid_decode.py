@@ -59,7 +59,7 @@ from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
 
 MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
-KEEP_LOGITS_BYTES = 64 * 2**20  # a batched row's kept distributions (fidelity): 341 steps of a 49K vocabulary
+KEEP_LOGITS_BYTES = 64 * 2**20  # a row's kept distributions (fidelity) at most: 341 steps of a 49K vocabulary
 # rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)
 MAX_ROWS = 16
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
