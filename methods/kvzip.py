@@ -15,14 +15,15 @@ of the previous context exactly, starting with" + the previous chunk's last 8 to
 over the sinks, the chunk and itself.
 
 Cost: the second forward is as long as the prompt again (+ ~20 tokens per chunk) and attends to up to twice the
-keys; it is part of the configuration's compression time, so its `prefill_s` shows it. Queries are rebuilt from
-q_proj on the attention modules' inputs (forward hooks, as kvpress does); the logits are products in the model's
-dtype, the softmax is computed in query chunks in fp32 — the model's own attention stays sdpa.
+keys; it is part of the configuration's compression time, so its `prefill_s` shows it. One reconstruction per
+prefill serves every budget of a grid (and the fidelity columns' rebuilds) with the same knobs; each row is charged
+its time and peak as if it had run its own (`PromptSource.derive`). Queries are rebuilt from q_proj on the
+attention modules' inputs (forward hooks, as kvpress does); the logits are products in the model's dtype, the
+softmax is computed in query chunks in fp32 — the model's own attention stays sdpa.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,26 +101,23 @@ class KVzip(Method):
     def __post_init__(self):
         if self.n_sink < 0 or self.chunk_size < 1:
             raise KvbenchError(f"kvzip: n_sink={self.n_sink} must be ≥ 0 and chunk_size={self.chunk_size} ≥ 1")
-        self._scored = (lambda: None, None)  # (weak reference to the prefill's stats, its per-layer scores)
 
     def min_tokens(self) -> int:
         return self.n_sink + 1
 
     def scores(self, layer_idx, keys, values, stats):
-        source, per_layer = self._scored
-        if source() is not stats:  # one reconstruction per prefill serves every layer
-            per_layer = self.reconstruction_scores(stats)
-            self._scored = (weakref.ref(stats), per_layer)
-        return per_layer[layer_idx]  # (B, H_kv, T)
-
-    def reconstruction_scores(self, stats) -> list[torch.Tensor]:
-        """Every layer's (B, H_kv, T) scores: max reconstruction attention, +inf on the sinks."""
         prompt = getattr(stats, "prompt", None)
         if prompt is None:
             raise KvbenchError(
                 "kvzip re-reads the whole prompt after its prefill: not available here (a prefix reused from the "
                 "prefix cache, or re-scoring while decoding); use another scorer"
             )
+        # one reconstruction per prefill serves every layer, and every budget of a grid with the same knobs
+        key = ("kvzip", self.n_sink, self.chunk_size, self.skip_template)
+        return prompt.derive(key, lambda: self.reconstruction_scores(prompt))[layer_idx]  # (B, H_kv, T)
+
+    def reconstruction_scores(self, prompt) -> list[torch.Tensor]:
+        """Every layer's (B, H_kv, T) scores: max reconstruction attention, +inf on the sinks."""
         lm, ids, kv = prompt.lm, prompt.ids, prompt.kv
         if kv[0][0].shape[0] != 1:
             raise KvbenchError("kvzip reconstructs one prompt at a time (batch size 1)")

@@ -1,8 +1,10 @@
 """KVzip's compression time on a real model: the reconstruction forward and its attention scores, with the
 attention products in the model's dtype (what methods/kvzip.py does) and in fp32 (the variant it replaced), and,
-where kvpress is installed, kvpress's KVzipPress on the same prompt — all in this one run.
+where kvpress is installed, kvpress's KVzipPress on the same prompt — all in this one run. With --grid, a grid of
+budgets on one prefill (the leaderboard's six by default): one reconstruction shared by every budget (what the runner
+does) against one per budget, and the prefill_s each row is charged either way.
 
-    python scripts/bench_kvzip.py [--model smollm2-135m] [--lengths 2048] [--dtype bfloat16]
+    python scripts/bench_kvzip.py [--model smollm2-135m] [--lengths 2048] [--dtype bfloat16] [--grid [B ...]]
 
 Prints seconds per compression (best of `repeats`), the share spent in the reconstruction attention, and the ratios
 measured here (quote them with the CPU from lscpu; machines differ).
@@ -22,6 +24,7 @@ from kvbench import conf_dir
 from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.methods import kvzip as kvzip_module
+from kvbench.model.attention import StatsRequest
 from kvbench.model.load import load_model
 from kvbench.tasks import build_task
 
@@ -48,6 +51,18 @@ def compress_seconds(engine, ids, upcast: bool) -> tuple[float, float]:
         kvzip_module.max_attention = original
 
 
+def grid_seconds(engine, ids, budgets: list[float], share: bool) -> tuple[float, float]:
+    """(wall seconds to compress every budget on one prefill, the mean prefill_s a row is charged); share=False
+    drops the prefill's reconstruction before each budget, as when each configuration derived its own."""
+    prefill = engine.prefill(list(ids), StatsRequest())
+    start, charged = time.perf_counter(), []
+    for budget in budgets:
+        if not share:
+            prefill.stats.prompt.derived.clear()
+        charged.append(engine.compressed(prefill, build_method("kvzip"), Budget.parse(budget), []).prefill_s)
+    return time.perf_counter() - start, sum(charged) / len(charged)
+
+
 def press_seconds(lm, ids) -> float:
     """KVzipPress's hooked prefill minus a plain prefill of the same prompt (its compression's own time)."""
     method = build_method("kvpress", {"press": "KVzipPress"})
@@ -66,6 +81,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--grid", type=float, nargs="*", help="budgets (none given: 0.75 0.5 0.25 0.125 1/16 1/32)")
     args = parser.parse_args()
     lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), "cpu", args.dtype)
     engine, has_kvpress = Engine(lm), importlib.util.find_spec("kvpress") is not None
@@ -84,6 +100,19 @@ def main() -> None:
             f"| {len(ids)} | {ours[0]:.1f} ({ours[1]:.1f}) | {fp32[0]:.1f} ({fp32[1]:.1f}) | "
             f"{fp32[0] / ours[0]:.2f} | {press} |"
         )
+    if args.grid is None:
+        return
+    budgets = args.grid or [0.75, 0.5, 0.25, 0.125, 0.0625, 0.03125]
+    print(f"\nkvzip grid of {len(budgets)} budgets on one prefill")
+    print("| T | one reconstruction per budget s (row prefill_s) | one shared s (row prefill_s) | speed-up |")
+    print("|---|---|---|---|")
+    for length in args.lengths:
+        cfg = OmegaConf.load(conf_dir() / "task" / "niah.yaml")
+        cfg.update({"context_lengths": [length], "depths": [0.5]})
+        ids, _ = build_task(cfg, lm.tokenizer, 0).examples()[0].split(True)
+        each = grid_seconds(engine, ids, budgets, share=False)
+        shared = grid_seconds(engine, ids, budgets, share=True)
+        print(f"| {len(ids)} | {each[0]:.1f} ({each[1]:.1f}) | {shared[0]:.1f} ({shared[1]:.1f}) | {each[0] / shared[0]:.2f} |")
 
 
 if __name__ == "__main__":

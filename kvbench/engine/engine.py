@@ -147,7 +147,9 @@ class Engine:
         self._check_recorded(request, stats, len(cache.layers))
         kv = cache_kv(cache)
         if position == 0:  # the whole prompt: methods that re-read it (kvzip) find it with the statistics
-            stats.prompt = PromptSource(self.lm, list(ids), kv)
+            stats.prompt = PromptSource(
+                self.lm, list(ids), kv, lambda: synchronize(device), lambda: read_peak(device)
+            )
         return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
 
     def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
@@ -188,6 +190,8 @@ class Engine:
         """The first half of `generate`: compress, append the suffix; the cache and logits decoding starts from.
         `max_new_tokens` (None: unknown) tells which sliding layers this run never fills (`window_layout`)."""
         device = self.lm.device
+        prompt = prefill.stats.prompt  # what methods derive from it is shared by a grid, charged to each
+        mark = prompt.mark() if prompt is not None else (0, 0)
         reset_peak(device)
         start = time.perf_counter()
         method.bind(self.lm)
@@ -206,8 +210,9 @@ class Engine:
             logits = self._extend(cache, compression, suffix_ids, position)
             position += len(suffix_ids)
         synchronize(device)
-        prefill_s = prefill.seconds_for(method) + time.perf_counter() - start
-        peak = max(prefill.peak_mem_bytes, read_peak(device))
+        reused_s, reused_peak = prompt.charge_since(mark) if prompt is not None else (0.0, 0)
+        prefill_s = prefill.seconds_for(method) + time.perf_counter() - start + reused_s
+        peak = max(prefill.peak_mem_bytes, read_peak(device), reused_peak)
         suffix = position - prefill.n_tokens
         return Compressed(
             cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes, compression

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import cast
+from typing import Callable, cast
 
 import torch
 from transformers import AttentionInterface
@@ -170,10 +170,50 @@ class StatsRecorder:
 
 
 @dataclass
+class Derived:
+    value: object
+    seconds: float  # what deriving it took
+    peak_bytes: int  # the peak memory while it was derived
+
+
+@dataclass
 class PromptSource:
+    """The prefilled prompt, and what methods derive from it after the prefill (kvzip's reconstruction scores).
+
+    `derive(key, compute)` computes a value once per prefill: the configurations of a grid (and their fidelity
+    rebuilds) that ask for the same key share it. Each is charged as if it had derived its own: `charge_since`
+    gives the seconds and the peak a stretch of work (one configuration's compression) used without paying."""
+
     lm: object  # kvbench.model.load.LoadedModel
     ids: list[int]
     kv: list  # per layer (keys, values) (B, H_kv, T, D), the prefill's own tensors
+    # the engine's device clock: synchronize() before reading the time, peak() the peak memory since its reset
+    synchronize: Callable[[], None] = lambda: None
+    peak: Callable[[], int] = lambda: 0
+    derived: dict = field(default_factory=dict)  # key → Derived
+    used: list = field(default_factory=list)  # every Derived handed out, in order
+    computed: list = field(default_factory=list)  # every Derived computed, in order
+
+    def derive(self, key, compute: Callable[[], object]):
+        if key not in self.derived:
+            self.synchronize()
+            start = time.perf_counter()
+            value = compute()
+            self.synchronize()
+            self.derived[key] = Derived(value, time.perf_counter() - start, self.peak())
+            self.computed.append(self.derived[key])
+        self.used.append(self.derived[key])
+        return self.derived[key].value
+
+    def mark(self) -> tuple[int, int]:
+        return len(self.used), len(self.computed)
+
+    def charge_since(self, mark: tuple[int, int]) -> tuple[float, int]:
+        """(seconds, peak bytes) to add to a stretch of work begun at `mark`: each derivation it used (once, however
+        many layers asked) and did not compute (a stretch that computed one already paid for it)."""
+        used = {id(d): d for d in self.used[mark[0] :]}
+        reused = [d for d in used.values() if all(d is not c for c in self.computed[mark[1] :])]
+        return sum(d.seconds for d in reused), max((d.peak_bytes for d in used.values()), default=0)
 
 
 @dataclass

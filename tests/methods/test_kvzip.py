@@ -84,3 +84,48 @@ def test_kvzip_refuses_without_the_whole_prompt(tiny, tiny_engine, prompt_ids):
         build_method("kvzip", {"chunk_size": 0})
     with pytest.raises(KvbenchError, match="scorer=kvzip cannot re-score while decoding"):
         build_method("decoding", {"scorer": "kvzip"})
+
+
+def test_one_reconstruction_serves_every_budget_each_charged_its_cost(tiny_engine, prompt_ids, monkeypatch):
+    """A grid's kvzip budgets (same knobs) share the prefill's reconstruction; each row is charged its seconds and
+    peak as if alone, and keeps what a prefill of its own would have kept. Other knobs reconstruct again."""
+    from kvbench.methods.kvzip import KVzip
+
+    ids = prompt_ids[:200]
+    calls = []
+    real = KVzip.reconstruction_scores
+
+    def counted(self, prompt):
+        calls.append(self.chunk_size)
+        return real(self, prompt)
+
+    monkeypatch.setattr(KVzip, "reconstruction_scores", counted)
+    prefill = tiny_engine.prefill(ids, StatsRequest())
+    half, tenth = build_method("kvzip"), build_method("kvzip")
+    a = tiny_engine.compressed(prefill, half, Budget.parse(0.5), [])
+    b = tiny_engine.compressed(prefill, tenth, Budget.parse(0.1), [])
+    assert calls == [2048]  # one reconstruction for both budgets
+    derived = next(iter(prefill.stats.prompt.derived.values()))
+    assert b.prefill_s >= derived.seconds and a.prefill_s >= derived.seconds  # the reuser pays it too
+    assert b.prefill_peak >= derived.peak_bytes
+    alone = tiny_engine.prefill(ids, StatsRequest())
+    own = tiny_engine.compressed(alone, build_method("kvzip"), Budget.parse(0.1), [])
+    for shared, single in zip(b.cache.layers, own.cache.layers):
+        assert torch.equal(shared.keys, single.keys)
+    tiny_engine.compressed(prefill, build_method("kvzip", {"chunk_size": 64}), Budget.parse(0.5), [])
+    assert calls == [2048, 2048, 64]  # `alone` reconstructs its own; other knobs, their own
+
+
+def test_charge_since_adds_what_was_reused_not_what_was_computed():
+    from kvbench.model.attention import PromptSource
+
+    prompt = PromptSource(None, [], [], peak=lambda: 7)
+    mark = prompt.mark()
+    prompt.derive("k", lambda: 1)
+    assert prompt.charge_since(mark)[0] == 0.0  # the stretch that computed it already paid
+    prompt.derive("k", lambda: 1)  # every layer asks: still one derivation, computed here
+    assert prompt.charge_since(mark)[0] == 0.0
+    mark = prompt.mark()
+    assert prompt.derive("k", lambda: 2) == 1 and prompt.derive("k", lambda: 2) == 1  # reused, not recomputed
+    seconds, peak = prompt.charge_since(mark)
+    assert seconds == prompt.derived["k"].seconds and peak == 7  # charged once, however many layers asked
