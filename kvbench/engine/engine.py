@@ -147,9 +147,7 @@ class Engine:
         self._check_recorded(request, stats, len(cache.layers))
         kv = cache_kv(cache)
         if position == 0:  # the whole prompt: methods that re-read it (kvzip) find it with the statistics
-            stats.prompt = PromptSource(
-                self.lm, list(ids), kv, lambda: synchronize(device), lambda: read_peak(device)
-            )
+            stats.prompt = PromptSource(self.lm, list(ids), kv, lambda: synchronize(device), lambda: read_peak(device))
         return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
 
     def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:

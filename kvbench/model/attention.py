@@ -12,9 +12,10 @@ import contextlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable, cast
+from typing import cast
 
 import torch
 from transformers import AttentionInterface
