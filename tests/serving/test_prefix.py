@@ -68,4 +68,5 @@ def test_a_sliding_window_model_reuses_its_prefix_in_kvbench(capsys, tmp_path):
     assert list(table.system) == ["kvbench", "kvbench"] and table.identical.iloc[0]
     full, once = table.iloc[0], table.iloc[1]
     assert 0.4 < full.hit_rate < 0.5  # the second request reuses the document's whole pages; the first none
-    assert 0.4 < once.hit_rate < 0.5 and once.ttft_with_s < once.ttft_without_s
+    # compress-once prefills the document once (hit rate as above); its time is the benchmark's, not an assert's
+    assert 0.4 < once.hit_rate < 0.5 and once.prompt_tokens == full.prompt_tokens
