@@ -63,10 +63,15 @@ def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
     # the score by compression ratio: a column per ratio, ordered by the mean over the ratios each ran
     grid = standalone.split("## Score by compression ratio")[1].split("## Every line")[0]
     heading = next(x for x in grid.splitlines() if x.startswith("| model"))
-    assert heading.split("|")[5:9] == [" 0 ", " 0.5 ", " 0.75 ", " mean "]
+    assert heading.split("|")[6:10] == [
+        " 0 ",
+        " 0.5 ",
+        " 0.75 ",
+        " mean ",
+    ]  # after model, length, setting, engine, method
     lines = [x for x in grid.splitlines() if x.startswith("| tiny ")]
-    assert [x.split("|")[4].strip() for x in lines] == ["full", "snapkv", "streamingllm"]
-    assert lines[1].split("|")[6:9] == [" 83.3 ", " 50.0 ", " 66.7 "]  # snapkv at 0.5, 0.75, their mean
+    assert [x.split("|")[5].strip() for x in lines] == ["full", "snapkv", "streamingllm"]
+    assert lines[1].split("|")[7:10] == [" 83.3 ", " 50.0 ", " 66.7 "]  # snapkv at 0.5, 0.75, their mean
     csv = pd.read_csv(tmp_path / "leaderboard.csv")
     assert len(csv) == 5 and set(csv["method"]) == {"full", "snapkv", "streamingllm"}
 
@@ -121,3 +126,19 @@ def test_pair_agreement_with_kvpress_board(frame):
     assert pairs.loc[0.5, "verdict"] == "same" and pairs.loc[0.75, "verdict"] == "opposite"
     assert (pairs.loc[0.5, "a"], pairs.loc[0.5, "b"]) == ("snapkv", "streaming_llm")
     assert not pairs["apart"].any()  # 6 examples: the intervals overlap
+
+
+def test_lengths_are_never_pooled(frame, tmp_path):
+    """The same model at 16K and 32K (the Qwen command runs both): a line per length, each its own panel."""
+    long = pd.DataFrame(ruler_rows("full", 1.0, 2, 1.0) + ruler_rows("snapkv", 0.5, 0, 0.5)).assign(length_target=32768)
+    both = pd.concat([frame.assign(length_target=16384), long], ignore_index=True)
+    table = leaderboard(both).set_index(["length", "method", "ratio"])
+    assert (
+        table.loc[(16384, "snapkv", 0.5), "score"] == pytest.approx(100 * 5 / 6)
+        and table.loc[(16384, "snapkv", 0.5), "n"] == N
+    )
+    assert table.loc[(32768, "snapkv", 0.5), "score"] == 0 and table.loc[
+        (32768, "full", 0.0), "score"
+    ] == pytest.approx(100 / 3)
+    section = ruler_leaderboard(both, pd.DataFrame(), Context(out_dir=tmp_path))
+    assert "| 16,384 |" in section.markdown and "| 32,768 |" in section.markdown

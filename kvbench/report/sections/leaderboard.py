@@ -19,7 +19,7 @@ from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
 FULL = "full"
-KEYS = ["model", "engine", "query_aware", "method", "budget"]
+KEYS = ["model", "length", "engine", "query_aware", "method", "budget"]  # length: RULER's, never pooled across
 
 
 def press_name(press) -> str:
@@ -55,16 +55,17 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return pd.DataFrame()
     engine = rows["engine"] if "engine" in rows else pd.Series("kvbench", index=rows.index)
-    rows = rows.assign(engine=engine.fillna("kvbench"), method=labels(rows))
+    length = rows["length_target"] if "length_target" in rows else pd.Series(0, index=rows.index)
+    rows = rows.assign(engine=engine.fillna("kvbench"), method=labels(rows), length=length.fillna(0).astype(int))
     out = []
     for key, group in rows.groupby(KEYS, dropna=False, sort=True):
         mean, low, high, _ = mean_interval(group["score"], (0.0, 1.0))
         peak = group["peak_mem_bytes"] if "peak_mem_bytes" in group else pd.Series(dtype=float)
-        nominal = key[3] == FULL or float(key[4]) < 1
+        nominal = key[4] == FULL or float(key[5]) < 1
         out.append(
             dict(
                 zip(KEYS, key),
-                ratio=round(1.0 - float(key[4]), 6) if nominal else round(1.0 - group["kv_ratio"].mean(), 3),
+                ratio=round(1.0 - float(key[5]), 6) if nominal else round(1.0 - group["kv_ratio"].mean(), 3),
                 nominal=nominal,
                 n=int(group["score"].notna().sum()),
                 tasks=group["subset"].nunique(),
@@ -81,11 +82,15 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    return table.sort_values(["model", "query_aware", "ratio", "score"], ascending=[True, True, True, False])
+    return table.sort_values(
+        ["model", "length", "query_aware", "ratio", "score"], ascending=[True, True, True, True, False]
+    )
 
 
+LENGTH = Column("length", lambda r: r["length"], lambda v: f"{v:,}" if v else "–", title="RULER's length (tokens)")
 COLUMNS = [
     Column("model", lambda r: r["model"], left=True),
+    LENGTH,
     Column("engine", lambda r: r["engine"], left=True),
     Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
     Column("method", lambda r: r["method"], left=True),
@@ -122,9 +127,9 @@ def plot(table: pd.DataFrame, out_dir) -> list:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = list(table.groupby(["model", "query_aware"], sort=True))
+    panels = list(table.groupby(["model", "length", "query_aware"], sort=True))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
-    for ax, ((model, aware), part) in zip(axes[0], panels):
+    for ax, ((model, length, aware), part) in zip(axes[0], panels):
         fulls = {engine: rows for engine, rows in part[part["method"] == FULL].groupby("engine")}
         full = fulls.get("kvbench", next(iter(fulls.values()), part.iloc[:0]))
         for (engine, method), line in part[part["method"] != FULL].groupby(["engine", "method"], sort=True):
@@ -137,7 +142,8 @@ def plot(table: pd.DataFrame, out_dir) -> list:
         if not full.empty:
             ax.axhline(full["score"].iloc[0], color="black", ls="--", lw=0.8, label="full cache")
         ax.set(xlabel="compression ratio (1 − budget)", ylabel="RULER score", ylim=(0, 100))
-        ax.set_title(f"{model} · query_aware={str(bool(aware)).lower()}", fontsize=10)
+        at = f" · {length:,} tokens" if length else ""
+        ax.set_title(f"{model}{at} · query_aware={str(bool(aware)).lower()}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -178,15 +184,18 @@ def by_ratio(table: pd.DataFrame) -> tuple[pd.DataFrame, list[Column]]:
     """kvpress's board as it reads: a line per model × setting × engine × method, its score at each compression
     ratio in a column (budgets only: a quantized cache's measured ratio is its own), ordered by the mean over the
     ratios it ran; the full cache's line at ratio 0."""
-    keys = ["model", "query_aware", "engine", "method"]
+    keys = ["model", "length", "query_aware", "engine", "method"]
     nominal = table[table["nominal"]]
     wide = nominal.pivot_table(index=keys, columns="ratio", values="score", aggfunc="first")  # (lines, ratios)
     ratios = list(wide.columns)
     wide = wide.assign(mean=wide[[r for r in ratios if r > 0]].mean(axis=1)).reset_index()
     wide = wide.assign(compressed=wide["method"] != FULL)  # the full cache's line first
-    wide = wide.sort_values(["model", "query_aware", "compressed", "mean"], ascending=[True, True, True, False])
+    wide = wide.sort_values(
+        ["model", "length", "query_aware", "compressed", "mean"], ascending=[True, True, True, True, False]
+    )
     columns = [
         Column("model", lambda r: r["model"], left=True),
+        LENGTH,
         Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True),
         Column("engine", lambda r: r["engine"], left=True),
         Column("method", lambda r: r["method"], left=True),
