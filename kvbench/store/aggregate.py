@@ -49,6 +49,8 @@ CONFIG_KEYS = [
     "code_fingerprint",
 ]  # one configuration's rows
 EXAMPLE_KEYS = ["task", "subset", "example_id"]  # one example
+# one configuration whatever code computed it: what `without_reproduced` compares across code versions
+REPRODUCE_KEYS = ["model", "engine", "dtype", "task", "method", "method_params", "budget", "query_aware"]
 SCOPE_KEYS = [
     "level",
     "model",
@@ -97,7 +99,27 @@ def load_rows(paths: Iterable[str | Path]) -> pd.DataFrame:
         pd.to_datetime(rows["timestamp"], utc=True, errors="coerce").sort_values(ascending=False, kind="stable").index
     )
     rows = rows.loc[newest_first].drop_duplicates(["config_hash", "example_id"])
-    return with_experiment_keys(rows.reset_index(drop=True))
+    return without_reproduced(with_experiment_keys(rows.reset_index(drop=True)))
+
+
+def without_reproduced(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows (newest first) less those of an older code version that a newer one reproduced: the same configuration
+    on every one of the older version's examples, each with the same score. A configuration re-run after an unrelated
+    code change is then one experiment again; versions that disagree on an example, or ran different examples (a
+    sweep resumed across a code change), stay apart (`code_fingerprint` is a group key)."""
+    params = rows["method_params"] if "method_params" in rows else pd.Series("", index=rows.index)
+    config = _text_keys(rows.assign(method_params=params), REPRODUCE_KEYS)
+    example = _text_keys(rows, EXAMPLE_KEYS)
+    score = rows["score"].round(9).astype(object).where(rows["score"].notna(), None)
+    dropped = pd.Series(False, index=rows.index)
+    for _, group in rows.groupby(config, sort=False):
+        versions = list(dict.fromkeys(group["code_fingerprint"]))  # newest first, as the rows are ordered
+        index = {v: group.index[group["code_fingerprint"] == v] for v in versions}
+        results = {v: dict(zip(example[i], score[i])) for v, i in index.items()}  # example → score, per version
+        for n, older in enumerate(versions[1:], start=1):
+            if any(results[older].items() <= results[newer].items() for newer in versions[:n]):
+                dropped[index[older]] = True
+    return rows[~dropped].reset_index(drop=True)
 
 
 def with_experiment_keys(rows: pd.DataFrame) -> pd.DataFrame:

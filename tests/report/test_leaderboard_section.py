@@ -77,14 +77,15 @@ def test_section_has_a_sortable_table_and_kvpress_plot(frame, tmp_path):
 
 
 def test_presses_knobs_engines_and_quantized_caches_are_told_apart(frame):
-    """kvpress's presses by class (not all "kvpress"), kivi's bits, llama.cpp's snapkv apart from kvbench's, and a
-    cache without a budget at 1 − its measured kv_ratio."""
+    """kvpress's presses by class (not all "kvpress"), kivi's bits, a knob off its yaml's default, llama.cpp's
+    snapkv apart from kvbench's, and a cache without a budget at 1 − its measured kv_ratio."""
     press = '{"press": {"name": "AdaKVPress", "press": "CompactorPress"}, "press_kwargs": {}}'
     more = ruler_rows("kvpress", 0.5, 2, 0.5, method_params=press) + ruler_rows(
         "kvpress", 0.5, 1, 0.5, method_params='{"press": "LagKVPress", "press_kwargs": {}}'
     )
-    more += ruler_rows("kivi", 1.0, 6, 0.27, method_params='{"bits": 4, "group_size": 32}')
-    more += ruler_rows("kivi", 1.0, 0, 0.14, method_params='{"bits": 2, "group_size": 32}')
+    more += ruler_rows("kivi", 1.0, 6, 0.27, method_params='{"bits": 4, "group_size": 64}')
+    more += ruler_rows("kivi", 1.0, 0, 0.14, method_params='{"bits": 2, "group_size": 64}')
+    more += ruler_rows("rkv", 0.5, 3, 0.5, method_params='{"evict_every": 128, "window_size": 8}')  # not its yaml's 1
     more += ruler_rows("snapkv", 0.5, 0, 0.5, engine="llamacpp") + ruler_rows("full", 1.0, 6, 1.0, engine="llamacpp")
     table = leaderboard(pd.concat([frame, pd.DataFrame(more)], ignore_index=True))
     table = table.set_index(["engine", "method", "ratio"])
@@ -92,6 +93,7 @@ def test_presses_knobs_engines_and_quantized_caches_are_told_apart(frame):
     assert table.loc[("kvbench", "LagKVPress", 0.5), "score"] == pytest.approx(100 / 6)
     bits4 = table.loc[("kvbench", "kivi(bits=4)", 0.73)]  # no budget: 1 − 0.27 measured, said so
     assert bits4["score"] == 100 and not bits4["nominal"] and table.loc[("kvbench", "kivi(bits=2)", 0.86), "n"] == N
+    assert table.loc[("kvbench", "rkv(evict_every=128)", 0.5), "score"] == 50  # named by the knob it changed
     assert table.loc[("llamacpp", "snapkv", 0.5), "score"] == 0  # not merged with kvbench's snapkv
     assert table.loc[("kvbench", "snapkv", 0.5), "score"] == pytest.approx(100 * 5 / 6)
     assert table.loc[("kvbench", "full", 0.0), "nominal"] and table.loc[("llamacpp", "full", 0.0), "score"] == 100

@@ -78,6 +78,36 @@ def test_one_configuration_across_code_versions_is_not_pooled(tmp_path):
     assert sorted(snap["n"]) == [1, 2]
 
 
+def test_a_newer_version_that_reproduces_an_older_one_replaces_it(tmp_path):
+    old = runs(dtypes=("float32",))
+    for r in old:
+        r.update(code_fingerprint="old", timestamp="2026-01-01T00:00:00+00:00")
+    new = [
+        dict(r, code_fingerprint="new", config_hash=r["config_hash"] + "-rerun", timestamp="2026-02-01T00:00:00+00:00")
+        for r in old
+    ]
+    rows = load_rows([store(tmp_path, old + new)])
+    assert set(rows["code_fingerprint"]) == {"new"} and len(rows) == 6  # the same 3 examples, the same scores
+    snap = summarize(rows).query("level == 'subset' and method == 'snapkv'")
+    assert list(snap["n"]) == [3]
+
+
+def test_versions_that_disagree_on_an_example_stay_apart(tmp_path):
+    old = runs(dtypes=("float32",))
+    for r in old:
+        r.update(code_fingerprint="old", timestamp="2026-01-01T00:00:00+00:00")
+    new = [
+        dict(r, code_fingerprint="new", config_hash=r["config_hash"] + "-rerun", timestamp="2026-02-01T00:00:00+00:00")
+        for r in old
+    ]
+    new[3]["score"] = 0.0  # snapkv on e0: the new code answers otherwise
+    rows = load_rows([store(tmp_path, old + new)])
+    kept = rows.groupby("method")["code_fingerprint"].agg(lambda v: sorted(set(v)))
+    assert kept["full"] == ["new"] and kept["snapkv"] == ["new", "old"]
+    snap = summarize(rows).query("level == 'subset' and method == 'snapkv'")
+    assert sorted(snap["n"]) == [3, 3]
+
+
 def test_latency_from_several_machines_is_not_pooled(tmp_path):
     rows = runs(dtypes=("float32",))
     for i, r in enumerate(rows):

@@ -15,6 +15,7 @@ import pandas as pd
 from kvbench.report.page import Page
 from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import MEASURED, Column, fixed, html_table, markdown_table
+from kvbench.store.aggregate import method_yaml
 from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
@@ -31,19 +32,24 @@ def press_name(press) -> str:
 
 
 def labels(rows: pd.DataFrame) -> pd.Series:
-    """Each row's method as the leaderboard names it: a kvpress press by its class; a method that ran with several
-    sets of knobs (kivi's bits) by the knobs that differ between them; engine options as the engine names them."""
+    """Each row's method as the leaderboard names it: a kvpress press by its class; a method by the knobs that tell
+    its lines apart (kivi's bits) or that differ from its conf/method yaml (`rkv(evict_every=128)`); engine options as
+    the engine names them."""
     params = rows.get("method_params", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
     out = rows["method"].astype(str).copy()
     press = rows["method"] == "kvpress"
     out[press] = params[press].map(lambda p: press_name(p.get("press")))
     for method in set(rows.loc[~press, "method"]):
         mine = params[(rows["method"] == method) & ~press]
-        shown = [json.dumps(p, sort_keys=True) for p in mine]
-        if len(set(shown)) < 2:
-            continue
-        differ = sorted(k for k in set().union(*mine) if len({json.dumps(p.get(k)) for p in mine}) > 1)
-        out[mine.index] = [f"{method}({','.join(f'{k}={p.get(k)}' for k in differ)})" for p in mine]
+        defaults = method_yaml(method.split(" @")[0])  # a label may carry a code version: `kivi @1a2b3c4d`
+        differ = sorted(
+            k
+            for k in set().union(*mine)
+            if len({json.dumps(p.get(k)) for p in mine}) > 1
+            or any(k in defaults and k in p and p[k] != defaults[k] for p in mine)
+        )  # knobs that tell this method's lines apart, or that a line changed from conf/method/<name>.yaml
+        if differ:
+            out[mine.index] = [f"{method}({','.join(f'{k}={p.get(k)}' for k in differ)})" for p in mine]
     return out
 
 
