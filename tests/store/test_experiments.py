@@ -78,7 +78,8 @@ def test_one_configuration_across_code_versions_is_not_pooled(tmp_path):
     assert sorted(snap["n"]) == [1, 2]
 
 
-def test_a_newer_version_that_reproduces_an_older_one_replaces_it(tmp_path):
+def old_and_rerun():
+    """The same runs twice: by an older code version, then rerun a month later by a newer one (another config_hash)."""
     old = runs(dtypes=("float32",))
     for r in old:
         r.update(code_fingerprint="old", timestamp="2026-01-01T00:00:00+00:00")
@@ -86,6 +87,11 @@ def test_a_newer_version_that_reproduces_an_older_one_replaces_it(tmp_path):
         dict(r, code_fingerprint="new", config_hash=r["config_hash"] + "-rerun", timestamp="2026-02-01T00:00:00+00:00")
         for r in old
     ]
+    return old, new
+
+
+def test_a_newer_version_that_reproduces_an_older_one_replaces_it(tmp_path):
+    old, new = old_and_rerun()
     rows = load_rows([store(tmp_path, old + new)])
     assert set(rows["code_fingerprint"]) == {"new"} and len(rows) == 6  # the same 3 examples, the same scores
     snap = summarize(rows).query("level == 'subset' and method == 'snapkv'")
@@ -93,13 +99,7 @@ def test_a_newer_version_that_reproduces_an_older_one_replaces_it(tmp_path):
 
 
 def test_versions_that_disagree_on_an_example_stay_apart(tmp_path):
-    old = runs(dtypes=("float32",))
-    for r in old:
-        r.update(code_fingerprint="old", timestamp="2026-01-01T00:00:00+00:00")
-    new = [
-        dict(r, code_fingerprint="new", config_hash=r["config_hash"] + "-rerun", timestamp="2026-02-01T00:00:00+00:00")
-        for r in old
-    ]
+    old, new = old_and_rerun()
     new[3]["score"] = 0.0  # snapkv on e0: the new code answers otherwise
     rows = load_rows([store(tmp_path, old + new)])
     kept = rows.groupby("method")["code_fingerprint"].agg(lambda v: sorted(set(v)))
