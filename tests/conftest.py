@@ -38,6 +38,16 @@ def tiny():
     return load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", "float32")
 
 
+def skip_without_serving_engines(*venvs: str) -> None:
+    """Serving beside vLLM / OpenVINO needs their venvs; .ci/run builds them before `make test`, a fresh `make test`
+    does not."""
+    from kvbench.backends.source import venv_python
+
+    missing = [v for v in venvs if not venv_python(v).exists()]
+    if missing:
+        pytest.skip(f"serving beside the engines needs {', '.join(missing)}: make engine-vllm engine-openvino")
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(tiny):
     return Engine(tiny)

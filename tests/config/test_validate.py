@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from kvbench import KvbenchError
 from kvbench.config.spec import TOP_LEVEL
 from kvbench.run.check import NOT_JOB_KEYS, check_config, check_run
-from tests.conftest import CONF_DIR, compose_config, tiny_overrides
+from tests.conftest import CONF_DIR, compose_config, skip_without_serving_engines, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -359,12 +359,9 @@ def test_every_shipped_config_passes_validation(override):
     if "kvpress" in override and "kvpress" not in METHODS.names():  # its extra pins transformers < 5.3
         pytest.skip("kvpress is not installed in this venv: `make test-kvpress` builds and tests it")
     if override == "+experiment=serving":  # python -m kvbench.serving's preset: tests/serving/test_inputs.py
-        from kvbench.backends.source import venv_python
         from kvbench.serving.inputs import check
 
-        missing = [v for v in (".venv-vllm", ".venv-openvino") if not venv_python(v).exists()]
-        if missing:  # the preset serves beside vLLM and OpenVINO; .ci/run builds both before `make test`
-            pytest.skip(f"the serving preset needs {', '.join(missing)}: make engine-vllm engine-openvino")
+        skip_without_serving_engines(".venv-vllm", ".venv-openvino")  # the preset serves beside both
 
         check(compose_config(override))
         return

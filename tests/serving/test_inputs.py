@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from kvbench import KvbenchError
 from kvbench.serving.engines import engine_need
 from kvbench.serving.inputs import check, serving_spec
-from tests.conftest import CONF_DIR
+from tests.conftest import CONF_DIR, skip_without_serving_engines
 
 TINY = [
     "model=tiny-random",
@@ -107,6 +107,7 @@ def test_engine_blocks_need_whole_blocks_of_the_longest_request():
     # vLLM's CPU blocks are 16 tokens: 606 tokens take 38 blocks = 608 tokens of 1,024 bytes, more than kvbench's
     # own need (607 tokens); OpenVINO's 32-token blocks take 19 × 32 = 608 tokens too
     need = 608 * 1024
+    skip_without_serving_engines(".venv-vllm", ".venv-openvino")
     check(serving_config(f"serving.kv_budget_bytes={need}", "serving.engines=[vllm:full,openvino:full]"))
     with pytest.raises(KvbenchError, match=f"holds not one request in vllm:full's blocks .* ≥ {need:,}"):
         check(serving_config(f"serving.kv_budget_bytes={need - 1}", "serving.engines=[vllm:full]"))
