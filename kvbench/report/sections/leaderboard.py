@@ -141,8 +141,8 @@ def plot(table: pd.DataFrame, out_dir) -> list:
         for (engine, method), line in part[part["method"] != FULL].groupby(["engine", "method"], sort=True):
             start = fulls.get(engine, full)
             line = pd.concat([start, line]).sort_values("ratio")  # every line starts at its engine's full cache
-            tagged = engine == "kvbench" or str(method).endswith(f" @{engine}")  # engine_labels tagged it already
-            label = str(method) if tagged else f"{method} ({engine})"
+            named = engine == "kvbench" or str(method).endswith(f" @{engine}")  # engine_labels named the engine
+            label = str(method) if named else f"{method} ({engine})"
             (drawn,) = ax.plot(line["ratio"], line["score"], marker="o", ms=3, label=label)
             band = line.dropna(subset=["ci_low"])
             ax.fill_between(band["ratio"], band["ci_low"], band["ci_high"], color=drawn.get_color(), alpha=0.12)
