@@ -2,12 +2,15 @@
 frame: one line per method × compression ratio with RULER's 0–100 score and its interval, the measured kv_ratio
 and the timings; other tasks' rows left out; kvpress's plot written; the section inside the whole report."""
 
+import json
+
 import pandas as pd
 import pytest
 
 from kvbench.report.build import build_report
 from kvbench.report.section import Context
-from kvbench.report.sections.leaderboard import leaderboard, ruler_leaderboard
+from kvbench.report.sections.leaderboard import labels, leaderboard, ruler_leaderboard
+from kvbench.store.aggregate import press_label, variant_label
 from tests.report.test_report import row, store
 
 N = 6  # examples per configuration: 3 tasks × 2 samples
@@ -144,3 +147,43 @@ def test_lengths_are_never_pooled(frame, tmp_path):
     ] == pytest.approx(100 / 3)
     section = ruler_leaderboard(both, pd.DataFrame(), Context(out_dir=tmp_path))
     assert "| 16,384 |" in section.markdown and "| 32,768 |" in section.markdown
+
+
+def test_a_press_with_every_resolved_field_through_the_whole_report(frame, tmp_path):
+    """method=kvpress rows as the store holds them (the press and every field kvpress resolved, ~300 characters) go
+    through the whole report: the press is named by its classes on the page and in the plots' labels, and no file
+    name or conf lookup grows with the fields."""
+    resolved = "AdaKVPress(press=CompactorPress(" + ", ".join(f"field_{i}={i}" for i in range(30)) + "))"
+    params = json.dumps(
+        {"press": {"name": "AdaKVPress", "press": "CompactorPress"}, "press_kwargs": {}, "resolved": resolved}
+    )
+    more = ruler_rows("kvpress", 0.5, 2, 0.5, method_params=params)
+    build_report([store(tmp_path, frame.to_dict("records") + more)], tmp_path / "report", 0.02)
+    page = pd.read_csv(tmp_path / "report" / "leaderboard.csv").set_index("method")
+    assert page.loc["AdaKVPress(CompactorPress)", "score"] == pytest.approx(100 * 2 / 6, abs=0.01)  # csv: 2 decimals
+    assert max(len(p.name) for p in (tmp_path / "report").iterdir()) < 160
+    assert variant_label("kvpress", json.loads(params)) == "kvpress(AdaKVPress(CompactorPress))"
+
+
+@pytest.mark.parametrize(
+    ("press", "label"),
+    [
+        ("LagKVPress", "LagKVPress"),
+        ({"name": "AdaKVPress", "press": "CompactorPress"}, "AdaKVPress(CompactorPress)"),
+        (
+            {"block_size": 128, "name": "BlockPress", "press": "KeyDiffPress"},
+            "BlockPress(KeyDiffPress, block_size=128)",
+        ),
+        (
+            {"name": "AdaKVPress", "press": {"name": "SnapKVPress", "window_size": 32}},
+            "AdaKVPress(SnapKVPress(window_size=32))",
+        ),
+    ],
+)
+def test_a_press_is_named_by_its_classes_and_the_fields_it_was_given(press, label):
+    """Two BlockPresses of different block sizes are two lines, on the page and in every plot."""
+    assert press_label(press) == label and variant_label("kvpress", {"press": press}) == f"kvpress({label})"
+    assert variant_label("kvpress @1a2b3c4d", {"press": press}) == f"kvpress({label}) @1a2b3c4d"  # two code versions
+    for stored in ("kvpress", f"kvpress({label})", "kvpress @1a2b3c4d", f"kvpress({label}) @1a2b3c4d"):
+        row = pd.DataFrame({"method": [stored], "method_params": [json.dumps({"press": press})]})
+        assert labels(row).iloc[0] == label + (" @1a2b3c4d" if "@" in stored else "")

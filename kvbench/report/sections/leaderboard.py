@@ -15,20 +15,12 @@ import pandas as pd
 from kvbench.report.page import Page
 from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import MEASURED, Column, fixed, html_table, markdown_table
-from kvbench.store.aggregate import method_yaml
+from kvbench.store.aggregate import method_yaml, press_label
 from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
 FULL = "full"
 KEYS = ["model", "length", "engine", "query_aware", "method", "budget"]  # length: RULER's, never pooled across
-
-
-def press_name(press) -> str:
-    """kvpress's press as its class name, a wrapper with what it wraps: AdaKVPress(CompactorPress)."""
-    if isinstance(press, dict):
-        inner = press.get("press")
-        return f"{press.get('name')}({press_name(inner)})" if inner else str(press.get("name"))
-    return str(press)
 
 
 def labels(rows: pd.DataFrame) -> pd.Series:
@@ -37,8 +29,9 @@ def labels(rows: pd.DataFrame) -> pd.Series:
     the engine names them."""
     params = rows.get("method_params", pd.Series("{}", index=rows.index)).fillna("{}").map(json.loads)
     out = rows["method"].astype(str).copy()
-    press = rows["method"] == "kvpress"
-    out[press] = params[press].map(lambda p: press_name(p.get("press")))
+    press = out.str.split(r"[( ]").str[0] == "kvpress"  # as stored, labelled (kvpress(LagKVPress)) or versioned
+    versions = out[press].map(lambda m: m[m.find(" @") :] if " @" in m else "")  # a code version: " @1a2b3c4d"
+    out[press] = params[press].map(lambda p: press_label(p.get("press"), p.get("press_kwargs"))) + versions
     for method in set(rows.loc[~press, "method"]):
         mine = params[(rows["method"] == method) & ~press]
         defaults = method_yaml(method.split(" @")[0])  # a label may carry a code version: `kivi @1a2b3c4d`
