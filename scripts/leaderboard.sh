@@ -7,7 +7,8 @@
 #   1. kvbench's native methods, query-agnostic and query-aware (+experiment=leaderboard: two Hydra jobs);
 #   2. kvpress's presses without a native counterpart, in .venv-kvpress (kvpress 0.5.5 pins transformers < 5.3, so
 #      it cannot share the main venv): skipped in one line when that venv is not built (make test-kvpress);
-#   3. llama.cpp's KV options, where .venv-llamacpp is built (make engine-llamacpp);
+#   3. the serving engines' own KV options (llama.cpp, vLLM, OpenVINO GenAI), each where its venv is built
+#      (make engine-llamacpp|engine-vllm|engine-openvino);
 #   4. python -m kvbench.report over the store: results/leaderboard/report/leaderboard.{html,md,csv}.
 # A part a model cannot run (kvpress's hooks on sliding-window layers, a GGUF llama.cpp is not given) says so in one
 # line and the others go on. LEADERBOARD_STORE / LEADERBOARD_REPORT move the store and the page.
@@ -33,11 +34,13 @@ if [ -x .venv-kvpress/bin/python ]; then
 else
   echo "[leaderboard] kvpress's presses skipped: .venv-kvpress is not built (make test-kvpress builds it)"
 fi
-if [ -e .venv-llamacpp/bin/python ]; then
-  part "llama.cpp's options" "$py" -m kvbench "${common[@]}" +leaderboard=llamacpp
-else
-  echo "[leaderboard] llama.cpp's options skipped: .venv-llamacpp is not built (make engine-llamacpp builds it)"
-fi
+for engine in llamacpp vllm openvino; do  # each engine's own options, in its own venv and process
+  if [ -e ".venv-$engine/bin/python" ]; then
+    part "$engine's options" "$py" -m kvbench "${common[@]}" "+leaderboard=$engine"
+  else
+    echo "[leaderboard] $engine's options skipped: .venv-$engine is not built (make engine-$engine builds it)"
+  fi
+done
 "$py" -m kvbench.report "$store" --out "$report" || exit 1
 echo "[leaderboard] page: $report/leaderboard.html (table: leaderboard.md, numbers: leaderboard.csv)"
 exit $failed

@@ -6,6 +6,7 @@ declared facts (kvbench/tasks/facts.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import re
 from dataclasses import dataclass
@@ -59,8 +60,16 @@ def method_colours(methods) -> dict[str, str]:
     return colours
 
 
+SLUG_MAX = 120  # characters: a file name stays well under the file system's 255 bytes once prefixed and suffixed
+
+
 def slug(*parts) -> str:
-    return "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", str(p)).strip("-") for p in parts if p not in (None, ""))
+    """A file-name part from labels; a long one (a kvpress press with every nested field) is cut and given a hash of
+    the whole, so two long labels never share a file."""
+    name = "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", str(p)).strip("-") for p in parts if p not in (None, ""))
+    if len(name) <= SLUG_MAX:
+        return name
+    return f"{name[: SLUG_MAX - 13]}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 def _curves(points: pd.DataFrame):

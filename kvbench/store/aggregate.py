@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -159,6 +160,8 @@ def method_yaml(name: str) -> dict:
 
     from kvbench import conf_dir
 
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):  # a label (`kivi(bits=4)`, `kvpress(LagKVPress)`), not a yaml's name
+        return {}
     path = conf_dir() / "method" / f"{name}.yaml"
     if not path.exists():
         return {}
@@ -166,11 +169,28 @@ def method_yaml(name: str) -> dict:
     return {str(k): v for k, v in knobs.items() if k != "name"} if isinstance(knobs, dict) else {}
 
 
+def press_label(spec, more: dict | None = None) -> str:
+    """A kvpress press as given to method=kvpress (a class name, or a mapping naming it with its fields; `more`:
+    press_kwargs) by its classes, the presses it wraps first, then the fields it was given: LagKVPress,
+    AdaKVPress(CompactorPress), BlockPress(KeyDiffPress, block_size=128).
+    Not the fields kvpress resolved (`resolved`)."""
+    spec = {**(spec if isinstance(spec, dict) else {"name": spec}), **(more or {})}
+    nested = [press_label(v) for k, v in spec.items() if k != "name" and (k == "press" or isinstance(v, dict))]
+    fields = [f"{k}={v}" for k, v in sorted(spec.items()) if k != "name" and k != "press" and not isinstance(v, dict)]
+    return f"{spec.get('name')}({', '.join(nested + fields)})" if nested or fields else str(spec.get("name"))
+
+
 def variant_label(name: str, params: dict) -> str:
     """A configuration's short name for tables and plot legends: the method plus the knobs that differ from its
-    conf/method/<name>.yaml, e.g. `kivi(bits=2)`, `compose(headmerge+h2o+kivi)`."""
+    conf/method/<name>.yaml, e.g. `kivi(bits=2)`, `compose(headmerge+h2o+kivi)`, `kvpress(AdaKVPress(CompactorPress))`
+    (a press by its classes and given fields; the fields kvpress resolved stay in method_params)."""
+    base, at, version = name.partition(" @")  # with_experiment_labels' code version stays last: `kivi(bits=2) @1a2b`
+    if at:
+        return f"{variant_label(base, params)} @{version}"
     if name == "compose":
         return f"compose({'+'.join(params.get('stack', []))})"
+    if name == "kvpress":
+        return f"kvpress({press_label(params.get('press'), params.get('press_kwargs'))})"
     defaults = method_yaml(name)
     changed = {k: v for k, v in params.items() if k not in defaults or defaults[k] != v}
     return f"{name}({','.join(f'{k}={v}' for k, v in sorted(changed.items()))})" if changed else name

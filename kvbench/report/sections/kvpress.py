@@ -12,6 +12,7 @@ import pandas as pd
 
 from kvbench.guide.selection import markdown
 from kvbench.report.section import Context, Section, report_section
+from kvbench.store.aggregate import press_label
 
 # kvpress 0.5.5, kvpress/attention_patch.py (attention_patch's docstring), on its head-wise presses' fake keys
 KVPRESS_REASON = (
@@ -19,15 +20,6 @@ KVPRESS_REASON = (
     "optimal as it does not reduce peak memory and slightly increases runtime"
 )
 MIB = 2**20
-
-
-def press_label(spec) -> str:
-    """{name: AdaKVPress, press: {name: SnapKVPress}, alpha_safeguard: 0.2}
-    → AdaKVPress(SnapKVPress, alpha_safeguard=0.2)."""
-    if not isinstance(spec, dict):
-        return str(spec)
-    inner = [press_label(v) if isinstance(v, dict) else f"{k}={v}" for k, v in spec.items() if k != "name"]
-    return f"{spec['name']}({', '.join(inner)})" if inner else spec["name"]
 
 
 def held(row) -> str:
