@@ -203,7 +203,10 @@ def with_experiment_labels(rows: pd.DataFrame) -> pd.DataFrame:
     rows = with_experiment_keys(rows)
     if rows["dtype"].nunique() > 1:
         rows = rows.assign(model=rows["model"].astype(str) + " (" + rows["dtype"] + ")")
-    config = _text_keys(rows, ["model", "engine", "dtype", "method", "method_params", "budget", "query_aware"])
+    # a length is its own experiment (RULER at 16K and at 32K are two lines, whatever code each ran)
+    lengths = ["task", "length_target"] if "length_target" in rows else []
+    keys = ["model", "engine", "dtype", "method", "method_params", "budget", "query_aware", *lengths]
+    config = _text_keys(rows, keys)
     mixed = config.map(rows.groupby(config)["code_fingerprint"].nunique()) > 1
     if mixed.any():
         suffix = " @" + rows["code_fingerprint"].str[:8]

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from kvbench.guide.selection import guide_table
 from kvbench.report.gate import main as check_main
-from kvbench.store.aggregate import load_rows, summarize
+from kvbench.store.aggregate import load_rows, summarize, with_experiment_labels
 from tests.report.test_report import row, store
 
 
@@ -114,3 +116,17 @@ def test_latency_from_several_machines_is_not_pooled(tmp_path):
         r["device_name"] = "cpu: a" if i % 2 else "cuda: H100"
     snap = summarize(load_rows([store(tmp_path, rows)])).query("level == 'subset' and method == 'snapkv'").iloc[0]
     assert snap["machines"] == 2 and math.isnan(snap["prefill_s"]) and snap["n"] == 3
+
+
+def test_a_length_run_by_other_code_is_its_own_line_not_a_version():
+    """RULER at 16K (older code) and at 32K (newer) are two lengths, not one configuration from two code versions:
+    no `@` label. The same length from two versions still is."""
+    rows = pd.DataFrame(
+        [
+            row("snapkv", 0.5, "e1", 1.0, task="ruler", length_target=length, code_fingerprint=code)
+            for length, code in ((16384, "old00000"), (32768, "new00000"))
+        ]
+    )
+    assert list(with_experiment_labels(rows)["method"]) == ["snapkv", "snapkv"]
+    mixed = with_experiment_labels(rows.assign(length_target=16384))
+    assert list(mixed["method"]) == ["snapkv @old00000", "snapkv @new00000"]
