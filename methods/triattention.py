@@ -38,6 +38,7 @@ import torch
 from kvbench import KvbenchError, cache_root
 from kvbench.config.registry import knob
 from kvbench.methods.base import METHODS, Capabilities, Method, check_choice
+from kvbench.model.attention import cache_index
 from kvbench.model.rope import rerotate
 
 CALIBRATION_ATTENTION = "kvbench_triattention_calibration"
@@ -223,7 +224,7 @@ def calibrate(lm, prompts: list[list[int]]) -> Centres:
         inv_freq, scaling = rope_of(module)
         positions = torch.arange(query.shape[2], device=query.device)  # a fresh prompt: positions 0..Q−1
         pre = complex_pairs(rerotate(query.float(), -positions, inv_freq.to(query.device)) / scaling)  # (B, H_q, Q, F)
-        entry = sums.setdefault(module.layer_idx, [0, 0, 0, inv_freq.cpu(), scaling])
+        entry = sums.setdefault(cache_index(module), [0, 0, 0, inv_freq.cpu(), scaling])
         entry[0] = entry[0] + pre.sum((0, 2)).cpu()
         entry[1] = entry[1] + pre.abs().sum((0, 2)).cpu()
         entry[2] += pre.shape[0] * pre.shape[2]

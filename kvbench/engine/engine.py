@@ -23,7 +23,16 @@ from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.methods.modes import ChangesModel, HooksPrefill
 from kvbench.model.attention import PromptSource, StatsRecorder, StatsRequest, recording
-from kvbench.model.cache import KV, cache_kv, cache_nbytes, keep_windows, one_mask
+from kvbench.model.cache import (
+    KV,
+    attach_states,
+    cache_kv,
+    cache_nbytes,
+    keep_windows,
+    new_cache,
+    one_mask,
+    state_layers,
+)
 from kvbench.model.load import LoadedModel
 
 
@@ -43,6 +52,9 @@ class Prefill:
     # the compression that made `compressed` (its decode-time state and kept positions); None: nothing to carry on
     # (a hooked prefill's cache decodes as it is)
     compression: Compression | None = None
+    # a hybrid model's state layers after the prompt, by decoder layer (kvbench.model.cache.state_layers): each
+    # configuration decodes from copies of them
+    states: dict = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -133,10 +145,8 @@ class Engine:
     def prefill(self, ids: list[int], request: StatsRequest, cache=None, position: int = 0) -> Prefill:
         """Forward the whole prompt once, recording the statistics `request` asks for. With a `cache` already
         holding `position` tokens (a reused prefix), `ids` are the rest of the prompt, at positions from there."""
-        from transformers import DynamicCache
-
         device = self.lm.device
-        cache = cache if cache is not None else DynamicCache()
+        cache = cache if cache is not None else new_cache(self.lm.layout)
         baseline = reset_peak(device)
         synchronize(device)
         start = time.perf_counter()
@@ -148,7 +158,8 @@ class Engine:
         kv = cache_kv(cache)
         if position == 0:  # the whole prompt: methods that re-read it (kvzip) find it with the statistics
             stats.prompt = PromptSource(self.lm, list(ids), kv, lambda: synchronize(device), lambda: read_peak(device))
-        return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline)
+        states = state_layers(cache, self.lm.layout)
+        return Prefill(kv, stats, logits[-1], seconds, read_peak(device), baseline_bytes=baseline, states=states)
 
     def _check_recorded(self, request: StatsRequest, stats: StatsRecorder, n_layers: int) -> None:
         recorded = [len(stats.all_queries)] if request.all_queries else []
@@ -199,6 +210,8 @@ class Engine:
             cache = compression.run(prefill.kv, prefill.stats)
             layout = self.window_layout(prefill.n_tokens + len(suffix_ids), max_new_tokens)
             keep_windows(cache, prefill.kv, layout)  # sliding layers hold their window, as the model's own
+            if prefill.states:  # a hybrid: its linear/Mamba/conv layers' states after the prompt, a copy of its own
+                attach_states(cache, prefill.states, layout)
         elif compression is None:  # a hooked prefill's cache: nothing happens while decoding
             compression = Compression(method, prefill.n_tokens, self.lm.n_layers, None)
         if prefill.adopt is not None:

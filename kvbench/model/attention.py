@@ -134,7 +134,7 @@ class StatsRecorder:
                 kept = pre_rope[:, :, positions >= skip]  # (B, H_q, N, D)
                 bsz, n_heads, _, head_dim = query.shape  # (B, H_q, Q, D)
                 moments = self.moments.setdefault(skip, {}).setdefault(
-                    module.layer_idx, QueryMoments.empty(bsz, n_heads, head_dim, inv_freq, scaling)
+                    cache_index(module), QueryMoments.empty(bsz, n_heads, head_dim, inv_freq, scaling)
                 )
                 moments.add(kept)
 
@@ -285,6 +285,12 @@ def rope_of(module) -> tuple[torch.Tensor, float]:
 _active = threading.local()
 
 
+def cache_index(module) -> int:
+    """The cache layer an attention module's statistics belong to: its decoder layer, or in a hybrid model its place
+    among the attention layers (`kvbench_cache_index`, set when the model loads: kvbench.model.loaded.finish)."""
+    return getattr(module, "kvbench_cache_index", module.layer_idx)
+
+
 @contextlib.contextmanager
 def after_each_layer(hook):
     """Call `hook(layer_idx, keys, values)` at the end of every attention call inside the block, with the layer's
@@ -333,7 +339,7 @@ def kvbench_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
         attention_mask = _own_length_mask(attention_mask, query, key)
     output = _attention(module, query, key, value, attention_mask, scaling, **kwargs)
     if hook is not None:
-        hook(module.layer_idx, key, value)  # the output is computed: the layer's full K/V may now go
+        hook(cache_index(module), key, value)  # the output is computed: the layer's full K/V may now go
     return output
 
 
@@ -362,9 +368,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
             and attention_mask is None
             and _fused_ok(recorder, kwargs)
         ):
-            return recorder.record_decode_step(module.layer_idx, query, key, value, scale), None
+            return recorder.record_decode_step(cache_index(module), query, key, value, scale), None
         mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]  # (B|1, 1|H_q, Q, T)
-        recorder.record(module.layer_idx, query, key, scale, mask, kwargs.get("softcap"))
+        recorder.record(cache_index(module), query, key, scale, mask, kwargs.get("softcap"))
         if recorder.request.query_moments:
             recorder.record_query_moments(module, query, kwargs.get("position_ids"))
     return _plain_attention(module, query, key, value, attention_mask, scaling, **kwargs)
@@ -446,7 +452,7 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
     if recorded:
         width = max(lengths)
         rows = torch.stack([torch.nn.functional.pad(p[0], (0, width - p.shape[-1])) for p in recorded])  # (B_r, H_q, T)
-        recorder.store_decode_row(module.layer_idx, rows)
+        recorder.store_decode_row(cache_index(module), rows)
     return torch.cat(outputs)  # (B, 1, H_q, D)
 
 

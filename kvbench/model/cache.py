@@ -12,14 +12,18 @@ length), so it sees exactly the positions inside its window. Methods compress th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
 import transformers
 from packaging.version import Version
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from transformers import DynamicCache
+from transformers import DynamicCache, cache_utils
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+# transformers' state layers (5.24+; 5.2, kvpress's pin, has none: nothing is an instance of an empty tuple)
+LinearAttentionCacheLayerMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 
@@ -170,17 +174,19 @@ def _tensors(obj, seen: set[int]):
             yield from _tensors(item, seen)
 
 
+BOOKKEEPING = ("_sliding_window_tensor", "cumulative_length_linear")  # scalar tensors a layer counts with, not content
+
+
 def cache_nbytes(cache) -> int:
-    """Bytes physically held by the cache: each distinct storage counted once, in full.
+    """Bytes physically held by the cache: each distinct storage counted once, in full; a hybrid's states too.
 
     Counting storages (not views) is deliberate: a slice that keeps the whole uncompressed buffer alive holds
     all of it, so masking or slicing without copying shows no saving here.
     """
     storages: dict[int, int] = {}
     seen: set[int] = set()
-    for layer in cache.layers:
-        # a sliding layer's window size is a scalar tensor too: not cache content
-        held = {name: value for name, value in vars(layer).items() if name != "_sliding_window_tensor"}
+    for layer in list(cache.layers) + list(getattr(cache, STATES, {}).values()):
+        held = {name: value for name, value in vars(layer).items() if name not in BOOKKEEPING}
         for tensor in _tensors(held, seen):
             if tensor.numel() == 0:
                 continue
@@ -192,3 +198,104 @@ def cache_nbytes(cache) -> int:
 def full_cache_nbytes(n_layers: int, n_kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype) -> int:
     """Uncompressed cache size: 2 (K and V) × layers × kv_heads × head_dim × tokens × bytes per element."""
     return 2 * n_layers * n_kv_heads * head_dim * tokens * torch.tensor([], dtype=dtype).element_size()
+
+
+# ---- hybrid models: the attention layers' view and the states beside it ------------------------------------------
+# kvbench's caches of a hybrid model (kvbench.model.layout: linear-attention, Mamba, convolution layers) hold the
+# attention layers only, in `layers`, indexed as the layout's `layers` — what every method sees — and carry the other
+# decoder layers (their state, or nothing) by decoder index in the attribute STATES. `model_cache` lays the two out
+# as transformers' own cache of that model for each forward pass.
+STATES = "kvbench_states"
+
+
+def new_cache(layout) -> DynamicCache:
+    """An empty cache for a model with `layout`: a hybrid's view with empty states (filled by its first forward)."""
+    cache = DynamicCache()
+    if layout.is_hybrid:
+        setattr(cache, STATES, {})
+    return cache
+
+
+def model_cache(cache, config) -> DynamicCache:
+    """The cache the model's forward reads: `cache` itself, or for a hybrid view the decoder layers in order — the
+    attention layers' objects (appends and evictions act on them) with the state layers between them. An empty view
+    (before the prompt) gets transformers' own layer objects for the model, which the forward then fills."""
+    states = getattr(cache, STATES, None)
+    if states is None:
+        return cache
+    full = getattr(cache, "_kvbench_full", None)
+    if full is None:
+        full = DynamicCache(config=config)
+        cache._kvbench_full = full
+        if not cache.layers:  # the prompt's forward: transformers' own layers, then the view reads them back
+            return full
+    layers = list(cache.layers)
+    for index in sorted(states):
+        layers.insert(index, states[index])
+    full.layers = layers
+    return full
+
+
+def split_model_cache(cache, layout) -> None:
+    """After a hybrid's first forward into an empty view (`model_cache`): the view takes its attention layers and its
+    states from the transformers cache the forward filled."""
+    full = getattr(cache, "_kvbench_full", None)
+    if full is None or cache.layers or not full.layers:
+        return
+    attention = layout.decoder_index or ()
+    cache.layers = [full.layers[i] for i in attention]
+    setattr(cache, STATES, {i: layer for i, layer in enumerate(full.layers) if i not in set(attention)})
+
+
+def state_layers(cache, layout) -> dict:
+    """Every decoder layer of a hybrid view that is not plain attention, by decoder index: its state layers (and
+    DummyLayers), and the attention layers that keep a state too (Falcon-H1's "hybrid"). Empty for other models."""
+    states = dict(getattr(cache, STATES, {}))
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            states[layout.decoder_layer(i)] = layer
+    return states
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: _clone(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_clone(item) for item in value]
+    return value
+
+
+def copy_state(layer, kv: KV | None = None):
+    """A state layer of its own (its conv and recurrent states cloned: decoding updates them in place), so a prefill's
+    states serve every configuration. A layer running attention too (Falcon-H1's "hybrid") takes `kv` as its K/V."""
+    new = copy.copy(layer)
+    for name, value in vars(layer).items():
+        if name not in ("keys", "values"):
+            setattr(new, name, _clone(value))
+    if kv is not None:
+        new.keys, new.values = kv
+    return new
+
+
+def attach_states(cache, states: dict, layout) -> None:
+    """Give `cache` (the attention layers a method left) states of its own copied from the prefill's `states`
+    (decoder index → layer). A decoder layer running both attention and a state is one transformers object: it takes
+    the method's K/V for that layer, which must be plain tensors."""
+    from kvbench import KvbenchError
+
+    own = {}
+    position = {decoder: i for i, decoder in enumerate(layout.decoder_index or ())}
+    for index, layer in states.items():
+        if index not in position:
+            own[index] = copy_state(layer)
+            continue
+        view = cache.layers[position[index]]
+        if type(view) is not DynamicLayer:
+            raise KvbenchError(
+                f"decoder layer {index} runs attention and a state in one layer; a method holding its K/V as "
+                f"{type(view).__name__} cannot be combined with it: use an eviction method"
+            )
+        cache.layers[position[index]] = copy_state(layer, held_kv(view))
+    setattr(cache, STATES, own)

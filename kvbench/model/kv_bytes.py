@@ -40,6 +40,10 @@ class KVShape:
     dtype: torch.dtype
     layout: CacheLayout | None = None  # per-layer kinds and widths; None: every layer global at the formula's width
 
+    def __post_init__(self):
+        if self.layout is not None:  # a hybrid's layers that cache K/V (its state layers are the layout's `states`)
+            object.__setattr__(self, "n_layers", len(self.layout.layers))
+
     @classmethod
     def of(cls, lm) -> KVShape:
         """The shape of a loaded model (kvbench.model.load.LoadedModel), its layout included."""
@@ -204,4 +208,5 @@ def predict_kv_bytes(
             f"no byte accounting for {precision.name} {precision.params().get('backend', '')}; "
             "the planner supports kivi, turboquant and hf-quant backend=quanto"
         )
-    return Prediction(total, exact, tuple(tokens), bound)
+    states = shape.layout.state_bytes(batch) if shape.layout is not None else 0  # a hybrid's, kept whatever the method
+    return Prediction(total + states, exact, tuple(tokens), bound)

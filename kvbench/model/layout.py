@@ -13,15 +13,19 @@ Each decoder layer has a kind:
              `index_head_dim` per token (transformers' DynamicIndexedLayer): `extra_width`;
 - `shared`   a layer that reuses another layer's K/V (Gemma 3n / Gemma 4 `num_kv_shared_layers`, transformers'
              `kv_sharing_modes` "reuse": a DummyLayer): it caches nothing;
-- `linear`   linear-attention / state-space layers of hybrid models (Qwen3-Next, Jamba, ...): a constant-size state,
-             no K/V. kvbench refuses such models (one line naming the layer type): its methods select tokens.
+Hybrid models (Qwen3.5, Qwen3-Next, Nemotron-H, Granite 4.0-H, Bamba, Jamba, Falcon-H1, Zamba2, LFM2, OLMo-hybrid)
+also have linear-attention, Mamba or convolution layers: each keeps a constant-size state per request, no K/V
+(kvbench.model.states). The layout's `layers` are the layers that cache K/V, in order — what every method sees and
+compresses, indexed 0..A−1 — and `decoder_index` maps each to its decoder layer; `states` lists every layer's
+state (a Falcon-H1 "hybrid" layer has both). The full cache is the attention layers' K/V plus the states.
 
 Whether a layer grows depends on the context, not only on its type: a sliding layer whose window is longer than every
 token the run sees (W − 1 ≥ tokens: Mistral-7B-v0.1's 4,096 below 4K tokens) holds every token and is masked like a
 global layer, so `CacheLayout.at(tokens)` types it `global` and a budget compresses it. Its bytes are the same either
 way (held(T) = T for T ≤ W − 1), so the full cache's accounting does not change.
 
-The full cache of a model at T tokens is Σ_layers width · held(T) · bytes, width = the K plus V elements per token
+The full cache of a model at T tokens is Σ_layers width · held(T) · bytes (+ the states, per request), width = the K
+plus V elements per token
 (2 · H_kv · D for attention, kv_lora_rank + qk_rope_head_dim for latent layers), held(T) = T, or min(T, W − 1) for a
 sliding layer. `dense_bytes` is every token in every layer (sliding layers as if global), the figure a formula
 without windows gives. The planner (kvbench.plan.model) and the rows' kv_bytes_full use this one module.
@@ -33,17 +37,19 @@ one head; new_decoder_architecture broadcasts K/V to every query head before cac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvbench import KvbenchError
+from kvbench.model import states as model_states
+from kvbench.model.states import LayerState
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 GLOBAL_TYPES = ("full_attention", "attention", "global")
 INDEXED_TYPES = ("indexed_attention",)  # DeepSeek-V3.2: latent K/V plus one indexer key per token
 MAX_LAYERS = 4096  # the most decoder layers a config may declare (the largest published models have ~130)
-LINEAR_TYPES = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding", "recurrent")
+LINEAR_TYPES = model_states.STATE_TYPES + tuple(model_states.HYBRID_TYPES)  # layers keeping a state
 
 
 @dataclass(frozen=True)
@@ -73,37 +79,58 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    layers: tuple[LayerKind, ...]
+    layers: tuple[LayerKind, ...]  # the layers caching K/V (all decoder layers but a hybrid's state-only ones)
     dtype: torch.dtype
     n_q_heads: int
     mha_width: int  # K + V elements per token of one layer with one KV head per query head (the MHA reference)
+    states: tuple[tuple[int, LayerState], ...] = ()  # (decoder layer, its state) for each layer keeping one
+    decoder_index: tuple[int, ...] | None = None  # decoder layer of each entry of `layers`; None: the same index
+    n_decoder_layers: int = 0  # decoder layers in all (0: len(layers))
 
     @property
     def element_bytes(self) -> int:
         return torch.tensor([], dtype=self.dtype).element_size()
 
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers keep a constant-size state (linear attention, Mamba, convolution)."""
+        return bool(self.states)
+
+    def state_bytes(self, batch: int = 1) -> int:
+        """Bytes of every layer's state for `batch` requests: constant in the context, out of a KV method's reach."""
+        return batch * sum(state.nbytes(self.dtype) for _, state in self.states)
+
     def layer_bytes(self, layer: int, tokens: int, batch: int = 1) -> int:
         kind = self.layers[layer]
         return batch * kind.width * kind.held(tokens) * self.element_bytes
 
-    def full_bytes(self, tokens: int, batch: int = 1) -> int:
-        """What the model's own uncompressed transformers cache holds at `tokens` tokens (sliding layers at W − 1)."""
+    def attention_bytes(self, tokens: int, batch: int = 1) -> int:
+        """The attention layers' K/V at `tokens` tokens (sliding layers at W − 1), without the states."""
         return sum(self.layer_bytes(i, tokens, batch) for i in range(len(self.layers)))
+
+    def full_bytes(self, tokens: int, batch: int = 1) -> int:
+        """What the model's own uncompressed transformers cache holds at `tokens` tokens (sliding layers at W − 1,
+        a hybrid's states included)."""
+        return self.attention_bytes(tokens, batch) + self.state_bytes(batch)
 
     def dense_bytes(self, tokens: int, batch: int = 1) -> int:
         """Every token in every layer (no window): the figure a formula without layer types gives."""
-        return batch * sum(k.width for k in self.layers) * tokens * self.element_bytes
+        return batch * sum(k.width for k in self.layers) * tokens * self.element_bytes + self.state_bytes(batch)
 
     def mha_bytes(self, tokens: int, batch: int = 1) -> int:
         """The same layers with one KV head per query head (what GQA/MQA/latent caching already saved)."""
         held = sum(k.held(tokens) for k in self.layers)
-        return batch * self.mha_width * held * self.element_bytes
+        return batch * self.mha_width * held * self.element_bytes + self.state_bytes(batch)
 
     def growing_share(self, tokens: int) -> float:
         """The share of the full cache in layers that grow with the context (a budget's reach by default)."""
         full = self.full_bytes(tokens)
         grows = sum(self.layer_bytes(i, tokens) for i, k in enumerate(self.layers) if k.grows)
         return grows / full if full else 0.0
+
+    def decoder_layer(self, layer: int) -> int:
+        """The decoder layer of entry `layer` of `layers`."""
+        return layer if self.decoder_index is None else self.decoder_index[layer]
 
     def at(self, tokens: int) -> CacheLayout:
         """This layout for a run that sees at most `tokens` tokens (prompt, appended question and decoded ones): a
@@ -115,7 +142,7 @@ class CacheLayout:
             else k
             for k in self.layers
         )
-        return CacheLayout(kinds, self.dtype, self.n_q_heads, self.mha_width)
+        return replace(self, layers=kinds)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -260,8 +287,17 @@ def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
         )  # one latent + RoPE key (+ the indexer key)
         return CacheLayout(kinds, dtype, heads, expanded)
     per_layer = layer_configs(config)
-    kinds_list = []
-    for i, layer_type in enumerate(layer_types(config)):
+    kinds_list: list[LayerKind] = []
+    states: list[tuple[int, LayerState]] = []
+    decoders: list[int] = []  # the decoder layer of each entry of kinds_list
+    types = layer_types(config)
+    for i, layer_type in enumerate(types):
+        if layer_type in model_states.STATE_TYPES or layer_type in model_states.HYBRID_TYPES:
+            states.append((i, model_states.layer_state(config)))
+        layer_type = model_states.HYBRID_TYPES.get(layer_type, layer_type)  # a hybrid layer's attention part
+        if layer_type in model_states.STATE_TYPES or layer_type in model_states.NO_CACHE_TYPES:
+            continue  # no K/V: out of the methods' view
+        decoders.append(i)
         if layer_type == "shared":
             kinds_list.append(LayerKind("shared", 0, 0))
             continue
@@ -272,16 +308,18 @@ def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
         elif layer_type in GLOBAL_TYPES:
             width = _layer_width(config, i, layer_config)
             kinds_list.append(LayerKind("global", width, width))
-        elif layer_type in LINEAR_TYPES:
-            raise KvbenchError(
-                f"layer {i} is a {layer_type!r} layer (a hybrid model, {type(config).__name__}): kvbench compresses "
-                "attention caches token by token and does not support models with linear-attention or state-space "
-                "layers yet; use a model whose layers are all attention"
-            )
         else:
             raise KvbenchError(
                 f"layer {i} has layer type {layer_type!r}, which kvbench does not know; supported: "
-                f"{', '.join(GLOBAL_TYPES + SLIDING_TYPES)}"
+                f"{', '.join(GLOBAL_TYPES + SLIDING_TYPES + LINEAR_TYPES)}"
             )
+    if not kinds_list:
+        raise KvbenchError(
+            f"{type(config).__name__} has no attention layer (layer_types {sorted(set(types))}): its cache is a "
+            "constant-size state with nothing for a KV method to compress; give a model with attention layers"
+        )
     mha = 2 * heads * max((head_dim(c) for c in per_layer), default=0) if per_layer is not None else 0
-    return CacheLayout(tuple(kinds_list), dtype, heads, mha)
+    hybrid = len(decoders) != len(types)
+    return CacheLayout(
+        tuple(kinds_list), dtype, heads, mha, tuple(states), tuple(decoders) if hybrid else None, len(types)
+    )

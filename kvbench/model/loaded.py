@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvbench.config.registry import Registry
 from kvbench.model import attention, layout
+from kvbench.model.cache import model_cache, split_model_cache
 from kvbench.model.layout import CacheLayout, cache_layout
 
 LOADERS = Registry("model loader")
@@ -46,13 +47,16 @@ class LoadedModel:
         Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity); fp32=False:
         in the model's dtype (a long chunk's fp32 copy would be a streamed window's largest tensor:
         kvbench.engine.streaming upcasts block by block)."""
+        own = model_cache(cache, self.config)  # a hybrid's view laid out as the model's own cache (else `cache`)
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, R)
             position_ids=torch.tensor([positions], device=self.device),  # (1, R)
             use_cache=True,
             logits_to_keep=0 if all_logits else 1,
-            **{self.cache_kwarg: cache},
+            **{self.cache_kwarg: own},
         )
+        if own is not cache:
+            split_model_cache(cache, self.layout)  # the prompt's forward filled transformers' layers: the view's now
         return out.logits[0].float() if fp32 else out.logits[0]  # (1 or R, V)
 
     @functools.cached_property
@@ -63,7 +67,8 @@ class LoadedModel:
 
     @property
     def n_layers(self) -> int:
-        return layout.n_layers(self.config)
+        """Cache layers a method compresses: every decoder layer, or a hybrid's attention layers alone."""
+        return len(self.layout.layers)
 
     @property
     def n_kv_heads(self) -> int:
@@ -87,4 +92,9 @@ def finish(model, tokenizer, name, device, dtype) -> LoadedModel:
     model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(attention.register())
     model.requires_grad_(False)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    lm = LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+    position = {decoder: i for i, decoder in enumerate(lm.layout.decoder_index or ())}
+    for module in model.modules():  # a hybrid's attention modules record statistics under their cache layer
+        if position and getattr(module, "layer_idx", None) in position:
+            module.kvbench_cache_index = position[module.layer_idx]
+    return lm

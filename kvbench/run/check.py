@@ -273,10 +273,11 @@ def check_model_support(spec: RunSpec, confs: list, config) -> None:
     from kvbench.run.support import refusal
     from kvbench.tasks import TASKS
 
-    sliding = cache_layout(config, torch.float32).has_sliding  # refuses hybrid layer types
+    model_layout = cache_layout(config, torch.float32)  # refuses layer types kvbench does not know
     for c in confs if spec.engine_name == "kvbench" else ():  # a serving engine says what it runs (check_engine)
         reason = refusal(c.method, config)
         if reason:
             raise KvbenchError(reason)
     methods = tuple(c.method for c in confs)
-    modes.check(RunFacts(spec, TASKS.get(spec.task_name), methods, sliding))
+    facts = RunFacts(spec, TASKS.get(spec.task_name), methods, model_layout.has_sliding, model_layout.is_hybrid)
+    modes.check(facts)

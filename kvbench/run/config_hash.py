@@ -3,6 +3,7 @@ data digests, method, parameters, budget — and what changes rows' last bits (b
 
 from __future__ import annotations
 
+from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.engine import slots
 from kvbench.engine.grid_decode import MAX_PADDING
@@ -21,6 +22,13 @@ def grid_batching(spec: RunSpec, lm, requested: int) -> bool:
     if lm.layout.has_sliding and not decode_kernels(lm):
         return False  # window layers step together (grid_decode.GridWindowLayer) where the kernels are tested exact
     setting = spec.grid_batch
+    if lm.layout.is_hybrid:  # each row's linear/Mamba states are its own: the rows decode one by one
+        if setting is True:
+            raise KvbenchError(
+                "grid_batch=true cannot decode a hybrid model's configurations together (each keeps its own "
+                "linear-attention/Mamba state); use grid_batch=auto"
+            )
+        return False
     return requested > 1 and grid_rows_as_alone(lm) if setting == "auto" else bool(setting)
 
 

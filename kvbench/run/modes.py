@@ -31,6 +31,7 @@ class RunFacts:
     task: type[Task]  # the task's class: its `kind` and name
     methods: tuple = ()  # the built methods of the run's configurations
     sliding: bool | None = None  # the model has sliding-window layers; None: its config is not read yet
+    hybrid: bool | None = None  # the model has linear-attention / Mamba / conv layers (a state per request)
 
     def first(self, test: Callable) -> str:
         """The name of the first method passing `test` ("" if none)."""
@@ -126,6 +127,7 @@ MODES = {
             lambda f: any(m.caps.chunk_limit for m in f.methods),
         ),
         Mode("sliding", lambda f: "a model with sliding-window layers", lambda f: bool(f.sliding)),
+        Mode("hybrid", lambda f: "a hybrid model (linear-attention or Mamba layers)", lambda f: bool(f.hybrid)),
         Mode("context_only", lambda f: "query_aware=false", lambda f: not f.spec.query_aware),
         Mode(
             "no_fidelity",
@@ -162,6 +164,10 @@ _WINDOWS = (
     "sliding-window layers are not yet kept at their window there; run it with prefill=shared, batch_size=1 and a "
     "generation task"
 )
+_STATES = (
+    "its linear-attention/Mamba states are carried through one shared prefill and one decode per configuration "
+    "only; run it with prefill=shared, batch_size=1, no prefix cache, on a generation task"
+)
 _ENGINE = (
     "a serving engine runs each whole prompt greedily in its own process, one request at a time; use engine=kvbench "
     "for it"
@@ -197,6 +203,7 @@ CONFLICTS: list[tuple[str, str, str]] = [
     ),
     *(("engine", other, _ENGINE) for other in ENGINE_ALONE),
     ("inline", "sliding", _WINDOWS),
+    *(("hybrid", other, _STATES) for other in "inline chunked batch prefix_cache workload stream external".split()),
     ("batch", "sliding", _WINDOWS),
     ("stream", "sliding", _WINDOWS),
 ]
@@ -216,6 +223,7 @@ WHEN = {  # when each mode is active, in words (the table's second column)
     "whole_prefill_method": "a method selecting across layers (`kvzip`)",
     "chunk_limited_method": "a method that cannot re-compress per chunk (`adakv`, `compose`, ...)",
     "sliding": "a model with sliding-window layers (Gemma 2/3, Mistral, gpt-oss)",
+    "hybrid": "a hybrid model (Qwen3.5, Qwen3-Next, Nemotron-H, Granite 4.0-H, Jamba, Bamba, LFM2, OLMo-hybrid)",
     "context_only": "`query_aware=false`",
     "no_fidelity": "`fidelity=false` (no KL columns, kvbench.engine.fidelity)",
     "engine": "`engine=llamacpp`, `vllm`, `openvino` (kvbench.backends)",

@@ -60,6 +60,8 @@ def row_for(c: Configuration, ex: Example, ctx: RowContext, **measured) -> dict:
         "query_aware": c.query_aware,
         "dtype": str(lm.dtype).removeprefix("torch."),
         "reused": False,
+        # a hybrid's linear/Mamba/conv states per request (in kv_bytes and kv_bytes_full; 0 for attention-only models)
+        "state_bytes": ctx.engine.full_layout.state_bytes(),
         **measured,
         **ex.meta,
     }

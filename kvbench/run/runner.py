@@ -110,7 +110,7 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         backend=backend,
         fidelity=spec.fidelity,
     )
-    facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding)
+    facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding, lm.layout.is_hybrid)
     if modes.batched(facts):
         from kvbench.run.batched_work import BatchedWork  # examples of equal length decoded together
     work = (BatchedWork if modes.batched(facts) else ExampleWork)(spec, confs, ctx, store, run_id, facts, out_dir)

@@ -14,6 +14,9 @@ traceback mid-run and never a silent wrong number. The rules follow what each me
 - kvzip re-derives queries with per-head q norms (not OLMo 2's full-width ones);
 - transformers' QuantizedCache (hf-quant) holds only full-attention layers; KIVI attends inside kvbench's attention
   function (not Falcon's own attention), and its groups must divide head_dim.
+- hybrid models (linear-attention, Mamba or convolution layers beside attention: Qwen3.5, Nemotron-H, Jamba, ...):
+  every method that compresses the attention layers' K/V runs on them; not those that need every decoder layer to
+  be attention (headmerge, kvzip's re-run of the prompt, kvpress's hooks, transformers' QuantizedCache);
 - kvpress's presses (method=kvpress) hook model.model.layers[i].self_attn and would compress a sliding layer's
   window as if it were the prompt: full-attention models with that layout only.
 tests/model/test_architectures.py runs every registered method on every family: a pair runs and holds its
@@ -29,8 +32,10 @@ FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query
 NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
 NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
 FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")  # q_norm/k_norm over the whole projection, before the heads split
+NO_POSITION_IDS = ("granitemoehybrid",)  # RoPE applied before its attention call, without position_ids there
+NO_POSITIONS = ("gpt2", "nemotron_h", "jamba")  # absolute positions (GPT-2), or none in attention (Mamba's order)
 ROPE_WORDS = {
-    "none": "absolute positions (no rotary embedding)",
+    "none": "no rotary embedding (absolute positions, or none in its attention layers)",
     "partial": "a rotary embedding over part of the head",
     "per_layer_type": "a RoPE per layer type",
     "latent": "latent attention",
@@ -48,7 +53,7 @@ def rope_kind(config) -> str:
     rope = getattr(config, "rope_parameters", None) or {}
     if getattr(config, "kv_lora_rank", None):
         return "latent"
-    if kind == "gpt2":
+    if kind in NO_POSITIONS:
         return "none"
     if isinstance(rope, dict) and set(rope) & set(layout.SLIDING_TYPES + layout.GLOBAL_TYPES):
         return "per_layer_type"
@@ -90,6 +95,8 @@ def lacks(config) -> dict[str, str]:
     out = {}
     if rope not in ("standard", "half", "per_layer_type"):  # per layer type: each layer's own (model.attention)
         out["full_rope"] = f"has {ROPE_WORDS[rope]}"
+    elif kind in NO_POSITION_IDS:
+        out["full_rope"] = "does not pass position_ids to its attention layers"
     if rope in ("half", "partial", "none", "latent"):
         out["full_rope_width"] = "has a half-width rotary" if rope == "half" else f"has {ROPE_WORDS[rope]}"
     if kind in FUSED_QKV or kind in NOT_LLAMA_LAYOUT or rope == "latent":
@@ -101,9 +108,37 @@ def lacks(config) -> dict[str, str]:
         out["no_sliding_layers"] = "has sliding-window layers"
     if kind in NOT_LLAMA_LAYOUT:
         out["llama_layout"] = "keeps its decoder layers elsewhere"
+    if is_hybrid(config):  # linear-attention / Mamba / conv layers: no self_attn there, a state no method can re-run
+        out["qkv_projections"] = "has linear-attention or state-space layers without them (a hybrid)"
+        out["full_attention_layers"] = "has linear-attention or state-space layers: use kivi"
+        out["llama_layout"] = "has decoder layers without self_attn (a hybrid)"
     if kind in NO_ATTENTION_INTERFACE:
         out["kvbench_attention"] = "runs its own attention: use hf-quant"
     return out
+
+
+def is_hybrid(config) -> bool:
+    """Whether some decoder layers keep a linear-attention, Mamba or convolution state (kvbench.model.states)."""
+    from kvbench.model import states
+
+    kinds = set(states.STATE_TYPES) | set(states.HYBRID_TYPES)
+    return bool(kinds & set(layout.layer_types(_text(config))))
+
+
+def hybrid_layer_refusal(config) -> str | None:
+    """Why kvbench does not run a model at all (the planner still sizes it): layers holding attention and a Mamba
+    state in one transformers cache layer (Falcon-H1, Zamba2), or a model keeping a cache of its own (MiniMax)."""
+    from kvbench.model import states
+
+    if getattr(config, "model_type", "") == "minimax":
+        return "its model keeps a cache of its own, not transformers' DynamicCache, which kvbench compresses"
+    if set(states.HYBRID_TYPES) & set(layout.layer_types(config)):
+        return (
+            "its 'hybrid' layers hold attention K/V and a Mamba state in one cache layer, which kvbench does not yet "
+            "carry through compression; run a hybrid with separate layers (Qwen3.5, Nemotron-H, Granite 4.0-H, Bamba, "
+            "Jamba, LFM2, OLMo-hybrid), or size it with python -m kvbench.plan"
+        )
+    return None
 
 
 def refusal(method, config) -> str | None:
@@ -111,6 +146,9 @@ def refusal(method, config) -> str | None:
     config = _text(config)
     kind = getattr(config, "model_type", "")
     model = type(config).__name__.removesuffix("Config")
+    shared_layers = hybrid_layer_refusal(config)
+    if shared_layers:
+        return f"method {method.name} cannot run on {model}: {shared_layers}"
     rope = rope_kind(config)
     names = {part.name for part in _parts(method)}
     if rope == "latent" and not names <= set(POSITION_ONLY):

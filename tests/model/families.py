@@ -24,6 +24,14 @@ BASE = dict(
     eos_token_id=2,
 )
 MOE = dict(num_experts_per_tok=2)
+PATTERN = ["linear_attention", "full_attention"] * 2  # a hybrid's layers: state, attention, state, attention
+GDN = dict(  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): 2 key heads, 4 value heads of 16
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    layer_types=PATTERN,
+)
 
 FAMILIES = {
     "llama-mha": lambda: tf.LlamaConfig(**BASE, num_key_value_heads=4),
@@ -36,15 +44,23 @@ FAMILIES = {
         **BASE, num_key_value_heads=2, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32
     ),
     "gemma3": lambda: tf.Gemma3TextConfig(  # 5:1 sliding/global, one KV head, head_dim 256, a RoPE per layer type
-        **{**BASE, "num_hidden_layers": 6}, num_key_value_heads=1, head_dim=256, sliding_window=WINDOW,
+        **{**BASE, "num_hidden_layers": 6},
+        num_key_value_heads=1,
+        head_dim=256,
+        sliding_window=WINDOW,
         query_pre_attn_scalar=256,
     ),
     "phi3": lambda: tf.Phi3Config(**BASE, num_key_value_heads=2),  # fused qkv_proj
     "olmo2": lambda: tf.Olmo2Config(**BASE, num_key_value_heads=2),  # q/k norms over the full width
     "gpt-neox": lambda: tf.GPTNeoXConfig(**BASE),  # partial rotary (0.25), fused query_key_value
     "falcon": lambda: tf.FalconConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, multi_query=True,
-        new_decoder_architecture=False, max_position_embeddings=2048,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        multi_query=True,
+        new_decoder_architecture=False,
+        max_position_embeddings=2048,
     ),
     "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=2048),  # absolute
     "mixtral": lambda: tf.MixtralConfig(**BASE, num_key_value_heads=2, num_local_experts=4, **MOE),
@@ -55,11 +71,94 @@ FAMILIES = {
         **BASE, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=4, **MOE
     ),
     "deepseek-v3": lambda: tf.DeepseekV3Config(  # multi-head latent attention
-        **BASE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, n_routed_experts=4, n_group=1, topk_group=1, moe_intermediate_size=32,
-        first_k_dense_replace=1, **MOE,
+        **BASE,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        **MOE,
     ),
+    # hybrids: linear-attention / Mamba / conv layers beside attention (kvbench.model.states); 2 of 4 layers attention
+    "qwen3_5": lambda: tf.Qwen3_5TextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN),  # Gated DeltaNet
+    "qwen3_5-moe": lambda: tf.Qwen3_5MoeTextConfig(
+        **BASE,
+        num_key_value_heads=2,
+        head_dim=16,
+        **GDN,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **MOE,
+    ),
+    "qwen3_next": lambda: tf.Qwen3NextConfig(
+        **BASE,
+        num_key_value_heads=2,
+        head_dim=16,
+        **GDN,
+        num_experts=4,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **MOE,
+    ),
+    "olmo_hybrid": lambda: tf.OlmoHybridConfig(**BASE, num_key_value_heads=2, layer_types=PATTERN),
+    "nemotron_h": lambda: tf.NemotronHConfig(  # Mamba-2, an MoE and an MLP block (no cache), no RoPE
+        **BASE,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["mamba", "moe", "attention", "mlp"],
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        ssm_state_size=16,
+        n_groups=1,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        num_experts_per_tok=2,
+    ),
+    "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(  # Granite 4.0-H: Mamba-2
+        **BASE,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+    ),
+    "bamba": lambda: tf.BambaConfig(
+        **BASE, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16
+    ),  # Mamba-2, partial rotary
+    "jamba": lambda: tf.JambaConfig(  # Mamba (1), no RoPE, MoE every other layer
+        **BASE,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        num_experts=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+    ),
+    "lfm2": lambda: tf.Lfm2Config(
+        **BASE, num_key_value_heads=2, layer_types=["conv", "full_attention"] * 2
+    ),  # short conv
 }
+# not run (refused in one line, kvbench.run.support): Falcon-H1 and Zamba2, whose "hybrid" layers hold attention and a
+# Mamba state in one cache layer; MiniMax, whose model keeps a cache of its own
+HYBRIDS = (
+    "qwen3_5",
+    "qwen3_5-moe",
+    "qwen3_next",
+    "olmo_hybrid",
+    "nemotron_h",
+    "granitemoehybrid",
+    "bamba",
+    "jamba",
+    "lfm2",
+)
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):

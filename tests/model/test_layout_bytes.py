@@ -7,7 +7,6 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvbench import KvbenchError
 from kvbench.model.layout import cache_layout, caches_latent
 from kvbench.model.load import cache_kwarg
 from tests.model.families import FAMILIES, WINDOW, build
@@ -20,12 +19,18 @@ def transformers_cache_bytes(model, tokens: int, decode: int) -> int:
     cache, kwarg = DynamicCache(config=model.config), cache_kwarg(model)
     ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        out = model(input_ids=ids, position_ids=torch.arange(tokens)[None], **{kwarg: cache}, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids, position_ids=torch.arange(tokens)[None], **{kwarg: cache}, use_cache=True, logits_to_keep=1
+        )
         for step in range(decode):
             token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
             position = torch.tensor([[tokens + step]])
             out = model(input_ids=token, position_ids=position, **{kwarg: cache}, use_cache=True, logits_to_keep=1)
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    kv = sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if getattr(layer, "keys", None) is not None
+    )
+    states = [getattr(layer, name, {}) for layer in cache.layers for name in ("conv_states", "recurrent_states")]
+    return kv + sum(t.nbytes for held in states for t in held.values() if t is not None)  # a hybrid's states
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -59,14 +64,28 @@ def test_the_figures_the_issue_names():
     assert falcon.full_bytes(1) == 4 * 2 * 1 * 16 * 4
 
 
-def test_hybrid_models_are_refused_with_one_line():
+def test_a_hybrid_layout_is_its_attention_layers_plus_constant_states():
     import transformers as tf
 
     config = tf.Qwen3NextConfig(
-        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
     )
-    with pytest.raises(KvbenchError, match="layer 0 is a 'linear_attention' layer"):
-        cache_layout(config, torch.float32)
+    layout = cache_layout(config, torch.float32)  # 3 Gated DeltaNet layers, then full attention
+    assert layout.kinds == ("global",) and layout.decoder_index == (3,)
+    conv, recurrent = (2 * 2 * 16 + 4 * 16) * 4, 4 * 16 * 16  # channels × kernel 4; value heads × D_k × D_v
+    assert layout.state_bytes() == 3 * (conv * 4 + recurrent * 4)
+    assert layout.full_bytes(100) == 2 * 2 * 32 * 100 * 4 + layout.state_bytes()

@@ -46,13 +46,14 @@ METHOD_OF = {"whole_prefill_method": "kvzip", "chunk_limited_method": "adakv"}
 
 def facts_with(*keys: str) -> RunFacts:
     spec = RunSpec(task={"name": "niah"})
-    task, methods, sliding = TASKS.get("niah"), [build_method("snapkv")], False
+    task, methods, sliding, hybrid = TASKS.get("niah"), [build_method("snapkv")], False, False
     for key in keys:
         spec = replace(spec, **SETTINGS.get(key, {}))
         task = TASKS.get(TASK_OF[key]) if key in TASK_OF else task
         methods += [build_method(METHOD_OF[key])] if key in METHOD_OF else []
         sliding = sliding or key == "sliding"
-    return RunFacts(spec, task, tuple(methods), sliding)
+        hybrid = hybrid or key == "hybrid"
+    return RunFacts(spec, task, tuple(methods), sliding, hybrid)
 
 
 @pytest.mark.parametrize("a,b,why", [c for c in CONFLICTS if "hooked" not in c[:2]], ids=lambda v: str(v)[:20])

@@ -1,0 +1,131 @@
+"""Hybrid models (kvbench.model.states): linear-attention, Mamba and convolution layers beside attention layers.
+
+Per family (tests/model/families.py HYBRIDS): the layout's bytes are what transformers' own cache holds after the same
+tokens (fp32 and bf16: the recurrent state stays fp32), the full cache decodes as transformers' `generate`, a budget of
+1.0 is exact, SnapKV and StreamingLLM at 0.25 hold less than the full cache but never less than the states, and a
+prefill shared by several configurations gives each the rows it gives alone (each decodes from its own copy of the
+states). The families the architecture matrix runs every method on are these too (test_architectures.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from kvbench import KvbenchError
+from kvbench.engine.engine import Engine
+from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.model.cache import cache_nbytes
+from kvbench.model.layout import cache_layout
+from kvbench.model.load import byte_tokenizer, finish
+from kvbench.run.support import refusal
+from tests.model.families import FAMILIES, HYBRIDS, build
+
+PROMPT, NEW = 150, 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_layout_bytes_are_transformers_own_cache(name, dtype):
+    model = build(name, dtype=dtype)
+    own = tf.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 3 + PROMPT)[None], cache=own, use_cache=True)
+    layout = cache_layout(model.config, dtype)
+    assert layout.is_hybrid and layout.state_bytes() > 0
+    assert layout.full_bytes(PROMPT) == cache_nbytes(own)
+    assert layout.full_bytes(PROMPT) - layout.attention_bytes(PROMPT) == layout.state_bytes()
+    assert layout.full_bytes(2 * PROMPT) - layout.full_bytes(PROMPT) == layout.attention_bytes(PROMPT)  # K/V grow
+
+
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request):
+    lm = finish(build(request.param), byte_tokenizer(), request.param, torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, 300, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine = Engine(lm)
+    full = build_method("full")
+    gen = engine.generate(engine.prefill(ids, full.stats_request()), full, None, [], NEW, keep_logits=True)
+    return lm, engine, ids, gen
+
+
+def test_full_cache_is_transformers_generate_and_counts_the_states(hybrid):
+    lm, _, ids, full = hybrid
+    hf = lm.model.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, PROMPT:]
+    assert full.token_ids == hf.tolist()
+    tokens = PROMPT + full.decode_steps
+    assert full.kv_bytes == full.kv_bytes_full == lm.layout.full_bytes(tokens)
+    assert full.kv_bytes_full > lm.layout.attention_bytes(tokens)  # the states are counted
+
+
+@pytest.mark.parametrize("method_name", ["snapkv", "streamingllm", "h2o", "pyramidkv"])
+def test_budget_one_is_exact_and_a_quarter_holds_less(hybrid, method_name):
+    lm, engine, ids, full = hybrid
+    method = build_method(method_name, method_defaults(method_name))
+    same = engine.generate(
+        engine.prefill(ids, method.stats_request()), method, Budget.parse(1.0), [], NEW, keep_logits=True
+    )
+    assert same.token_ids == full.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(same.logits, full.logits))
+    small = engine.generate(engine.prefill(ids, method.stats_request()), method, Budget.parse(0.25), [], NEW)
+    states = lm.layout.state_bytes()
+    assert states < small.kv_bytes < full.kv_bytes
+    attention = lm.layout.attention_bytes(PROMPT + small.decode_steps)
+    assert small.kv_bytes - states < 0.5 * attention  # the attention layers are what shrank
+
+
+def test_one_prefill_serves_every_configuration(hybrid):
+    """Decoding moves each configuration's states forward in place: the prefill's own must stay as the prompt left
+    them, so the second configuration of a shared prefill decodes as it does after a prefill of its own."""
+    lm, engine, ids, _ = hybrid
+    snapkv, streaming = build_method("snapkv"), build_method("streamingllm")
+    shared = engine.prefill(ids, snapkv.stats_request() | streaming.stats_request())
+    first = engine.generate(shared, snapkv, Budget.parse(0.25), [], NEW, keep_logits=True)
+    second = engine.generate(shared, streaming, Budget.parse(0.25), [], NEW, keep_logits=True)
+    alone = engine.generate(
+        engine.prefill(ids, streaming.stats_request()), streaming, Budget.parse(0.25), [], NEW, keep_logits=True
+    )
+    again = engine.generate(shared, snapkv, Budget.parse(0.25), [], NEW, keep_logits=True)
+    assert second.token_ids == alone.token_ids and all(torch.equal(a, b) for a, b in zip(second.logits, alone.logits))
+    assert again.token_ids == first.token_ids and all(torch.equal(a, b) for a, b in zip(again.logits, first.logits))
+
+
+def test_methods_that_need_every_layer_attention_are_refused_in_one_line():
+    config = FAMILIES["lfm2"]()  # full RoPE, separate q/k/v projections: refused for being a hybrid alone
+    for name in ("headmerge", "kvzip", "hf-quant"):
+        reason = refusal(build_method(name, method_defaults(name)), config)
+        assert reason is not None and "\n" not in reason and "linear-attention or state-space layers" in reason
+    assert refusal(build_method("snapkv"), config) is None
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: tf.FalconH1Config(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
+        lambda: tf.Zamba2Config(
+            vocab_size=1000,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            layers_block_type=["mamba", "hybrid"],
+        ),
+    ],
+)
+def test_layers_holding_attention_and_a_state_are_refused_but_planned(config):
+    config = config()
+    reason = refusal(build_method("full"), config)
+    assert reason is not None and "\n" not in reason and "kvbench.plan" in reason
+    layout = cache_layout(config, torch.bfloat16)  # the planner's view: attention K/V + the states
+    assert layout.full_bytes(1000) > layout.attention_bytes(1000) > 0
+
+
+def test_a_model_without_attention_layers_is_one_line():
+    config = tf.Qwen3_5TextConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        layer_types=["linear_attention"] * 2,
+    )
+    with pytest.raises(KvbenchError, match="no attention layer"):
+        cache_layout(config, torch.float32)
