@@ -27,8 +27,10 @@ def main() -> None:
     print("|---|---|" + "---|" * len(names))
     for family in sorted(FAMILIES):
         config = FAMILIES[family]()
-        kinds = cache_layout(config, torch.float32).kinds
+        layout = cache_layout(config, torch.float32)
+        kinds = layout.kinds
         layers = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+        layers += f", {len(layout.states)} state" if layout.states else ""  # a hybrid's linear/Mamba/conv layers
         cells = []
         for name in names:
             method = build_method(name, {**method_defaults(name), **KNOBS.get(name, {})})

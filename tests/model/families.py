@@ -162,7 +162,12 @@ HYBRIDS = (
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    config = FAMILIES[name]()
+    try:
+        config = FAMILIES[name]()
+    except AttributeError as error:  # a family newer than this transformers (5.2, kvpress's pin, has no hybrids)
+        import pytest
+
+        pytest.skip(f"transformers {tf.__version__} does not build {name}: {error}")
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
