@@ -71,7 +71,15 @@ def calibrated_cpu(recalibrate: bool = False) -> dict:
     path, key = _cache_file(), _cpu_key()
     cached = read_calibration(path)
     if key not in cached or recalibrate:
-        print(f"[kvbench.plan] calibrating this CPU ({key}): a few seconds; cached in {path}")
+        from kvbench.model.device import NATIVE_BF16_CPU_FLAGS, cpu_flags
+
+        # bf16 matmuls are emulated without these flags: the calibration then takes minutes, not seconds
+        native = bool(set(NATIVE_BF16_CPU_FLAGS + ("bf16",)) & cpu_flags())
+        print(
+            f"[kvbench.plan] calibrating this CPU ({key}): about {_duration(calibration_seconds())} (bf16 matmuls, "
+            f"{'native' if native else 'emulated: no AVX512-BF16/AMX'}; estimated from a small one); cached in {path}",
+            flush=True,
+        )
         cached[key] = {**measure_cpu(), "date": time.strftime("%Y-%m-%d")}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1)))
@@ -109,6 +117,24 @@ def _best_seconds(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def calibration_seconds(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5, probe: int = 512) -> float:
+    """What measure_cpu(copy_mib, matmul_n, repeats) will take, from a 16 MiB copy and a probe² bf16 matmul timed
+    here (under a second) scaled to its sizes: bf16 is emulated on AVX2-only CPUs, minutes instead of seconds."""
+    start = time.perf_counter()
+    src = torch.ones(4 << 20)  # 16 MiB of fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy pays the page faults, as measure_cpu's warm-up does
+    first = time.perf_counter() - start
+    copy_s = (first + repeats * _best_seconds(lambda: dst.copy_(src), 1)) * copy_mib / 16
+    a = torch.randn(probe, probe, dtype=torch.bfloat16)
+    matmul_s = _best_seconds(lambda: a @ a, 1) * (matmul_n / probe) ** 3
+    return copy_s + (repeats + 1) * matmul_s  # measure_cpu warms up once, then takes the best of `repeats`
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def measure_cpu(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> dict:

@@ -108,6 +108,31 @@ def test_presets_load_and_cpu_calibration_is_cached(tmp_path, monkeypatch):
     assert hw.bandwidth_bytes_s == 2e10 and hw.source.startswith("measured")
 
 
+@pytest.mark.parametrize(
+    "flags,seconds,says",
+    [
+        ({"avx2", "avx512_bf16"}, 2.4, "about 2 s (bf16 matmuls, native; estimated from a small one)"),
+        ({"avx2", "fma"}, 390.0, "about 6 min (bf16 matmuls, emulated: no AVX512-BF16/AMX; estimated from a small"),
+    ],
+)
+def test_calibration_says_how_long_it_will_take(tmp_path, monkeypatch, capsys, flags, seconds, says):
+    """An AVX2-only CPU emulates the bf16 matmuls: the line gives the estimate, minutes there, before measuring."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr("kvbench.model.device.cpu_flags", lambda: flags)
+    monkeypatch.setattr("kvbench.plan.hardware.calibration_seconds", lambda: seconds)
+    fake = {"memory_bytes": 1 << 34, "bandwidth_bytes_s": 2e10, "peak_flops": 1e12, "threads": 2}
+    monkeypatch.setattr("kvbench.plan.hardware.measure_cpu", lambda: fake)
+    calibrated_cpu()
+    assert says in capsys.readouterr().out
+
+
+def test_calibration_estimate_scales_a_quick_probe():
+    from kvbench.plan.hardware import calibration_seconds
+
+    small, large = calibration_seconds(16, 512, 1), calibration_seconds(16, 4096, 1)
+    assert 0 < small < large  # 512× the matmul work: longer, whatever the CPU
+
+
 def test_measure_cpu_gives_positive_rates():
     from kvbench.plan.hardware import measure_cpu
 
