@@ -1,8 +1,9 @@
 """Where and in which precision a model runs: `device=auto|cpu|cuda`, `dtype=auto|bfloat16|float16|float32` (auto:
-bf16 where the hardware runs it natively, else fp32)."""
+bf16 where the hardware runs it natively, else fp32; KVBENCH_NO_BF16=1: fp32 as on a CPU without native bf16)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -63,7 +64,10 @@ def cpu_flags() -> set[str]:
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
     """Whether `device` runs bf16 natively, and why: bf16 is ~2× faster than fp32 there, 4–5× slower elsewhere
-    (emulated on AVX2-only CPUs)."""
+    (emulated on AVX2-only CPUs). KVBENCH_NO_BF16=1 answers no on a CPU, so an AVX-512 machine runs (and CI tests)
+    what an AVX2-only one does: fp32, twice the cache bytes."""
+    if device.type == "cpu" and os.environ.get("KVBENCH_NO_BF16") == "1":
+        return False, "KVBENCH_NO_BF16=1: as on a CPU without AVX512-BF16/AMX"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         if torch.cuda.is_bf16_supported():
@@ -77,7 +81,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
 
 
 def resolve_dtype(dtype: str, device: torch.device | None = None) -> torch.dtype:
-    """auto: bf16 where the hardware runs it natively (CUDA with bf16, CPU with AVX512-BF16/AMX), else fp32."""
+    """auto: bf16 where the hardware runs it natively (CUDA with bf16, CPU with AVX512-BF16/AMX, unless
+    KVBENCH_NO_BF16=1), else fp32."""
     if dtype == "auto":
         native, why = native_bf16(device or torch.device("cpu"))
         chosen = torch.bfloat16 if native else torch.float32

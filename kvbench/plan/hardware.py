@@ -71,8 +71,19 @@ def calibrated_cpu(recalibrate: bool = False) -> dict:
     path, key = _cache_file(), _cpu_key()
     cached = read_calibration(path)
     if key not in cached or recalibrate:
-        print(f"[kvbench.plan] calibrating this CPU ({key}): a few seconds; cached in {path}")
-        cached[key] = {**measure_cpu(), "date": time.strftime("%Y-%m-%d")}
+        from kvbench.model.device import NATIVE_BF16_CPU_FLAGS, cpu_flags
+
+        # Without these flags bf16 is emulated, and its speed falls ~10x once the matrices leave the cache (2048²:
+        # 0.2 GFLOP/s, 6 matmuls ~9 min on an AVX2-only EPYC): there the peak is measured in cache, at 512², seconds.
+        native = bool(set(NATIVE_BF16_CPU_FLAGS + ("bf16",)) & cpu_flags())
+        n = 2048 if native else 512
+        print(
+            f"[kvbench.plan] calibrating this CPU ({key}): about {_duration(calibration_seconds(matmul_n=n))} "
+            f"({n}² bf16 matmuls, {'native' if native else 'emulated: no AVX512-BF16/AMX'}; estimated from a small "
+            f"one); cached in {path}",
+            flush=True,
+        )
+        cached[key] = {**measure_cpu(matmul_n=n), "date": time.strftime("%Y-%m-%d")}
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(cached, indent=1)))
     return cached[key]
@@ -111,6 +122,25 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
+def calibration_seconds(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> float:
+    """What measure_cpu(copy_mib, matmul_n, repeats) will take, from a 16 MiB copy and a bf16 matmul at half its
+    size or 512² (well under a second) scaled to its sizes: within ~2x where the measured sizes stay in one regime."""
+    start = time.perf_counter()
+    src = torch.ones(4 << 20)  # 16 MiB of fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # the first copy pays the page faults, as measure_cpu's warm-up does
+    first = time.perf_counter() - start
+    copy_s = (first + repeats * _best_seconds(lambda: dst.copy_(src), 1)) * copy_mib / 16
+    probe = min(512, matmul_n // 2)
+    a = torch.randn(probe, probe, dtype=torch.bfloat16)
+    matmul_s = _best_seconds(lambda: a @ a, 1) * (matmul_n / probe) ** 3
+    return copy_s + (repeats + 1) * matmul_s  # measure_cpu warms up once, then takes the best of `repeats`
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 def measure_cpu(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> dict:
     """Copy bandwidth (bytes read + written per second) of a tensor far larger than the caches, and dense bf16
     matmul FLOP/s — the two terms of decode's roofline. Best of `repeats` (the least-contended run)."""
@@ -125,6 +155,7 @@ def measure_cpu(copy_mib: int = 256, matmul_n: int = 2048, repeats: int = 5) -> 
         "bandwidth_bytes_s": 2 * src.nbytes / copy_s,
         "peak_flops": 2 * matmul_n**3 / matmul_s,
         "threads": torch.get_num_threads(),
+        "matmul_n": matmul_n,
     }
 
 

@@ -3,16 +3,20 @@
 
 Checked: unknown keys; requests an integer ≥ 1; arrival burst | poisson; rate a number > 0; prompts task | random;
 prompt_tokens [min, max] integers 1 ≤ min ≤ max; output_tokens null | n | [min, max]; shared_prefix in [0, 1);
-kv_budget_bytes an integer ≥ 1 or a list of them; slo_ttft_s, slo_tpot_s > 0 and in order (a token's time cannot
-be bounded above the first token's, whose prefill includes a forward: slo_tpot_s ≤ slo_ttft_s); the longest
-request (prompt + output) within the model's context; every budget holding the longest request alone for every
-configuration (its prefill's whole prompt, then its compressed cache growing to its last token).
+kv_budget_bytes bytes (an integer ≥ 1), a multiple of one request's full cache ("2x", ≥ 1x) or a list of them;
+slo_ttft_s, slo_tpot_s > 0 and in order (a token's time cannot be bounded above the first token's, whose prefill
+includes a forward: slo_tpot_s ≤ slo_ttft_s); the longest request (prompt + output) within the model's context;
+every budget holding the longest request alone for every configuration (its prefill's whole prompt, then its
+compressed cache growing to its last token). A multiple is resolved once the model's shape and dtype are known
+(`ServingSpec.resolved`): bytes double in fp32, the number of requests a budget holds does not.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+import sys
+from dataclasses import dataclass, field, replace
 
 from kvbench import KvbenchError
 from kvbench.serving.engines import check_engine_budgets, check_engines
@@ -43,12 +47,38 @@ class ServingSpec:
     prompt_tokens: tuple[int, int]
     output_tokens: tuple[int, int] | None
     shared_prefix: float
-    kv_budgets: tuple[int, ...]
+    kv_budget_forms: tuple[int | float, ...]  # bytes (int), or multiples of one request's full cache (float: "2x")
     slo_ttft_s: float
     slo_tpot_s: float
     hardware: str
     out: str | None
     engines: dict = field(default_factory=dict)  # engine -> options serving the same trace (kvbench.serving.engines)
+    request_bytes: int | None = None  # one longest request's full cache, once the model's shape is known (resolved)
+
+    @property
+    def kv_budgets(self) -> tuple[int, ...]:
+        """The budgets in bytes; multiples need `resolved` first (they depend on the model's shape and dtype)."""
+        if self.request_bytes is None and any(isinstance(b, float) for b in self.kv_budget_forms):
+            raise RuntimeError("kv_budget_bytes has multiples: call ServingSpec.resolved(cfg, shape) first")
+        return tuple(
+            b if isinstance(b, int) else math.ceil(b * (self.request_bytes or 0)) for b in self.kv_budget_forms
+        )
+
+    def resolved(self, cfg, shape) -> ServingSpec:
+        """With `request_bytes` for `shape` (kvbench.model.kv_bytes.KVShape): what the longest request the config
+        asks for needs alone with the full cache (request_need), so "1x" holds one at a time in any dtype."""
+        from kvbench.methods import build_method
+
+        prompt, output = longest(cfg, self)
+        spec = replace(self, request_bytes=request_need(shape, build_method("full"), None, prompt, output))
+        if spec.kv_budget_forms != spec.kv_budgets:
+            print(
+                f"[serving] kv_budget_bytes {', '.join(_form(b) for b in self.kv_budget_forms)} = "
+                f"{', '.join(f'{b:,}' for b in spec.kv_budgets)} bytes (one {prompt:,} + {output}-token request's full "
+                f"cache: {spec.request_bytes:,} bytes in {str(shape.dtype).removeprefix('torch.')})",
+                file=sys.stderr,
+            )
+        return spec
 
     def trace_spec(self, seed: int):
         from kvbench.serving.trace import TraceSpec
@@ -63,6 +93,34 @@ class ServingSpec:
             self.shared_prefix,
             seed,
         )
+
+
+MULTIPLE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)x")  # "2x", "1.5x": times one request's full cache
+
+
+def _form(b: int | float) -> str:
+    return f"{b:g}x" if isinstance(b, float) else str(b)
+
+
+def _budget_forms(value) -> tuple[int | float, ...]:
+    """kv_budget_bytes as given: bytes (int ≥ 1) or multiples (float ≥ 1 from "2x"), one or a list."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    forms: list[int | float] = []
+    for v in values:
+        match = MULTIPLE.fullmatch(v.strip()) if isinstance(v, str) else None
+        if _is_int(v) and v >= 1:
+            forms.append(v)
+        elif match and float(match.group(1)) >= 1:
+            forms.append(float(match.group(1)))
+        else:
+            forms = []
+            break
+    if not forms:
+        raise KvbenchError(
+            f"serving.kv_budget_bytes={value!r} must be bytes (an integer ≥ 1), a multiple ≥ 1x of one request's "
+            "full cache (2x) or a list of them; use serving.kv_budget_bytes=[1.6x,10x] or [20000000,80000000]"
+        )
+    return tuple(forms)
 
 
 def _is_int(v) -> bool:
@@ -116,13 +174,7 @@ def serving_spec(block) -> ServingSpec:
     share = v["shared_prefix"]
     if not _is_number(share) or not 0 <= share < 1:
         raise KvbenchError(f"serving.shared_prefix={share!r} must be in [0, 1); use serving.shared_prefix=0.5")
-    budgets = v["kv_budget_bytes"]
-    budgets = budgets if isinstance(budgets, (list, tuple)) else [budgets]
-    if budgets == [None] or not budgets or not all(_is_int(b) and b >= 1 for b in budgets):
-        raise KvbenchError(
-            f"serving.kv_budget_bytes={v['kv_budget_bytes']!r} must be an integer ≥ 1 or a list of them (bytes of "
-            "K/V the running requests may hold); use serving.kv_budget_bytes=[20000000,80000000]"
-        )
+    budgets = _budget_forms(v["kv_budget_bytes"])
     for key in ("slo_ttft_s", "slo_tpot_s"):
         if not _is_number(v[key]) or v[key] <= 0:
             raise KvbenchError(f"serving.{key}={v[key]!r} must be a number of seconds > 0; use serving.{key}=1.0")
@@ -139,7 +191,7 @@ def serving_spec(block) -> ServingSpec:
         prompt_tokens,
         output,
         float(share),
-        tuple(int(b) for b in budgets),
+        budgets,
         float(v["slo_ttft_s"]),
         float(v["slo_tpot_s"]),
         str(v["hardware"]),
@@ -229,6 +281,7 @@ def check(cfg) -> tuple[ServingSpec, list]:
             dtype,
             layers.cache_layout(config, dtype),
         )
+        spec = spec.resolved(cfg, shape)
         prompt, output = longest(cfg, spec)
         check_fit(shape, config.max_position_embeddings, confs, spec.kv_budgets, prompt, output, "the longest request")
         check_engine_budgets(spec.engines, shape, spec.kv_budgets, prompt, output)

@@ -80,6 +80,10 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
             )
         hardware = build_hardware(OmegaConf.load(path))
     lm = load_model(cfg.model, cfg.device, cfg.dtype)
+    if spec.request_bytes is None:  # the bundled model before its first conversion: its shape is known only now
+        from kvbench.model.kv_bytes import KVShape
+
+        spec = spec.resolved(cfg, KVShape.of(lm))
     requests, task = build_requests(cfg, spec, lm)
     check_requests(requests, lm, confs, spec.kv_budgets, spec.engines)
     arch = arch_of(cfg.model)

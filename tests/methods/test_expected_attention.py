@@ -79,8 +79,8 @@ def test_the_rotation_is_the_average_of_ropes_rotations():
 
 @pytest.mark.real_model
 def test_query_moments_equal_q_proj_moments_on_the_bundled_model():
-    """The recorder rebuilds pre-RoPE queries from the bf16 model's post-RoPE ones; kvpress projects the hidden
-    states with q_proj. Both must give the same mean and covariance at positions up to 1K."""
+    """The recorder rebuilds pre-RoPE queries from the model's post-RoPE ones (bf16 or fp32: dtype=auto); kvpress
+    projects the hidden states with q_proj. Both must give the same mean and covariance at positions up to 1K."""
     from omegaconf import OmegaConf
 
     from kvbench.engine.engine import Engine

@@ -41,6 +41,23 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch, cap
     assert line.startswith(f"[kvbench] dtype=auto -> {str(expected).removeprefix('torch.')} (") and why in line
 
 
+def test_no_bf16_env_resolves_auto_as_on_an_avx2_cpu(monkeypatch, capsys):
+    """KVBENCH_NO_BF16=1: fp32 on a CPU that has AVX512-BF16, the reason in the dtype=auto line; CUDA unchanged."""
+    monkeypatch.setattr(device, "cpu_flags", lambda: {"avx2", "avx512_bf16", "amx_bf16"})
+    monkeypatch.setenv("KVBENCH_NO_BF16", "1")
+    assert device.native_bf16(torch.device("cpu")) == (False, "KVBENCH_NO_BF16=1: as on a CPU without AVX512-BF16/AMX")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert capsys.readouterr().out.strip() == (
+        "[kvbench] dtype=auto -> float32 (KVBENCH_NO_BF16=1: as on a CPU without AVX512-BF16/AMX)"
+    )
+    assert resolve_dtype("bf16") == torch.bfloat16  # an explicit dtype is what was asked for
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setenv("KVBENCH_NO_BF16", "0")  # only 1 turns it on
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+
+
 def test_cpu_flags_come_from_torch_or_cpuinfo(monkeypatch):
     flags = device.cpu_flags()
     assert "avx2" in flags or "neon" in flags or "asimd" in flags or not flags  # whatever this machine has

@@ -1,4 +1,5 @@
-"""A few checks on the bundled SmolLM2-135M (real weights, CPU, bf16)."""
+"""A few checks on the bundled SmolLM2-135M (real weights, CPU, dtype=auto: bf16 with AVX512-BF16/AMX, else fp32;
+CI runs them both ways with KVBENCH_NO_BF16=1)."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -33,10 +34,13 @@ def test_bundled_model_shape(smol):
 def test_full_cache_finds_the_needle_at_1k(smol):
     lm, engine = smol
     task, examples = _examples(lm, [1024], [0.1, 0.5, 0.9])
+    # K and V of every layer in the dtype auto chose: 23,040 bytes a token in bf16, 46,080 in fp32
+    token_bytes = 2 * lm.n_layers * lm.n_kv_heads * lm.head_dim * lm.dtype.itemsize
+    assert token_bytes == {"torch.bfloat16": 23_040, "torch.float32": 46_080}[str(lm.dtype)]
     for ex in examples:
         gen = engine.run(build_method("full"), None, *ex.split(True), max_new_tokens=ex.max_new_tokens)
         assert task.score(gen.text, ex)["score"] == 1.0, (ex.example_id, gen.text)
-        assert gen.kv_bytes == 23_040 * (ex.n_tokens + gen.decode_steps)  # bf16 formula for this shape
+        assert gen.kv_bytes == token_bytes * (ex.n_tokens + gen.decode_steps)
 
 
 def test_streamingllm_loses_a_needle_it_evicted(smol):

@@ -101,11 +101,38 @@ def test_presets_load_and_cpu_calibration_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     calls = []
     fake = {"memory_bytes": 1 << 34, "bandwidth_bytes_s": 2e10, "peak_flops": 1e12, "threads": 2}
-    monkeypatch.setattr("kvbench.plan.hardware.measure_cpu", lambda: calls.append(1) or fake)
+    monkeypatch.setattr("kvbench.plan.hardware.measure_cpu", lambda **size: calls.append(1) or fake)
     first, second = calibrated_cpu(), calibrated_cpu()
     assert len(calls) == 1 and first == second and (tmp_path / "hardware-cpu.json").exists()
     hw = build_hardware(plan_config("hardware=cpu").hardware)
     assert hw.bandwidth_bytes_s == 2e10 and hw.source.startswith("measured")
+
+
+@pytest.mark.parametrize(
+    "flags,n,says",
+    [
+        ({"avx2", "avx512_bf16"}, 2048, "about 2 s (2048² bf16 matmuls, native; estimated from a small one)"),
+        ({"avx2", "fma"}, 512, "about 2 s (512² bf16 matmuls, emulated: no AVX512-BF16/AMX; estimated from a small"),
+    ],
+)
+def test_calibration_says_how_long_it_will_take(tmp_path, monkeypatch, capsys, flags, n, says):
+    """The line gives the estimate before measuring. An AVX2-only CPU emulates bf16, ~10x slower still once the
+    matrices leave the cache (2048²: 9 minutes): it measures at 512², seconds."""
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr("kvbench.model.device.cpu_flags", lambda: flags)
+    sizes = []
+    monkeypatch.setattr("kvbench.plan.hardware.calibration_seconds", lambda matmul_n: sizes.append(matmul_n) or 2.4)
+    fake = {"memory_bytes": 1 << 34, "bandwidth_bytes_s": 2e10, "peak_flops": 1e12, "threads": 2}
+    monkeypatch.setattr("kvbench.plan.hardware.measure_cpu", lambda matmul_n: sizes.append(matmul_n) or fake)
+    calibrated_cpu()
+    assert says in capsys.readouterr().out and sizes == [n, n]
+
+
+def test_calibration_estimate_scales_a_quick_probe():
+    from kvbench.plan.hardware import calibration_seconds
+
+    small, large = calibration_seconds(16, 512, 1), calibration_seconds(16, 4096, 1)
+    assert 0 < small < large  # 512× the matmul work: longer, whatever the CPU
 
 
 def test_measure_cpu_gives_positive_rates():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from kvbench import KvbenchError
@@ -48,8 +50,12 @@ def test_the_preset_passes():
         ("serving.slo_ttft_s=0", "serving.slo_ttft_s=0 must be a number of seconds > 0"),
         ("serving.kv_budget_bytes=500000", "serving.kv_budget_bytes=500,000 holds not one request"),
         ("serving.kv_budget_bytes=[2000000,100]", "serving.kv_budget_bytes=100 holds not one request"),
-        ("serving.kv_budget_bytes=null", "must be an integer ≥ 1 or a list of them"),
-        ("serving.kv_budget_bytes=[]", "must be an integer ≥ 1 or a list of them"),
+        ("serving.kv_budget_bytes=null", "must be bytes (an integer ≥ 1), a multiple ≥ 1x"),
+        ("serving.kv_budget_bytes=[]", "must be bytes (an integer ≥ 1), a multiple ≥ 1x"),
+        ("serving.kv_budget_bytes=0.5x", "serving.kv_budget_bytes='0.5x' must be bytes"),
+        ("serving.kv_budget_bytes=[2x,2y]", "serving.kv_budget_bytes=['2x', '2y'] must be bytes"),
+        ("serving.kv_budget_bytes=[2x,0]", "use serving.kv_budget_bytes=[1.6x,10x] or [20000000,80000000]"),
+        ("serving.kv_budget_bytes=1.5", "serving.kv_budget_bytes=1.5 must be bytes"),
         ("task.context_lengths=[17000]", "more than the model's context of 16,384"),
         ("serving.prompt_tokens=[50,20]", "need 1 ≤ min ≤ max"),
         ("serving.output_tokens=0", "serving.output_tokens=0 must be ≥ 1"),
@@ -83,6 +89,43 @@ def test_budget_need_counts_the_longest_request_under_the_full_cache():
         check(serving_config(f"serving.kv_budget_bytes={need - 1}"))
 
 
+def test_a_multiple_is_of_the_longest_requests_full_cache_need():
+    need = 607 * 1024  # as above: 1x holds the longest request alone, in the model's dtype
+    spec, _ = check(serving_config("serving.kv_budget_bytes=[1x,2.5x,3000000]"))
+    assert spec.kv_budget_forms == (1.0, 2.5, 3_000_000) and spec.request_bytes == need
+    assert spec.kv_budgets == (need, math.ceil(2.5 * need), 3_000_000)
+    spec, _ = check(serving_config("serving.kv_budget_bytes=2x", "dtype=bfloat16"))
+    assert spec.kv_budgets == (607 * 512 * 2,)  # bf16: half the bytes, the same number of requests
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_shipped_preset_holds_its_requests_in_any_dtype(monkeypatch, dtype):
+    """conf/experiment/serving.yaml as shipped, on SmolLM2-135M's shape in bf16 (AVX512-BF16) and fp32 (AVX2 only):
+    the first budget holds one 1K request but not two, the second every request at once; no fp8 (AVX-512 in vLLM)."""
+    from transformers import LlamaConfig
+
+    import kvbench.model.load
+
+    smollm2 = LlamaConfig(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        max_position_embeddings=8192,
+    )
+    monkeypatch.setattr(kvbench.model.load, "model_config", lambda cfg, cheap=False: smollm2)
+    monkeypatch.setattr(kvbench.model.load, "resolve_dtype", lambda name, device=None: dtype)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("serving", overrides=["serving.engines=null"])
+    spec, _ = check(cfg)
+    one = 2 * 30 * 3 * 64 * dtype.itemsize * (1024 + 16 + 1)  # the 1K prompt, 16 tokens out, the step's new one
+    assert spec.request_bytes == one and one < spec.kv_budgets[0] < 2 * one
+    assert spec.kv_budgets[1] >= spec.requests * one
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        engines = compose("serving").serving.engines
+    assert engines and not any("fp8" in e for e in engines)
+
+
 def test_spec_defaults():
     spec = serving_spec({"kv_budget_bytes": 10**6})
     assert spec.requests == 8 and spec.arrival == "burst" and spec.output_tokens is None
@@ -100,6 +143,29 @@ def test_entry_exits_2_with_one_line_before_the_model_loads(tmp_path: Path):
     lines = proc.stderr.strip().splitlines()
     assert lines == [
         "kvbench.serving: error: serving.rate=0 must be a number > 0 (requests per second); use serving.rate=2"
+    ]
+
+
+def test_a_bad_multiple_exits_2_with_one_line(tmp_path: Path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbench.serving",
+            *TINY,
+            "serving.kv_budget_bytes=[2x,0.5x]",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvbench.serving: error: serving.kv_budget_bytes=['2x', '0.5x'] must be bytes (an integer ≥ 1), a multiple "
+        "≥ 1x of one request's full cache (2x) or a list of them; use serving.kv_budget_bytes=[1.6x,10x] or "
+        "[20000000,80000000]"
     ]
 
 
