@@ -22,7 +22,7 @@ def grid_batching(spec: RunSpec, lm, requested: int) -> bool:
     if lm.layout.has_sliding and not decode_kernels(lm):
         return False  # window layers step together (grid_decode.GridWindowLayer) where the kernels are tested exact
     setting = spec.grid_batch
-    if lm.layout.is_hybrid:  # each row's linear/Mamba states are its own: the rows decode one by one
+    if getattr(lm.layout, "is_hybrid", False):  # each row's linear/Mamba states are its own: rows decode one by one
         if setting is True:
             raise KvbenchError(
                 "grid_batch=true cannot decode a hybrid model's configurations together (each keeps its own "
