@@ -24,6 +24,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 # transformers' state layers (5.24+; 5.2, kvpress's pin, has none: nothing is an instance of an empty tuple)
 LinearAttentionCacheLayerMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+# layers whose K/V are plain tensors an eviction gathers: transformers' own, and a hybrid layer's (Falcon-H1, Zamba2:
+# its state rides along untouched)
+PLAIN_KV_LAYERS = (DynamicLayer, *(c for c in [getattr(cache_utils, "LinearAttentionAndFullAttentionLayer", None)] if c))
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 
@@ -147,7 +150,7 @@ def layer_select(layer, index: torch.Tensor) -> None:
         observer(layer, index)
     if hasattr(layer, "select"):
         layer.select(index)
-    elif type(layer) is DynamicLayer:
+    elif type(layer) in PLAIN_KV_LAYERS:
         layer.keys, layer.values = gather_kv(layer.keys, layer.values, index)  # type: ignore[arg-type]  # filled
     else:
         from kvbench import KvbenchError
@@ -242,7 +245,7 @@ def split_model_cache(cache, layout) -> None:
     full = getattr(cache, "_kvbench_full", None)
     if full is None or cache.layers or not full.layers:
         return
-    attention = layout.decoder_index or ()
+    attention = layout.decoder_layers
     cache.layers = [full.layers[i] for i in attention]
     setattr(cache, STATES, {i: layer for i, layer in enumerate(full.layers) if i not in set(attention)})
 
@@ -286,7 +289,7 @@ def attach_states(cache, states: dict, layout) -> None:
     from kvbench import KvbenchError
 
     own = {}
-    position = {decoder: i for i, decoder in enumerate(layout.decoder_index or ())}
+    position = {decoder: i for i, decoder in enumerate(layout.decoder_layers)}
     for index, layer in states.items():
         if index not in position:
             own[index] = copy_state(layer)

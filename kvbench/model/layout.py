@@ -132,6 +132,11 @@ class CacheLayout:
         """The decoder layer of entry `layer` of `layers`."""
         return layer if self.decoder_index is None else self.decoder_index[layer]
 
+    @property
+    def decoder_layers(self) -> tuple[int, ...]:
+        """The decoder layer of each entry of `layers`, in order."""
+        return tuple(range(len(self.layers))) if self.decoder_index is None else self.decoder_index
+
     def at(self, tokens: int) -> CacheLayout:
         """This layout for a run that sees at most `tokens` tokens (prompt, appended question and decoded ones): a
         sliding layer whose window never fills (W − 1 ≥ tokens) holds and sees every token, as a global layer does,
@@ -277,15 +282,18 @@ def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
         latent, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
         qk = int(_get(config, "qk_head_dim", default=config.qk_nope_head_dim + rope))
         expanded = heads * (qk + int(config.v_head_dim))  # per-head K (qk) and V (v_head_dim) of every query head
-        if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
-            kinds = tuple(LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in range(layers))
-            return CacheLayout(kinds, dtype, heads, expanded)
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+        states = [(i, model_states.layer_state(config)) for i, t in enumerate(types) if t in model_states.STATE_TYPES]
+        attention = [(i, t) for i, t in enumerate(types) if t not in model_states.STATE_TYPES]  # Kimi Linear: KDA
+        decoders = tuple(i for i, _ in attention) if states else None
+        if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
+            kinds = tuple(LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in attention)
+            return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
         index = int(getattr(config, "index_head_dim", 0) or 0)  # DeepSeek-V3.2: one indexer key per token
         kinds = tuple(
-            LayerKind("latent", latent, rope, None, index if t in INDEXED_TYPES else 0) for t in types
+            LayerKind("latent", latent, rope, None, index if t in INDEXED_TYPES else 0) for _, t in attention
         )  # one latent + RoPE key (+ the indexer key)
-        return CacheLayout(kinds, dtype, heads, expanded)
+        return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
     per_layer = layer_configs(config)
     kinds_list: list[LayerKind] = []
     states: list[tuple[int, LayerState]] = []

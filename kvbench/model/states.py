@@ -11,6 +11,7 @@ Per mixer (C = conv channels, K = conv kernel; the recurrent state's elements):
 - Mamba-2 (Nemotron-H, Granite 4.0-H, Bamba, Falcon-H1, Zamba2): C = H·P + 2·G·N, recurrent H·P·N
   (H heads of P channels, G groups, N state size);
 - Mamba (Jamba): C = E·d (the expanded width), recurrent E·d·N;
+- Kimi Delta Attention (Kimi Linear): C = 3·H·D (q, k and v convolved), recurrent H·D·D;
 - short convolution (LFM2, LFM3): C = d (the hidden size), no recurrent state.
 tests/model/test_hybrids.py checks each against the bytes transformers' own cache holds after a forward.
 """
@@ -38,6 +39,7 @@ MAMBA2 = {
 }
 GATED_DELTANET = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid")
 MAMBA1 = ("jamba",)
+KDA = ("kimi_linear",)
 SHORT_CONV = ("lfm2", "lfm2_moe", "lfm3")
 
 
@@ -75,13 +77,16 @@ def layer_state(config) -> LayerState:
         names = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
         h_k, d_k, h_v, d_v, kernel = _ints(config, names + ("linear_conv_kernel_dim",))
         return LayerState((2 * h_k * d_k + h_v * d_v) * kernel, h_v * d_k * d_v)
+    if kind in KDA:  # Kimi Delta Attention: q, k and v each through a short conv, one H·D·D state
+        heads, width, kernel = _ints(config, ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim"))
+        return LayerState(3 * heads * width * kernel, heads * width * width)
     if kind in MAMBA1:
         expand, hidden, state, kernel = _ints(config, ("mamba_expand", "hidden_size", "mamba_d_state", "mamba_d_conv"))
         return LayerState(expand * hidden * kernel, expand * hidden * state)
     if kind in SHORT_CONV:
         hidden, kernel = _ints(config, ("hidden_size", "conv_L_cache"))
         return LayerState(hidden * kernel, 0)
-    known = sorted(set(MAMBA2) | set(GATED_DELTANET) | set(MAMBA1) | set(SHORT_CONV))
+    known = sorted(set(MAMBA2) | set(GATED_DELTANET) | set(MAMBA1) | set(KDA) | set(SHORT_CONV))
     raise KvbenchError(
         f"{type(config).__name__} has linear-attention or state-space layers whose state kvbench does not know how "
         f"to size; supported hybrids: {', '.join(known)}"

@@ -26,11 +26,16 @@ invariants, or it is refused here.
 from __future__ import annotations
 
 from kvbench.model import layout
+from kvbench.model.states import HYBRID_TYPES, STATE_TYPES
 
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
 FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
 NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
-NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
+# attention that does not go through transformers' AttentionInterface (Falcon), or one attention module shared by
+# several layers and called without its layer (Zamba2): no statistics per layer
+NO_ATTENTION_INTERFACE = ("falcon",)
+SHARED_ATTENTION = ("zamba2",)
+RAGGED_LAYERS = ("adakv",)  # an eviction method whose layers hold KV heads of different lengths (RaggedLayer)
 FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")  # q_norm/k_norm over the whole projection, before the heads split
 NO_POSITION_IDS = ("granitemoehybrid",)  # RoPE applied before its attention call, without position_ids there
 NO_POSITIONS = ("gpt2", "nemotron_h", "jamba")  # absolute positions (GPT-2), or none in attention (Mamba's order)
@@ -108,6 +113,8 @@ def lacks(config) -> dict[str, str]:
         out["no_sliding_layers"] = "has sliding-window layers"
     if kind in NOT_LLAMA_LAYOUT:
         out["llama_layout"] = "keeps its decoder layers elsewhere"
+    if kind in SHARED_ATTENTION:
+        out["full_rope"] = "runs one attention block shared by several layers (no query moments per layer)"
     if is_hybrid(config):  # linear-attention / Mamba / conv layers: no self_attn there, a state no method can re-run
         out["qkv_projections"] = "has linear-attention or state-space layers without them (a hybrid)"
         out["full_attention_layers"] = "has linear-attention or state-space layers: use kivi"
@@ -119,25 +126,18 @@ def lacks(config) -> dict[str, str]:
 
 def is_hybrid(config) -> bool:
     """Whether some decoder layers keep a linear-attention, Mamba or convolution state (kvbench.model.states)."""
-    from kvbench.model import states
-
-    kinds = set(states.STATE_TYPES) | set(states.HYBRID_TYPES)
-    return bool(kinds & set(layout.layer_types(_text(config))))
+    return bool((set(STATE_TYPES) | set(HYBRID_TYPES)) & set(layout.layer_types(_text(config))))
 
 
-def hybrid_layer_refusal(config) -> str | None:
-    """Why kvbench does not run a model at all (the planner still sizes it): layers holding attention and a Mamba
-    state in one transformers cache layer (Falcon-H1, Zamba2), or a model keeping a cache of its own (MiniMax)."""
-    from kvbench.model import states
+def attention_with_state(config) -> bool:
+    """Whether some decoder layers run attention and keep a Mamba state in one cache layer (Falcon-H1, Zamba2)."""
+    return bool(set(HYBRID_TYPES) & set(layout.layer_types(_text(config))))
 
+
+def own_cache_refusal(config) -> str | None:
+    """Why kvbench does not run a model at all: a model keeping a cache of its own (MiniMax)."""
     if getattr(config, "model_type", "") == "minimax":
         return "its model keeps a cache of its own, not transformers' DynamicCache, which kvbench compresses"
-    if set(states.HYBRID_TYPES) & set(layout.layer_types(config)):
-        return (
-            "its 'hybrid' layers hold attention K/V and a Mamba state in one cache layer, which kvbench does not yet "
-            "carry through compression; run a hybrid with separate layers (Qwen3.5, Nemotron-H, Granite 4.0-H, Bamba, "
-            "Jamba, LFM2, OLMo-hybrid), or size it with python -m kvbench.plan"
-        )
     return None
 
 
@@ -146,7 +146,7 @@ def refusal(method, config) -> str | None:
     config = _text(config)
     kind = getattr(config, "model_type", "")
     model = type(config).__name__.removesuffix("Config")
-    shared_layers = hybrid_layer_refusal(config)
+    shared_layers = own_cache_refusal(config)
     if shared_layers:
         return f"method {method.name} cannot run on {model}: {shared_layers}"
     rope = rope_kind(config)
@@ -157,6 +157,11 @@ def refusal(method, config) -> str | None:
             f"latent shared by every head, not per-head K/V; methods that run on it: {', '.join(POSITION_ONLY)}"
         )
     needs_stats = any(_needs_stats(part) for part in _parts(method))
+    if needs_stats and kind in SHARED_ATTENTION:
+        return (
+            f"method {method.name} needs attention statistics, but {model} runs one attention block shared by its "
+            "hybrid layers, called without the layer it serves; use knorm, keydiff, random or streamingllm on it"
+        )
     if needs_stats and kind in NO_ATTENTION_INTERFACE:
         return (
             f"method {method.name} needs attention statistics, but {model}'s attention does not go through "
@@ -167,6 +172,12 @@ def refusal(method, config) -> str | None:
     for part in _parts(method):
         for need in sorted(part.caps.needs & set(lacking)):
             return f"method {part.name} needs {NEEDS[need]}; {model} {lacking[need]}"
+    own_layers = [p.name for p in _parts(method) if p.caps.family == "precision" or p.name in RAGGED_LAYERS]
+    if own_layers and attention_with_state(config):
+        return (
+            f"method {own_layers[0]} holds K/V in cache layers of its own, but {model}'s hybrid layers keep attention "
+            "and a Mamba state in one transformers layer; run an eviction method (snapkv, streamingllm, ...) on it"
+        )
     counted = count_refusal(method, config)
     if counted:
         return counted

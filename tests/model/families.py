@@ -32,6 +32,7 @@ GDN = dict(  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): 2 key heads, 4 value
     linear_value_head_dim=16,
     layer_types=PATTERN,
 )
+QWEN_MOE = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **MOE)
 
 FAMILIES = {
     "llama-mha": lambda: tf.LlamaConfig(**BASE, num_key_value_heads=4),
@@ -87,26 +88,8 @@ FAMILIES = {
     ),
     # hybrids: linear-attention / Mamba / conv layers beside attention (kvbench.model.states); 2 of 4 layers attention
     "qwen3_5": lambda: tf.Qwen3_5TextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN),  # Gated DeltaNet
-    "qwen3_5-moe": lambda: tf.Qwen3_5MoeTextConfig(
-        **BASE,
-        num_key_value_heads=2,
-        head_dim=16,
-        **GDN,
-        num_experts=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        **MOE,
-    ),
-    "qwen3_next": lambda: tf.Qwen3NextConfig(
-        **BASE,
-        num_key_value_heads=2,
-        head_dim=16,
-        **GDN,
-        num_experts=4,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        **MOE,
-    ),
+    "qwen3_5-moe": lambda: tf.Qwen3_5MoeTextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN, **QWEN_MOE),
+    "qwen3_next": lambda: tf.Qwen3NextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN, **QWEN_MOE),
     "olmo_hybrid": lambda: tf.OlmoHybridConfig(**BASE, num_key_value_heads=2, layer_types=PATTERN),
     "nemotron_h": lambda: tf.NemotronHConfig(  # Mamba-2, an MoE and an MLP block (no cache), no RoPE
         **BASE,
@@ -142,22 +125,25 @@ FAMILIES = {
         expert_layer_period=2,
         expert_layer_offset=1,
     ),
-    "lfm2": lambda: tf.Lfm2Config(
+    "lfm2": lambda: tf.Lfm2Config(  # short convolutions
         **BASE, num_key_value_heads=2, layer_types=["conv", "full_attention"] * 2
-    ),  # short conv
+    ),
+    "falcon_h1": lambda: tf.FalconH1Config(  # every layer runs attention and Mamba-2 in parallel: one cache layer
+        **BASE, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_d_ssm=128
+    ),
+    "zamba2": lambda: tf.Zamba2Config(  # Mamba-2 layers and "hybrid" layers calling one shared attention block
+        **BASE, num_key_value_heads=2, layers_block_type=["mamba", "hybrid"] * 2, n_mamba_heads=8
+    ),
+    "kimi_linear": lambda: tf.KimiLinearConfig(  # Kimi Delta Attention beside latent attention (MLA)
+        **{**BASE, "num_key_value_heads": 4}, layer_types=PATTERN, linear_num_heads=4, linear_head_dim=16,
+        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=4,
+        moe_intermediate_size=32, **MOE,
+    ),
 }
-# not run (refused in one line, kvbench.run.support): Falcon-H1 and Zamba2, whose "hybrid" layers hold attention and a
-# Mamba state in one cache layer; MiniMax, whose model keeps a cache of its own
+# not run: MiniMax, whose model keeps a cache of its own (refused in one line, kvbench.run.support)
 HYBRIDS = (
-    "qwen3_5",
-    "qwen3_5-moe",
-    "qwen3_next",
-    "olmo_hybrid",
-    "nemotron_h",
-    "granitemoehybrid",
-    "bamba",
-    "jamba",
-    "lfm2",
+    "qwen3_5", "qwen3_5-moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "bamba", "jamba", "lfm2",
+    "falcon_h1", "zamba2", "kimi_linear",
 )
 
 
