@@ -26,7 +26,8 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 LinearAttentionCacheLayerMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
 # layers whose K/V are plain tensors an eviction gathers: transformers' own, and a hybrid layer's (Falcon-H1, Zamba2:
 # its state rides along untouched)
-PLAIN_KV_LAYERS = (DynamicLayer, *(c for c in [getattr(cache_utils, "LinearAttentionAndFullAttentionLayer", None)] if c))
+_BOTH = getattr(cache_utils, "LinearAttentionAndFullAttentionLayer", None)
+PLAIN_KV_LAYERS: tuple[type, ...] = (DynamicLayer,) if _BOTH is None else (DynamicLayer, _BOTH)
 
 KV = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each (B, H_kv, T, D)
 

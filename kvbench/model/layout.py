@@ -267,6 +267,25 @@ def _layer_width(config, layer: int, layer_config) -> int:
         ) from None
 
 
+def _latent_layout(config, dtype: torch.dtype, heads: int, layers: int) -> CacheLayout:
+    """Multi-head latent attention (DeepSeek-V2/V3/V3.2, Kimi Linear's attention layers beside its KDA states)."""
+    latent, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    qk = int(_get(config, "qk_head_dim", default=config.qk_nope_head_dim + rope))
+    expanded = heads * (qk + int(config.v_head_dim))  # per-head K (qk) and V (v_head_dim) of every query head
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
+    states = [(i, model_states.layer_state(config)) for i, t in enumerate(types) if t in model_states.STATE_TYPES]
+    attention = [(i, t) for i, t in enumerate(types) if t not in model_states.STATE_TYPES]  # Kimi Linear: KDA
+    decoders = tuple(i for i, _ in attention) if states else None
+    if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
+        kinds = tuple(LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in attention)
+        return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
+    index = int(getattr(config, "index_head_dim", 0) or 0)  # DeepSeek-V3.2: one indexer key per token
+    kinds = tuple(
+        LayerKind("latent", latent, rope, None, index if t in INDEXED_TYPES else 0) for _, t in attention
+    )  # one latent + RoPE key (+ the indexer key)
+    return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
+
+
 def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
     """The layout of `config` (a transformers config; multimodal configs give their text config)."""
     if hasattr(config, "get_text_config"):
@@ -279,21 +298,7 @@ def cache_layout(config, dtype: torch.dtype) -> CacheLayout:
         )
     heads = n_q_heads(config)
     if getattr(config, "kv_lora_rank", None):  # multi-head latent attention
-        latent, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
-        qk = int(_get(config, "qk_head_dim", default=config.qk_nope_head_dim + rope))
-        expanded = heads * (qk + int(config.v_head_dim))  # per-head K (qk) and V (v_head_dim) of every query head
-        types = list(getattr(config, "layer_types", None) or ["full_attention"] * layers)
-        states = [(i, model_states.layer_state(config)) for i, t in enumerate(types) if t in model_states.STATE_TYPES]
-        attention = [(i, t) for i, t in enumerate(types) if t not in model_states.STATE_TYPES]  # Kimi Linear: KDA
-        decoders = tuple(i for i, _ in attention) if states else None
-        if not caches_latent(config):  # this transformers caches the expanded heads: that is the model's cache
-            kinds = tuple(LayerKind("global", heads * qk, heads * int(config.v_head_dim)) for _ in attention)
-            return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
-        index = int(getattr(config, "index_head_dim", 0) or 0)  # DeepSeek-V3.2: one indexer key per token
-        kinds = tuple(
-            LayerKind("latent", latent, rope, None, index if t in INDEXED_TYPES else 0) for _, t in attention
-        )  # one latent + RoPE key (+ the indexer key)
-        return CacheLayout(kinds, dtype, heads, expanded, tuple(states), decoders, layers)
+        return _latent_layout(config, dtype, heads, layers)
     per_layer = layer_configs(config)
     kinds_list: list[LayerKind] = []
     states: list[tuple[int, LayerState]] = []
