@@ -230,4 +230,6 @@ def per_layer_type_formula(layout, kv_bits: int | None = None) -> str:
         total = count * width * eb if kv_bits is None else -(-count * width * kv_bits // 8)
         what = "(K+V+indexer key)" if kind == "latent" and any(k.extra_width for k in layout.layers) else "(K+V)"
         parts.append(f"{count} {kind} layers × {width} {what} × {size} = {total:,} B{held}")
+    if layout.states:  # a hybrid's linear/Mamba/conv layers: per request, whatever the context or method
+        parts.append(f"+ {len(layout.states)} state layers: {layout.state_bytes():,} B per request, constant")
     return "; ".join(parts)
