@@ -32,6 +32,7 @@ from kvbench.store.aggregate import (
     averaged,
     load_rows,
     lower_is_better,
+    state_share,
     variant_label,
     with_experiment_keys,
 )
@@ -106,6 +107,7 @@ def guide_table(
                 "drop_high": drop_high,
                 "n_matched": int(matched.sum()),
                 "kv_ratio": kv_ratio,
+                "state_share": state_share(group),  # a hybrid's constant state: the part of kv_ratio no method moves
                 "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
                 "decode_vs_full": _ratio(*_timed_alone(group.loc[matched], base)),
                 "changes_model": any(p in CHANGES_MODEL for p in parts),
@@ -242,7 +244,7 @@ def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False)
     ):
         on = f" — {model} ({dtype})" if several else ""  # each block ranks one model's rows in one dtype
         head = f"{scen} — {task}{on} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
-        body = with_interval_texts(group)[COLUMNS]
+        body = with_interval_texts(group)[with_state_share(COLUMNS, group)]
         out.append(
             f"### {head}\n\n{markdown(body)}"
             if as_markdown
@@ -269,7 +271,16 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
     columns = ["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]
     if best["model"].nunique() > 1 or best["dtype"].nunique() > 1:
         columns[2:2] = ["model", "dtype"]
-    return best[columns]
+    return best[with_state_share(columns, best)]
+
+
+def with_state_share(columns: list[str], table: pd.DataFrame) -> list[str]:
+    """`columns` with `state_share` after kv_ratio where a hybrid model's rows hold a state (its share of the bytes
+    held: the part of kv_ratio no method can move)."""
+    if not (table["state_share"].fillna(0) > 0).any():
+        return columns
+    at = columns.index("kv_ratio") + 1
+    return columns[:at] + ["state_share"] + columns[at:]
 
 
 ARGS = {  # every argument, checked before any row is read (kvbench.config.rules)

@@ -104,6 +104,16 @@ def summary_columns(
         cols.append(Column("tasks", lambda r: r["tasks"], left=True, title="tasks the examples come from"))
     if setting:
         cols.append(Column("query_aware", lambda r: str(bool(r["query_aware"])).lower(), left=True))
+    if "state_share" in part and (part["state_share"].fillna(0) > 0).any():  # a hybrid model's rows
+        cols.append(
+            Column(
+                "state share",
+                lambda r: r["state_share"],
+                fixed(3),
+                title="share of the bytes held that is the model's linear-attention/Mamba/conv state, which no KV "
+                "method shrinks (kv_ratio cannot go below it)",
+            )
+        )
     if "score_partial" in part and part["score_partial"].notna().any():
         cols.append(Column("partial score", lambda r: r["score_partial"], fixed(3), default=False))
     cols += [

@@ -321,6 +321,7 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
             n_matched=n_matched,
             kv_ratio=group["kv_ratio"].mean(),
             kv_bytes=group["kv_bytes"].mean(),
+            state_share=state_share(group),
             peak_mem_bytes=group["peak_mem_bytes"].max(),
             machines=int(group["device_name"].nunique()),
             # latency measured on several machines is not one experiment's: not pooled
@@ -328,6 +329,14 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
         )
         out.append(record)
     return out
+
+
+def state_share(group: pd.DataFrame) -> float:
+    """The share of the bytes held that is a hybrid model's linear/Mamba/conv state (`state_bytes`, out of every KV
+    method's reach); 0 on attention-only models, NaN for rows written before the column existed."""
+    if "state_bytes" not in group:
+        return math.nan
+    return float((group["state_bytes"] / group["kv_bytes"]).mean())
 
 
 def averaged(rows: pd.DataFrame) -> pd.DataFrame:

@@ -122,3 +122,18 @@ def test_static_method_facts_match_the_registry():
         assert bool(method.stats_request()) == (name in NEEDS_STATISTICS), name
         assert (not method.caps.shares_prefill) == (name in CHANGES_MODEL), name
         assert (method.caps.family == "precision") == (name in PRECISION), name
+
+
+def test_a_hybrids_state_share_is_shown_where_rows_hold_a_state():
+    """A hybrid model's rows carry state_bytes (its linear/Mamba/conv states): the guide and the report's summary show
+    their share of the bytes held — the floor of kv_ratio — and attention-only rows (state_bytes 0) show nothing."""
+    from kvbench.report.tables import summary_columns
+    from kvbench.store.aggregate import summarize
+
+    plain = pd.DataFrame(constructed())
+    hybrid = plain.assign(state_bytes=plain["kv_bytes"] // 10)  # a tenth of what each row holds
+    table = guide_table(hybrid, max_drop=0.05, max_kv_ratio=0.6)
+    assert table["state_share"].round(3).eq(0.1).all()
+    assert "state_share" in report_summary(hybrid).columns and "state_share" not in report_summary(plain).columns
+    headings = {c.heading for c in summary_columns(summarize(hybrid))}
+    assert "state share" in headings and "state share" not in {c.heading for c in summary_columns(summarize(plain))}
