@@ -360,8 +360,9 @@ def from_model_args(args: dict) -> KvbenchLM:
     from omegaconf import OmegaConf
 
     from kvbench import conf_dir
-    from kvbench.model.load import load_model
+    from kvbench.model.load import load_model, model_config
     from kvbench.run.configuration import DEFAULT_BUDGET, make_configuration, method_config
+    from kvbench.run.support import is_hybrid, refusal
 
     args = dict(args)
     for key in ("batch_size", "max_batch_size"):  # lm-eval's; kvbench runs one request at a time
@@ -390,5 +391,14 @@ def from_model_args(args: dict) -> KvbenchLM:
     if device.startswith("cuda") and not torch.cuda.is_available():
         log.warning("device=%s but no CUDA GPU is visible: running on the CPU", device)
         device = "cpu"
+    config = model_config(model_cfg, cheap=True)  # None: the bundled GGUF before its first conversion
+    reason = None if config is None else refusal(configuration.method, config)
+    if config is not None and is_hybrid(config):
+        reason = (
+            "lm-eval on a hybrid model (linear-attention or Mamba layers) is not supported: its requests stream "
+            "through the cache in chunks, which do not carry the model's recurrent state; use python -m kvbench"
+        )
+    if reason:
+        raise KvbenchError(reason)
     lm = load_model(model_cfg, device, str(args.pop("dtype", "auto")))
     return KvbenchLM(Engine(lm), [configuration], **args)

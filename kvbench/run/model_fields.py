@@ -33,6 +33,7 @@ OPTIONAL = (
     "sliding_window",
     "attention_chunk_size",
 )
+LAYER_LISTS = ("layers_block_type", "hybrid_override_pattern")  # one entry per layer, where a config has no count
 LATENT = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")  # multi-head latent attention
 
 
@@ -53,6 +54,9 @@ def check_model_fields(raw: dict, where: str) -> None:
 
     text = raw.get("text_config")
     fields: dict = text if isinstance(text, dict) else raw
+    pattern = next((fields[k] for k in LAYER_LISTS if isinstance(fields.get(k), (list, str))), None)
+    if "num_hidden_layers" not in fields and pattern:  # Nemotron-H as transformers saves it: its layers by their list
+        fields = {**fields, "num_hidden_layers": len(pattern)}
     for name, aliases in REQUIRED.items():
         found = _field(fields, name, aliases)
         if found is None:

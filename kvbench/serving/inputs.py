@@ -228,6 +228,12 @@ def request_need(shape, method, budget, prompt: int, output: int) -> int:
 
 
 def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int, what: str) -> None:
+    if shape.layout is not None and shape.layout.is_hybrid:
+        raise KvbenchError(
+            "serving a hybrid model (linear-attention or Mamba layers) is not supported: the scheduler decodes its "
+            "requests' K/V as one batch, and each request's recurrent state would have to travel with it; measure it "
+            "with python -m kvbench (one request at a time) and size it with python -m kvbench.plan"
+        )
     if max_context and prompt + output > max_context:
         raise KvbenchError(
             f"{what}: {prompt:,} prompt + {output} output tokens is more than the model's context of {max_context:,}; "

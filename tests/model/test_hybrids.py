@@ -129,3 +129,56 @@ def test_a_model_without_attention_layers_is_one_line():
     )
     with pytest.raises(KvbenchError, match="no attention layer"):
         cache_layout(config, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each hybrid family saved as transformers saves a checkpoint, with a tokenizer: what `model=hub` loads."""
+    root = tmp_path_factory.mktemp("hybrids")
+    for name in HYBRIDS:
+        build(name).save_pretrained(root / name)
+        byte_tokenizer().save_pretrained(root / name)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_hybrid_checkpoint_runs_through_model_hub(checkpoints, tmp_path, name):
+    """The issue's bar: full, SnapKV (or, where statistics cannot be read, Knorm) and StreamingLLM at 0.25 through
+    `model=hub` on a saved checkpoint; the full row holds more than its attention K/V (the states are counted), the
+    compressed rows hold less than the full one, never less than the states."""
+    from kvbench.run.runner import run
+    from tests.conftest import compose_config, tiny_overrides
+
+    config = FAMILIES[name]()
+    scorer = next(m for m in ("snapkv", "knorm", "random") if refusal(build_method(m), config) is None)
+    overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("model=")]
+    cfg = compose_config(
+        *overrides,
+        "model=hub",
+        f"model.name_or_path={checkpoints / name}",
+        f"grid.method=[{scorer},streamingllm]",
+        "grid.budget=[0.25]",
+        "task.context_lengths=[700]",
+        "task.depths=[0.5]",
+    )
+    rows = run(cfg, tmp_path / "run")
+    layout = cache_layout(config, torch.float32)
+    full = rows[rows["method"] == "full"].iloc[0]
+    assert full["state_bytes"] == layout.state_bytes() > 0
+    assert full["kv_bytes"] == full["kv_bytes_full"] > layout.attention_bytes(int(full["context_tokens"]))
+    for method in (scorer, "streamingllm"):
+        row = rows[rows["method"] == method].iloc[0]
+        assert row["state_bytes"] < row["kv_bytes"] < full["kv_bytes"]
+
+
+def test_serving_and_lm_eval_refuse_a_hybrid_in_one_line(checkpoints):
+    from kvbench.integrations.lm_eval_model import from_model_args
+    from kvbench.model.kv_bytes import KVShape
+    from kvbench.serving.inputs import check_fit
+
+    with pytest.raises(KvbenchError, match="lm-eval on a hybrid model"):
+        from_model_args({"pretrained": str(checkpoints / "qwen3_5")})
+    shape = KVShape(4, 2, 16, torch.float32, cache_layout(FAMILIES["qwen3_5"](), torch.float32))
+    with pytest.raises(KvbenchError, match="serving a hybrid model"):
+        check_fit(shape, 2048, [], [10**9], 100, 10, "a request")

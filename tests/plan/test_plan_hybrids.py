@@ -45,8 +45,14 @@ def test_jamba_holds_an_eighth_of_mixtrals_kv_cache_at_256k(tmp_path):
 )
 def test_hybrids_plan_kv_per_token_plus_a_constant_state(tmp_path, model, attention_per_token, state, params):
     rows = plan(
-        tmp_path, str(FIXTURES / model), "hardware=h200", "dtype=bfloat16", "context=[32768,131072]",
-        "extrapolate=true", "method=snapkv", "budget=0.25",
+        tmp_path,
+        str(FIXTURES / model),
+        "hardware=h200",
+        "dtype=bfloat16",
+        "context=[32768,131072]",
+        "extrapolate=true",
+        "method=snapkv",
+        "budget=0.25",
     )
     full = rows[rows["variant"] == "full"]
     snapkv = rows[rows["variant"] == "snapkv"]
