@@ -33,6 +33,7 @@ counts it at half a byte. kv_bytes_full = the blocks the same tokens take uncomp
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import shutil
@@ -109,7 +110,13 @@ class OpenvinoBackend(Backend):
 
     @staticmethod
     def ir_dir(model_cfg: dict) -> Path:
-        return cache_root() / str(model_cfg.get("name", "model")) / f"openvino-{VERSION}"
+        """The IR's folder: by kvbench's model name, and for model=hub by its checkpoint too (every hub checkpoint is
+        named `hub`: one folder for all would hand one model's IR to another)."""
+        name = str(model_cfg.get("name", "model"))
+        source = model_cfg.get("name_or_path")
+        if source:
+            name += "-" + hashlib.sha256(str(source).encode()).hexdigest()[:12]
+        return cache_root() / name / f"openvino-{VERSION}"
 
     def start(self, model_cfg: dict, dtype: str) -> None:
         if dtype not in PRECISION:

@@ -137,6 +137,13 @@ class VllmBackend(Backend):
         blocks = math.ceil(held / info["block_size"])
         model_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[info["model_dtype"]]
         full_block = info["block_size"] * self.shape.elements_per_token() * model_bytes
+        kv_bytes, kv_bytes_full = blocks * info["block_bytes"], blocks * full_block
+        states = [g for g in info.get("groups", []) if g["kind"] == "mamba"]
+        if states:  # a hybrid: attention blocks for the tokens, and each state layer's pages as the engine holds them
+            pages = reply.get("group_blocks_seen") or []
+            kv_bytes, state = hybrid_bytes(info, pages, held)
+            full_info = info if kv_dtype == "auto" else self.worker("auto", False)[1]  # its own pages and block size
+            kv_bytes_full = hybrid_bytes(full_info, pages, held)[0]
         extra = {
             "knobs": knobs,
             "blocks_held": blocks,
@@ -147,6 +154,8 @@ class VllmBackend(Backend):
             "prefix_cached_tokens": reply["prefix_cached_tokens"],
             "model_dtype": info["model_dtype"],
         }
+        if states:
+            extra["state_bytes"] = state  # the engine's own: its Mamba/linear-attention state tensors, unpadded
         key = (tuple(request.prompt_ids), request.max_new_tokens, tuple(request.stop_ids))
         if kv_dtype == "auto" and not prefix:
             self.full_runs[key] = reply["token_ids"]
@@ -166,8 +175,8 @@ class VllmBackend(Backend):
             prefill_s=reply["prefill_s"],
             decode_s=reply["decode_s"],
             decode_steps=reply["decode_steps"],
-            kv_bytes=blocks * info["block_bytes"],
-            kv_bytes_full=blocks * full_block,
+            kv_bytes=kv_bytes,
+            kv_bytes_full=kv_bytes_full,
             peak_mem_bytes=reply["peak_mem_bytes"],
             engine_version=info["engine_version"],
             extra=extra,
@@ -178,3 +187,20 @@ class VllmBackend(Backend):
         for worker, _ in self.workers.values():
             worker.close()
         self.workers.clear()
+
+
+def hybrid_bytes(info: dict, group_pages: list[int], held: int) -> tuple[int, int]:
+    """(kv_bytes, state_bytes) of a hybrid model's sequence of `held` tokens in a vLLM engine described by `info`
+    (its worker's start reply): each attention group's blocks for the tokens × its layers × its page, and each Mamba
+    group's pages the request held (`group_pages`, measured: one per layer while it decodes without prefix caching)
+    × its layers × its page, padded to the attention page — what the block pool gives it (the state keeps its own
+    dtype, mamba_ssm_cache_dtype, at every kv_cache_dtype). state_bytes: the state tensors' own bytes, unpadded."""
+    kv = state = 0
+    blocks = math.ceil(held / info["block_size"])
+    for group, pages in zip(info["groups"], group_pages or [0] * len(info["groups"])):
+        if group["kind"] == "mamba":
+            kv += pages * group["layers"] * group["page_bytes"]
+            state += group["layers"] * group["state_bytes"]
+        else:
+            kv += blocks * group["layers"] * group["page_bytes"]
+    return kv, state

@@ -18,6 +18,42 @@ import time
 from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
 
 
+def group_facts(config) -> list[dict]:
+    """Each KV cache group of the engine: its kind (a hybrid model's Mamba / linear-attention layers keep one state per
+    request in `mamba` groups, beside the attention groups' blocks), its layers, the bytes one block takes per layer
+    (a Mamba state page is padded to the attention page) and, for a state, the bytes its tensors really hold."""
+    facts = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        shapes = getattr(spec, "shapes", None)
+        state = 0
+        if shapes is not None:  # MambaSpec: conv and recurrent state shapes with their dtypes
+            for shape, dtype in zip(shapes, spec.dtypes):
+                count = 1
+                for n in shape:
+                    count *= n
+                state += count * dtype.itemsize
+        facts.append(
+            {
+                "kind": "mamba" if shapes is not None else "attention",
+                "layers": len(group.layer_names),
+                "page_bytes": int(spec.page_size_bytes),
+                "state_bytes": state,
+                "kv_heads": int(getattr(spec, "num_kv_heads", 0) or 0),
+                "head_size": int(getattr(spec, "head_size", 0) or 0),
+            }
+        )
+    return facts
+
+
+def group_blocks(manager, request_id: str, null_id: int) -> list[int]:
+    """Blocks the request holds in each KV cache group, null blocks (a Mamba group's placeholders) left out."""
+    try:
+        return [sum(b != null_id for b in group) for group in manager.get_block_ids(request_id)]
+    except (KeyError, AttributeError, IndexError):
+        return []
+
+
 def held_blocks(manager, request_id: str) -> int:
     """Blocks in the request's block table (all KV cache groups); 0 where the manager does not know the id."""
     try:
@@ -54,6 +90,7 @@ class VllmWorker:
             "block_size": cache.block_size,
             "num_blocks": config.num_blocks,
             "block_bytes": total // config.num_blocks,  # all layers: the engine's own page size x layers
+            "groups": group_facts(config),
             "model_dtype": str(self.llm.llm_engine.vllm_config.model_config.dtype).replace("torch.", ""),
             "start_s": time.perf_counter() - started,
         }
@@ -74,6 +111,8 @@ class VllmWorker:
         start = time.perf_counter()
         engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt_ids)), params)
         out, first, blocks = None, 0.0, 0
+        per_group: list[int] = []
+        null_id = scheduler.kv_cache_manager.block_pool.null_block.block_id
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.request_id.split("-")[0] == request_id:  # the engine may suffix the id
@@ -84,6 +123,9 @@ class VllmWorker:
                 # the scheduler knows the request by its internal id; it runs alone, so every id is this one's
                 held = sum(held_blocks(scheduler.kv_cache_manager, rid) for rid in list(scheduler.requests))
                 blocks = max(blocks, held)
+                for rid in list(scheduler.requests):  # per group, without null blocks: a state holds one or a few
+                    now = group_blocks(scheduler.kv_cache_manager, rid, null_id)
+                    per_group = [max(a, b) for a, b in zip(per_group, now)] if per_group else now
         end = time.perf_counter()
         assert out is not None and out.finished
         tokens = list(out.outputs[0].token_ids)
@@ -95,6 +137,7 @@ class VllmWorker:
             "decode_steps": max(len(tokens) - 1, 0),
             "prefix_cached_tokens": int(out.num_cached_tokens or 0),
             "blocks_seen": blocks,  # the most blocks its block table held before the last step
+            "group_blocks_seen": per_group,  # the same per KV cache group, null blocks left out
             "peak_mem_bytes": peak_rss_bytes(),
         }
 

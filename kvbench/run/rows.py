@@ -249,6 +249,7 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
                     default=str,
                 ),
                 engine_invalid=gen.invalid,
+                **({"state_bytes": gen.extra["state_bytes"]} if "state_bytes" in gen.extra else {}),  # the engine's
                 **ctx.task.score(text, ex),
             )
         )

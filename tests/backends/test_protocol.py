@@ -105,3 +105,14 @@ def test_the_package_imports_no_torch():
     code = "import sys, kvbench.backends; print(any(m.startswith('torch') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_openvino_ir_of_each_hub_checkpoint_has_its_own_folder():
+    """Every model=hub checkpoint is named `hub`: its IR folder also names the checkpoint (before: one folder for all,
+    so a second hub model reused the first one's IR)."""
+    from kvbench.backends.openvino import OpenvinoBackend
+
+    a = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/a"})
+    b = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/b"})
+    assert a != b and a.parent.name.startswith("hub-")
+    assert OpenvinoBackend.ir_dir({"name": "smollm2-135m"}).parent.name == "smollm2-135m"
