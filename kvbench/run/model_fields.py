@@ -50,7 +50,8 @@ def _field(fields: dict, name: str, aliases: tuple = ()) -> tuple[str, Any] | No
 
 def check_model_fields(raw: dict, where: str) -> None:
     """`raw`: the config as written (a multimodal config's `text_config` is checked in its place)."""
-    from kvbench.model.layout import GLOBAL_TYPES, LINEAR_TYPES, SLIDING_TYPES
+    from kvbench.model.layout import GLOBAL_TYPES, INDEXED_TYPES, LINEAR_TYPES, SLIDING_TYPES
+    from kvbench.model.states import NO_CACHE_TYPES
 
     text = raw.get("text_config")
     fields: dict = text if isinstance(text, dict) else raw
@@ -78,7 +79,8 @@ def check_model_fields(raw: dict, where: str) -> None:
     kv_heads = fields.get("num_key_value_heads")
     if kv_heads and heads % kv_heads:
         raise _bad(where, "num_key_value_heads", kv_heads, f"does not divide num_attention_heads={heads}", "a divisor")
-    _check_layer_types(fields, where, GLOBAL_TYPES + SLIDING_TYPES + LINEAR_TYPES, SLIDING_TYPES)
+    known = GLOBAL_TYPES + SLIDING_TYPES + INDEXED_TYPES + LINEAR_TYPES + NO_CACHE_TYPES
+    _check_layer_types(fields, where, known, SLIDING_TYPES)
 
 
 def _check_layer_types(fields: dict, where: str, known: tuple, sliding: tuple) -> None:

@@ -135,9 +135,16 @@ def attention_with_state(config) -> bool:
 
 
 def own_cache_refusal(config) -> str | None:
-    """Why kvbench does not run a model at all: a model keeping a cache of its own (MiniMax)."""
-    if getattr(config, "model_type", "") == "minimax":
+    """Why kvbench does not run a model at all: a cache of its own (MiniMax) or beside the K/V (DeepSeek-V3.2's DSA
+    indexer keys)."""
+    kind = getattr(config, "model_type", "")
+    if kind == "minimax":
         return "its model keeps a cache of its own, not transformers' DynamicCache, which kvbench compresses"
+    if set(layout.INDEXED_TYPES) & set(layout.layer_types(config)):
+        return (
+            "its DSA indexer keeps a key cache of its own beside the latent (DeepSeek-V3.2), which kvbench does not "
+            "yet carry through compression; python -m kvbench.plan sizes it"
+        )
     return None
 
 
@@ -146,9 +153,14 @@ def refusal(method, config) -> str | None:
     config = _text(config)
     kind = getattr(config, "model_type", "")
     model = type(config).__name__.removesuffix("Config")
-    shared_layers = own_cache_refusal(config)
-    if shared_layers:
-        return f"method {method.name} cannot run on {model}: {shared_layers}"
+    own_cache = own_cache_refusal(config)
+    if own_cache:
+        return f"method {method.name} cannot run on {model}: {own_cache}"
+    if "shared" in layout.layer_types(config) and method.name != "full":
+        return (
+            f"method {method.name} cannot run on {model}: some of its layers reuse an earlier layer's K/V (Gemma 3n, "
+            "Gemma 4), which kvbench does not yet compress consistently with the layer they read; its full cache runs"
+        )
     rope = rope_kind(config)
     names = {part.name for part in _parts(method)}
     if rope == "latent" and not names <= set(POSITION_ONLY):

@@ -32,6 +32,7 @@ GDN = dict(  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): 2 key heads, 4 value
     linear_value_head_dim=16,
     layer_types=PATTERN,
 )
+SHARED = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}  # Gemma 3n / 4: 6 layers, the last 2 reuse K/V
 QWEN_MOE = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **MOE)
 
 FAMILIES = {
@@ -135,22 +136,73 @@ FAMILIES = {
         **BASE, num_key_value_heads=2, layers_block_type=["mamba", "hybrid"] * 2, n_mamba_heads=8
     ),
     "kimi_linear": lambda: tf.KimiLinearConfig(  # Kimi Delta Attention beside latent attention (MLA)
-        **{**BASE, "num_key_value_heads": 4}, layer_types=PATTERN, linear_num_heads=4, linear_head_dim=16,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=4,
-        moe_intermediate_size=32, **MOE,
+        **{**BASE, "num_key_value_heads": 4},
+        layer_types=PATTERN,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=4,
+        moe_intermediate_size=32,
+        **MOE,
     ),
 }
 # not run: MiniMax, whose model keeps a cache of its own (refused in one line, kvbench.run.support)
 HYBRIDS = (
-    "qwen3_5", "qwen3_5-moe", "qwen3_next", "olmo_hybrid", "nemotron_h", "granitemoehybrid", "bamba", "jamba", "lfm2",
-    "falcon_h1", "zamba2", "kimi_linear",
+    "qwen3_5",
+    "qwen3_5-moe",
+    "qwen3_next",
+    "olmo_hybrid",
+    "nemotron_h",
+    "granitemoehybrid",
+    "bamba",
+    "jamba",
+    "lfm2",
+    "falcon_h1",
+    "zamba2",
+    "kimi_linear",
 )
+
+# layers reusing an earlier layer's K/V (transformers' kv_sharing_modes "reuse": they cache nothing): the full cache
+# runs exactly, compression is refused (kvbench.run.support); tests/model/test_layout_kinds.py
+SHARED_KV = {
+    "gemma3n": lambda: tf.Gemma3nTextConfig(  # the last 2 of 6 layers reuse earlier layers' K/V
+        **{k: v for k, v in SHARED.items() if k != "intermediate_size"},
+        intermediate_size=[128] * 6,
+        head_dim=16,
+        sliding_window=WINDOW,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=1000,
+        laurel_rank=8,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0] * 6,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
+    "gemma4": lambda: (
+        tf.AutoConfig.for_model(  # alternating sliding/global, global head_dim 32, last 2 layers reuse K/V
+            "gemma4_text",
+            **{k: v for k, v in SHARED.items() if k not in ("pad_token_id", "bos_token_id")},
+            head_dim=16,
+            global_head_dim=32,
+            sliding_window=WINDOW,
+            num_kv_shared_layers=2,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=1000,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+        )
+    ),
+}
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    factory = {**FAMILIES, **SHARED_KV}[name]
     try:
-        config = FAMILIES[name]()
-    except AttributeError as error:  # a family newer than this transformers (5.2, kvpress's pin, has no hybrids)
+        config = factory()
+    except (AttributeError, ValueError, KeyError) as error:  # a family newer than this transformers (5.2, kvpress's)
         import pytest
 
         pytest.skip(f"transformers {tf.__version__} does not build {name}: {error}")

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kvbench import KvbenchError
 from kvbench.model.layout import cache_layout, caches_latent
 from kvbench.model.load import cache_kwarg
-from tests.model.families import BASE, FAMILIES, WINDOW
+from tests.model.families import BASE, FAMILIES, SHARED_KV, WINDOW, build
 
 PROMPT, DECODE = 80, 3
 
@@ -38,26 +38,9 @@ def own_cache_bytes(model, tokens: int, decode: int) -> int:
     return held_bytes(cache)
 
 
-SMALL = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}
+SMALL = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}  # (DeepSeek-V3.2 below)
 CONFIGS = {
-    "gemma3n": lambda: tf.Gemma3nTextConfig(  # the last 2 of 6 layers reuse earlier layers' K/V
-        **{k: v for k, v in SMALL.items() if k != "intermediate_size"},
-        intermediate_size=[128] * 6,
-        head_dim=16,
-        sliding_window=WINDOW,
-        num_kv_shared_layers=2,
-        hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=1000,
-        laurel_rank=8,
-        altup_num_inputs=2,
-        activation_sparsity_pattern=[0.0] * 6,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-    ),
-    "gemma4": lambda: tf.AutoConfig.for_model(  # alternating sliding/global, global head_dim 32, last 2 layers reuse K/V
-        "gemma4_text", **{k: v for k, v in SMALL.items() if k not in ("pad_token_id", "bos_token_id")}, head_dim=16,
-        global_head_dim=32, sliding_window=WINDOW, num_kv_shared_layers=2, hidden_size_per_layer_input=8,
-        vocab_size_per_layer_input=1000, layer_types=["sliding_attention", "full_attention"] * 3,
-    ),
+    **SHARED_KV,  # Gemma 3n, Gemma 4: the last 2 of 6 layers reuse earlier layers' K/V
     "deepseek-v32": lambda: tf.AutoConfig.for_model(  # latent + one indexer key of 16 per token and layer
         "deepseek_v32",
         **{**BASE, "num_hidden_layers": 2},
@@ -124,3 +107,35 @@ def test_degenerate_configs_are_one_line(fields, message):
         config.__dict__[key] = value  # past transformers' own validation, as a hand-written file reaches it
     with pytest.raises(KvbenchError, match=message):
         cache_layout(config, torch.float32)
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_KV))
+def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(name):
+    """Gemma 3n and Gemma 4 reuse earlier layers' K/V in their last layers: the full cache decodes as transformers'
+    own generate and holds its bytes; compression is refused in one line (kvbench.run.support)."""
+    from kvbench.engine.engine import Engine
+    from kvbench.methods import build_method
+    from kvbench.model.load import byte_tokenizer, finish
+    from kvbench.run.support import refusal
+
+    model = build(name)
+    lm = finish(model, byte_tokenizer(), name, torch.device("cpu"), torch.float32)
+    ids = torch.randint(3, 300, (PROMPT,), generator=torch.Generator().manual_seed(1)).tolist()
+    engine, full = Engine(lm), build_method("full")
+    gen = engine.generate(engine.prefill(ids, full.stats_request()), full, None, [], DECODE + 1)
+    hf = model.generate(torch.tensor([ids]), max_new_tokens=DECODE + 1, min_new_tokens=DECODE + 1, do_sample=False)
+    assert gen.token_ids == hf[0, PROMPT:].tolist()
+    assert gen.kv_bytes == gen.kv_bytes_full == own_cache_bytes(model, PROMPT, DECODE)
+    assert refusal(full, model.config) is None
+    reason = refusal(build_method("snapkv"), model.config)
+    assert reason is not None and "\n" not in reason and "reuse an earlier layer's K/V" in reason
+
+
+def test_deepseek_v32_is_refused_in_one_line_and_planned():
+    from kvbench.methods import build_method
+    from kvbench.run.support import refusal
+
+    config = CONFIGS["deepseek-v32"]()
+    reason = refusal(build_method("full"), config)
+    assert reason is not None and "\n" not in reason and "DSA indexer" in reason
+    assert cache_layout(config, torch.float32).full_bytes(100) > 0  # the planner's view still holds
