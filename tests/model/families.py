@@ -33,6 +33,21 @@ GDN = dict(  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): 2 key heads, 4 value
     layer_types=PATTERN,
 )
 SHARED = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}  # Gemma 3n / 4: 6 layers, the last 2 reuse K/V
+# multi-head latent attention with DeepSeek's MoE (DeepSeek-V3; V3.2 adds its indexer: test_layout_kinds.py)
+MLA = dict(
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=4,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    **MOE,
+)
 QWEN_MOE = dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, **MOE)
 
 FAMILIES = {
@@ -72,21 +87,7 @@ FAMILIES = {
     "gpt-oss": lambda: tf.GptOssConfig(  # attention sinks, alternating window
         **BASE, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, num_local_experts=4, **MOE
     ),
-    "deepseek-v3": lambda: tf.DeepseekV3Config(  # multi-head latent attention
-        **BASE,
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=4,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        **MOE,
-    ),
+    "deepseek-v3": lambda: tf.DeepseekV3Config(**BASE, **MLA),  # multi-head latent attention
     # hybrids: linear-attention / Mamba / conv layers beside attention (kvbench.model.states); 2 of 4 layers attention
     "qwen3_5": lambda: tf.Qwen3_5TextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN),  # Gated DeltaNet
     "qwen3_5-moe": lambda: tf.Qwen3_5MoeTextConfig(**BASE, num_key_value_heads=2, head_dim=16, **GDN, **QWEN_MOE),

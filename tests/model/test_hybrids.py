@@ -85,15 +85,15 @@ def test_budget_one_is_exact_and_a_quarter_holds_less(hybrid, method_name):
 def test_one_prefill_serves_every_configuration(hybrid):
     """Decoding moves each configuration's states forward in place: the prefill's own must stay as the prompt left
     them, so the second configuration of a shared prefill decodes as it does after a prefill of its own."""
-    lm, engine, ids, _ = hybrid
-    snapkv, streaming = build_method("random"), build_method("streamingllm")  # both run on every hybrid
-    shared = engine.prefill(ids, snapkv.stats_request() | streaming.stats_request())
-    first = engine.generate(shared, snapkv, Budget.parse(0.25), [], NEW, keep_logits=True)
+    _, engine, ids, _ = hybrid
+    scorer, streaming = build_method("random"), build_method("streamingllm")  # both run on every hybrid
+    shared = engine.prefill(ids, scorer.stats_request() | streaming.stats_request())
+    first = engine.generate(shared, scorer, Budget.parse(0.25), [], NEW, keep_logits=True)
     second = engine.generate(shared, streaming, Budget.parse(0.25), [], NEW, keep_logits=True)
     alone = engine.generate(
         engine.prefill(ids, streaming.stats_request()), streaming, Budget.parse(0.25), [], NEW, keep_logits=True
     )
-    again = engine.generate(shared, snapkv, Budget.parse(0.25), [], NEW, keep_logits=True)
+    again = engine.generate(shared, scorer, Budget.parse(0.25), [], NEW, keep_logits=True)
     assert second.token_ids == alone.token_ids and all(torch.equal(a, b) for a, b in zip(second.logits, alone.logits))
     assert again.token_ids == first.token_ids and all(torch.equal(a, b) for a, b in zip(again.logits, first.logits))
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from kvbench import KvbenchError
 from kvbench.model.layout import cache_layout, caches_latent
 from kvbench.model.load import cache_kwarg
-from tests.model.families import BASE, FAMILIES, SHARED_KV, WINDOW, build
+from tests.model.families import BASE, FAMILIES, MLA, SHARED_KV, WINDOW, build
 
 PROMPT, DECODE = 80, 3
 
@@ -42,23 +42,7 @@ SMALL = {**BASE, "num_hidden_layers": 6, "num_key_value_heads": 2}  # (DeepSeek-
 CONFIGS = {
     **SHARED_KV,  # Gemma 3n, Gemma 4: the last 2 of 6 layers reuse earlier layers' K/V
     "deepseek-v32": lambda: tf.AutoConfig.for_model(  # latent + one indexer key of 16 per token and layer
-        "deepseek_v32",
-        **{**BASE, "num_hidden_layers": 2},
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=4,
-        n_group=1,
-        topk_group=1,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        num_experts_per_tok=2,
-        index_head_dim=16,
-        index_n_heads=2,
-        index_topk=16,
+        "deepseek_v32", **{**BASE, "num_hidden_layers": 2}, **MLA, index_head_dim=16, index_n_heads=2, index_topk=16
     ),
 }
 

@@ -131,14 +131,14 @@ def test_spec_defaults():
     assert spec.requests == 8 and spec.arrival == "burst" and spec.output_tokens is None
 
 
+def entry(tmp_path: Path, module: str, *overrides: str) -> subprocess.CompletedProcess:
+    """`python -m MODULE` on the tiny serving config with `overrides`, in the repository, its output captured."""
+    command = [sys.executable, "-m", module, *TINY, *overrides, f"hydra.run.dir={tmp_path}"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+
+
 def test_entry_exits_2_with_one_line_before_the_model_loads(tmp_path: Path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvbench.serving", *TINY, "serving.rate=0", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    proc = entry(tmp_path, "kvbench.serving", "serving.rate=0")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert lines == [
@@ -147,20 +147,7 @@ def test_entry_exits_2_with_one_line_before_the_model_loads(tmp_path: Path):
 
 
 def test_a_bad_multiple_exits_2_with_one_line(tmp_path: Path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbench.serving",
-            *TINY,
-            "serving.kv_budget_bytes=[2x,0.5x]",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    proc = entry(tmp_path, "kvbench.serving", "serving.kv_budget_bytes=[2x,0.5x]")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kvbench.serving: error: serving.kv_budget_bytes=['2x', '0.5x'] must be bytes (an integer ≥ 1), a multiple "
@@ -183,21 +170,7 @@ def test_engine_blocks_need_whole_blocks_of_the_longest_request():
 
 
 def test_main_entry_routes_the_serving_experiment_and_refuses_bad_input_in_one_line(tmp_path: Path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvbench",
-            "+experiment=serving",
-            *TINY,
-            "serving.slo_tpot_s=9",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    proc = entry(tmp_path, "kvbench", "+experiment=serving", "serving.slo_tpot_s=9")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kvbench: error: serving.slo_tpot_s=9 > serving.slo_ttft_s=5.0: the SLOs are in the wrong order (the first "
