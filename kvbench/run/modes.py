@@ -166,7 +166,7 @@ _WINDOWS = (
 )
 _STATES = (
     "its linear-attention/Mamba states are carried through one shared prefill and one decode per configuration "
-    "only; run it with prefill=shared, batch_size=1, no prefix cache, on a generation task"
+    "only; run it with prefill=shared, batch_size=1, no prefix cache or diagnose, on a generation task"
 )
 _ENGINE = (
     "a serving engine runs each whole prompt greedily in its own process, one request at a time; use engine=kvbench "
@@ -203,7 +203,7 @@ CONFLICTS: list[tuple[str, str, str]] = [
     ),
     *(("engine", other, _ENGINE) for other in ENGINE_ALONE),
     ("inline", "sliding", _WINDOWS),
-    *(("hybrid", other, _STATES) for other in "inline chunked batch prefix_cache workload stream external".split()),
+    *(("hybrid", o, _STATES) for o in "inline chunked batch prefix_cache workload stream external diagnose".split()),
     ("batch", "sliding", _WINDOWS),
     ("stream", "sliding", _WINDOWS),
 ]
