@@ -6,7 +6,11 @@ Published figures each test checks against:
   (GiB: 4 of Jamba's 32 layers are attention, every one of Mixtral's);
 - Nemotron-H-8B (nvidia/Nemotron-H-8B-Base-8K config.json): 4 attention layers of 52 (24 Mamba-2, 24 MLP);
 - Qwen3-Next-80B-A3B and Qwen3.5-9B (their config.json): a full-attention layer every 4, Gated DeltaNet elsewhere;
-  Qwen3-Next holds 79,674,391,296 parameters (its checkpoint's total).
+  Qwen3-Next holds 79,674,391,296 parameters (its checkpoint's total);
+- Granite-4.0-H-Small (ibm-granite/granite-4.0-h-small config.json: 36 Mamba-2 and 4 attention layers of 40, 32B
+  parameters): its Mamba heads' split (128 × 64 = mamba_expand × hidden, which fixes the recurrent state whatever the
+  split) and one group (transformers' default) are filled in, as are the attention layers' places (bytes do not
+  depend on them).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def test_jamba_holds_an_eighth_of_mixtrals_kv_cache_at_256k(tmp_path):
         # 12 attention layers × 2 KV heads × 256 × 2 × 2 B; 36 GDN layers: (2·16·128 + 32·128) × 4 conv + 32·128·128
         ("qwen3-next-80b-a3b", 12 * 2048, 36 * ((2 * 2048 + 4096) * 4 * 2 + 32 * 128 * 128 * 4), 79_674_391_296),
         ("qwen3.5-9b", 8 * 4096, 24 * ((2 * 2048 + 4096) * 4 * 2 + 32 * 128 * 128 * 4), 8.95e9),
+        # 4 attention layers × 8 KV heads × 128; 36 Mamba-2 layers: (128·64 + 2·1·128) × 4 conv + 128·64·128 (32 B total)
+        ("granite-4.0-h-small", 4 * 4096, 36 * ((8192 + 256) * 4 * 2 + 128 * 64 * 128 * 4), 32.2e9),
     ],
 )
 def test_hybrids_plan_kv_per_token_plus_a_constant_state(tmp_path, model, attention_per_token, state, params):
