@@ -16,7 +16,10 @@ traceback mid-run and never a silent wrong number. The rules follow what each me
   function (not Falcon's own attention), and its groups must divide head_dim.
 - hybrid models (linear-attention, Mamba or convolution layers beside attention: Qwen3.5, Nemotron-H, Jamba, ...):
   every method that compresses the attention layers' K/V runs on them; not those that need every decoder layer to
-  be attention (headmerge, kvzip's re-run of the prompt, kvpress's hooks, transformers' QuantizedCache);
+  be attention (headmerge, kvzip's re-run of the prompt, kvpress's hooks, transformers' QuantizedCache), nor, where
+  one cache layer holds attention and a Mamba state (Falcon-H1, Zamba2), those holding K/V in layers of their own;
+- models kvbench does not compress at all: a cache of their own (MiniMax), DSA indexer keys (DeepSeek-V3.2), and
+  layers reusing another's K/V (Gemma 3n, Gemma 4: their full cache runs);
 - kvpress's presses (method=kvpress) hook model.model.layers[i].self_attn and would compress a sliding layer's
   window as if it were the prompt: full-attention models with that layout only.
 tests/model/test_architectures.py runs every registered method on every family: a pair runs and holds its
@@ -31,10 +34,8 @@ from kvbench.model.states import HYBRID_TYPES, STATE_TYPES
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
 FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
 NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
-# attention that does not go through transformers' AttentionInterface (Falcon), or one attention module shared by
-# several layers and called without its layer (Zamba2): no statistics per layer
-NO_ATTENTION_INTERFACE = ("falcon",)
-SHARED_ATTENTION = ("zamba2",)
+NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
+SHARED_ATTENTION = ("zamba2",)  # one attention module serving several layers, called without the layer: no statistics
 RAGGED_LAYERS = ("adakv",)  # an eviction method whose layers hold KV heads of different lengths (RaggedLayer)
 FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")  # q_norm/k_norm over the whole projection, before the heads split
 NO_POSITION_IDS = ("granitemoehybrid",)  # RoPE applied before its attention call, without position_ids there
