@@ -26,7 +26,9 @@ def test_a_typo_in_the_architecture_section_is_one_line():
     with pytest.raises(KvbenchError, match="num_hiden_layers is not a LlamaConfig field; did you mean num_hidden_"):
         model_config({"name": "t", "loader": "tiny_random", "architecture": arch})
     legacy = {"rope_theta": 5.0, "hidden_size": 64, "num_attention_heads": 4}  # folded into rope_parameters: fine
-    assert model_config({"name": "t", "loader": "tiny_random", "architecture": legacy}).rope_parameters["rope_theta"] == 5
+    assert (
+        model_config({"name": "t", "loader": "tiny_random", "architecture": legacy}).rope_parameters["rope_theta"] == 5
+    )
 
 
 def test_a_budget_that_kept_everything_is_said_plainly():
@@ -49,9 +51,41 @@ def test_the_run_says_so_on_a_model_whose_every_layer_slides(tmp_path, capsys):
 
     overrides = [o for o in tiny_overrides(tmp_path) if not o.startswith("model=")]
     cfg = compose_config(
-        *overrides, "model=tiny-random", "model.loader=random_init", "+model.architecture.model_type=mistral",
-        "+model.architecture.sliding_window=512", "grid.method=[snapkv]",
-        "grid.budget=[0.75]", "task.context_lengths=[700]", "task.depths=[0.5]",
+        *overrides,
+        "model=tiny-random",
+        "model.loader=random_init",
+        "+model.architecture.model_type=mistral",
+        "+model.architecture.sliding_window=512",
+        "grid.method=[snapkv]",
+        "grid.budget=[0.75]",
+        "task.context_lengths=[700]",
+        "task.depths=[0.5]",
     )
     run(cfg, tmp_path / "run")
     assert "snapkv at budget 0.75 on niah compressed nothing" in capsys.readouterr().out
+
+
+def test_an_engine_option_cannot_be_renamed_by_its_knobs():
+    from kvbench.backends.vllm import VllmBackend
+    from kvbench.run.check import renamed_option
+
+    options = VllmBackend.options
+    reason = renamed_option("vllm", options, "fp8", {"name": "fp8", "kv_cache_dtype": "int8_per_token_head"})
+    assert reason is not None and "\n" not in reason and "use method=int8_per_token_head" in reason
+    second_full = renamed_option("vllm", options, "full", {"name": "full", "kv_cache_dtype": "fp8_e5m2"})
+    assert second_full is not None and "use method=fp8_e5m2" in second_full  # not a second, different baseline
+    assert renamed_option("vllm", options, "fp8", {"name": "fp8", "kv_cache_dtype": "fp8"}) is None
+    assert renamed_option("vllm", options, "fp8", {"name": "fp8", "enable_prefix_caching": True}) is None
+
+
+def test_ids_outside_the_vocabulary_make_an_engine_row_invalid():
+    from types import SimpleNamespace
+
+    import transformers as tf
+
+    from kvbench.run.rows import out_of_vocabulary
+
+    lm = SimpleNamespace(config=tf.LlamaConfig(vocab_size=320))
+    assert out_of_vocabulary([5, 319], lm) == ""
+    reason = out_of_vocabulary([5, 320, 70000], lm)
+    assert "2 ids outside the model's vocabulary of 320 (e.g. 320)" in reason
