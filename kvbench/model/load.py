@@ -33,7 +33,7 @@ from kvbench.model.conversion import (
 from kvbench.model.device import cpu_flags, native_bf16, resolve_device, resolve_dtype
 from kvbench.model.gguf_models import bundled_gguf_path, load_assembled_gguf, load_bundled_gguf
 from kvbench.model.loaded import LOADERS, LoadedModel, cache_kwarg, finish
-from kvbench.model.random_models import byte_tokenizer, plain_section
+from kvbench.model.random_models import architecture_config, byte_tokenizer
 from kvbench.model.wheel_gguf import load_wheel_parts_gguf  # noqa: F401
 
 __all__ = [
@@ -97,13 +97,10 @@ def model_config(cfg, cheap: bool = False):
     """The transformers config a conf/model/*.yaml describes, without loading weights where possible (the planner;
     the run's checks before the model loads)."""
     cfg = section(cfg)
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
-    if cfg.loader == "tiny_random":
-        return LlamaConfig(**plain_section(cfg.architecture))
-    if cfg.loader == "random_init":
-        arch = plain_section(cfg.architecture)
-        return AutoConfig.for_model(arch.pop("model_type"), **arch)
+    if cfg.loader in ("tiny_random", "random_init"):
+        return architecture_config(cfg)
     if cfg.loader in ("bundled_gguf", "assembled_gguf", "wheel_parts_gguf"):
         converted = converted_dir(cfg.name)
         if (converted / "config.json").exists():

@@ -234,9 +234,29 @@ def check_engine(name: str, config: dict) -> None:
     for entry in grid.get("method") or [config.get("method") or {}]:
         option = entry.get("name") if isinstance(entry, dict) else entry
         if option in (*backend.options, *backend.applies):  # else engine_options names the valid ones
-            reason = backend.unavailable(config.get("model") or {}, option)
+            reason = backend.unavailable(config.get("model") or {}, option) or renamed_option(
+                name, backend.options, str(option), entry if isinstance(entry, dict) else {}
+            )
             if reason:
                 raise KvbenchError(reason)
+
+
+def renamed_option(engine: str, options: dict, option: str, entry: dict) -> str | None:
+    """Why knobs given with an engine option would run another option under its name (`{name: fp8, kv_cache_dtype:
+    int8_per_token_head}`: stored as fp8, computed as int8; a `full` with a cache dtype: a second, different
+    baseline): a knob that says what an option is (a key some option of this engine sets) must keep this option's
+    value. What reaches the engine is checked, not the option's name."""
+    defining = {key for knobs in options.values() for key in knobs}
+    own = options.get(option, {})
+    for key, value in entry.items():
+        if key in defining and own.get(key) != value:
+            same = [n for n, knobs in options.items() if knobs.get(key) == value]
+            fix = f"use method={same[0]}" if same else f"drop {key}"
+            return (
+                f"engine={engine} option {option} is {key}={own.get(key, 'the engine default')}; {key}={value} given "
+                f"with it would run another option under its name: {fix}"
+            )
+    return None
 
 
 def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:

@@ -248,12 +248,22 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
                     sort_keys=True,
                     default=str,
                 ),
-                engine_invalid=gen.invalid,
+                engine_invalid=gen.invalid or out_of_vocabulary(gen.token_ids, ctx.lm),
                 **({"state_bytes": gen.extra["state_bytes"]} if "state_bytes" in gen.extra else {}),  # the engine's
                 **ctx.task.score(text, ex),
             )
         )
     return rows
+
+
+def out_of_vocabulary(token_ids, lm) -> str:
+    """Why an engine's generation is invalid when it holds ids the model has no token for ("" when every id is one):
+    such a run is broken, not a wrong answer to score 0 and average."""
+    vocab = int(getattr(lm.config.get_text_config(decoder=True), "vocab_size", 0) or 0)
+    outside = [t for t in token_ids if not 0 <= int(t) < vocab] if vocab else []
+    if not outside:
+        return ""
+    return f"the engine generated {len(outside)} ids outside the model's vocabulary of {vocab:,} (e.g. {outside[0]})"
 
 
 def engine_parity(ctx: RowContext, c: Configuration, prompt: list[int], ex: Example, gen) -> dict:

@@ -185,6 +185,8 @@ def write_outputs(
     print_summary(
         summary, out_dir, store, n_computed, len(frame) - n_computed, seconds, stale_rows(frame), batches(labelled)
     )
+    for line in compressed_nothing(labelled):
+        print(line)
     if "engine_invalid" in frame:  # a serving engine's garbage option: stored, never averaged
         flagged = frame[frame["engine_invalid"].fillna("").astype(str) != ""]
         for method, group in flagged.groupby("method"):
@@ -196,6 +198,22 @@ def write_outputs(
         plots = [f for f in files if f.suffix == ".png"]
         print(f"plots:   {len(plots)} PNGs in {out_dir / 'report'} (e.g. {plots[0].name})" if plots else "")
         print(f"report:  {out_dir / 'report' / 'report.html'}")
+
+
+def compressed_nothing(rows: pd.DataFrame) -> list[str]:
+    """One line per configuration given a budget below 1 whose every row holds the full cache (kv_ratio 1): stored
+    under its name like any other, but nothing was compressed — e.g. every layer slides within a window no longer
+    than the budget (a Mistral-style model on a short prompt). Said plainly rather than left to a 1.000 in a column."""
+    budgeted = rows[(rows["method"] != "full") & (rows["budget"] < 1.0)]
+    lines = []
+    for (task, method, budget), group in budgeted.groupby(["task", "method", "budget"], sort=True):
+        if (group["kv_ratio"] >= 1.0 - 1e-9).all():
+            lines.append(
+                f"note: {method} at budget {budget:g} on {task} compressed nothing: every one of its {len(group)} "
+                "rows holds the full cache (kv_ratio 1.000); the layers it compresses were kept whole at this budget "
+                "(sliding windows no longer than the budget, or a prompt shorter than its minimum)"
+            )
+    return lines
 
 
 def stale_rows(frame: pd.DataFrame) -> int:

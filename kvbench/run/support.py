@@ -28,6 +28,8 @@ invariants, or it is refused here.
 
 from __future__ import annotations
 
+import torch
+
 from kvbench.model import layout
 from kvbench.model.states import HYBRID_TYPES, STATE_TYPES
 
@@ -202,6 +204,14 @@ def refusal(method, config) -> str | None:
                 return (
                     f"headmerge kv_heads={part.kv_heads} does not divide {model}'s {n_kv} KV heads; give "
                     f"method.kv_heads= one of {', '.join(map(str, divisors))}"
+                )
+    for part in _parts(method):
+        if part.name == "turboquant":  # vLLM's boundary protection: the first and last n layers stay full
+            layers = len(layout.cache_layout(config, torch.float32).layers)
+            if len(part.full_precision_layers(layers)) >= layers:
+                return (
+                    f"turboquant boundary_layers={part.resolved()['boundary_layers']} keeps all {layers} of {model}'s "
+                    f"cache layers in full precision: it would compress nothing; give boundary_layers < {layers // 2}"
                 )
     for part in _parts(method):
         group = getattr(part, "group_size", None)
