@@ -369,6 +369,24 @@ def averaged(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[rows["engine_invalid"].fillna("").astype(str) == ""]
 
 
+# the domain of each fidelity column (kvbench.engine.fidelity): KL(full ‖ compressed) ≥ 0, top-1 agreement a share
+FIDELITY_DOMAIN = {"kl_mean": (0.0, math.inf), "kl_max": (0.0, math.inf), "top1_agreement": (0.0, 1.0)}
+FIDELITY_SLACK = 1e-6  # float rounding: a KL of −1e-9 is a KL of 0, not a broken measurement
+
+
+def fidelity_invalid(rows: pd.DataFrame) -> pd.Series:
+    """Per row, why its fidelity values are impossible ("" when they lie in their domain or are absent): a KL below 0
+    or a top-1 agreement outside [0, 1] is a broken measurement, never averaged (readers show such rows apart)."""
+    reason = pd.Series("", index=rows.index, dtype=object)
+    for column, (low, high) in FIDELITY_DOMAIN.items():
+        if column not in rows:
+            continue
+        values = pd.to_numeric(rows[column], errors="coerce")
+        bad = ((values < low - FIDELITY_SLACK) | (values > high + FIDELITY_SLACK)) & (reason == "")
+        reason[bad] = [f"{column} {v:.4g} outside [{low:g}, {high:g}]" for v in values[bad]]
+    return reason
+
+
 def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring. Rows
     flagged `engine_invalid` are not averaged (`averaged`)."""
