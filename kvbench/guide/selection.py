@@ -35,6 +35,7 @@ from kvbench.store.aggregate import (
     state_share,
     variant_label,
     with_experiment_keys,
+    with_lengths,
 )
 from kvbench.store.intervals import NO_INTERVAL_SHORT, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
@@ -59,8 +60,9 @@ def _parts(method: str, params: str) -> list[str]:
 def guide_table(
     rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0, min_n: int = 5, scenario: str | None = None
 ) -> pd.DataFrame:
-    """One line per (scenario, budget, configuration), ranked by score within (scenario, task, budget)."""
-    rows = with_experiment_keys(rows)  # a configuration is ranked on one model, dtype and code version's rows
+    """One line per (scenario, length, budget, configuration), ranked by score within (scenario, task, length,
+    budget): a configuration's rows at 16K and at 32K are two lines (`with_lengths`)."""
+    rows = with_lengths(with_experiment_keys(rows))  # ranked on one model, dtype, code version and length's rows
     rows = rows.assign(scenario=rows["scenario"].fillna("(none)") if "scenario" in rows else "(none)")
     if scenario is not None:
         present = sorted(rows["scenario"].unique())
@@ -71,9 +73,9 @@ def guide_table(
     full = rows[rows["method"] == "full"].assign(key=key).drop_duplicates("key").set_index("key")
     records = []
     experiment = ["model", "dtype", "code_fingerprint"]
-    for (scen, task, model, dtype, code, method, params, budget), group in rows[rows["method"] != "full"].groupby(
-        ["scenario", "task", *experiment, "method", "method_params", "budget"], sort=True
-    ):
+    for (scen, task, length, model, dtype, code, method, params, budget), group in rows[
+        rows["method"] != "full"
+    ].groupby(["scenario", "task", "length", *experiment, "method", "method_params", "budget"], sort=True):
         group_keys = key[group.index]
         matched = group_keys.isin(full.index)
         base = full.loc[group_keys[matched]]
@@ -90,6 +92,7 @@ def guide_table(
             {
                 "scenario": scen,
                 "task": task,
+                "length": length,
                 "model": model,
                 "dtype": dtype,
                 "code_fingerprint": code,
@@ -123,7 +126,7 @@ def guide_table(
             "(run `python -m kvbench` with a method first)"
         )
     ranked = []
-    for _, group in table.groupby(["scenario", "task", "model", "dtype", "budget"], sort=True):
+    for _, group in table.groupby(["scenario", "task", "length", "model", "dtype", "budget"], sort=True):
         higher_first = not group["lower_is_better"].all()  # equal scores: the smaller cache first
         group = group.sort_values(["score", "kv_ratio"], ascending=[not higher_first, True]).reset_index(drop=True)
         group["rank"] = range(1, len(group) + 1)
@@ -174,7 +177,7 @@ def _fit(drop_low, drop_high, kv_ratio, n, max_drop, max_kv_ratio, min_n) -> str
 def compositions(table: pd.DataFrame, max_drop: float, max_kv_ratio: float) -> pd.DataFrame:
     """Eviction × precision pairs that each keep quality (drop ≤ max_drop) and together fit the kv budget."""
     records = []
-    for (scen, task, _, _), group in table.groupby(["scenario", "task", "model", "dtype"], sort=True):
+    for (scen, task, length, _, _), group in table.groupby(["scenario", "task", "length", "model", "dtype"], sort=True):
         good = group[(group["drop"] <= max_drop) & (group["method"] != "compose")]
         precision = good[good["method"].isin(PRECISION)]
         eviction = good[~good["method"].isin(PRECISION | CHANGES_MODEL)]
@@ -186,6 +189,7 @@ def compositions(table: pd.DataFrame, max_drop: float, max_kv_ratio: float) -> p
                         {
                             "scenario": scen,
                             "task": task,
+                            "length": length,
                             "eviction": f"{e.config}@{e.budget}",
                             "precision": p.config,
                             "kv_ratio_product": product,
@@ -236,14 +240,17 @@ def with_interval_texts(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False) -> str:
-    """The guide as text (or Markdown): one block per (scenario, task, budget), then composition candidates."""
+    """The guide as text (or Markdown): one block per (scenario, task, length, budget), then composition
+    candidates."""
     out = []
     several = table["model"].nunique() > 1 or table["dtype"].nunique() > 1
-    for (scen, task, model, dtype, budget), group in table.groupby(
-        ["scenario", "task", "model", "dtype", "budget"], sort=True
+    for (scen, task, length, model, dtype, budget), group in table.groupby(
+        ["scenario", "task", "length", "model", "dtype", "budget"], sort=True
     ):
         on = f" — {model} ({dtype})" if several else ""  # each block ranks one model's rows in one dtype
-        head = f"{scen} — {task}{on} — budget {budget} ({group['metric'].iloc[0]}; drop = loss vs full, same examples)"
+        at = f" at {length:,} tokens" if length else ""
+        metric = group["metric"].iloc[0]
+        head = f"{scen} — {task}{at}{on} — budget {budget} ({metric}; drop = loss vs full, same examples)"
         body = with_interval_texts(group)[with_state_share(COLUMNS, group)]
         out.append(
             f"### {head}\n\n{markdown(body)}"
@@ -259,8 +266,8 @@ def render(table: pd.DataFrame, combos: pd.DataFrame, as_markdown: bool = False)
 
 
 def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: float = 1.0) -> pd.DataFrame:
-    """The guide in one line per (scenario, task, budget): the best-ranked configuration, its interval, and whether
-    it is established (empty when the rows hold no compressed configuration with a baseline). For the report."""
+    """The guide in one line per (scenario, task, length, budget): the best-ranked configuration, its interval, and
+    whether it is established (empty when the rows hold no compressed configuration with a baseline). For the report."""
     try:
         table = guide_table(rows, max_drop, max_kv_ratio)
     except KvbenchError:
@@ -271,6 +278,8 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
     columns = ["scenario", "task", "budget", "config", "n", "score [95% CI]", "drop", "kv_ratio", "fit", "ties"]
     if best["model"].nunique() > 1 or best["dtype"].nunique() > 1:
         columns[2:2] = ["model", "dtype"]
+    if best["length"].any():
+        columns.insert(2, "length")
     return best[with_state_share(columns, best)]
 
 

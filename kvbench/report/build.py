@@ -49,16 +49,21 @@ PROVENANCE = ["git_sha", "kvbench_version", "torch_version", "transformers_versi
 OPEN_ROWS = 14  # a per-task table longer than this starts collapsed
 
 
+SCOPE = ["model", "task", "length", "query_aware"]  # one block of takeaways, plots and tables
+
+
 def _scopes(summary: pd.DataFrame, level: str) -> list[tuple]:
     part = summary[summary["level"] == level]
     return sorted(
-        part[["model", "task", "query_aware"]].drop_duplicates().itertuples(index=False, name=None),
-        key=lambda k: tuple(map(str, k)),
+        part[SCOPE].drop_duplicates().itertuples(index=False, name=None),
+        key=lambda k: (str(k[0]), str(k[1]), int(k[2]), str(k[3])),
     )
 
 
-def _name(model, task, query_aware, several_models: bool, several_settings: bool) -> str:
+def _name(model, task, length, query_aware, several_models: bool, several_settings: bool) -> str:
     name = "all tasks pooled" if task == ALL else f"task {task}"
+    if length:
+        name += f" at {length:,} tokens"
     if several_models:
         name += f" — {model}"
     if several_settings:
@@ -66,11 +71,12 @@ def _name(model, task, query_aware, several_models: bool, several_settings: bool
     return name
 
 
-def _part(table: pd.DataFrame, level: str, model, task, query_aware) -> pd.DataFrame:
+def _part(table: pd.DataFrame, level: str, model, task, length, query_aware) -> pd.DataFrame:
     return table[
         (table["level"] == level)
         & (table["model"] == model)
         & (table["task"] == task)
+        & (table["length"] == length)
         & (table["query_aware"] == query_aware)
     ]
 
@@ -159,8 +165,14 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
     def name(scope):
         return _name(*scope, several_models, several_settings)
 
-    def images(model, task, kinds):
-        return [p.path for kind in kinds for p in plots if (p.model, p.task, p.kind) == (model, task, kind)]
+    def images(scope, kinds):  # a scope's plots, and those of its task that span every length
+        model, task, length = scope[:3]
+        return [
+            p.path
+            for kind in kinds
+            for p in plots
+            if (p.model, p.task, p.kind) == (model, task, kind) and p.length in (length, None)
+        ]
 
     page = Page("kvbench report")
     page.note(
@@ -174,7 +186,7 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         lines = takeaways(summary, knee, tolerance, "task" if scope[1] != ALL else "overall", *scope)
         if lines:
             page.heading(3, name(scope).capitalize())
-            quality = images(scope[0], scope[1], ["quality"])
+            quality = images(scope, ["quality"])
             page.card(quality[0] if quality else None, lines)
     page.note(
         f"Per task, on the examples every compared configuration ran. Knee: the smallest budget whose mean "
@@ -185,9 +197,11 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         _extra(page, section, level=3)
 
     page.heading(2, "Plots", "plots")
+    shown: set = set()  # a heatmap or stream plot spans every length of its task: shown with its first length
     for scope in scopes:
-        more = images(scope[0], scope[1], ["pareto", "costs", "stream"])
-        heatmaps = images(scope[0], scope[1], ["heatmap"])
+        more = [p for p in images(scope, ["pareto", "costs", "stream"]) if p not in shown]
+        heatmaps = [p for p in images(scope, ["heatmap"]) if p not in shown]
+        shown.update(more + heatmaps)
         if more or heatmaps:
             page.open(f"{name(scope).capitalize()}: Pareto frontier, memory and latency", is_open=True)
             page.images(more)
@@ -209,8 +223,7 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
     for scope in scopes:
         level = "task" if scope[1] != ALL else "overall"
         part = _part(summary, level, *scope)
-        anchor = "overall" if scope[1] == ALL else ""
-        if anchor:
+        if scope[1] == ALL and scope == next(s for s in scopes if s[1] == ALL):  # the first pooled scope
             page.raw('<div id="overall"></div>')
         n_compared = int(part["compared"].sum())
         apart = f", {len(part) - n_compared} on only part of the examples" if len(part) > n_compared else ""
@@ -219,12 +232,7 @@ def render(rows, summary, knee, frontier, plots, extra, paths, tolerance) -> tup
         )
         _summary_tables(page, part, model=False, tasks=scope[1] == ALL, setting=False)
         for sub in ("scenario", "subset"):
-            subpart = summary[
-                (summary["level"] == sub)
-                & (summary["model"] == scope[0])
-                & (summary["task"] == scope[1])
-                & (summary["query_aware"] == scope[2])
-            ]
+            subpart = _part(summary, sub, *scope)
             if subpart["subset"].nunique() > 1:
                 page.open(f"per {sub} ({subpart['subset'].nunique()})")
                 _summary_tables(page, subpart.sort_values(["subset", "method", "budget"]), subset=True)

@@ -23,9 +23,11 @@ from kvbench.store.aggregate import (
     averaged,
     common_examples,
     drop_vs_full,
+    fidelity_invalid,
     load_rows,
     with_full_scores,
 )
+from kvbench.tasks.facts import task_facts
 
 TOP_KEYS = ["description", "thresholds"]
 ENTRY_KEYS = [
@@ -45,6 +47,12 @@ FIDELITY = {
     "min_top1_agreement": ("top1_agreement", "mean", ">="),
 }
 ATOL = 1e-9  # numeric selector values (budget, depth, ...) and bounds are compared with this slack
+# a fidelity bound outside its metric's domain holds always or never: refused (the score bounds: `check_score_bounds`)
+DOMAIN = {
+    "max_kl_mean": (0.0, math.inf, "≥ 0 (KL divergence, nats)"),
+    "max_kl_p95": (0.0, math.inf, "≥ 0 (KL divergence, nats)"),
+    "min_top1_agreement": (0.0, 1.0, "in [0, 1] (a share of answer tokens)"),
+}
 
 
 @dataclass
@@ -124,11 +132,37 @@ def load_thresholds(path: Path) -> list[Threshold]:
         threshold = Threshold(select=dict(select))
         for bound in BOUNDS:
             if bound in entry:
-                setattr(threshold, bound, float(_checked(entry[bound], bound, where, BOUND)))
+                setattr(threshold, bound, _in_domain(float(_checked(entry[bound], bound, where, BOUND)), bound, where))
         if "min_examples" in entry:
             threshold.min_examples = int(_checked(entry["min_examples"], "min_examples", where, MIN_EXAMPLES))
         out.append(threshold)
     return out
+
+
+def _in_domain(value: float, bound: str, where: str) -> float:
+    low, high, text = DOMAIN.get(bound, (-math.inf, math.inf, ""))
+    if not low <= value <= high:
+        raise KvbenchError(f"{where}: {bound} must be {text}, got {value:g}")
+    return value
+
+
+def check_score_bounds(rows: pd.DataFrame, threshold: Threshold) -> None:
+    """min_score inside the selected tasks' score range, max_drop_vs_full inside ± its width (TaskFacts.score_range):
+    a bound beyond them holds always or never — one line naming the range."""
+    ranges = [task_facts(str(t)).score_range for t in rows["task"].unique()]
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    tasks = ", ".join(sorted(map(str, rows["task"].unique())))
+    score, drop = threshold.min_score, threshold.max_drop_vs_full
+    if score is not None and not low <= score <= high:
+        raise KvbenchError(
+            f"selector {threshold.label}: min_score must lie in the score range of {tasks}, [{low:g}, {high:g}], "
+            f"got {score:g}"
+        )
+    if drop is not None and not abs(drop) <= high - low:
+        raise KvbenchError(
+            f"selector {threshold.label}: max_drop_vs_full must lie in [{low - high:g}, {high - low:g}] (the score "
+            f"range of {tasks} is [{low:g}, {high:g}]), got {drop:g}"
+        )
 
 
 def _matches(column: pd.Series, wanted) -> pd.Series:
@@ -189,6 +223,7 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
     rule: never pool unlike example sets); the line says how many rows that left out."""
     matched = select_rows(rows, threshold)
     one_experiment(matched, threshold)
+    check_score_bounds(matched, threshold)
     selected = common_examples(matched)
     left_out = len(matched) - len(selected)
     n = int(selected["score"].notna().sum())
@@ -216,10 +251,13 @@ def evaluate(rows: pd.DataFrame, threshold: Threshold) -> tuple[str, list[str]]:
                 "max_drop_vs_full cannot be measured (run the full method too)"
             )
         record("drop_vs_full", "<=", threshold.max_drop_vs_full, drop, matched)
+    impossible = fidelity_invalid(selected) != ""  # KL < 0, top-1 agreement > 1: a broken measurement, not gated on
+    if impossible.any() and any(getattr(threshold, bound) is not None for bound in FIDELITY):
+        note += f"; {int(impossible.sum())} rows with impossible fidelity values left out"
     for bound, (column, statistic, op) in FIDELITY.items():
         if getattr(threshold, bound) is None:
             continue
-        values = selected[column].dropna() if column in selected else pd.Series(dtype=float)
+        values = selected.loc[~impossible, column].dropna() if column in selected else pd.Series(dtype=float)
         if values.empty:
             raise KvbenchError(
                 f"selector {threshold.label}: no row has {column} (rows of kvpress presses, prefill=inline or engine "

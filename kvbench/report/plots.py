@@ -86,6 +86,7 @@ class Plot:
     task: str  # ALL: the overall plots
     kind: str  # quality | pareto | costs | heatmap | stream
     path: Path
+    length: int | None = None  # the context length it shows; None: every length (heatmaps, streams)
 
 
 def _save(fig, path: Path) -> Path:
@@ -100,8 +101,8 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _title(model: str, task: str, several_models: bool) -> str:
-    scope = "all tasks" if task == ALL else f"task {task}"
+def _title(model: str, task: str, several_models: bool, length: int = 0) -> str:
+    scope = ("all tasks" if task == ALL else f"task {task}") + (f" at {length:,} tokens" if length else "")
     return f"{scope} — {model}" if several_models else scope
 
 
@@ -287,43 +288,36 @@ def plot_all(
     several_models = rows["model"].nunique() > 1
     compared = summary[summary["compared"]]
     written = []
-    for (level, model, task), points in compared[compared["level"].isin(["task", "overall"])].groupby(
-        ["level", "model", "task"], sort=True
-    ):
-        title = _title(model, task, several_models)
-        name = slug(model if several_models else "", "overall" if task == ALL else task)
+    scopes = compared[compared["level"].isin(["task", "overall"])]
+    lengths = scopes.groupby(["level", "model", "task"])["length"].nunique()
+    for (level, model, task, length), points in scopes.groupby(["level", "model", "task", "length"], sort=True):
+        title = _title(model, task, several_models, length)
+        several_lengths = lengths[(level, model, task)] > 1  # a file per length; one length keeps the plain name
+        name = slug(
+            model if several_models else "", "overall" if task == ALL else task, f"{length}" if several_lengths else ""
+        )
         in_scope = rows if task == ALL else rows[rows["task"] == task]
         metric = ", ".join(sorted(in_scope[in_scope["model"] == model]["metric"].astype(str).unique()))
         metric += "; lower is better" if points["lower_is_better"].all() else ""
 
-        def scope(table, level=level, model=model, task=task):
-            return table[(table["level"] == level) & (table["model"] == model) & (table["task"] == task)]
+        def scope(table, level=level, model=model, task=task, length=length):
+            return table[
+                (table["level"] == level)
+                & (table["model"] == model)
+                & (table["task"] == task)
+                & (table["length"] == length)
+            ]
 
         knee_points = scope(knee_table).dropna(subset=["knee_budget"])
-        written.append(
-            Plot(model, task, "quality", plot_quality(points, out_dir / f"quality_{name}.png", title, metric, colours))
+        quality = plot_quality(points, out_dir / f"quality_{name}.png", title, metric, colours)
+        written.append(Plot(model, task, "quality", quality, length))
+        pareto = plot_pareto(
+            points, scope(frontier), knee_points, out_dir / f"pareto_{name}.png", title, metric, tolerance, colours
         )
-        written.append(
-            Plot(
-                model,
-                task,
-                "pareto",
-                plot_pareto(
-                    points,
-                    scope(frontier),
-                    knee_points,
-                    out_dir / f"pareto_{name}.png",
-                    title,
-                    metric,
-                    tolerance,
-                    colours,
-                ),
-            )
-        )
+        written.append(Plot(model, task, "pareto", pareto, length))
         if level == "task":
-            written.append(
-                Plot(model, task, "costs", plot_costs(points, out_dir / f"costs_{name}.png", title, colours))
-            )
+            costs = plot_costs(points, out_dir / f"costs_{name}.png", title, colours)
+            written.append(Plot(model, task, "costs", costs, length))
     plots = {task: task_facts(task).plots for task in rows["task"].unique()}
     written += _niah_plots(rows[rows["task"].map(lambda t: "heatmap" in plots[t])], out_dir, several_models)
     written += _stream_plots(rows[rows["task"].map(lambda t: "stream" in plots[t])], out_dir, several_models, colours)

@@ -77,15 +77,16 @@ def budget_lines(points: pd.DataFrame) -> list[str]:
 
 
 def takeaways(
-    summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level: str, model, task, query_aware
+    summary: pd.DataFrame, knee: pd.DataFrame, tolerance: float, level: str, model, task, length, query_aware
 ) -> list[str]:
-    """Plain-text lines for one scope of the summary (level task or overall)."""
+    """Plain-text lines for one scope of the summary (level task or overall; one context length)."""
 
     def scope(table):
         return table[
             (table["level"] == level)
             & (table["model"] == model)
             & (table["task"] == task)
+            & (table["length"] == length)
             & (table["query_aware"] == query_aware)
         ]
 

@@ -261,7 +261,7 @@ def print_summary(
         table["decode_ms_per_token"] = table["decode_ms_per_token"].where(~shared)
         timing = ["decode_ms_per_token", "batch_ms_per_step", "batch_size"]
     cols = (
-        ["task", "method", "budget", "n", "score", "ci95"]
+        ["task", *(["length"] if table["length"].any() else []), "method", "budget", "n", "score", "ci95"]
         + (["score_partial"] if "score_partial" in table else [])
         + ["drop_vs_full", "kv_ratio", "prefill_s", *timing]
     )

@@ -74,7 +74,7 @@ class ServeResult:
     served: list[Served]
     samples: list[tuple[float, int, int]]  # (clock s, held bytes, running requests) after every admission and step
     peak_held_bytes: int
-    peak_padded_bytes: int  # the batch's tensors (pads included) + lone caches + a prefill, at most
+    peak_padded_bytes: int  # the same moments as peak_held_bytes with the batch's pad slots: never below it
     max_concurrency: int
     decode_steps: int
     duration_s: float  # trace clock at the last finish
@@ -104,11 +104,16 @@ class Scheduler:
     def padded(self) -> int:
         return self.batch.padded_bytes() + sum(cache_nbytes(s.cache) for s in self.running if s.cache is not None)
 
-    def _sample(self, held: int) -> None:
+    def _sample(self, transient: int = 0) -> None:
+        """Record the bytes held now plus `transient` (a prompt's uncompressed K/V during its prefill, a step's new
+        tokens before eviction). Both peaks see the same transients: the padded one (the batch's tensors with their
+        pad slots) was once sampled without them and came out below the held one."""
+        held = self.held() + transient
         if held > self.kv_budget:  # the scheduler's own invariant: a bug, not bad input
             raise RuntimeError(f"held {held} bytes > kv_budget_bytes {self.kv_budget}")
         self.samples.append((self.now(), held, len(self.running)))
         self.peak_held = max(self.peak_held, held)
+        self.peak_padded = max(self.peak_padded, self.padded() + transient)
         self.max_concurrency = max(self.max_concurrency, len(self.running))
 
     # ---- the loop ------------------------------------------------------------------------------------------
@@ -167,9 +172,8 @@ class Scheduler:
         s.method = self.method  # decode-time state (H2O's scores, sizes) is the request's own compression's
         t0 = time.perf_counter()
         prefill = engine.prefill(list(r.prompt_ids), s.method.stats_request())
-        transient = self.held() + sum(k.nbytes + v.nbytes for k, v in prefill.kv)  # the prompt's whole K/V
         self.running.append(s)  # counted as running from its prefill on
-        self._sample(transient)
+        self._sample(sum(k.nbytes + v.nbytes for k, v in prefill.kv))  # the prompt's whole K/V
         start = engine.compressed(prefill, s.method, self.budget, list(r.suffix_ids), r.max_new_tokens)
         s.hooks = start.hooks  # this request's compression
         del prefill  # the uncompressed prompt's K/V is freed here (unless the method keeps it: the full cache)
@@ -184,9 +188,9 @@ class Scheduler:
             s.decode_mode = "alone"
             s.cache = start.cache
             s.hooks.on_decode_start(s.cache, s.position)  # as Engine.decode
-        self.peak_padded = max(self.peak_padded, self.padded())
+        self._sample()
         self._emit(s)
-        self._sample(self.held())
+        self._sample()
 
     def _make_room(self, queue: deque) -> None:
         """Preempt the most recently admitted requests until every running one can take one more token."""
@@ -209,7 +213,7 @@ class Scheduler:
     @torch.inference_mode()
     def _step(self) -> None:
         engine = self.engine
-        self._sample(self.held() + len(self.running) * self.token_bytes)  # the step's own new tokens, before eviction
+        self._sample(len(self.running) * self.token_bytes)  # the step's own new tokens, before eviction
         rows = list(self.batch.rows)
         if rows:
             logits = self.batch.step(engine, [s.token for s in rows], [s.position for s in rows])  # (B, V)
@@ -221,11 +225,11 @@ class Scheduler:
             s.hooks.on_decode_step(s.cache, stats)
             s.generated.append(int(out.argmax()))
         self.steps += 1
-        self.peak_padded = max(self.peak_padded, self.padded())
+        self._sample()  # the batch's tensors after the step (grown for its tokens), before finished rows leave
         for s in list(self.running):
             s.position += 1
             self._emit(s)
-        self._sample(self.held())
+        self._sample()
 
     def _emit(self, s: Served) -> None:
         """Send the request's newest token (unless a preempted run already sent it); finish it when it is done."""

@@ -3,10 +3,12 @@ loading + schema check, configuration labels, means with intervals, drop vs the 
 knees and Pareto frontiers. Torch-free.
 
 Levels of the summary (column `level`):
-- "subset":   one row per (model, task, subset, method, budget, query_aware);
+- "subset":   one row per (model, task, length, subset, method, budget, query_aware);
 - "scenario": pooled over the subsets of one scenario (rows carrying `scenario`: RULER, LongBench);
 - "task":     pooled over the task's subsets (subset = ALL);
-- "overall":  pooled over every task whose score is higher-is-better (task = subset = ALL), with several tasks.
+- "overall":  pooled over every task whose score is higher-is-better (task = subset = ALL), per length with
+              several tasks at it.
+`length` (`with_lengths`) is a key of every level: rows at 16K and at 32K are never pooled.
 Pooling is over examples (a micro average). Fair comparisons only: inside each scope (model, task, subset,
 query_aware of a level) the configurations are compared on the same examples (`compared` = True, see
 `_comparison`); a configuration that ran on only part of them is kept apart (`compared` = False) with its own
@@ -37,7 +39,18 @@ from kvbench.tasks.facts import task_facts
 # keys everywhere, so two n=3 runs never pool to n=6. The machine (`device_name`) changes timings, not scores: a
 # group computed on several machines reports no pooled latency (`machines` > 1).
 EXPERIMENT_KEYS = ["engine", "dtype", "code_fingerprint"]  # engine: kvbench or a serving engine (its own baseline)
-GROUP_KEYS = ["model", "engine", "dtype", "task", "subset", "method", "budget", "query_aware", "code_fingerprint"]
+GROUP_KEYS = [
+    "model",
+    "engine",
+    "dtype",
+    "task",
+    "length",
+    "subset",
+    "method",
+    "budget",
+    "query_aware",
+    "code_fingerprint",
+]
 # an example of a method is compared with the full cache's result on the same example in the same setting
 MATCH_KEYS = ["model", "engine", "dtype", "task", "subset", "query_aware", "example_id"]
 CONFIG_KEYS = [
@@ -58,6 +71,7 @@ SCOPE_KEYS = [
     "engine",
     "dtype",
     "task",
+    "length",
     "subset",
     "query_aware",
 ]  # one curve per method inside a scope
@@ -121,6 +135,14 @@ def without_reproduced(rows: pd.DataFrame) -> pd.DataFrame:
             if any(results[older].items() <= results[newer].items() for newer in versions[:n]):
                 dropped[index[older]] = True
     return rows[~dropped].reset_index(drop=True)
+
+
+def with_lengths(rows: pd.DataFrame) -> pd.DataFrame:
+    """Rows with `length`: the context length the task asked for (`length_target`: RULER's and NIAH's grid, ppl's
+    window), 0 where a task has none. A key of every comparison: a configuration at 16K and at 32K is two lines.
+    The requested length, not the token count, which differs per example."""
+    length = rows["length_target"] if "length_target" in rows else pd.Series(0, index=rows.index)
+    return rows.assign(length=pd.to_numeric(length, errors="coerce").fillna(0).astype(int))
 
 
 def with_experiment_keys(rows: pd.DataFrame) -> pd.DataFrame:
@@ -292,7 +314,7 @@ def _comparison(scope: pd.DataFrame) -> pd.Series:
 def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
     rows = rows.assign(compared=None)
     for _, scope in rows.groupby(
-        ["model", "engine", "dtype", "task", "subset", "query_aware"], dropna=False, sort=False
+        ["model", "engine", "dtype", "task", "length", "subset", "query_aware"], dropna=False, sort=False
     ):
         rows.loc[scope.index, "compared"] = _comparison(scope)
     rows = rows[rows["compared"].notna()]
@@ -347,10 +369,28 @@ def averaged(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[rows["engine_invalid"].fillna("").astype(str) == ""]
 
 
+# the domain of each fidelity column (kvbench.engine.fidelity): KL(full ‖ compressed) ≥ 0, top-1 agreement a share
+FIDELITY_DOMAIN = {"kl_mean": (0.0, math.inf), "kl_max": (0.0, math.inf), "top1_agreement": (0.0, 1.0)}
+FIDELITY_SLACK = 1e-6  # float rounding: a KL of −1e-9 is a KL of 0, not a broken measurement
+
+
+def fidelity_invalid(rows: pd.DataFrame) -> pd.Series:
+    """Per row, why its fidelity values are impossible ("" when they lie in their domain or are absent): a KL below 0
+    or a top-1 agreement outside [0, 1] is a broken measurement, never averaged (readers show such rows apart)."""
+    reason = pd.Series("", index=rows.index, dtype=object)
+    for column, (low, high) in FIDELITY_DOMAIN.items():
+        if column not in rows:
+            continue
+        values = pd.to_numeric(rows[column], errors="coerce")
+        bad = ((values < low - FIDELITY_SLACK) | (values > high + FIDELITY_SLACK)) & (reason == "")
+        reason[bad] = [f"{column} {v:.4g} outside [{low:g}, {high:g}]" for v in values[bad]]
+    return reason
+
+
 def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per subset, per scenario (rows with a `scenario`), per task and overall; see the module docstring. Rows
     flagged `engine_invalid` are not averaged (`averaged`)."""
-    rows = averaged(rows)
+    rows = with_lengths(averaged(rows))
     rows = with_full_scores(with_experiment_keys(rows)).assign(
         task_of_example=rows["task"], subset_of_example=rows["subset"]
     )
@@ -360,7 +400,9 @@ def summarize(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     per_task = rows.assign(subset=ALL)
     levels.append(("task", per_task))
     pooled = per_task[~per_task["task"].map(lower_is_better)]  # scores, not perplexities
-    if pooled["task"].nunique() > 1:
+    tasks = pooled.groupby("length")["task"].nunique()
+    pooled = pooled[pooled["length"].map(tasks) > 1]  # per length, where several tasks ran at it
+    if len(pooled):
         levels.append(("overall", pooled.assign(task=ALL)))
     records = [r for level, frame in levels for r in _pool(frame, level, confidence)]
     return pd.DataFrame.from_records(records)

@@ -137,3 +137,47 @@ def test_a_hybrids_state_share_is_shown_where_rows_hold_a_state():
     assert "state_share" in report_summary(hybrid).columns and "state_share" not in report_summary(plain).columns
     headings = {c.heading for c in summary_columns(summarize(hybrid))}
     assert "state share" in headings and "state share" not in {c.heading for c in summary_columns(summarize(plain))}
+
+
+def ruler_at_two_lengths() -> pd.DataFrame:
+    """RULER at 16K and 32K, 3 examples each; snapkv loses nothing: pooled, n = 6 would meet --max-drop."""
+    return pd.DataFrame(
+        [
+            row(
+                method,
+                budget,
+                f"ruler-niah_single_1-L{length}-i{i}",
+                1.0,
+                task="ruler",
+                subset="niah_single_1",
+                length_target=length,
+                context_tokens=length - 7 * i,
+                scenario="retrieval",
+            )
+            for method, budget in (("full", 1.0), ("snapkv", 0.5))
+            for length in (16384, 32768)
+            for i in range(3)
+        ]
+    )
+
+
+def test_each_context_length_is_its_own_cell():
+    """A configuration's rows at two lengths are two lines of the guide, each with its own n and fit."""
+    table = guide_table(ruler_at_two_lengths(), max_drop=0.05, min_n=5)
+    assert list(table["n"]) == [3, 3] and set(table["fit"]) == {"not enough evidence (n=3)"}  # pooled: 6, meets
+    assert list(table["length"]) == [16384, 32768]
+    best = report_summary(ruler_at_two_lengths())
+    assert list(best["n"]) == [3, 3] and list(best["length"]) == [16384, 32768]
+
+
+def test_the_reports_summary_and_takeaways_keep_lengths_apart():
+    from kvbench.report.takeaways import takeaways
+    from kvbench.store.aggregate import knees, summarize
+
+    summary = summarize(ruler_at_two_lengths())
+    task = summary.query("level == 'task' and method == 'snapkv'")
+    assert list(task["n"]) == [3, 3] and list(task["length"]) == [16384, 32768]
+    knee = knees(summary)
+    for length in (16384, 32768):
+        lines = takeaways(summary, knee, 0.02, "task", "tiny", "ruler", length, True)
+        assert lines[0].startswith("2 configurations compared on the same 3 examples")

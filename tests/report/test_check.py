@@ -186,3 +186,36 @@ def test_a_fidelity_bound_on_rows_without_the_columns_is_bad_input(results, tmp_
         results, tmp_path, "thresholds:\n  - select: {method: full}\n    max_kl_p95: 0.1\n", capsys
     )
     assert code == 2 and out == [] and "no row has kl_mean" in err and "max_kl_p95 cannot be measured" in err
+
+
+@pytest.mark.parametrize(
+    "bounds, message",
+    [
+        ("max_kl_mean: -1", "max_kl_mean must be ≥ 0 (KL divergence, nats), got -1"),
+        ("max_kl_p95: -0.1", "max_kl_p95 must be ≥ 0 (KL divergence, nats), got -0.1"),
+        ("min_top1_agreement: 1.5", "min_top1_agreement must be in [0, 1] (a share of answer tokens), got 1.5"),
+        ("min_top1_agreement: -0.5", "min_top1_agreement must be in [0, 1]"),
+        ("min_score: 1.5", "min_score must lie in the score range of niah, [0, 1], got 1.5"),
+        ("min_score: -0.5", "min_score must lie in the score range of niah, [0, 1], got -0.5"),
+        ("max_drop_vs_full: -2", "max_drop_vs_full must lie in [-1, 1] (the score range of niah is [0, 1]), got -2"),
+    ],
+)
+def test_a_bound_outside_its_metrics_domain_is_refused(results, tmp_path, capsys, bounds, message):
+    """A bound that holds always or never (KL < 0, an agreement above 1, a score beyond the task's range) is bad
+    input: exit 2 with one line naming the valid range, no verdict lines."""
+    code, out, err = run_check(results, tmp_path, f"thresholds:\n  - select: {{method: full}}\n    {bounds}\n", capsys)
+    assert code == 2 and out == [] and len(err.splitlines()) == 1
+    assert message in err
+
+
+def test_rows_with_impossible_fidelity_values_are_not_gated_on(tmp_path, capsys):
+    """A row with KL < 0 or top-1 agreement > 1 is a broken measurement: left out of the statistic, said in the line."""
+    rows = [row("snapkv", 0.25, f"e{i}", 1.0, kl_mean=0.1, top1_agreement=0.9) for i in range(4)]
+    rows += [row("snapkv", 0.25, "e4", 1.0, kl_mean=-3.0, top1_agreement=2.0)]
+    text = "thresholds:\n  - select: {method: snapkv}\n    max_kl_mean: 0.1\n    min_top1_agreement: 0.9\n"
+    code, out, err = run_check(store(tmp_path / "r", rows), tmp_path, text, capsys)
+    assert code == 0, err
+    assert out == [
+        "ok {method: snapkv}: kl_mean 0.1 <= 0.1, top1_agreement 0.9 >= 0.9 "
+        "(n=5; 1 rows with impossible fidelity values left out)"
+    ]

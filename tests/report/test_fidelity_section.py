@@ -73,3 +73,21 @@ def test_section_plots_score_vs_kl(tmp_path):
     assert "| snapkv |" in section.markdown and "95th percentile" in section.html
     only_full = _rows().query("method == 'full'")
     assert score_vs_kl(only_full, pd.DataFrame(), Context(out_dir=tmp_path)) is None
+
+
+def test_impossible_fidelity_values_are_shown_apart_not_averaged(tmp_path):
+    """A KL below 0 or a top-1 agreement above 1 is a broken measurement: left out of the means, listed with why;
+    a KL of -1e-9 is float rounding and counts."""
+    rows = _rows()
+    snap = rows.index[rows["method"] == "snapkv"]
+    rows.loc[snap[0], "kl_mean"] = -0.5
+    rows.loc[snap[1], "top1_agreement"] = 1.5
+    rows.loc[snap[2], "kl_mean"] = -1e-9
+    table = fidelity_table(rows).set_index("method")
+    assert table.loc["snapkv", "n"] == 18 and table.loc["snapkv", "top1_agreement"] == 0.8
+    assert table.loc["snapkv", "kl_mean"] >= 0
+    section = score_vs_kl(rows, pd.DataFrame(), Context(out_dir=tmp_path))
+    assert "2 rows with impossible fidelity values" in section.markdown
+    assert (
+        "kl_mean -0.5 outside [0, inf]" in section.markdown and "top1_agreement 1.5 outside [0, 1]" in section.markdown
+    )

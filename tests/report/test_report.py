@@ -246,10 +246,11 @@ def test_report_writes_every_plot_and_a_self_contained_html(tmp_path, capsys):
     assert report_main([str(results), "--out", str(out), "--tolerance", "0.05"]) == 0
     written = [line for line in capsys.readouterr().out.splitlines() if line]
     names = {p.split("/")[-1] for p in written}
-    expected = {f"{kind}_{scope}.png" for kind in ("quality", "pareto") for scope in ("niah", "qa", "overall")}
+    # NIAH at 1024 and 2048 tokens: a plot per length; qa has no length; no two tasks share one: nothing pooled
+    scopes = ("niah_1024", "niah_2048", "qa")
+    expected = {f"{kind}_{scope}.png" for kind in ("quality", "pareto", "costs") for scope in scopes}
+    assert not any("overall" in n for n in names)
     expected |= {
-        "costs_niah.png",
-        "costs_qa.png",
         "heatmap_niah_full.png",
         "heatmap_niah_streamingllm.png",
         "heatmap_niah_snapkv.png",
@@ -377,12 +378,12 @@ def test_the_headline_plot_opens_the_report_before_any_table(tmp_path):
     assert "Which method (selection guide)" in page  # the guide's table is there, after the plot
     first_img = page.index("<img")
     assert first_img < page.index("<table") and first_img < page.index("Which method (selection guide)")
-    assert 'alt="quality_niah"' in page[first_img : first_img + 40]
+    assert 'alt="quality_niah_1024"' in page[first_img : first_img + 40]  # a plot per length
     markdown = (out / "report.md").read_text()
     lines = markdown.splitlines()
     first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
     first_image = next(i for i, line in enumerate(lines) if line.startswith("!["))
-    assert first_image < first_table and lines[first_image] == "![quality_niah](quality_niah.png)"
+    assert first_image < first_table and lines[first_image] == "![quality_niah_1024](quality_niah_1024.png)"
     assert first_image < lines.index("### Which method (selection guide)")
 
 

@@ -50,6 +50,14 @@ def test_budget_holds_at_every_step_and_every_request_finishes(tiny, tiny_engine
     assert result.max_concurrency >= 2  # continuous batching: more than one request decoded at once
 
 
+@pytest.mark.parametrize("method,budget", [("full", None), ("snapkv", 0.25), ("kivi", None)])
+def test_the_padded_peak_is_never_below_the_held_peak(tiny, tiny_engine, method, budget):
+    """Both peaks are taken at the same moments with the same transients (a prompt's uncompressed K/V while it is
+    prefilled): a compressing method's held peak is that transient, which the padded peak once left out."""
+    result = serve(tiny_engine, method, budget, 300 * TOKEN, requests(tiny))
+    assert result.peak_padded_bytes >= result.peak_held_bytes > 0
+
+
 def test_full_cache_answers_equal_engine_run_alone(tiny, tiny_engine):
     reqs = requests(tiny, n=5, new=8)
     result = serve(tiny_engine, "full", None, 400 * TOKEN, reqs)

@@ -19,7 +19,7 @@ import pandas as pd
 from kvbench.report.plots import method_colours
 from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import small_table
-from kvbench.store.aggregate import FULL
+from kvbench.store.aggregate import FULL, with_lengths
 from kvbench.store.intervals import MIN_N, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
 
@@ -71,7 +71,7 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         return None
     colours = method_colours(part["method"])
     files = []
-    for (model, task), scope in part.groupby(["model", "task"], sort=True):
+    for (model, task, length), scope in part.groupby(["model", "task", "length"], sort=True):  # lengths apart
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
         for _, r in scope.iterrows():
             marker = MARKERS.get(str(r["engine"]), "P")
@@ -90,8 +90,8 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
             name = option_name(r["method"])  # the marker names the engine
             label = name if r["budget"] >= 1 else f"{name} {r['budget']:g}"
             ax.annotate(label, (r["kv_ratio"], r["score"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        apart = context.set_apart
-        flagged = apart[(apart["model"] == model) & (apart["task"] == task)]
+        apart = with_lengths(context.set_apart)
+        flagged = apart[(apart["model"] == model) & (apart["task"] == task) & (apart["length"] == length)]
         for method, g in flagged.groupby("method"):
             ax.scatter(g["kv_ratio"].mean(), g["score"].mean(), marker="x", color="#999999", s=40)
             ax.annotate(f"{method} (garbage)", (g["kv_ratio"].mean(), g["score"].mean()), fontsize=6, color="#999999")
@@ -102,12 +102,13 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         ax.set(
             xlabel="kv_ratio (bytes held / the same engine's uncompressed cache)",
             ylabel="score",
-            title=f"{model} · {task}: every engine",
+            title=f"{model} · {task}{f' at {length:,} tokens' if length else ''}: every engine",
         )
         ax.legend(fontsize=7, loc="lower right")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = context.out_dir / f"engines_{model}_{task}.png".replace("/", "_").replace(" ", "_")
+        at = f"_{length}" if part.loc[part["task"] == task, "length"].nunique() > 1 else ""
+        path = context.out_dir / f"engines_{model}_{task}{at}.png".replace("/", "_").replace(" ", "_")
         save_figure(fig, path)
         files.append(path)
     note = (

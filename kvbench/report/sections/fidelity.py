@@ -4,7 +4,9 @@ Per model and task, each configuration's mean score against the mean of its rows
 KL(full ‖ compressed) per answer token, nats, teacher-forced along the full cache's answer), with a bar out to the
 95th percentile over examples (the tail a mean hides, what the gate's `max_kl_p95` bounds), and a table with top-1
 agreement, the mean of each answer's worst step and the generated length relative to the full cache's. Two
-configurations with the same score can sit far apart here: the score saw one answer, the KL every step of it.
+configurations with the same score can sit far apart here: the score saw one answer, the KL every step of it. Rows
+whose values are impossible (KL < 0, top-1 agreement outside [0, 1]; kvbench.store.aggregate.fidelity_invalid) are
+listed apart, never averaged.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import pandas as pd
 from kvbench.guide.selection import markdown
 from kvbench.report.plots import _save, method_colours, slug
 from kvbench.report.section import Context, Section, report_section
+from kvbench.store.aggregate import fidelity_invalid
 
 CONFIG = ["method", "budget", "query_aware"]
 
 
 def fidelity_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """One line per configuration of one (model, task): rows with KL only; sorted by mean KL."""
-    rows = rows[rows["kl_mean"].notna()].assign(budget=rows["budget"].astype(float).round(4))
+    """One line per configuration of one (model, task): rows with KL only, less those whose fidelity values are
+    impossible (`fidelity_invalid`: shown apart by `impossible_table`); sorted by mean KL."""
+    rows = rows[rows["kl_mean"].notna() & (fidelity_invalid(rows) == "")]
+    rows = rows.assign(budget=rows["budget"].astype(float).round(4))
     rows = rows.assign(query_aware=rows["query_aware"].fillna(True).astype(bool))
     length = rows["length_vs_full"] if "length_vs_full" in rows else pd.Series(float("nan"), index=rows.index)
     grouped = rows.assign(length_vs_full=length).groupby(CONFIG, sort=True)
@@ -40,6 +45,14 @@ def fidelity_table(rows: pd.DataFrame) -> pd.DataFrame:
         length_vs_full=("length_vs_full", "mean"),
     ).reset_index()
     return table.sort_values(["kl_mean", "method", "budget"]).reset_index(drop=True)
+
+
+def impossible_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows whose fidelity values lie outside their domain (KL < 0, top-1 agreement outside [0, 1]): a broken
+    measurement, listed with the reason and never averaged."""
+    reason = fidelity_invalid(rows)
+    bad = rows[reason != ""].assign(problem=reason[reason != ""])
+    return bad[["method", "budget", "example_id", "problem"]].sort_values(["method", "budget", "example_id"])
 
 
 def plot_score_vs_kl(table: pd.DataFrame, path, title: str):
@@ -76,7 +89,14 @@ def plot_score_vs_kl(table: pd.DataFrame, path, title: str):
 def score_vs_kl(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) -> Section | None:
     parts_html, parts_md, files = [], [], []
     for (model, task), scope in rows.groupby(["model", "task"], sort=True):
-        table = fidelity_table(scope)
+        table, impossible = fidelity_table(scope), impossible_table(scope)
+        if len(impossible):
+            note = (
+                f"{html.escape(str(task))} on {html.escape(str(model))}: {len(impossible)} rows with impossible "
+                "fidelity values (a broken measurement), not averaged below:"
+            )
+            parts_html += [f"<p>{note}</p>", impossible.to_html(index=False)]
+            parts_md += [html.unescape(note), markdown(impossible)]
         if table.empty or (table["method"] != "full").sum() == 0:
             continue
         note = (

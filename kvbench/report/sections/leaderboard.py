@@ -15,7 +15,7 @@ import pandas as pd
 from kvbench.report.page import Page
 from kvbench.report.section import Context, Section, report_section, save_figure
 from kvbench.report.tables import MEASURED, Column, fixed, html_table, markdown_table
-from kvbench.store.aggregate import method_yaml, press_label
+from kvbench.store.aggregate import method_yaml, press_label, with_lengths
 from kvbench.store.intervals import mean_interval
 
 TASK = "ruler"
@@ -54,8 +54,7 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return pd.DataFrame()
     engine = rows["engine"] if "engine" in rows else pd.Series("kvbench", index=rows.index)
-    length = rows["length_target"] if "length_target" in rows else pd.Series(0, index=rows.index)
-    rows = rows.assign(engine=engine.fillna("kvbench"), method=labels(rows), length=length.fillna(0).astype(int))
+    rows = with_lengths(rows).assign(engine=engine.fillna("kvbench"), method=labels(rows))
     out = []
     for key, group in rows.groupby(KEYS, dropna=False, sort=True):
         mean, low, high, _ = mean_interval(group["score"], (0.0, 1.0))
