@@ -14,6 +14,7 @@ import pandas as pd
 from kvbench.guide.selection import markdown
 from kvbench.guide.verdict import NOT_LOST, VERDICTS
 from kvbench.report.section import Context, Section, report_section, save_figure
+from kvbench.store.aggregate import fidelity_invalid  # impossible KL values: never averaged
 
 CONFIG = ["method", "budget"]  # `method` is already the variant label (kivi(bits=2)) in the report's rows
 
@@ -102,7 +103,7 @@ def why(rows: pd.DataFrame) -> list[str]:
         text = (
             f"{method} @{budget:g}: {len(lost)} of {len(g)} examples lost quality — {verdicts}. Attention-mass "
             f"recall {lost['mass_recall'].mean():.2f}{weakest}; evicted share {lost['evicted_share'].mean():.2f}; "
-            f"mean KL {lost['kl_mean'].mean():.3f} nats, first top-1 divergence at step "
+            f"mean KL {lost['kl_mean'][fidelity_invalid(lost) == ''].mean():.3f} nats, first top-1 divergence at step "
             f"{lost['first_divergence_step'].median():.0f} (median)"
         )
         if lost["evidence_retention"].notna().any():
