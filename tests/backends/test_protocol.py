@@ -168,3 +168,33 @@ def test_openvino_ir_of_each_hub_checkpoint_has_its_own_folder():
     b = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/b"})
     assert a != b and a.parent.name.startswith("hub-")
     assert OpenvinoBackend.ir_dir({"name": "smollm2-135m"}).parent.name == "smollm2-135m"
+
+
+def test_a_damaged_openvino_ir_in_the_cache_is_named_with_the_folder_to_delete(tmp_path, monkeypatch):
+    """An empty openvino_model.xml (an export that exited 0) is refused before the worker starts, naming the cached
+    folder and the fix; a killed export's temporary folder is swept, a running one's is kept."""
+    from kvbench.backends.openvino import OpenvinoBackend
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    model = {"name": "smollm2-135m"}
+    ir = OpenvinoBackend.ir_dir(model)
+    ir.mkdir(parents=True)
+    (ir / "openvino_model.xml").write_text("")
+    (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    killed = ir.parent / f"{ir.name}.tmp{dead.pid}-abc"
+    live = ir.parent / f"{ir.name}.tmp{os.getpid()}-def"
+    killed.mkdir()
+    live.mkdir()
+    with pytest.raises(KvbenchError) as damaged:
+        OpenvinoBackend().converted(model)
+    assert str(damaged.value).startswith(f"the OpenVINO IR cached in {ir} is damaged (openvino_model.xml does not")
+    assert str(damaged.value).endswith(f"delete that folder (rm -r {ir}) and rerun: it is exported again")
+    assert not killed.exists() and live.exists()
+    (ir / "openvino_model.xml").write_text("<net name='m' version='11'><layers/></net>")
+    (ir / "openvino_model.bin").write_bytes(b"")
+    with pytest.raises(KvbenchError, match=r"damaged \(openvino_model.bin is missing or empty\)"):
+        OpenvinoBackend().converted(model)
+    (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
+    assert OpenvinoBackend().converted(model) == ir
