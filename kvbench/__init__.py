@@ -15,6 +15,26 @@ class ConfigurationsFailed(KvbenchError):
     exit_code = 1
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the run is, like ctrl-C: the runner's cleanup (claims released, no
+    half-written file, engine workers closed) runs on the way out."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame) -> None:
+    """The SIGTERM/SIGHUP handler of kvbench's entry points: raise Interrupted."""
+    import signal
+
+    for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the cleanup short
+        signal.signal(other, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
 def conf_dir():
     """The Hydra config directory: conf/ of a source checkout, else the installed kvbench.conf package."""
     from pathlib import Path

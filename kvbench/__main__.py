@@ -21,24 +21,9 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from kvbench import KvbenchError, conf_dir
+from kvbench import Interrupted, KvbenchError, conf_dir, raise_interrupted
 
 FAILED_JOBS: list[tuple[int, str]] = []  # multirun: (exit code, "job N (overrides): message") per failed job
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised where the run is, like ctrl-C: the runner's cleanup (claims released, no
-    half-written file) runs on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, frame) -> None:
-    for other in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the cleanup short
-        signal.signal(other, signal.SIG_IGN)
-    raise Interrupted(signum)
 
 
 def resume_command() -> str:
@@ -133,7 +118,7 @@ def _main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         _main()
     except KeyboardInterrupt as stop:
@@ -145,6 +130,10 @@ def main() -> None:
 
         saved = saved_rows()  # what this process's stores hold of it on disk (kvbench.store.results.ResultStore)
         where = f"the {saved} rows computed so far are in the store" if saved else "no row was computed before it"
+        from kvbench.serving.run import KEPT, kept
+
+        if KEPT["started"]:  # +experiment=serving: its rows are files, not the store
+            where = kept()
         print(  # the run's claims are released on the way here (kvbench.run.runner's finally)
             f"\nkvbench: {how}; {where}: rerun the same command to {'resume' if saved else 'start again'}",
             file=sys.stderr,

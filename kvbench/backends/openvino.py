@@ -39,6 +39,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from kvbench import KvbenchError, cache_root
@@ -134,18 +135,26 @@ class OpenvinoBackend(Backend):
     def converted(self, model_cfg: dict) -> Path:
         """The model as OpenVINO IR, exported once from kvbench's HF folder by optimum-intel (its own venv)."""
         target = self.ir_dir(model_cfg)
-        if (target / "openvino_model.xml").is_file():
+        sweep_exports(target)
+        if target.exists():
+            problem = ir_problem(target)
+            if problem:
+                raise KvbenchError(
+                    f"the OpenVINO IR cached in {target} is damaged ({problem}); delete that folder "
+                    f"(rm -r {target}) and rerun: it is exported again"
+                )
             return target
         source = hf_model_dir(model_cfg)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f"{target.name}.tmp{os.getpid()}-"))
         cli = venv_python(self.converter_venv).parent / "optimum-cli"
         print(f"[kvbench] exporting {source} to OpenVINO IR once into {target} (about 40 s)", flush=True)
         command = [str(cli), "export", "openvino", "--model", str(source), "--task", "text-generation-with-past"]
         done = subprocess.run([*command, "--weight-format", "fp32", str(tmp)], capture_output=True, text=True)
-        if done.returncode != 0 or not (tmp / "openvino_model.xml").is_file():
+        problem = ir_problem(tmp)  # an export that exits 0 may still leave an empty model
+        if done.returncode != 0 or problem:
             shutil.rmtree(tmp, ignore_errors=True)
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            last = (done.stderr.strip().splitlines() or [problem or "no output"])[-1]
             raise KvbenchError(
                 f"optimum-intel could not export {source} to OpenVINO IR ({last}); see `{' '.join(command)}`"
             )
@@ -229,3 +238,40 @@ class OpenvinoBackend(Backend):
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+
+def ir_problem(folder: Path) -> str:
+    """Why an IR folder cannot be used ("" when it can): its xml must parse and its weights be there, not empty."""
+    from xml.etree import ElementTree
+
+    xml, weights = folder / "openvino_model.xml", folder / "openvino_model.bin"
+    try:
+        ElementTree.parse(xml)
+    except (OSError, ElementTree.ParseError) as error:
+        return f"{xml.name} does not parse: {error}"
+    if not weights.is_file() or weights.stat().st_size == 0:
+        return f"{weights.name} is missing or empty"
+    return ""
+
+
+def sweep_exports(target: Path) -> None:
+    """Remove the temporary folders of exports whose process no longer runs (`<target>.tmp<pid>-...`, left by a
+    killed export); a folder without a pid (an older kvbench's) once it is an hour old."""
+    for folder in target.parent.glob(f"{target.name}.tmp*"):
+        pid = folder.name.removeprefix(f"{target.name}.tmp").split("-")[0]
+        if not pid.isdigit():
+            stale = time.time() - folder.stat().st_mtime > 3600
+        else:
+            stale = int(pid) != os.getpid() and not running(int(pid))
+        if stale:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

@@ -8,23 +8,33 @@ that a worker that dies is named in one KvbenchError line with its exit code and
 
 The worker's side (`serve`) moves the process's fd 1 to stderr before the engine loads: C libraries that print to
 stdout cannot corrupt the replies, which go to a private copy of the original stdout.
+
+A worker's life is tied to kvbench's: `Worker` starts it in a session (and process group) of its own, which the
+engine's own children join, and `serve` asks the kernel for SIGTERM when kvbench's process dies (SIGKILL included);
+the worker then kills its group. `Worker.close` ends the group too. A worker left behind would hold the model and
+its KV space, re-parented to init.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from kvbench import KvbenchError
 
 STDERR_LINES = 20  # kept from a worker's stderr: what a death message quotes (its last 3)
+PARENT_PID = "KVBENCH_WORKER_PARENT"  # the env var that tells a worker which process it lives for
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 CHECKOUT = Path(__file__).resolve().parents[2]  # the kvbench tree the worker imports, whatever its venv installed
 
 
@@ -44,7 +54,9 @@ class Worker:
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
+            start_new_session=True,  # its own process group, which the engine's children join: close() ends them all
             env={
+                PARENT_PID: str(os.getpid()),
                 **os.environ,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")])),
                 **(env or {}),
@@ -87,7 +99,7 @@ class Worker:
         try:
             code = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             code = self.proc.wait()
         self._drain.join(timeout=2)
         return KvbenchError(f"{self.what} died ({describe_exit(code)}){last_words(self.stderr)}")
@@ -100,11 +112,17 @@ class Worker:
                 self.proc.stdin.close()  # end of input: serve() returns and the process exits
                 self.proc.wait(timeout=10)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                self.kill()
                 self.proc.wait()
+        self.kill()  # what the engine started and left running (its group outlives the worker)
         for stream in (self.proc.stdout, self.proc.stderr):
             if stream:
                 stream.close()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group: the worker and every process the engine started."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def describe_exit(code: int) -> str:
@@ -123,9 +141,41 @@ def last_words(lines, n: int = 3) -> str:
     return f"; its last stderr: {' | '.join(tail)}" if tail else "; it wrote nothing to stderr"
 
 
+def end_group(*_) -> None:
+    """Kill this worker and the processes its engine started: its whole group when it leads one (as `Worker` starts
+    it), else itself only (never the group of whoever started it by hand)."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os._exit(128 + signal.SIGTERM)
+
+
+def tie_to_parent() -> None:
+    """End this worker when the kvbench process that started it dies: a parent-death signal from the kernel (Linux)
+    and, after asking for it, a check that the parent is still the one that started it (it may have died first).
+    Without prctl, a thread polls the parent's pid instead."""
+    parent = int(os.environ.get(PARENT_PID) or os.getppid())
+    signal.signal(signal.SIGTERM, end_group)
+    try:
+        # sent when the thread that started the worker exits: Worker is created on kvbench's main thread
+        tied = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) == 0
+    except (OSError, AttributeError):
+        tied = False
+    if os.getppid() != parent:
+        end_group()
+    if not tied:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    end_group()
+
+
 def serve(handle: Callable[[dict], dict]) -> None:
     """The worker's loop: one request per stdin line -> `handle(request)` -> one reply line. A KvbenchError (or any
     exception) becomes an error reply in one line; the worker keeps serving. Returns at end of input."""
+    tie_to_parent()
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # fd 1 (C printf, print()) now goes to stderr
     sys.stdout = sys.stderr

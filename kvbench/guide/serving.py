@@ -27,6 +27,8 @@ CONFIG = ["engine", "method", "budget"]
 def load(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(request rows, run rows) of a serving output directory (or the directory holding serving_runs.parquet)."""
     path = Path(path)
+    if not path.exists():  # named as given, not as its parent (which may well exist)
+        raise KvbenchError(f"{path} does not exist; give the output directory of python -m kvbench.serving")
     folder = path if path.is_dir() else path.parent
     files = [folder / "serving_requests.parquet", folder / "serving_runs.parquet"]
     missing = [f.name for f in files if not f.is_file()]

@@ -11,3 +11,11 @@ run.py        one trace × every configuration × every KV budget → rows; `pyt
 engines.py    the same trace through vLLM's and OpenVINO's continuous batching (their workers' serve_trace op)
 prefix.py     prefix caching side by side: kvbench vs vLLM vs OpenVINO (`python -m kvbench.serving.prefix`)
 """
+
+from kvbench import KvbenchError
+
+
+class OutputFailed(KvbenchError):
+    """Writing the run's outputs failed mid-run (disk full, ...): the run stops; it is no engine's failure."""
+
+    exit_code = 3

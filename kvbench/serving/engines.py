@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvbench import KvbenchError
+from kvbench.serving import OutputFailed
 
 # engine -> the options it serves a trace with (its Backend's options)
 SERVING_OPTIONS = {"vllm": ("full", "fp8", "fp8_e4m3", "fp8_e5m2"), "openvino": ("full", "u8", "u4", "sum", "norm_sum")}
@@ -214,12 +216,13 @@ class OpenvinoServer:
 
 
 def serve_engines(
-    ctx, engines: dict, requests, kv_budgets, confs
+    ctx, engines: dict, requests, kv_budgets, confs, on_served: Callable[..., None] | None = None
 ) -> tuple[list[tuple[str, str, float, int, Any, dict]], list[str]]:
     """Every engine × option × KV budget: ([(engine, option, budget, kv_budget, ServeResult, reply)], skipped).
     An engine that fails (its model will not convert, its worker dies) keeps the runs it finished and is skipped
     from there with one line, so the other engines and kvbench's own rows are still written; `skipped` holds those
-    lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with."""
+    lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with.
+    `on_served(*run)` is called with each run as it ends (so that it is written before the next one starts)."""
     from kvbench.config.rules import plain
 
     cfg, lm, engine = ctx
@@ -254,6 +257,10 @@ def serve_engines(
                     result = result_of(requests, reply, block_bytes, knows_queue=name == "vllm")
                     out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
                     served += 1
+                    if on_served is not None:
+                        on_served(*out[-1])
+        except OutputFailed:
+            raise
         except KvbenchError as e:
             left = [f"{name}:{o}" for o in options[options.index(option) :]]
             if served:

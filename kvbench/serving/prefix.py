@@ -267,13 +267,43 @@ def parse(argv):
             raise KvbenchError(f"--{key.replace('_', '-')}={getattr(args, key)} must be ≥ 1")
     if not args.budget > 0:
         raise KvbenchError(f"--budget={args.budget} must be > 0 (a fraction ≤ 1 or a token count)")
-    from kvbench.backends.source import venv_python
-    from kvbench.serving.engines import check_engines
-
-    check_engines([f"{e}:full" for e in args.engines if e != "llamacpp"])  # the engines' venvs, before any model loads
-    if "llamacpp" in args.engines and not venv_python(".venv-llamacpp").exists():
-        raise KvbenchError("--engines llamacpp needs .venv-llamacpp: run `make engine-llamacpp`, or leave it out")
+    for workload in args.workloads:  # every input before the engines' venvs: a missing venv must not hide a bad flag
+        check_inputs(args, workload)
+    check_venvs(args.engines)
     return args
+
+
+def check_inputs(args, workload: str) -> None:
+    """--model, --method, --budget, --dtype, --context through kvbench's own entrance check (no model loads); a name
+    Hydra cannot find is named by its flag."""
+    from hydra.errors import HydraException
+
+    from kvbench.run.check import check_config
+
+    overrides = [*task_overrides(args, workload), f"method={args.method}", f"budget={args.budget}"]
+    try:
+        cfg = compose(overrides)
+    except HydraException as error:
+        first = str(error).strip().splitlines()[0]
+        for flag, group in (("--method", "method"), ("--model", "model")):
+            if f"'{group}/" in first or f"group {group}" in first or f"{group}=" in first:
+                raise KvbenchError(f"{flag}={getattr(args, group)}: {first}; see conf/{group}/ for the names") from None
+        raise KvbenchError(f"the configuration does not compose: {first}") from None
+    check_config(cfg)
+
+
+def check_venvs(engines: list[str]) -> None:
+    """The engines' venvs, before any model loads; a missing one is named with the switch that leaves it out."""
+    from kvbench.backends.source import venv_python
+
+    for name in engines:
+        venv = f".venv-{name}"
+        if not venv_python(venv).exists():
+            others = " ".join(e for e in engines if e != name)
+            raise KvbenchError(
+                f"--engines {name} needs {venv}: run `make engine-{name}`, or leave it out "
+                f"(`--engines {others}`{'' if others else ': kvbench alone'})"
+            )
 
 
 def main(argv=None) -> int:

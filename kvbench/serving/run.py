@@ -4,12 +4,15 @@ and per run, with the planner's predictions beside the measured figures.
 
 Writes `serving_requests.parquet` (one row per request × configuration × KV budget: kvbench.serving.metrics'
 REQUEST_COLUMNS + the run's keys) and `serving_runs.parquet` (one row per configuration × KV budget: throughput,
-percentiles, peak KV bytes, concurrency, goodput, predicted concurrency and tokens/s) into the output directory.
+percentiles, peak KV bytes, concurrency, goodput, predicted concurrency and tokens/s) into the output directory,
+checked writable before the model loads. Both files are rewritten, atomically, as each run ends: a run stopped by a
+signal or a full disk keeps every run that finished (`KEPT` says which, for the line that names them).
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -30,7 +33,46 @@ KEY_COLUMNS = [
     "dtype",
     "device_name",
 ]
+KEPT: dict = {"started": False, "runs": 0, "out": None}  # what this process's serving run wrote so far (`kept()`)
 PLAN_COLUMNS = ["predicted_max_concurrency", "predicted_tokens_s", "predicted_kv_bytes_per_request"]
+
+
+def kept() -> str:
+    """What a stopped serving run keeps, for its last line."""
+    if not KEPT["runs"]:
+        return "no run had finished, nothing was written"
+    runs = Path(KEPT["out"]) / "serving_runs.parquet"
+    return f"the {KEPT['runs']} runs that finished are kept in {runs} and serving_requests.parquet beside it"
+
+
+def check_out(out_dir: Path) -> None:
+    """The output folder can be created and written (before the model loads, not after every run is measured)."""
+    from kvbench import KvbenchError
+    from kvbench.store.results import fault_text
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as error:
+        what, remedy = fault_text(error, out_dir)
+        raise KvbenchError(
+            f"the output folder cannot be written: {what}; {remedy}, or set serving.out=<a writable folder>"
+        ) from None
+
+
+def save(out_dir: Path, req_rows: list[dict], run_rows: list[dict]) -> None:
+    """Rewrite both parquet files with every run so far, each atomically: a failed write keeps the previous ones."""
+    from kvbench.serving import OutputFailed
+    from kvbench.store.results import fault_text, write_atomic
+
+    for name, rows in (("serving_requests.parquet", req_rows), ("serving_runs.parquet", run_rows)):
+        try:
+            write_atomic(out_dir / name, lambda tmp, rows=rows: pd.DataFrame(rows).to_parquet(tmp, index=False))
+        except OSError as error:
+            what, remedy = fault_text(error)
+            raise OutputFailed(f"writing the serving rows failed: {what}; {kept()}; {remedy}, then rerun") from None
+    KEPT.update(runs=len(run_rows), out=out_dir)
 
 
 def build_requests(cfg, spec, lm):
@@ -70,6 +112,10 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
     from kvbench.store.results import device_name
 
     spec, confs = check(cfg)  # every input, before the model loads
+    KEPT.update(started=True, runs=0, out=None)
+    if out_dir is not None:
+        out_dir = Path(out_dir)
+        check_out(out_dir)
     if hardware is None:
         path = Path(conf_dir()) / "hardware" / f"{spec.hardware}.yaml"
         if not path.is_file():
@@ -117,6 +163,8 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
         run = run_row(rows, result, spec.slo_ttft_s, spec.slo_tpot_s)
         req_rows.extend({**keys, **r} for r in rows)
         run_rows.append({**keys, **run, **plan, "hardware": hardware.name, **extra})
+        if out_dir is not None:
+            save(out_dir, req_rows, run_rows)
         if echo:
             print(
                 f"[serving] {method} {budget:g} at {kv_budget / 1e6:.1f} MB: {run['throughput_tokens_s']:.1f} tok/s, "
@@ -134,8 +182,7 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
         from kvbench.methods import build_method
         from kvbench.serving.engines import serve_engines
 
-        served, skipped = serve_engines((cfg, lm, engine), spec.engines, requests, spec.kv_budgets, confs)
-        for name, option, budget, kv_budget, result, reply in served:
+        def record_engine(name: str, option: str, budget: float, kv_budget: int, result, reply: dict) -> None:
             plan = (  # the planner knows the engines' uncompressed caches only (their own options: NaN)
                 predicted(arch, hardware, build_method("full"), None, lm.dtype, kv_budget, context, len(requests))
                 if option == "full"
@@ -144,13 +191,11 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
             record(
                 name, f"{name}:{option}", budget, kv_budget, result, plan, {"engine_version": reply["engine_version"]}
             )
+
+        _, skipped = serve_engines((cfg, lm, engine), spec.engines, requests, spec.kv_budgets, confs, record_engine)
     requests_frame, runs_frame = pd.DataFrame(req_rows), pd.DataFrame(run_rows)
     runs_frame.attrs["skipped"] = skipped
     if out_dir is not None:
-        out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        requests_frame.to_parquet(out_dir / "serving_requests.parquet", index=False)
-        runs_frame.to_parquet(out_dir / "serving_runs.parquet", index=False)
         (out_dir / "skipped.txt").unlink(missing_ok=True)
         if skipped:
             (out_dir / "skipped.txt").write_text("".join(f"{line}\n" for line in skipped))

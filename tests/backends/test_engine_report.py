@@ -101,3 +101,19 @@ def test_gate_and_guide_never_see_garbage_rows(tmp_path, capsys):
     assert guide_main([str(results), "--min-n", "1"]) == 0
     guide = capsys.readouterr().out
     assert "fp8_e5m2" in guide and "int8_per_token_head" not in guide
+
+
+def test_rows_of_older_versions_are_still_rows(tmp_path, capsys):
+    """A parity block without some fields and an engine_extra that is not JSON: the report is written, the parity
+    table counts what the blocks say (before: a KeyError or JSONDecodeError traceback)."""
+    rows = frame()
+    for r in rows:
+        if r["engine"] == "vllm" and r["method"] == "full":
+            r["engine_extra"] = json.dumps({"parity": {"identical": True}, "token_ids": IDS})  # no compared, no step
+        if r["engine"] == "openvino" and r["method"] == "sum":
+            r["engine_extra"] = "not json {"
+    out = tmp_path / "report"
+    assert report_main([str(store(tmp_path, rows)), "--out", str(out)]) == 0
+    lines = (out / "report.md").read_text().splitlines()
+    assert any(line.startswith("| vllm | 0.32.0 | tiny | float32 | niah | 5 | 5/5 | – | – |") for line in lines)
+    assert any(line.startswith("| openvino | tiny | sum |") and "(its default cache)" in line for line in lines)

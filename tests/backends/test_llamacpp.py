@@ -148,6 +148,38 @@ def test_a_killed_worker_is_named_in_one_line():
         backend.close()
 
 
+PARENT = """
+import sys, time
+from omegaconf import OmegaConf
+from kvbench import conf_dir
+from kvbench.backends import EngineRequest
+from kvbench.backends.llamacpp import LlamaCpp
+
+backend = LlamaCpp(n_threads=1)
+backend.start(OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "smollm2-135m.yaml")))
+print(backend.worker.pid, flush=True)
+backend.generate(EngineRequest([1] * 64, 7000, "full", stop_ids=[]))  # a minute of decoding, killed midway
+"""
+
+
+def test_a_sigkilled_kvbench_takes_its_worker_with_it():
+    """kvbench SIGKILLed while its worker decodes: the worker ends too, not re-parented to init (an idle worker
+    would end anyway, at the end of its input)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.backends.test_protocol import wait_gone
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert parent.stdout is not None
+    worker = int(parent.stdout.readline())
+    time.sleep(1)  # the request is in the worker
+    parent.kill()
+    parent.wait()
+    assert wait_gone(worker, within=10)
+
+
 def test_prompt_cache_keeps_the_shared_prefix_and_answers_as_without(engine, prompts):
     """llama.cpp's prompt cache (reuse_prefix, as llama-server's cache_prompt): a prompt that starts with the previous
     request's tokens decodes only the rest, and answers token for token as a cold prompt; an evicting option, a

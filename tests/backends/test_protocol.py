@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -14,7 +16,7 @@ from kvbench.backends.protocol import Worker, describe_exit, last_words
 
 WORKER = textwrap.dedent(
     """
-    import os, sys
+    import os, subprocess, sys
     from kvbench import KvbenchError
     from kvbench.backends import protocol
 
@@ -24,6 +26,8 @@ WORKER = textwrap.dedent(
             print("noise from print")            # must not reach the reply stream
             os.write(1, b"noise from fd 1\\n")   # as a C library's printf would
             return {"echo": request["value"], "pid": os.getpid()}
+        if op == "spawn":                        # as vLLM starts processes of its own
+            return {"pid": subprocess.Popen(["sleep", "600"], stdin=-3, stdout=-3, stderr=-3).pid}  # DEVNULL
         if op == "refuse":
             raise KvbenchError("type_k=q3: not a cache type")
         if op == "crash":
@@ -87,6 +91,54 @@ def test_close_ends_the_process(worker):
     assert worker.proc.returncode == 0
 
 
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie that its new parent has not reaped counts: it holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_gone(*pids: int, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not all(gone(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_close_ends_what_the_engine_started(worker):
+    child = worker.request("spawn")["pid"]
+    worker.close()
+    assert wait_gone(child)
+
+
+PARENT = textwrap.dedent(
+    """
+    import json, sys, time
+    from kvbench.backends.protocol import Worker
+
+    w = Worker(sys.executable, "toy_worker", "the toy worker")
+    print(json.dumps({"worker": w.pid, "child": w.request("spawn")["pid"]}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_killed_parent_takes_its_worker_and_the_workers_children(worker):
+    """SIGKILL to kvbench (nothing of it runs on the way out): its worker and what the engine started end too."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pids = __import__("json").loads(parent.stdout.readline())
+    assert not gone(pids["worker"]) and not gone(pids["child"])
+    parent.kill()
+    parent.wait()
+    assert wait_gone(pids["worker"], pids["child"])
+
+
 def test_missing_interpreter_refused(tmp_path):
     with pytest.raises(KvbenchError, match="does not exist"):
         Worker(tmp_path / "nope" / "bin" / "python", "toy_worker", "the toy worker")
@@ -116,3 +168,33 @@ def test_openvino_ir_of_each_hub_checkpoint_has_its_own_folder():
     b = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/b"})
     assert a != b and a.parent.name.startswith("hub-")
     assert OpenvinoBackend.ir_dir({"name": "smollm2-135m"}).parent.name == "smollm2-135m"
+
+
+def test_a_damaged_openvino_ir_in_the_cache_is_named_with_the_folder_to_delete(tmp_path, monkeypatch):
+    """An empty openvino_model.xml (an export that exited 0) is refused before the worker starts, naming the cached
+    folder and the fix; a killed export's temporary folder is swept, a running one's is kept."""
+    from kvbench.backends.openvino import OpenvinoBackend
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    model = {"name": "smollm2-135m"}
+    ir = OpenvinoBackend.ir_dir(model)
+    ir.mkdir(parents=True)
+    (ir / "openvino_model.xml").write_text("")
+    (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    killed = ir.parent / f"{ir.name}.tmp{dead.pid}-abc"
+    live = ir.parent / f"{ir.name}.tmp{os.getpid()}-def"
+    killed.mkdir()
+    live.mkdir()
+    with pytest.raises(KvbenchError) as damaged:
+        OpenvinoBackend().converted(model)
+    assert str(damaged.value).startswith(f"the OpenVINO IR cached in {ir} is damaged (openvino_model.xml does not")
+    assert str(damaged.value).endswith(f"delete that folder (rm -r {ir}) and rerun: it is exported again")
+    assert not killed.exists() and live.exists()
+    (ir / "openvino_model.xml").write_text("<net name='m' version='11'><layers/></net>")
+    (ir / "openvino_model.bin").write_bytes(b"")
+    with pytest.raises(KvbenchError, match=r"damaged \(openvino_model.bin is missing or empty\)"):
+        OpenvinoBackend().converted(model)
+    (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
+    assert OpenvinoBackend().converted(model) == ir

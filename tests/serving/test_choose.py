@@ -74,3 +74,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     runs.to_parquet(tmp_path / "serving_runs.parquet")
     assert main([str(tmp_path), "--kv-memory", "4e7"]) == 0
     assert "snapkv" in capsys.readouterr().out
+
+
+def test_a_missing_folder_is_named_as_given(tmp_path):
+    from kvbench.guide.serving import load
+
+    with pytest.raises(KvbenchError) as missing:
+        load(tmp_path / "nope")
+    assert str(missing.value) == (
+        f"{tmp_path / 'nope'} does not exist; give the output directory of python -m kvbench.serving"
+    )

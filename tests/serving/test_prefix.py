@@ -17,6 +17,35 @@ def test_bad_input_is_one_line(capsys):
     assert err == "kvbench.serving.prefix: error: --requests=0 must be ≥ 1"
 
 
+@pytest.fixture
+def no_engine_venvs(monkeypatch, tmp_path):
+    """A machine without the engines' venvs."""
+    monkeypatch.setattr("kvbench.backends.source.venv_python", lambda venv: tmp_path / venv / "bin" / "python")
+
+
+@pytest.mark.parametrize(
+    ("flags", "start"),
+    [
+        (["--method", "nope"], "--method=nope: In 'config': Could not find 'method/nope'"),
+        (["--model", "nope"], "--model=nope: In 'config': Could not find 'model/nope'"),
+        (["--dtype", "float8"], "dtype=float8 is not one of"),
+        (["--budget", "1.5"], "budget=1.5 is above 1"),
+    ],
+)
+def test_a_bad_flag_is_named_before_the_missing_engine_venvs(no_engine_venvs, capsys, flags, start):
+    assert main([*flags, "--requests", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"kvbench.serving.prefix: error: {start}")
+
+
+def test_a_missing_engine_venv_names_the_engines_switch(no_engine_venvs, capsys):
+    assert main(["--requests", "1", "--engines", "llamacpp", "vllm"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvbench.serving.prefix: error: --engines llamacpp needs .venv-llamacpp: run `make engine-llamacpp`, "
+        "or leave it out (`--engines vllm`)"
+    )
+
+
 class Tokens:
     """What engine_row needs of kvbench's Engine: the answer text of the ids."""
 

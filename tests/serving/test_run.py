@@ -78,3 +78,66 @@ def test_a_failing_engine_is_skipped_with_one_line_and_the_rest_is_written(tmp_p
     assert sorted(runs.method) == ["full", "snapkv", "streamingllm"] and (runs.engine == "kvbench").all()
     assert (tmp_path / "skipped.txt").read_text().startswith(line)
     assert "Not served:\n- openvino skipped" in (tmp_path / "serving.md").read_text()
+
+
+def test_an_unwritable_output_folder_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    import pytest
+
+    from kvbench import KvbenchError
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr("kvbench.model.load.load_model", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(KvbenchError) as refused:
+        serve(serving_config(), tmp_path / "file" / "out", hardware=HW, echo=False)
+    assert str(refused.value).startswith("the output folder cannot be written: a part of the path is a file")
+
+
+def test_a_full_disk_keeps_the_runs_that_finished(tmp_path, monkeypatch):
+    """Each run is written as it ends, atomically: a write that fails (ENOSPC) leaves the previous runs' files whole,
+    no temporary file, and one line naming what was kept."""
+    import errno
+
+    import pytest
+
+    from kvbench.serving import OutputFailed
+    from kvbench.store import results
+
+    real, writes = results.write_atomic, []
+
+    def filling(path, write):  # two runs' files (requests, runs) fit; the third run's do not
+        writes.append(path)
+        if len(writes) > 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, write)
+
+    monkeypatch.setattr(results, "write_atomic", filling)
+    with pytest.raises(OutputFailed) as full:
+        serve(serving_config("serving.requests=3"), tmp_path, hardware=HW, echo=False)
+    message = str(full.value)
+    assert "\n" not in message and message.startswith("writing the serving rows failed: disk full")
+    assert f"the 2 runs that finished are kept in {tmp_path / 'serving_runs.parquet'}" in message
+    assert len(pd.read_parquet(tmp_path / "serving_runs.parquet")) == 2
+    assert len(pd.read_parquet(tmp_path / "serving_requests.parquet")) == 2 * 3
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_sigterm_after_the_first_run_keeps_it_and_says_so(tmp_path):
+    """SIGTERM to `python -m kvbench.serving` once a run has finished: exit 143, one line naming the kept file."""
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    from tests.serving.test_inputs import TINY
+
+    command = [sys.executable, "-m", "kvbench.serving", *TINY, "serving.requests=6", f"hydra.run.dir={tmp_path}"]
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=root, stdout=subprocess.DEVNULL)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("[serving] full"):  # the first run is written
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read().strip().splitlines()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert rest[-1].startswith("kvbench.serving: terminated (SIGTERM); the 1 runs that finished are kept in")
+    assert len(pd.read_parquet(tmp_path / "serving_runs.parquet")) == 1

@@ -44,8 +44,19 @@ def option_name(label: str) -> str:
 
 
 def _extra(rows: pd.DataFrame) -> pd.Series:
-    """engine_extra parsed ({} for kvbench's own rows)."""
-    return rows["engine_extra"].map(lambda v: json.loads(v) if isinstance(v, str) and v else {})
+    """engine_extra parsed ({} for kvbench's own rows, and for a value that is not a JSON object: a row written by
+    another version is still a row)."""
+    return rows["engine_extra"].map(_parsed)
+
+
+def _parsed(value) -> dict:
+    if not isinstance(value, str) or not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 def _invalid(rows: pd.DataFrame) -> pd.Series:
@@ -124,19 +135,21 @@ def paritysmall_table(rows: pd.DataFrame) -> pd.DataFrame:
     tokens on the same ids, and where the others first diverged."""
     full = rows[(rows["method"] == FULL) & (rows["engine"] != "kvbench")]
     records = []
-    keys = ["engine", "engine_version", "model", "dtype", "task"]
+    keys = [k for k in ("engine", "engine_version", "model", "dtype", "task") if k in full]  # older rows lack some
     for key, g in full.groupby(keys, sort=True):
-        parity = [e.get("parity") for e in _extra(g) if e.get("parity")]
+        # a parity block without its verdict (an older version's) says nothing: left out, not a crash
+        parity = [p for e in _extra(g) if isinstance(p := e.get("parity"), dict) and "identical" in p]
         if not parity:
             continue
-        steps = sorted(p["first_divergence"] for p in parity if not p["identical"])
+        steps = sorted(p["first_divergence"] for p in parity if not p["identical"] and "first_divergence" in p)
+        compared = [p["compared"] for p in parity if isinstance(p.get("compared"), int)]
         records.append(
             {
                 **dict(zip(keys, key)),
                 "examples": len(parity),
-                "identical tokens": f"{sum(p['identical'] for p in parity)}/{len(parity)}",
+                "identical tokens": f"{sum(bool(p['identical']) for p in parity)}/{len(parity)}",
                 "first divergence (steps)": ", ".join(map(str, steps[:9])) + (" …" if len(steps) > 9 else "") or "–",
-                "tokens compared": sum(p["compared"] for p in parity),
+                "tokens compared": sum(compared) if compared else "–",
             }
         )
     return pd.DataFrame(records)
