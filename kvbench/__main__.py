@@ -117,7 +117,29 @@ def _main(cfg: DictConfig) -> None:
         FAILED_JOBS.append((error.exit_code, f"job {hydra_cfg.job.num} ({overrides}): {error}"))
 
 
+def engine_option_as_method(argv: list[str]) -> str | None:
+    """`engine=E method=X` with X an option of engine E and no kvbench method of that name: Hydra would list kvbench's
+    methods; the line names the form that takes an engine's option (an option is a grid entry, not a config group)."""
+    given = dict(arg.split("=", 1) for arg in argv if "=" in arg and not arg.startswith(("+", "~")))
+    option, engine = given.get("method"), given.get("engine")
+    if not option or not engine or (conf_dir() / "method" / f"{option}.yaml").exists():
+        return None
+    from kvbench.backends import BACKENDS
+
+    try:
+        backend = BACKENDS.get(engine)
+    except KvbenchError:
+        return None  # an unknown engine: the run's own check names it
+    if option not in (*backend.options, *backend.applies):
+        return None
+    return f"method={option} is engine={engine}'s option, not a kvbench method: give it as 'grid.method=[{option}]'"
+
+
 def main() -> None:
+    wrong = engine_option_as_method(sys.argv[1:])
+    if wrong:
+        print(f"kvbench: error: {wrong}", file=sys.stderr)
+        sys.exit(2)
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         _main()

@@ -89,3 +89,12 @@ def test_ids_outside_the_vocabulary_make_an_engine_row_invalid():
     assert out_of_vocabulary([5, 319], lm) == ""
     reason = out_of_vocabulary([5, 320, 70000], lm)
     assert "2 ids outside the model's vocabulary of 320 (e.g. 320)" in reason
+
+
+def test_an_engine_option_given_as_method_names_the_grid_form():
+    from kvbench.__main__ import engine_option_as_method
+
+    line = engine_option_as_method(["engine=llamacpp", "method=q8_0"])
+    assert line == "method=q8_0 is engine=llamacpp's option, not a kvbench method: give it as 'grid.method=[q8_0]'"
+    assert engine_option_as_method(["engine=llamacpp", "method=snapkv"]) is None  # a kvbench method (llama.cpp applies)
+    assert engine_option_as_method(["method=q8_0"]) is None  # no engine: Hydra's own list of methods
