@@ -141,6 +141,9 @@ def main() -> None:
         print(f"kvbench: error: {wrong}", file=sys.stderr)
         sys.exit(2)
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    serving = sys.modules.get("kvbench.serving.run")  # an earlier command in this process (tests): not this one's
+    if serving is not None:
+        serving.KEPT.update(started=False, runs=0, out=None)
     try:
         _main()
     except KeyboardInterrupt as stop:

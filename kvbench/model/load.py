@@ -93,6 +93,12 @@ def load_model(cfg, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     return _LOADED[key]
 
 
+def transformers_reason(error: Exception) -> str:
+    """transformers' own words for a config it cannot build, on one line (its validation errors span several)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:300]
+
+
 def model_config(cfg, cheap: bool = False):
     """The transformers config a conf/model/*.yaml describes, without loading weights where possible (the planner;
     the run's checks before the model loads)."""
@@ -114,9 +120,14 @@ def model_config(cfg, cheap: bool = False):
             raise KvbenchError("model=hub needs model.name_or_path=<hub id, local directory or config.json>")
         try:
             return AutoConfig.from_pretrained(path)
-        except (OSError, ValueError) as error:
+        except OSError as error:
             raise KvbenchError(
                 f"could not read a config from {path!r} ({str(error).splitlines()[0]}); hub ids need "
                 "network access: give a local directory or config.json instead"
+            ) from None
+        except Exception as error:  # transformers' strict fields (a str where it needs an int), unknown model types
+            raise KvbenchError(
+                f"the model config {path} is not one transformers can build ({transformers_reason(error)}); fix the "
+                "field it names"
             ) from None
     raise KvbenchError(f"model loader {cfg.loader!r} has no config for the planner")

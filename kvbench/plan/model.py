@@ -23,7 +23,7 @@ from kvbench import KvbenchError
 from kvbench.model import layout as layers
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.model.layout import CacheLayout, cache_layout
-from kvbench.model.load import model_config
+from kvbench.model.load import model_config, transformers_reason
 from kvbench.plan.hardware import Hardware
 from kvbench.plan.quant import quant_bits, quantized_params, weights_bytes
 from kvbench.plan.reuse import Reuse, batch_prefill_flops, held_bytes
@@ -69,12 +69,6 @@ class Arch:
         return self.n_params - embedding + (embedding if self.tied_embeddings else 0)
 
 
-def _reason(error: Exception) -> str:
-    """transformers' own words for a config it cannot build, on one line (its validation errors span several)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(error).__name__)[:300]
-
-
 def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +83,8 @@ def arch_of(cfg) -> Arch:
         raise
     except Exception as error:  # any of transformers' refusals (strict fields, unknown classes)
         raise KvbenchError(
-            f"the model config {source} is not one transformers can build ({_reason(error)}); fix the field it names"
+            f"the model config {source} is not one transformers can build ({transformers_reason(error)}); fix the "
+            "field it names"
         ) from None
     n_params = sum(p.numel() for p in model.parameters())
     written: Any = getattr(config, "quantization_config", None)

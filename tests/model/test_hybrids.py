@@ -182,3 +182,16 @@ def test_serving_and_lm_eval_refuse_a_hybrid_in_one_line(checkpoints):
     shape = KVShape(4, 2, 16, torch.float32, cache_layout(FAMILIES["qwen3_5"](), torch.float32))
     with pytest.raises(KvbenchError, match="serving a hybrid model"):
         check_fit(shape, 2048, [], [10**9], 100, 10, "a request")
+
+
+def test_a_hybrid_config_transformers_cannot_build_is_one_line(tmp_path):
+    """A checkpoint folder whose config transformers refuses (a str where it needs an int): the run's line names the
+    folder and transformers' reason, as the planner's does (before: a traceback from its strict fields)."""
+    import json
+
+    from kvbench.model.load import model_config
+
+    bad = FAMILIES["qwen3_5"]().to_dict() | {"linear_num_key_heads": "x"}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(KvbenchError, match="not one transformers can build .*linear_num_key_heads"):
+        model_config({"name": "hub", "loader": "pretrained", "name_or_path": str(tmp_path)})
