@@ -29,9 +29,13 @@ invariants, or it is refused here.
 from __future__ import annotations
 
 import torch
+import transformers
+from transformers import cache_utils
 
 from kvbench.model import layout
 from kvbench.model.states import HYBRID_TYPES, STATE_TYPES
+
+HYBRID_CACHE = hasattr(cache_utils, "LinearAttentionLayer")  # transformers keeps a hybrid's states in DynamicCache
 
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
 FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
@@ -141,6 +145,11 @@ def own_cache_refusal(config) -> str | None:
     """Why kvbench does not run a model at all: a cache of its own (MiniMax) or beside the K/V (DeepSeek-V3.2's DSA
     indexer keys)."""
     kind = getattr(config, "model_type", "")
+    if is_hybrid(config) and not HYBRID_CACHE:
+        return (
+            f"a hybrid model needs transformers ≥ 5.24, whose DynamicCache holds its linear-attention/Mamba states; "
+            f"this is {transformers.__version__} (kvpress's venv pins 5.2): run it in kvbench's main venv"
+        )
     if kind == "minimax":
         return "its model keeps a cache of its own, not transformers' DynamicCache, which kvbench compresses"
     if set(layout.INDEXED_TYPES) & set(layout.layer_types(config)):

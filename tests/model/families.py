@@ -201,6 +201,10 @@ SHARED_KV = {
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     factory = {**FAMILIES, **SHARED_KV}[name]
+    if name in HYBRIDS and not hasattr(tf.cache_utils, "LinearAttentionLayer"):
+        import pytest
+
+        pytest.skip(f"transformers {tf.__version__} keeps no hybrid's states in DynamicCache (5.24+ does)")
     try:
         config = factory()
     except (AttributeError, ValueError, KeyError) as error:  # a family newer than this transformers (5.2, kvpress's)

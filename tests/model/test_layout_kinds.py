@@ -16,6 +16,9 @@ from kvbench.model.load import cache_kwarg
 from tests.model.families import BASE, FAMILIES, MLA, SHARED_KV, WINDOW, build
 
 PROMPT, DECODE = 80, 3
+# the layouts these tests hold are transformers 5.24's (5.2, kvpress's venv, lays Gemma 3n and DeepSeek-V3.2 out
+# otherwise)
+BEFORE_5_24 = tuple(int(p) for p in tf.__version__.split(".")[:2]) < (5, 24)
 
 
 def held_bytes(cache) -> int:
@@ -93,6 +96,7 @@ def test_degenerate_configs_are_one_line(fields, message):
         cache_layout(config, torch.float32)
 
 
+@pytest.mark.skipif(BEFORE_5_24, reason=f"the layout is transformers 5.24's, this is {tf.__version__}")
 @pytest.mark.parametrize("name", sorted(SHARED_KV))
 def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(name):
     """Gemma 3n and Gemma 4 reuse earlier layers' K/V in their last layers: the full cache decodes as transformers'
@@ -115,6 +119,7 @@ def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(na
     assert reason is not None and "\n" not in reason and "reuse an earlier layer's K/V" in reason
 
 
+@pytest.mark.skipif(BEFORE_5_24, reason=f"the layout is transformers 5.24's, this is {tf.__version__}")
 def test_deepseek_v32_is_refused_in_one_line_and_planned():
     from kvbench.methods import build_method
     from kvbench.run.support import refusal
