@@ -36,6 +36,7 @@ def test_dtypes():
 )
 def test_auto_dtype_is_bf16_only_where_the_cpu_runs_it_natively(monkeypatch, capsys, flags, expected, why):
     monkeypatch.setattr(device, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("KVBENCH_NO_BF16", raising=False)  # the flags decide here, also in a run under the variable
     assert resolve_dtype("auto", torch.device("cpu")) == expected
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"[kvbench] dtype=auto -> {str(expected).removeprefix('torch.')} (") and why in line
