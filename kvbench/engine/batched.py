@@ -32,6 +32,7 @@ class BatchedGeneration(Generation):
     batch_size: int = 1
     decode_tokens_per_s: float = float("nan")  # the whole batch's
     latency_s: float = float("nan")  # this request: prefill + decode until it finished
+    batch_kv_bytes: int = 0  # every row's cache at the end: what one step of the batch reads besides the weights
 
 
 @torch.inference_mode()
@@ -134,6 +135,7 @@ def generate_batch(
                 logits=kept[row],
                 batch_size=n_rows,
                 decode_tokens_per_s=done.tokens_per_s,
+                batch_kv_bytes=sum(finish_bytes),
                 latency_s=prefill_s + finish_s[row],
             )
         )
@@ -173,6 +175,7 @@ def decode_together(
     keep_logits: bool = False,
     drop_rows=None,
     recorder=None,
+    follow: list[int] | None = None,
 ) -> Decoded:
     """Greedy decoding of B rows in one batch from `logits` (B, V) at the prompt's end, until every row is done.
 
@@ -182,11 +185,13 @@ def decode_together(
     `live`: the rows still in the batch (original indices, in batch order). positions(p, n) → (n, 1) RoPE positions
     of the next step at absolute position p; request(live) → the StatsRequest the step records; after_step(stats,
     live) after each forward (decode-time eviction); recorder(request, live) → the StatsRecorder to record with
-    (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes."""
+    (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. follow: teacher forcing —
+    every row is fed these tokens instead of its own (kvbench.engine.fidelity) and stops after len(follow)."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
-    tokens = logits.argmax(-1)  # (B,)
+    tokens = logits.argmax(-1) if follow is None else torch.full((n_rows,), follow[0], device=device)  # (B,)
     generated = [[int(t)] for t in tokens]
+    max_new_tokens = max_new_tokens if follow is None else len(follow)
     kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
     done = [False] * n_rows
     steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
@@ -195,8 +200,10 @@ def decode_together(
 
     def finished(row: int) -> bool:
         out = generated[row]
-        if len(out) >= max_new_tokens or out[-1] in engine.eos_ids:
+        if len(out) >= max_new_tokens or (follow is None and out[-1] in engine.eos_ids):
             return True
+        if follow is not None:
+            return False
         return bool(stop) and any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stop)
 
     live = list(range(n_rows))
@@ -217,7 +224,7 @@ def decode_together(
             logits = forward_batch(engine, tokens[:, None], positions(position, len(live)), cache)  # (B_live, V)
         after_step(stats, live)
         position, steps = position + 1, steps + 1
-        tokens = logits.argmax(-1)  # (B_live,)
+        tokens = logits.argmax(-1) if follow is None else torch.full_like(tokens, follow[steps])  # (B_live,)
         for i, row in enumerate(live):
             if not done[row]:  # finished rows still in the batch keep decoding; their output is masked out
                 generated[row].append(int(tokens[i]))
@@ -265,6 +272,12 @@ def batches(examples: list, batch_size: int, key) -> list[list]:
     for ex in examples:
         groups.setdefault(key(ex), []).append(ex)
     return [group[i : i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+
+
+def step_kv_bytes(gen: Generation) -> int:
+    """The cache bytes one decode step of this row reads: its batch's every row (the rows of a grid or of batched
+    examples), else its own."""
+    return getattr(gen, "batch_kv_bytes", 0) or gen.kv_bytes
 
 
 def batch_columns(gen: Generation) -> dict:

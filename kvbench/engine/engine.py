@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from kvbench import KvbenchError
+from kvbench.engine.bandwidth import weight_bytes
 from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.engine.slots import plain_layers, use_slots
 from kvbench.kernels.backend import backend
@@ -34,6 +35,8 @@ from kvbench.model.cache import (
     state_layers,
 )
 from kvbench.model.load import LoadedModel
+
+KEEP_LOGITS_BYTES = 64 * 2**20  # a row's kept distributions (fidelity) at most: 341 steps of a 49K vocabulary
 
 
 @dataclass
@@ -128,6 +131,7 @@ class Engine:
         cpu = backend("cpu") if lm.device.type == "cpu" else None
         if cpu is not None:  # the C kernels' first build (~1 s each, once per machine) before any timing; decode
             cpu.install(lm.model)  # steps row-independent (grids decode as one batch), and faster
+        self.weight_bytes = weight_bytes(lm.model)  # what every decode step reads besides the cache
         eos = lm.tokenizer.eos_token_id
         chat_ends = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
         vocab = lm.tokenizer.get_vocab()
@@ -228,6 +232,14 @@ class Engine:
         return Compressed(
             cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes, compression
         )
+
+    def logits_buffer(self, start: Compressed, max_new_tokens: int) -> torch.Tensor | None:
+        """(max_new_tokens, V) fp32 zeros for `decode`'s kept distributions (the fidelity columns read a row's own
+        decoding), allocated before the decode is measured; None past KEEP_LOGITS_BYTES."""
+        width = start.logits.numel()
+        if max_new_tokens * width * 4 > KEEP_LOGITS_BYTES:
+            return None
+        return torch.zeros(max_new_tokens, width, device=self.lm.device)  # (N, V)
 
     def window_layout(self, fed_tokens: int, max_new_tokens: int | None):
         """The layout at the most tokens this run feeds the cache (the prompt, the appended suffix and every decoded

@@ -7,19 +7,20 @@ from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ com
 `length_vs_full` (the row's generated tokens over the full cache's: eviction can lengthen a reasoning trace), and
 `fidelity_s`, the seconds these columns cost (the full cache's row: its reference distributions).
 
-Cost per example: the full cache's distributions once (one forward over its answer), shared by every configuration
-of the example; per compressed configuration its compression again from the shared prefill (compression is
-deterministic, so the cache is the one the row decoded from) and one forward over the answer's tokens. Caches a
-single multi-token forward would not reproduce exactly — quantized or otherwise custom layers, layers of different
-lengths, methods acting on decode steps — are fed token by token, as decoding feeds them; a row of those that kept
-its decoding's distributions (kvbench.engine.grid_decode: grid-batched or alone) and followed the full answer is read
-from them instead: the same tokens fed the same way, the same logits.
+Cost per example, nearly nothing where rows keep what they decoded from (a grid's rows and rows decoded one by one,
+`fidelity=true`): the full cache's decoding is teacher forcing along its own answer, so its kept distributions are the
+reference, and a row whose tokens followed that answer read its own. Only a row that left the answer pays: its
+compression again from the shared prefill (deterministic: the cache the row decoded from), then the answer fed
+through it — in one forward where that equals decoding (plain caches of one mask), else token by token as decoding
+feeds it (quantized or custom layers, methods acting on decode steps); token-by-token rows that can be rows of one grid
+batch (the CPU's row-independent kernels) are forced together, one step for all of them (`forced_rows`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -143,31 +144,71 @@ def add_columns(
 ) -> None:
     """Add the fidelity columns to `rows` (one per entry of `runs`, same order) of one example whose configurations
     share `prefill` (None: none shares one; a plain prefill is made when a reference is needed). The full cache's
-    answer is its row's; without a full row here (reused from the store) it is decoded once."""
+    answer is its row's, and its reference distributions the ones it decoded from when it kept them; without a full
+    row here (reused from the store) it is decoded once. Rows that followed the answer read their own decoding; the
+    others' caches are rebuilt and forced along the answer (`forced_rows`)."""
     full_run = next((r for r in runs if r.method.name == "full"), None)
     rebuild = [r for r in runs if r.source is not None and r.method.name != "full"]
     reference, start = None, time.perf_counter()
     if full_run is not None:
         answer = full_run.gen.token_ids
-    if rebuild or full_run is None:
+        reference = decoded_logits(full_run.gen, answer)  # its decoding is teacher forcing along its own answer
+    if rebuild and reference is None:
         full = build_method("full")
         prefill = prefill or engine.prefill(prompt_ids, StatsRequest())
         if full_run is None:
             start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
             answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
-        reference = (
-            compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens) if rebuild else None
-        )
+        reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
-    for row, run in zip(rows, runs):
-        start = time.perf_counter()
+    own = {i: decoded_logits(run.gen, answer) for i, run in enumerate(runs) if run in rebuild}
+    forced, forced_s = forced_rows(
+        [(i, runs[i]) for i, logits in own.items() if logits is None], suffix_ids, answer, max_new_tokens
+    )
+    for i, (row, run) in enumerate(zip(rows, runs)):
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
-        elif run.source is not None and reference is not None:
-            logits = decoded_logits(run.gen, answer)
-            if logits is None:  # the row left the answer (or kept nothing): its cache is rebuilt and forced along it
-                logits = compressed_logits(
-                    run.engine, run.source, run.method, run.budget, suffix_ids, answer, max_new_tokens
-                )
-            row.update(compare(reference, logits), fidelity_s=time.perf_counter() - start)
+        elif i in own and reference is not None:
+            start = time.perf_counter()
+            columns = compare(reference, own[i] if own[i] is not None else forced[i])
+            row.update(columns, fidelity_s=time.perf_counter() - start + forced_s.get(i, 0.0))
+
+
+def forced_rows(
+    todo: list[tuple[int, Ran]], suffix_ids: list[int], answer: list[int], max_new_tokens: int
+) -> tuple[dict[int, torch.Tensor], dict[int, float]]:
+    """The (n, V) distributions of rows that left the answer, their caches rebuilt and fed it, by row index, and
+    each one's seconds. Caches fed token by token that can be rows of one grid batch (kvbench.engine.grid_decode:
+    the CPU's row-independent kernels) are forced together, one step for all of them; one-forward caches and the
+    rest one by one."""
+    from kvbench.engine.grid_decode import decode_grid, decodes_in_grid
+    from kvbench.engine.slots import decode_kernels
+
+    def grid_rows(run: Ran, begun: Compressed) -> bool:  # bit for bit its forcing alone (kernels: row-independent)
+        return decode_kernels(run.engine.lm.model) and decodes_in_grid(run.method, begun)
+
+    logits: dict[int, torch.Tensor] = {}
+    seconds: dict[int, float] = {}
+    together: list[tuple[int, Compressed]] = []
+    for i, run in todo:
+        start = time.perf_counter()
+        source = replace(cast(Prefill, run.source), adopt=None)
+        begun = run.engine.compressed(source, run.method, run.budget, suffix_ids, max_new_tokens)
+        if run.engine is not todo[0][1].engine or one_forward(run.method, begun) or not grid_rows(run, begun):
+            logits[i] = forced_logits(run.engine, begun, run.method, answer)
+        else:
+            together.append((i, begun))
+        seconds[i] = time.perf_counter() - start
+    if len(together) == 1:
+        i, begun = together.pop()
+        start = time.perf_counter()
+        logits[i] = forced_logits(todo[0][1].engine, begun, dict(todo)[i].method, answer)
+        seconds[i] += time.perf_counter() - start
+    if together:
+        start = time.perf_counter()
+        gens = decode_grid(todo[0][1].engine, [b for _, b in together], len(answer), (), True, follow=answer)
+        share = (time.perf_counter() - start) / len(together)
+        for (i, _), gen in zip(together, gens):
+            logits[i], seconds[i] = torch.stack(gen.logits).float(), seconds[i] + share  # (n, V)
+    return logits, seconds

@@ -49,8 +49,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.engine.batched import BatchedGeneration, decode_together
-from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
-from kvbench.engine.fidelity import one_forward
+from kvbench.engine.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
 from kvbench.engine.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
@@ -59,7 +58,6 @@ from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
 
 MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
-KEEP_LOGITS_BYTES = 64 * 2**20  # a row's kept distributions (fidelity) at most: 341 steps of a 49K vocabulary
 # rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)
 MAX_ROWS = 16
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)
@@ -280,10 +278,16 @@ def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
 
 
 def decode_grid(
-    engine: Engine, starts: list[Compressed], max_new_tokens: int, stop: tuple[str, ...], keep_logits: bool = False
+    engine: Engine,
+    starts: list[Compressed],
+    max_new_tokens: int,
+    stop: tuple[str, ...],
+    keep_logits: bool = False,
+    follow: list[int] | None = None,
 ) -> list[BatchedGeneration]:
     """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; keep_logits:
-    every row keeps the distribution each of its tokens was read from."""
+    every row keeps the distribution each of its tokens was read from; follow: every row is fed these tokens
+    (teacher forcing, kvbench.engine.fidelity) instead of its own."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
@@ -332,6 +336,7 @@ def decode_grid(
         drop_rows=drop_rows,
         recorder=recorder,
         keep_logits=keep_logits,
+        follow=follow,
     )
     return [
         BatchedGeneration(
@@ -348,6 +353,7 @@ def decode_grid(
             peak_mem_delta_bytes=s.prefill_peak - s.baseline_bytes,
             batch_size=n_rows,
             decode_tokens_per_s=done.tokens_per_s,
+            batch_kv_bytes=sum(done.nbytes),
             latency_s=s.prefill_s + done.seconds[row],
         )
         for row, s in enumerate(starts)
@@ -365,10 +371,9 @@ def generate_grid(
     keep_logits: bool = False,
 ) -> list[Generation]:
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
-    padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: the rows whose fidelity pass
-    would feed an answer token by token (kvbench.engine.fidelity.one_forward is false: decode-time evictions,
-    quantized layers) keep their decoding's distributions, which that pass reproduces wherever the row followed the
-    full cache's answer — at most KEEP_LOGITS_BYTES a row. They change no measurement: a batched row's peak memory
+    padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: every row keeps its decoding's
+    distributions (at most KEEP_LOGITS_BYTES a row): the full cache's are the fidelity reference, and a row that
+    followed the full cache's answer reads its columns from its own (kvbench.engine.fidelity: no second pass). They change no measurement: a batched row's peak memory
     is its prefill's, and a row decoded alone keeps them in a buffer filled before its measurement starts."""
     device = engine.lm.device
     base = reset_peak(device)
@@ -378,8 +383,7 @@ def generate_grid(
         return max(0, reset_peak(device) - base)
 
     def alone(i: int) -> Generation:
-        width = starts[i].logits.numel()
-        buffer = torch.zeros(max_new_tokens, width, device=device) if keep[i] else None  # (N, V): in use before
+        buffer = engine.logits_buffer(starts[i], max_new_tokens) if keep[i] else None  # (N, V): in use before
         before = held()
         gen = engine.decode(starts[i], confs[i][0], max_new_tokens, stop, logits_buffer=buffer)
         gen.peak_mem_bytes = max(starts[i].prefill_peak, gen.peak_mem_bytes - before)
@@ -395,8 +399,7 @@ def generate_grid(
         start = engine.compressed(prefill, method, budget, suffix_ids, max_new_tokens)
         start.prefill_peak = max(prefill.peak_mem_bytes, start.prefill_peak - before)
         starts.append(start)
-        step_bytes = start.logits.numel() * 4  # one fp32 distribution
-        keep.append(keep_logits and not one_forward(method, start) and max_new_tokens * step_bytes <= KEEP_LOGITS_BYTES)
+        keep.append(keep_logits and max_new_tokens * start.logits.numel() * 4 <= KEEP_LOGITS_BYTES)
         if decodes_in_grid(method, start):
             together.append(i)
         else:

@@ -12,7 +12,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from kvbench.engine import fidelity, inline
-from kvbench.engine.batched import batch_columns
+from kvbench.engine.bandwidth import share_columns
+from kvbench.engine.batched import batch_columns, step_kv_bytes
 from kvbench.engine.engine import Engine, Generation
 from kvbench.engine.grid_decode import MAX_PADDING
 from kvbench.methods.modes import HooksPrefill
@@ -37,6 +38,7 @@ class RowContext:
     grid_padding: float = MAX_PADDING
     backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
     fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.engine.fidelity)
+    bandwidth: float = math.nan  # the machine's memory read bandwidth, bytes/s (kvbench.engine.bandwidth)
 
     @property
     def lm(self):
@@ -91,9 +93,17 @@ def generation_row(c: Configuration, ex: Example, ctx: RowContext, gen: Generati
         decode_s=gen.decode_s,
         decode_ms_per_token=gen.decode_ms_per_token,
         **batch_columns(gen),
+        **decode_share(ctx, gen.decode_s, gen.decode_steps, step_kv_bytes(gen)),
         **nominal_columns(c, gen),
         **task.score(gen.text, ex),
     )
+
+
+def decode_share(ctx: RowContext, decode_s: float, steps: int, kv_bytes: int) -> dict:
+    """`step_bytes` and `bandwidth_share` of a decoding row (kvbench.engine.bandwidth): the weights and the K/V one
+    step reads, at the row's step time, over the machine's bandwidth."""
+    step_s = decode_s / steps if steps else math.nan
+    return share_columns(ctx.engine.weight_bytes, kv_bytes, step_s, ctx.bandwidth)
 
 
 def nominal_columns(c: Configuration, gen: Generation) -> dict:
@@ -149,7 +159,9 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
             source = prefill
         else:
             source = own.prefill(prompt_ids, c.method.stats_request())
-        gen = own.generate(source, c.method, c.budget, suffix_ids, ex.max_new_tokens, ex.stop)
+        start = own.compressed(source, c.method, c.budget, suffix_ids, ex.max_new_tokens)  # Engine.generate, with
+        kept = own.logits_buffer(start, ex.max_new_tokens) if ctx.fidelity else None  # what fidelity reads
+        gen = own.decode(start, c.method, ex.max_new_tokens, ex.stop, logits_buffer=kept)
         rows.append(generation_row(c, ex, ctx, gen))
         runs.append(fidelity.Ran(c.method, c.budget, own, None if mode == "inline" else source, gen))
     if ctx.fidelity:
@@ -242,6 +254,7 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
                 prefill_s=gen.prefill_s,
                 decode_s=gen.decode_s,
                 decode_ms_per_token=1000 * gen.decode_s / gen.decode_steps if gen.decode_steps else math.nan,
+                **decode_share(ctx, gen.decode_s, gen.decode_steps, gen.kv_bytes),  # kvbench's weights' bytes
                 engine_version=gen.engine_version,
                 engine_extra=json.dumps(
                     {**gen.extra, "token_ids": gen.token_ids, **engine_parity(ctx, c, prompt, ex, gen)},

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.spec import RunSpec
+from kvbench.engine.bandwidth import memory_bandwidth
 from kvbench.engine.engine import Engine
 from kvbench.guide.diagnose_run import thresholds_for
 from kvbench.model.load import load_model
@@ -97,6 +98,8 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         if not examples:
             return pd.DataFrame()
     common = {"run_id": run_id, "seed": spec.seed, **provenance(lm.device), **modes.row_keys(spec)}
+    bandwidth = memory_bandwidth(lm.device)  # probed once per machine, cached
+    common["memory_bandwidth"] = bandwidth  # bytes/s: what each row's bandwidth_share is a share of
     common.update(engine=spec.engine_name, engine_version=version or common["kvbench_version"])
     ctx = RowContext(
         Engine(lm),
@@ -109,6 +112,7 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         grid_padding=grid_padding(spec),
         backend=backend,
         fidelity=spec.fidelity,
+        bandwidth=bandwidth,
     )
     facts = RunFacts(spec, type(task), tuple(c.method for c in confs), lm.layout.has_sliding, lm.layout.is_hybrid)
     if modes.batched(facts):

@@ -146,10 +146,9 @@ def test_fidelity_false_skips_the_columns(tmp_path):
 
 
 def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_ids):
-    """A grid's rows fed token by token (batched rows that evict while decoding, quantized rows decoded alone) keep
-    the distributions they decoded from; where a row followed the full cache's answer those are its columns (no
-    rebuild, no second pass), equal to what rebuilding the cache and forcing the answer gives. One-forward rows keep
-    nothing; a row decoded alone keeps them in one buffer allocated before its measurement."""
+    """A grid's rows keep the distributions they decoded from (a row decoded alone in one buffer allocated before its
+    measurement): the full cache's are the reference, and where a row followed the full cache's answer those are its
+    columns (no rebuild, no second pass), equal to what rebuilding the cache and forcing the answer gives."""
     from kvbench.engine.grid_decode import generate_grid
 
     prompt, question = prompt_ids[:-12], prompt_ids[-12:]
@@ -166,7 +165,7 @@ def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_
         request = request | method.stats_request()
     prefill = tiny_engine.prefill(prompt, request)
     gens = generate_grid(tiny_engine, prefill, confs, question, 10, max_padding=100.0, keep_logits=True)
-    assert [bool(g.logits) for g in gens] == [False, False, True, True, True, True]
+    assert all(len(g.logits) == len(g.token_ids) for g in gens)
     kivi = gens[5].logits
     assert all(step.untyped_storage().data_ptr() == kivi[0].untyped_storage().data_ptr() for step in kivi)
     answer = gens[0].token_ids
@@ -183,3 +182,26 @@ def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_
         assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-4, abs=1e-7)
         assert a["kl_max"] == pytest.approx(b["kl_max"], rel=1e-4, abs=1e-7)
         assert (a["top1_agreement"], a["fidelity_tokens"]) == (b["top1_agreement"], b["fidelity_tokens"])
+
+
+def test_rows_that_left_the_answer_are_forced_together_as_alone(tiny_engine, prompt_ids):
+    """Rows fed token by token that left the full answer are forced along it as one grid batch (the CPU's
+    row-independent kernels): each row's distributions are, bit for bit, its own forcing alone."""
+    from kvbench.engine.slots import decode_kernels
+
+    if not decode_kernels(tiny_engine.lm.model):
+        pytest.skip("no CPU decode kernels here: rows left the answer are forced one by one")
+    prompt, question = prompt_ids[:-12], prompt_ids[-12:]
+    confs = [(build("h2o", {}), Budget.parse(0.05)), (build("streamingllm", {}), Budget.parse(0.1))]
+    request = StatsRequest()
+    for method, _ in confs:
+        request = request | method.stats_request()
+    prefill = tiny_engine.prefill(prompt, request)
+    full = tiny_engine.generate(prefill, build("full", {}), None, question, 10)
+    answer = full.token_ids
+    runs = [fidelity.Ran(m, b, tiny_engine, prefill, tiny_engine.generate(prefill, m, b, question, 10)) for m, b in confs]
+    together, seconds = fidelity.forced_rows(list(enumerate(runs)), question, answer, 10)
+    assert set(together) == set(seconds) == {0, 1} and all(s > 0 for s in seconds.values())
+    for i, (method, budget) in enumerate(confs):
+        alone = fidelity.compressed_logits(tiny_engine, prefill, method, budget, question, answer, 10)
+        assert torch.equal(together[i], alone.float())

@@ -130,8 +130,9 @@ def test_a_single_method_run_decodes_each_configuration_alone(tmp_path, capsys):
         "decode_ms_per_token",
         "decode_tokens_per_s",
         "fidelity_s",
+        "bandwidth_share",
     }
-    measured = timings | {"latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
+    measured = timings | {"step_bytes", "latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
     assert [c for c in a.columns if c not in measured and not a[c].equals(b[c])] == []
     assert set(a.method) == {"full", "streamingllm"} and (a.batch_size == 1).all() and (b.batch_size == 2).all()
     assert "batch_ms_per_step" not in alone and "decode_ms_per_token" in alone
