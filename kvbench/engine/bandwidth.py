@@ -82,12 +82,14 @@ def memory_bandwidth(device: torch.device) -> float:
         except ValueError:
             value = math.nan
         if not value > 0 or math.isinf(value):
-            raise KvbenchError(f"KVBENCH_BANDWIDTH_GBS={setting!r} is not a positive number of GB/s; e.g. 4800 for an H200")
+            raise KvbenchError(
+                f"KVBENCH_BANDWIDTH_GBS={setting!r} is not a positive number of GB/s; e.g. 4800 for an H200"
+            )
         return value
     path, key = _cache_file(), machine_key(device)
     cached = read_cache(path)
     if key not in cached:
-        print(f"[kvbench] measuring this machine's memory bandwidth ({key}, under a second), cached in {path}", flush=True)
+        print(f"[kvbench] measuring this machine's memory bandwidth ({key}, under a second), cached in {path}")
         cached[key] = {"bytes_s": measure(device), "date": time.strftime("%Y-%m-%d")}
         try:
             from kvbench.store.results import write_atomic

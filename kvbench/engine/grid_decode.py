@@ -373,8 +373,9 @@ def generate_grid(
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
     padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: every row keeps its decoding's
     distributions (at most KEEP_LOGITS_BYTES a row): the full cache's are the fidelity reference, and a row that
-    followed the full cache's answer reads its columns from its own (kvbench.engine.fidelity: no second pass). They change no measurement: a batched row's peak memory
-    is its prefill's, and a row decoded alone keeps them in a buffer filled before its measurement starts."""
+    followed the full cache's answer reads its columns from its own (kvbench.engine.fidelity: no second pass).
+    They change no measurement: a batched row's peak memory is its prefill's, and a row decoded alone keeps them in a
+    buffer filled before its measurement starts."""
     device = engine.lm.device
     base = reset_peak(device)
 

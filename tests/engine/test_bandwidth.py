@@ -34,7 +34,7 @@ def test_a_setting_replaces_the_probe_and_bad_values_are_one_line(tmp_path, monk
     assert bandwidth.memory_bandwidth(torch.device("cpu")) == 4.8e12 and not (tmp_path / "bandwidth.json").exists()
     for bad in ("fast", "0", "-3", "inf"):
         monkeypatch.setenv("KVBENCH_BANDWIDTH_GBS", bad)
-        with pytest.raises(KvbenchError, match="KVBENCH_BANDWIDTH_GBS=.*positive number of GB/s"):
+        with pytest.raises(KvbenchError, match=r"KVBENCH_BANDWIDTH_GBS=.*positive number of GB/s"):
             bandwidth.memory_bandwidth(torch.device("cpu"))
     monkeypatch.delenv("KVBENCH_BANDWIDTH_GBS")
     (tmp_path / "bandwidth.json").write_text('{"x": {"bytes_s": -1}}')
