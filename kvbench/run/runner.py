@@ -134,7 +134,8 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         return frame  # the launcher's driver gathers the shards and writes the run's outputs
     if not len(frame) and work.failed:  # every configuration failed: no outputs to write, the failures named
         raise ConfigurationsFailed(failures_text(work.failed, rows=0))
-    finish_run(spec, frame, out_dir, store, len(work.computed), time.perf_counter() - started)
+    frame.attrs["work_s"] = time.perf_counter() - started  # the examples' work, the model loaded (kvbench.bench)
+    finish_run(spec, frame, out_dir, store, len(work.computed), frame.attrs["work_s"])
     if work.failed:
         raise ConfigurationsFailed(failures_text(work.failed, rows=len(frame)))
     return frame

@@ -1,0 +1,69 @@
+"""A grid decode step of B rows against one row's, and each one's share of the bandwidth bound.
+
+    python -m kvbench.bench decode [overrides]       # e.g. dtype=float32 'task.context_lengths=[8192]'
+
+On the task's longest example (default NIAH 4K), B copies of the full cache decode together
+(kvbench.engine.grid_decode; B = 1 decodes alone, as a single configuration's row does). Per B: the step time, its
+ratio to one row's, the issue's target (1 + 0.1·B), the bandwidth bound's own ratio — (weights + B × one row's K/V)
+over (weights + one row's K/V): what a step that only streams its bytes would cost — and the step's bandwidth share
+(kvbench.engine.bandwidth). A step far above the bound's ratio is overhead or compute; at it, the K/V read per row
+is the cost, and only holding fewer bytes (compression) makes it cheaper.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvbench.bench.common import compose, machine
+
+ROWS = (1, 2, 4, 8, 11, 16)
+STEPS = 12
+
+
+def step_seconds(engine, prefill, rows: int) -> float:
+    """One step of `rows` full-cache rows decoded together (alone for 1), best of two."""
+    from kvbench.engine.grid_decode import decode_grid
+    from kvbench.methods import build_method
+
+    full, best = build_method("full"), float("inf")
+    for _ in range(2):
+        starts = [engine.compressed(prefill, full, None, [], STEPS + 1) for _ in range(rows)]
+        start = time.perf_counter()
+        if rows == 1:
+            steps = engine.decode(starts[0], full, STEPS + 1).decode_steps
+        else:
+            steps = decode_grid(engine, starts, STEPS + 1, ())[0].decode_steps
+        best = min(best, (time.perf_counter() - start) / steps)
+    return best
+
+
+def main(overrides: list[str]) -> None:
+    from kvbench.engine.bandwidth import memory_bandwidth
+    from kvbench.engine.engine import Engine
+    from kvbench.model.attention import StatsRequest
+    from kvbench.model.load import load_model
+    from kvbench.run.check import check_run
+    from kvbench.tasks import build_task
+
+    spec, _ = check_run(compose(overrides, "method=full"))
+    lm = load_model(spec.model, spec.device, spec.dtype)
+    engine = Engine(lm)
+    example = max(build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples(), key=lambda e: e.n_tokens)
+    prompt, suffix = example.split(True)
+    prefill = engine.prefill(prompt + suffix, StatsRequest())
+    kv = engine.baselines(prefill.n_tokens)["kv_bytes_full"]
+    weights, bandwidth = engine.weight_bytes, memory_bandwidth(lm.device)
+    print(
+        f"decode benchmark: {lm.name} {str(lm.dtype).removeprefix('torch.')} on {machine(lm.device)}; "
+        f"{prefill.n_tokens} tokens: weights {weights / 1e6:.0f} MB, one row's K/V {kv / 1e6:.0f} MB; "
+        f"memory bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(f"{'rows':>4} {'ms/step':>8} {'× one row':>9} {'target':>6} {'bound':>6} {'bandwidth share':>15}")
+    one = step_seconds(engine, prefill, 1)
+    for rows in ROWS:
+        seconds = one if rows == 1 else step_seconds(engine, prefill, rows)
+        step_bytes = weights + rows * kv
+        print(
+            f"{rows:>4} {1000 * seconds:>8.1f} {seconds / one:>9.2f} {1 + 0.1 * rows:>6.2f} "
+            f"{step_bytes / (weights + kv):>6.2f} {step_bytes / seconds / bandwidth:>15.2f}"
+        )

@@ -1,0 +1,91 @@
+"""A grid's price: the default sweep against the full cache alone and against plain transformers, same prompts.
+
+    python -m kvbench.bench sweep [overrides]        # e.g. dtype=float32, task.context_lengths=[1024]
+
+Three passes in one process, each on the run's examples (default: NIAH 1K/2K/4K × 3 depths, 24 new tokens):
+- plain: transformers alone — the whole prompt through the model with its own DynamicCache, then a greedy loop
+  (the last position's logits, argmax, one token per forward), stopped where kvbench stops;
+- full: `python -m kvbench method=full`'s run (`runner.run`, a fresh store: nothing reused);
+- sweep: the default grid — full + SnapKV, PyramidKV, H2O, StreamingLLM, random × 0.25 / 0.5 — fidelity on.
+Prints each pass's seconds (the examples' work: the model loaded), sweep/full and full/plain, whether full's
+predictions are plain's, and where the sweep's time goes from its rows: fidelity's share and the grid's decode.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+
+from kvbench.bench.common import compose, machine
+
+GRID = ["grid.method=[snapkv,pyramidkv,h2o,streamingllm,random]", "grid.budget=[0.25,0.5]"]
+
+
+def plain_answers(lm, engine, examples) -> tuple[float, list[str]]:
+    """transformers on its own: prefill + greedy loop with its DynamicCache; seconds and each example's answer."""
+    from transformers import DynamicCache
+
+    answers, start = [], time.perf_counter()
+    with torch.inference_mode():
+        for ex in examples:
+            prompt, suffix = ex.split(True)
+            ids = torch.tensor([prompt + suffix], device=lm.device)  # (1, T)
+            cache = DynamicCache()
+            logits = lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            token = int(logits[0, -1].argmax())
+            out = [token]
+            while len(out) < ex.max_new_tokens and token not in engine.eos_ids:
+                if ex.stop and any(s in lm.tokenizer.decode(out, skip_special_tokens=True) for s in ex.stop):
+                    break
+                step = torch.tensor([[token]], device=lm.device)  # (1, 1)
+                token = int(lm.model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1].argmax())
+                out.append(token)
+            answers.append(engine.answer_text(out, ex.stop))
+    return time.perf_counter() - start, answers
+
+
+def timed_run(overrides: list[str], *extra: str):
+    """runner.run of the configuration in a fresh store: its rows (attrs["work_s"]: the examples' seconds)."""
+    from kvbench.run.runner import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return run(compose(overrides, f"results_dir={tmp}/store", *extra), output_dir=f"{tmp}/out")
+
+
+def main(overrides: list[str]) -> None:
+    from kvbench.engine.engine import Engine
+    from kvbench.model.load import load_model
+    from kvbench.run.check import check_run
+    from kvbench.tasks import build_task
+
+    spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads
+    lm = load_model(spec.model, spec.device, spec.dtype)
+    task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
+    examples = task.examples()[: spec.limit] if spec.limit else task.examples()
+    engine = Engine(lm)
+    print(f"sweep benchmark: {lm.name} {str(lm.dtype).removeprefix('torch.')} on {machine(lm.device)}")
+    plain_s, plain = plain_answers(lm, engine, examples)
+    del engine, lm
+    full = timed_run(overrides, "method=full")
+    sweep = timed_run(overrides, *GRID)
+    full_s, sweep_s = full.attrs["work_s"], sweep.attrs["work_s"]
+    by_id = dict(zip(full.example_id, full.prediction))
+    same = sum(by_id.get(ex.example_id) == answer for ex, answer in zip(examples, plain))
+    grid_rows = sweep[sweep.batch_size > 1]
+    print(f"{len(examples)} examples, {sweep.config_hash.nunique()} configurations in the sweep ({len(sweep)} rows)")
+    print(f"plain transformers   {plain_s:7.1f} s")
+    equal = f"predictions equal: {same}/{len(plain)}"
+    print(f"method=full          {full_s:7.1f} s   {full_s / plain_s:.3f}× plain; {equal}")
+    print(f"sweep, fidelity on   {sweep_s:7.1f} s   {sweep_s / full_s:.3f}× full")
+    fidelity_s = float(sweep.fidelity_s.sum()) if "fidelity_s" in sweep else 0.0
+    print(f"  fidelity columns   {fidelity_s:7.1f} s   {fidelity_s / sweep_s:.1%} of the sweep")
+    if len(grid_rows):
+        step = grid_rows.groupby("example_id").decode_ms_per_token.first()
+        alone = full.set_index("example_id").decode_ms_per_token.reindex(step.index)
+        print(
+            f"  grid decode        {len(grid_rows)} rows in batches of {int(grid_rows.batch_size.max())}: a step "
+            f"{(step / alone).mean():.2f}× the full cache's alone (mean over examples); bandwidth share "
+            f"{grid_rows.bandwidth_share.mean():.2f} (full alone {full.bandwidth_share.mean():.2f})"
+        )

@@ -1,0 +1,59 @@
+"""kvbench.bench: one door per benchmark, over the validated configuration (bad input: one line, exit 2); each
+benchmark runs on the tiny model and prints its ratios; the sweep benchmark's plain transformers loop gives
+kvbench's full-cache predictions."""
+
+import re
+
+import pytest
+
+from kvbench.bench import BENCHMARKS
+from kvbench.bench.__main__ import main
+
+TINY = [
+    "model=tiny-random",
+    "device=cpu",
+    "dtype=float32",
+    "task.context_lengths=[600]",
+    "task.depths=[0.3,0.7]",
+    "task.max_new_tokens=5",
+]
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["nope"], r"no benchmark 'nope'; choose one of sweep, decode, stats or all"),
+        (["stats", "dtype=float8"], r"dtype=float8 is not one of"),
+        (["decode", "bogus=["], r"\(overrides: bogus=\[\)"),
+        (["sweep", "method=nosuch"], r"nosuch"),
+        ([], r"usage: python -m kvbench.bench"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, line, capsys):
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    text = (out.err or out.out).strip()
+    assert re.search(line, text) and "Traceback" not in text
+    if argv:
+        assert len(out.err.strip().splitlines()) == 1
+
+
+def test_the_sweep_benchmark_prints_its_ratios_and_full_equals_plain(capsys, monkeypatch):
+    monkeypatch.setenv("KVBENCH_BANDWIDTH_GBS", "10")
+    assert main(["sweep", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"method=full +[\d.]+ s +[\d.]+× plain; predictions equal: 2/2", out)
+    assert re.search(r"sweep, fidelity on +[\d.]+ s +[\d.]+× full", out)
+    assert re.search(r"fidelity columns +[\d.]+ s +[\d.]+% of the sweep", out)
+    assert "11 configurations in the sweep (22 rows)" in out
+
+
+@pytest.mark.parametrize("name", ["decode", "stats"])
+def test_each_benchmark_runs_on_the_tiny_model(name, capsys, monkeypatch):
+    monkeypatch.setenv("KVBENCH_BANDWIDTH_GBS", "10")
+    assert main([name, *TINY]) == 0
+    out = capsys.readouterr().out
+    assert f"{name} benchmark: tiny-random float32 on cpu" in out
+    rows = re.findall(r"^ +(\d+) +[\d.]+ +([\d.]+) ", out, re.M) if name == "decode" else re.findall(r"× plain", out)
+    assert len(rows) == (6 if name == "decode" else 6)
+    assert set(BENCHMARKS) == {"sweep", "decode", "stats"}
