@@ -10,4 +10,10 @@ BACKENDS = Registry("engine")  # engine name -> Backend subclass
 
 from kvbench.backends import llamacpp, openvino, vllm  # noqa: E402,F401  (each registers itself)
 
-__all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest"]
+
+def listed() -> list[str]:
+    """The registered engines in the order messages and docs name them (each backend's `order`, then its name)."""
+    return sorted(BACKENDS.names(), key=lambda name: (BACKENDS.get(name).order, name))
+
+
+__all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest", "listed"]
