@@ -134,7 +134,8 @@ class LlamaCpp(Backend):
         """llama.cpp serves one sequence: each workload's requests in order, without then with its prompt cache (each
         request keeps the tokens the previous one's sequence starts with, as llama-server's `cache_prompt`; the first
         request of a pass starts cold). On a model with sliding-window layers it keeps nothing (cells left the window
-        as the sequence grew): hit rate 0. `kv_space` is not its: its context is its own."""
+        as the sequence grew; llama-server re-processes the prompt there too): hit rate 0. `kv_space` is not its: its
+        context is its own."""
         self.start(model_cfg, dtype)
         out = {}
         for workload, requests in traces.items():

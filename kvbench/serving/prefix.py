@@ -164,7 +164,7 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
     traces = {w: engine_requests(compose(task_overrides(args, w)), lm) for w in workloads}
     wired = {w: wire(requests) for w, (requests, _) in traces.items()}
     out = []
-    for name in args.engines:
+    for name in dict.fromkeys(args.engines):  # each engine once, in the order given
         backend = BACKENDS.get(name)()
         try:
             replies = backend.serve_prefix(model_cfg, dtype, wired, stop_ids, args.kv_space)
