@@ -1,13 +1,28 @@
 """Serving engines as kvbench backends (engine=<name>): each one module behind `base.Backend`, its engine in its own
-venv and worker process (`protocol.py`). Importing this package loads no engine and no torch."""
+venv and worker process (`protocol.py`). Importing this package loads no engine and no torch.
+
+Every module here but the workers is imported (an engine's module registers its Backend with `@BACKENDS.register`),
+so adding an engine is its module and its worker: no list to edit. A worker (`<name>_worker.py`) imports its engine
+and runs in the engine's venv only."""
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
 from kvbench.config.registry import Registry
 
 BACKENDS = Registry("engine")  # engine name -> Backend subclass
 
-from kvbench.backends import llamacpp, openvino, vllm  # noqa: E402,F401  (each registers itself)
+for _module in pkgutil.iter_modules(__path__):
+    if not _module.name.endswith("_worker"):
+        importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest"]
+
+def listed() -> list[str]:
+    """The registered engines in the order messages and docs name them (each backend's `order`, then its name)."""
+    return sorted(BACKENDS.names(), key=lambda name: (BACKENDS.get(name).order, name))
+
+
+__all__ = ["BACKENDS", "Backend", "EngineGeneration", "EngineRequest", "listed"]

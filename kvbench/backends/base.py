@@ -9,12 +9,21 @@ An engine's KV options are kvbench methods for that engine, named for what they 
 `sum` ...): `Backend.options` maps each name to the engine's own knobs; `full` is always the engine's uncompressed
 cache. Where an engine lets kvbench apply its own selection (llama.cpp's seq_rm), `Backend.applies` names the kvbench
 methods it can run inside the engine and at which granularity.
+
+The backend is the only door to its engine: kvbench's run (kvbench.run), serving trace (kvbench.serving), report
+(kvbench.report) and config loop over the registry (`kvbench.backends.BACKENDS`) and ask the class what they need —
+its options and refusals, its venv and make target, how it serves a trace (`serve`) and compares prefix caching
+(`serve_prefix`), its block size, and how the report names it. No module outside kvbench/backends names an engine
+(tests/test_engine_names.py).
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
+
+from kvbench import KvbenchError
 
 
 @dataclass
@@ -49,6 +58,21 @@ class Backend(abc.ABC):
     make_target: str  # "engine-<name>"
     options: dict[str, dict]  # kvbench method name -> the engine's knobs ({} for "full")
     applies: dict[str, str] = {}  # kvbench method name -> granularity note ("token positions, all layers and heads")
+    order: int = 100  # where lists of engines (messages, docs' tables) name it: by order, then by name
+
+    # how the report names it (kvbench.report.sections.engines)
+    label: str = ""  # its name in prose ("" : its engine name)
+    marker: str = "P"  # its marker on the plot of every engine (kvbench's own is "o")
+    baseline: str = "the model's dtype"  # what its `full` cache holds: the denominator of its kv_ratio
+
+    # serving a request trace (kvbench.serving.engines, `serve`): the options it serves one with, () for none
+    serving_options: tuple[str, ...] = ()
+    block_tokens: int = 1  # its KV block in tokens: a request takes whole blocks
+    tells_queue: bool = False  # its trace replies say when each request was scheduled, its preemptions and blocks
+
+    # prefix caching side by side (kvbench.serving.prefix, `serve_prefix`)
+    prefix_cache: bool = False  # it has a prefix cache to compare
+    tells_hits: bool = True  # its replies count the prompt tokens its prefix cache supplied
 
     info: dict = {}  # what the worker's start reported (`engine_version`, the model's shape)
 
@@ -57,6 +81,27 @@ class Backend(abc.ABC):
         """Whether `option` evicts tokens (it takes kvbench's budget): kvbench's methods applied inside the engine,
         unless a backend says otherwise for its own eviction options."""
         return option in cls.applies
+
+    @classmethod
+    def installed(cls) -> bool:
+        """Whether its venv is built (`make <make_target>`)."""
+        from kvbench.backends import source  # looked up at call time: tests stand in a machine without venvs
+
+        return source.venv_python(cls.venv).exists()
+
+    @classmethod
+    def element_bytes(cls, option: str) -> int | None:
+        """Bytes per K/V element of `option`'s cache, for the check that a KV budget holds one request before the
+        engine starts; None: the model's dtype (also an upper bound for a precision only the engine knows)."""
+        return None
+
+    @classmethod
+    def serving_need(cls, option: str, token_bytes: int, elements_per_token: int, tokens: int) -> int:
+        """Bytes of the engine's KV space one request of `tokens` tokens needs: whole blocks at the option's
+        precision (`token_bytes`: the model dtype's bytes per token; `elements_per_token`: its K/V elements)."""
+        per_element = cls.element_bytes(option)
+        token = token_bytes if per_element is None else elements_per_token * per_element
+        return math.ceil(tokens / cls.block_tokens) * cls.block_tokens * token
 
     @property
     def version(self) -> str:
@@ -76,3 +121,28 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    def serving_start(self, model_cfg: dict, dtype: str) -> None:
+        """Before the first `serve` of a serving run (closed by `close`): start the worker by default."""
+        self.start(model_cfg, dtype)
+
+    def serving_refusal(self, option: str, budget: float | None, requests: list[dict]) -> str:
+        """Why `option` would compute wrong tokens on this trace ("" when it would not): that option is not served,
+        in one line. `requests` as `serve` takes them."""
+        return ""
+
+    def serve(
+        self, option: str, budget: float | None, kv_budget: int, requests: list[dict], stop_ids: list[int]
+    ) -> tuple[dict, int]:
+        """Serve a request trace ({"id", "arrival_s", "prompt_ids", "max_new_tokens"} each) with the engine's own
+        continuous batching in `kv_budget` bytes of KV space: (the worker's serve_trace reply —
+        kvbench.backends.trace_driver's record, plus `engine_version` —, the bytes of one of its KV blocks)."""
+        raise KvbenchError(f"engine={self.name} serves no request trace")
+
+    def serve_prefix(
+        self, model_cfg: dict, dtype: str, traces: dict[str, list[dict]], stop_ids: list[int], kv_space: int
+    ) -> dict[str, tuple[dict, dict]]:
+        """Each workload's requests (as `serve` takes them) in order, each after the one before finished, without
+        then with the engine's prefix cache: {workload: (reply without, reply with)}, each reply's `requests` with
+        `tokens`, `arrival_s`, `first_token_s` and `cached_tokens`. `kv_space`: bytes, where the engine takes them."""
+        raise KvbenchError(f"engine={self.name} has no prefix cache to compare")

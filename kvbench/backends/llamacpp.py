@@ -36,6 +36,9 @@ def precision(type_k: str, type_v: str) -> dict:
 class LlamaCpp(Backend):
     venv = ".venv-llamacpp"
     make_target = "engine-llamacpp"
+    order = 1
+    label, marker, baseline = "llama.cpp", "^", "f16"
+    prefix_cache = True  # its prompt cache: the tokens kept in its one sequence (`reuse_prefix`)
     options = {
         "full": precision("f16", "f16"),
         "q8_0": precision("q8_0", "q8_0"),
@@ -124,6 +127,36 @@ class LlamaCpp(Backend):
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+    def serve_prefix(
+        self, model_cfg: dict, dtype: str, traces: dict[str, list[dict]], stop_ids: list[int], kv_space: int
+    ) -> dict[str, tuple[dict, dict]]:
+        """llama.cpp serves one sequence: each workload's requests in order, without then with its prompt cache (each
+        request keeps the tokens the previous one's sequence starts with, as llama-server's `cache_prompt`; the first
+        request of a pass starts cold). On a model with sliding-window layers it keeps nothing (cells left the window
+        as the sequence grew; llama-server re-processes the prompt there too): hit rate 0. `kv_space` is not its: its
+        context is its own."""
+        self.start(model_cfg, dtype)
+        out = {}
+        for workload, requests in traces.items():
+            replies = {}
+            for cached in (False, True):
+                gens = [
+                    self.generate(
+                        EngineRequest(r["prompt_ids"], r["max_new_tokens"], "full", stop_ids=stop_ids,
+                                      reuse_prefix=cached and i > 0)
+                    )
+                    for i, r in enumerate(requests)
+                ]  # fmt: skip
+                replies[cached] = {
+                    "requests": [
+                        {"tokens": g.token_ids, "arrival_s": 0.0, "first_token_s": g.prefill_s,
+                         "cached_tokens": g.extra["cached_tokens"]}
+                        for g in gens
+                    ]
+                }  # fmt: skip
+            out[workload] = (replies[False], replies[True])
+        return out
 
 
 def check_knobs(option: str, knobs: dict) -> None:

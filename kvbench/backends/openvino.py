@@ -68,6 +68,12 @@ class OpenvinoBackend(Backend):
     venv = ".venv-openvino"
     make_target = "engine-openvino"
     converter_venv = ".venv-ov-convert"
+    order = 3
+    label, marker = "OpenVINO", "D"
+    serving_options = ("full", "u8", "u4", "sum", "norm_sum")
+    block_tokens = BLOCK
+    prefix_cache = True  # enable_prefix_caching
+    tells_hits = False  # the pipeline does not say how many prompt tokens its prefix cache supplied
     options = {
         "full": {},
         "u8": {"kv_cache_precision": "u8"},
@@ -88,6 +94,7 @@ class OpenvinoBackend(Backend):
         self.shape: CacheShape | None = None
         self.precision = "f32"
         self.info: dict = {}
+        self.serving_blocks: dict[str, int] = {}  # option -> bytes per block (u8/u4: one probe pipeline each)
 
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
@@ -238,6 +245,74 @@ class OpenvinoBackend(Backend):
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+
+    def block_bytes(self, option: str) -> int:
+        """Bytes of one 32-token block at the option's KV precision: the model dtype's, or for u8/u4 the engine's
+        own block (scales and zero points included; u4 data counted at half a byte, as `generate` counts it)."""
+        if self.shape is None or self.worker is None:
+            raise KvbenchError("OpenvinoBackend.block_bytes before start()")
+        elements = BLOCK * self.shape.elements_per_token()  # K and V elements of one block, all layers
+        precision = self.options[option].get("kv_cache_precision")
+        if precision is None:
+            return int(elements * BYTES[self.precision])
+        if option not in self.serving_blocks:
+            engine_block = int(self.worker.request("block_bytes", knobs=self.options[option])["engine_block_bytes"])
+            if engine_block <= elements // 2:
+                raise KvbenchError(f"OpenVINO reported {engine_block} bytes per KV block for {option}: not a block")
+            self.serving_blocks[option] = engine_block - (elements // 2 if precision == "u4" else 0)
+        return self.serving_blocks[option]
+
+    def trace_knobs(self, option: str, budget: float | None, requests: list[dict]) -> tuple[EngineRequest, dict]:
+        """The trace's longest request as a probe, and the option's knobs for it (an eviction's max_cache_size from
+        the budget and that request)."""
+        longest = max(requests, key=lambda r: len(r["prompt_ids"]))
+        probe = EngineRequest([0] * len(longest["prompt_ids"]), longest["max_new_tokens"], option, budget=budget)
+        return probe, self.knobs(probe)
+
+    def serving_refusal(self, option: str, budget: float | None, requests: list[dict]) -> str:
+        """An eviction option that would break a model's sliding-window layers (`sliding_window_break`), checked on
+        the longest request."""
+        return self.sliding_window_break(*self.trace_knobs(option, budget, requests))
+
+    def serve(
+        self, option: str, budget: float | None, kv_budget: int, requests: list[dict], stop_ids: list[int]
+    ) -> tuple[dict, int]:
+        """The ContinuousBatchingPipeline (the model's IR compiled anew per trace: each its own block count and
+        knobs) in `num_kv_blocks` = budget // the option's bytes per block (`block_bytes`). It does not say which
+        requests it scheduled, nor their preemptions and blocks (`tells_queue` False)."""
+        knobs = self.trace_knobs(option, budget, requests)[1]
+        block = self.block_bytes(option)
+        assert self.worker is not None
+        reply = self.worker.request(
+            "serve_trace", requests=requests, stop_ids=list(stop_ids), knobs=knobs, kv_blocks=int(kv_budget) // block
+        )
+        reply["engine_version"] = self.version
+        reply["knobs"] = knobs
+        return reply, block
+
+    def serve_prefix(
+        self, model_cfg: dict, dtype: str, traces: dict[str, list[dict]], stop_ids: list[int], kv_space: int
+    ) -> dict[str, tuple[dict, dict]]:
+        """One worker, its pipeline built per trace in its own fixed KV space (`kv_blocks`, not `kv_space`), with
+        and without `enable_prefix_caching`; its eviction and its prefix cache do not combine."""
+        self.start(model_cfg, dtype)
+        assert self.worker is not None
+        out = {}
+        for workload, requests in traces.items():
+            without, with_cache = (
+                self.worker.request(
+                    "serve_trace",
+                    requests=requests,
+                    stop_ids=stop_ids,
+                    knobs={},
+                    kv_blocks=self.kv_blocks,
+                    prefix_caching=cached,
+                    sequential=True,
+                )
+                for cached in (False, True)
+            )
+            out[workload] = (without, with_cache)
+        return out
 
 
 def ir_problem(folder: Path) -> str:

@@ -59,6 +59,12 @@ class VllmBackend(Backend):
     name = "vllm"
     venv = ".venv-vllm"
     make_target = "engine-vllm"
+    order = 2
+    label, marker = "vLLM", "s"
+    serving_options = ("full", *GOOD)
+    block_tokens = 16  # its KV block on the CPU
+    tells_queue = True  # read from its scheduler after every step
+    prefix_cache = True  # automatic prefix caching (enable_prefix_caching); its num_cached_tokens are the hits
     options = {
         "full": {},
         "fp8": {"kv_cache_dtype": "fp8"},
@@ -74,6 +80,10 @@ class VllmBackend(Backend):
         self.model_dir: Path | None = None
         self.dtype = "auto"
         self.full_runs: dict[tuple, list[int]] = {}  # (prompt, max_new) -> full tokens, for the garbage check
+
+    @classmethod
+    def element_bytes(cls, option: str) -> int | None:
+        return 1 if option in GOOD else None  # the fp8 kinds: a byte per element; full: the model's dtype
 
     def unavailable(self, model_cfg: dict, option: str) -> str | None:
         if option not in self.options:
@@ -187,6 +197,47 @@ class VllmBackend(Backend):
         for worker, _ in self.workers.values():
             worker.close()
         self.workers.clear()
+
+    def serving_start(self, model_cfg: dict, dtype: str) -> None:
+        """Nothing starts yet: each `serve` starts a worker of its own KV space (fixed when vLLM starts)."""
+        self.serving_model = (model_cfg, dtype)
+
+    def serve(
+        self, option: str, budget: float | None, kv_budget: int, requests: list[dict], stop_ids: list[int]
+    ) -> tuple[dict, int]:
+        """One worker whose whole KV space is the budget (`kv_cache_memory_bytes`: its block pool holds budget // its
+        bytes per block blocks; fp8 blocks are half the size, so twice as many) serves the trace; vLLM's scheduler
+        batches, chunks prefills and preempts by its own rules."""
+        longest = max(len(r["prompt_ids"]) + r["max_new_tokens"] for r in requests)
+        self.close()
+        self.kv_space = int(kv_budget)
+        self.max_model_len = math.ceil((longest + 1) / self.block_tokens) * self.block_tokens
+        try:
+            self.start(*self.serving_model)
+            worker, info = self.worker(self.options[option].get("kv_cache_dtype", "auto"), False)
+            reply = worker.request("serve_trace", requests=requests, stop_ids=list(stop_ids))
+        finally:
+            self.close()
+        reply["engine_version"] = info["engine_version"]
+        return reply, int(reply["block_bytes"])
+
+    def serve_prefix(
+        self, model_cfg: dict, dtype: str, traces: dict[str, list[dict]], stop_ids: list[int], kv_space: int
+    ) -> dict[str, tuple[dict, dict]]:
+        """One worker per cache setting (kept across workloads, its prefix cache reset before each trace), in
+        `kv_space` bytes; the hits are vLLM's own `num_cached_tokens`."""
+        longest = max(len(r["prompt_ids"]) + r["max_new_tokens"] for requests in traces.values() for r in requests)
+        self.kv_space = kv_space
+        self.max_model_len = math.ceil((longest + 1) / self.block_tokens) * self.block_tokens
+        self.start(model_cfg, dtype)
+        out = {}
+        for workload, requests in traces.items():
+            replies = {}
+            for cached in (False, True):
+                worker, _ = self.worker("auto", cached)
+                replies[cached] = worker.request("serve_trace", requests=requests, stop_ids=stop_ids, sequential=True)
+            out[workload] = (replies[False], replies[True])
+        return out
 
 
 def hybrid_bytes(info: dict, group_pages: list[int], held: int) -> tuple[int, int]:

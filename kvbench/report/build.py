@@ -136,7 +136,7 @@ def build_report(paths: list[Path], out_dir: Path, tolerance: float) -> list[Pat
     loaded = with_experiment_labels(load_rows(paths))
     # one line per configuration variant: kivi bits=2 and bits=4 are different curves, each with its own colour
     loaded = loaded.assign(method=with_variants(loaded)["variant"])
-    loaded = loaded.assign(method=engine_labels(loaded))  # several engines: `q8_0 @llamacpp`, each its own curve
+    loaded = loaded.assign(method=engine_labels(loaded))  # several engines: `<option> @<engine>`, each its own curve
     rows = averaged(loaded)  # a serving engine's garbage rows are shown apart (sections/engines.py), never averaged
     summary = summarize(rows)
     knee = knees(summary, tolerance)

@@ -30,8 +30,8 @@ PRECISION = Capabilities(family="precision", has_budget=False)
 @dataclass(frozen=True)
 class EngineOption:
     """What stands for a method in a configuration run by a serving engine (kvbench.backends): one of the engine's
-    own KV options (`q8_0`, `fp8_e5m2`, `sum`) or a kvbench method it applies inside the engine (`streamingllm` on
-    llama.cpp), with the engine knobs the run overrides. `caps.has_budget`: it evicts, with kvbench's budget."""
+    own KV options (`Backend.options`) or a kvbench method it applies inside the engine (`Backend.applies`), with the
+    engine knobs the run overrides. `caps.has_budget`: it evicts, with kvbench's budget."""
 
     name: str
     knobs: tuple = ()  # (knob, value) pairs the run sets beyond the option's own

@@ -8,8 +8,8 @@ metrics.py    per-request and per-run figures (TTFT, TPOT, percentiles, goodput 
 predict.py    the capacity planner's concurrency and tokens/s for the same model, budget and method
 run.py        one trace × every configuration × every KV budget → rows; `python -m kvbench.serving`
               (`python -m kvbench +experiment=serving` routes here)
-engines.py    the same trace through vLLM's and OpenVINO's continuous batching (their workers' serve_trace op)
-prefix.py     prefix caching side by side: kvbench vs vLLM vs OpenVINO (`python -m kvbench.serving.prefix`)
+engines.py    the same trace through serving engines' continuous batching (kvbench.backends: Backend.serve)
+prefix.py     prefix caching side by side: kvbench vs the engines' (`python -m kvbench.serving.prefix`)
 """
 
 from kvbench import KvbenchError

@@ -1,15 +1,12 @@
-"""The same trace served by real engines' continuous batching under the same KV budget (`serving.engines`): vLLM's
-CPU build and OpenVINO GenAI's ContinuousBatchingPipeline, each in its own venv and worker process
-(kvbench.backends; the worker's `serve_trace` op drives the engine on the trace's clock:
-kvbench.backends.trace_driver).
+"""The same trace served by real engines' continuous batching under the same KV budget (`serving.engines`): every
+engine of kvbench.backends whose Backend lists `serving_options`, each in its own venv and worker process (the
+worker's `serve_trace` op drives the engine on the trace's clock: kvbench.backends.trace_driver).
 
-The KV budget becomes the engine's whole KV space: vLLM's `kv_cache_memory_bytes` (its block pool holds
-budget // its bytes per block blocks; fp8 blocks are half the size, so twice as many), OpenVINO's `num_kv_blocks` =
-budget // (32 tokens × the model's K/V elements per token × the KV precision's bytes). Each engine schedules,
-batches, chunks prefills and preempts by its own rules. Rows are kvbench's own (kvbench.serving.metrics), with
-`engine` and `method` = `<engine>:<option>`; what an engine does not tell is NaN: OpenVINO's queueing time,
-preemptions and per-request blocks; vLLM's are read from its scheduler after every step. Scores: the engine's
-greedy ids as text, cut as kvbench cuts its own (Engine.answer_text), scored by the task.
+The KV budget becomes the engine's whole KV space (`Backend.serve` says how: a byte budget, or a block count of
+the option's own block bytes). Each engine schedules, batches, chunks prefills and preempts by its own rules. Rows
+are kvbench's own (kvbench.serving.metrics), with `engine` and `method` = `<engine>:<option>`; what an engine does
+not tell is NaN (`Backend.tells_queue` False: queueing time, preemptions and per-request blocks). Scores: the
+engine's greedy ids as text, cut as kvbench cuts its own (Engine.answer_text), scored by the task.
 """
 
 from __future__ import annotations
@@ -22,27 +19,27 @@ from typing import Any
 from kvbench import KvbenchError
 from kvbench.serving import OutputFailed
 
-# engine -> the options it serves a trace with (its Backend's options)
-SERVING_OPTIONS = {"vllm": ("full", "fp8", "fp8_e4m3", "fp8_e5m2"), "openvino": ("full", "u8", "u4", "sum", "norm_sum")}
-BLOCK_TOKENS = {"vllm": 16, "openvino": 32}  # the engines' KV blocks on the CPU, in tokens
-# bytes per K/V element, for the check that a budget holds one request before any engine starts. None: the model's
-# dtype — also for OpenVINO's u8/u4, whose scales and zero points the engine alone knows (an upper bound here; the
-# served block count comes from the engine's own block bytes: OpenvinoServer.block_bytes)
-KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+def servers() -> list[str]:
+    """The engines that serve a trace (their Backend's `serving_options`), in the order messages name them."""
+    from kvbench.backends import BACKENDS, listed
+
+    return [name for name in listed() if BACKENDS.get(name).serving_options]
 
 
 def check_engines(value) -> dict[str, tuple[str, ...]]:
     """`serving.engines`: null, or a list of `<engine>:<option>`, each an option the engine serves a trace with;
     returns {engine: (option, ...)} in the order given."""
-    from kvbench.backends.source import venv_python
+    from kvbench.backends import BACKENDS
 
     if value is None or value == [] or value == {}:
         return {}
     if isinstance(value, str):
         value = [value]
     if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.count(":") == 1 for v in value)):
+        example = ",".join(f"{name}:{o}" for name in servers()[:1] for o in BACKENDS.get(name).serving_options[:2])
         raise KvbenchError(
-            f"serving.engines={value!r} must be a list of <engine>:<option>; use 'serving.engines=[vllm:full,vllm:fp8]'"
+            f"serving.engines={value!r} must be a list of <engine>:<option>; use 'serving.engines=[{example}]'"
         )
     grouped: dict[str, list[str]] = {}
     for entry in value:
@@ -50,18 +47,18 @@ def check_engines(value) -> dict[str, tuple[str, ...]]:
         grouped.setdefault(name, []).append(option)
     out = {}
     for name, options in grouped.items():
-        if name not in SERVING_OPTIONS:
-            raise KvbenchError(f"serving.engines: {name} is no serving engine; use {' or '.join(SERVING_OPTIONS)}")
-        bad = [o for o in options if o not in SERVING_OPTIONS[name]]
+        if name not in servers():
+            raise KvbenchError(f"serving.engines: {name} is no serving engine; use {' or '.join(servers())}")
+        backend = BACKENDS.get(name)
+        bad = [o for o in options if o not in backend.serving_options]
         if bad:
             raise KvbenchError(
                 f"serving.engines: {name}:{bad[0]} is not an option {name} serves a trace with; use one of "
-                + ", ".join(f"{name}:{o}" for o in SERVING_OPTIONS[name])
+                + ", ".join(f"{name}:{o}" for o in backend.serving_options)
             )
-        venv = {"vllm": ".venv-vllm", "openvino": ".venv-openvino"}[name]
-        if not venv_python(venv).exists():
+        if not backend.installed():
             raise KvbenchError(
-                f"serving.engines: {name} needs {venv}: run `make engine-{name}`, or serve without it "
+                f"serving.engines: {name} needs {backend.venv}: run `make {backend.make_target}`, or serve without it "
                 f"(serving.engines=null: kvbench's own scheduler only)"
             )
         out[name] = tuple(options)
@@ -70,10 +67,10 @@ def check_engines(value) -> dict[str, tuple[str, ...]]:
 
 def engine_need(engine: str, option: str, token_bytes_model: int, elements_per_token: int, tokens: int) -> int:
     """Bytes of the engine's KV space one request of `tokens` tokens needs: whole blocks at the option's
-    precision."""
-    per_element = KV_BYTES.get(option)
-    token = token_bytes_model if per_element is None else elements_per_token * per_element
-    return math.ceil(tokens / BLOCK_TOKENS[engine]) * BLOCK_TOKENS[engine] * token
+    precision (`Backend.serving_need`)."""
+    from kvbench.backends import BACKENDS
+
+    return BACKENDS.get(engine).serving_need(option, token_bytes_model, elements_per_token, tokens)
 
 
 def check_engine_budgets(engines: dict, shape, budgets, prompt: int, output: int) -> None:
@@ -137,84 +134,6 @@ def result_of(requests, reply: dict, block_bytes: int, knows_queue: bool):
     )
 
 
-def serve_vllm(model_cfg: dict, dtype: str, option: str, kv_budget: int, requests, stop_ids, max_len: int, **kw):
-    """One vLLM worker with `kv_budget` bytes of KV space serves the trace (prefix caching per `prefix_caching`)."""
-    from kvbench.backends.vllm import VllmBackend
-
-    backend = VllmBackend(kv_cache_memory_bytes=int(kv_budget), max_model_len=max_len)
-    backend.start(model_cfg, dtype)
-    try:
-        kv_dtype = backend.options[option].get("kv_cache_dtype", "auto")
-        worker, info = backend.worker(kv_dtype, bool(kw.pop("prefix_caching", False)))
-        reply = worker.request("serve_trace", requests=wire(requests), stop_ids=list(stop_ids), **kw)
-    finally:
-        backend.close()
-    reply["engine_version"] = info["engine_version"]
-    return reply, int(reply["block_bytes"])
-
-
-class OpenvinoServer:
-    """One OpenVINO worker (the model's IR compiled anew per served trace: each its own block count and knobs)."""
-
-    def __init__(self, model_cfg: dict, dtype: str):
-        from kvbench.backends.openvino import OpenvinoBackend
-
-        self.backend = OpenvinoBackend()
-        self.blocks: dict[str, int] = {}  # option -> bytes per block (u8/u4: one probe pipeline each)
-        try:
-            self.backend.start(model_cfg, dtype)
-        except BaseException:
-            self.backend.close()  # a worker whose start failed would otherwise live on, holding the model
-            raise
-
-    def block_bytes(self, option: str) -> int:
-        """Bytes of one 32-token block at the option's KV precision: the model dtype's, or for u8/u4 the engine's
-        own block (scales and zero points included; u4 data counted at half a byte, as engine=openvino counts it)."""
-        from kvbench.backends.openvino import BLOCK, BYTES
-
-        assert self.backend.shape is not None and self.backend.worker is not None
-        elements = BLOCK * self.backend.shape.elements_per_token()  # K and V elements of one block, all layers
-        precision = self.backend.options[option].get("kv_cache_precision")
-        if precision is None:
-            return int(elements * BYTES[self.backend.precision])
-        if option not in self.blocks:
-            engine_block = int(
-                self.backend.worker.request("block_bytes", knobs=self.backend.options[option])["engine_block_bytes"]
-            )
-            if engine_block <= elements // 2:
-                raise KvbenchError(f"OpenVINO reported {engine_block} bytes per KV block for {option}: not a block")
-            self.blocks[option] = engine_block - (elements // 2 if precision == "u4" else 0)
-        return self.blocks[option]
-
-    def refusal(self, option: str, budget: float | None, requests) -> str:
-        """Why an eviction option would compute wrong tokens on this model ("" when it would not): OpenVINO evicts
-        sliding-window layers too (OpenvinoBackend.sliding_window_break), checked on the longest request."""
-        from kvbench.backends.base import EngineRequest
-
-        longest = max(requests, key=lambda r: r.prompt_tokens)
-        probe = EngineRequest([0] * longest.prompt_tokens, longest.max_new_tokens, option, budget=budget)
-        return self.backend.sliding_window_break(probe, self.backend.knobs(probe))
-
-    def serve(self, option: str, budget: float | None, kv_budget: int, requests, stop_ids, **kw):
-        from kvbench.backends.base import EngineRequest
-
-        longest = max(requests, key=lambda r: r.prompt_tokens)
-        probe = EngineRequest([0] * longest.prompt_tokens, longest.max_new_tokens, option, budget=budget)
-        knobs = self.backend.knobs(probe)  # eviction: max_cache_size from the budget and the longest request
-        block = self.block_bytes(option)
-        kv_blocks = int(kv_budget) // block
-        assert self.backend.worker is not None
-        reply = self.backend.worker.request(
-            "serve_trace", requests=wire(requests), stop_ids=list(stop_ids), knobs=knobs, kv_blocks=kv_blocks, **kw
-        )
-        reply["engine_version"] = self.backend.version
-        reply["knobs"] = knobs
-        return reply, block
-
-    def close(self) -> None:
-        self.backend.close()
-
-
 def serve_engines(
     ctx, engines: dict, requests, kv_budgets, confs, on_served: Callable[..., None] | None = None
 ) -> tuple[list[tuple[str, str, float, int, Any, dict]], list[str]]:
@@ -223,51 +142,51 @@ def serve_engines(
     from there with one line, so the other engines and kvbench's own rows are still written; `skipped` holds those
     lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with.
     `on_served(*run)` is called with each run as it ends (so that it is written before the next one starts)."""
+    from kvbench.backends import BACKENDS
     from kvbench.config.rules import plain
 
     cfg, lm, engine = ctx
-    model_cfg, dtype = dict(plain(cfg.model)), str(lm.dtype).removeprefix("torch.")
+    model = (dict(plain(cfg.model)), str(lm.dtype).removeprefix("torch."))
     stop_ids = sorted(int(t) for t in engine.eos_ids if isinstance(t, int))
-    longest = max(r.prompt_tokens + r.max_new_tokens for r in requests)
-    max_len = math.ceil((longest + 1) / BLOCK_TOKENS["vllm"]) * BLOCK_TOKENS["vllm"]
     evict_budget = next((c.budget_value for c in confs if c.budget is not None), 0.25)
+    trace = wire(requests)
     out: list[tuple[str, str, float, int, Any, dict]] = []
     skipped: list[str] = []
     for name, options in engines.items():
-        server = None
-        option, served = options[0], 0
+        backend = BACKENDS.get(name)()
+        progress = {"option": options[0], "served": 0}  # the option being served, and its KV budgets done
         try:
-            server = OpenvinoServer(model_cfg, dtype) if name == "openvino" else None
+            backend.serving_start(*model)
             for option in options:
-                budget = evict_budget if option in ("sum", "norm_sum") else None
-                served = 0  # KV budgets of this option done
-                refused = server.refusal(option, budget, requests) if server is not None else ""
+                progress.update(option=option, served=0)
+                budget = evict_budget if backend.evicts(option) else None
+                refused = backend.serving_refusal(option, budget, trace)
                 if refused:
                     skipped.append(f"{name}:{option} not served: {refused}")
                     print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
                     continue
                 for kv_budget in kv_budgets:
                     print(f"[serving] {name}:{option} at {kv_budget / 1e6:.1f} MB ...", file=sys.stderr, flush=True)
-                    if server is not None:
-                        reply, block_bytes = server.serve(option, budget, kv_budget, requests, stop_ids)
-                    else:
-                        reply, block_bytes = serve_vllm(
-                            model_cfg, dtype, option, kv_budget, requests, stop_ids, max_len
-                        )
-                    result = result_of(requests, reply, block_bytes, knows_queue=name == "vllm")
+                    reply, block_bytes = backend.serve(option, budget, kv_budget, trace, stop_ids)
+                    result = result_of(requests, reply, block_bytes, knows_queue=backend.tells_queue)
                     out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
-                    served += 1
+                    progress["served"] += 1
                     if on_served is not None:
                         on_served(*out[-1])
         except OutputFailed:
             raise
         except KvbenchError as e:
-            left = [f"{name}:{o}" for o in options[options.index(option) :]]
-            if served:
-                left[0] += f" at {len(kv_budgets) - served} of {len(kv_budgets)} KV budgets"
-            skipped.append(f"{name} skipped ({', '.join(left)} not served): {e}")
+            skipped.append(skipped_line(name, options, progress, len(kv_budgets), e))
             print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
         finally:
-            if server is not None:
-                server.close()
+            backend.close()
     return out, skipped
+
+
+def skipped_line(name: str, options, progress: dict, budgets: int, error: KvbenchError) -> str:
+    """The line naming an engine that failed and what it left: the option it was at (and its KV budgets left), the
+    options after it."""
+    left = [f"{name}:{o}" for o in options[options.index(progress["option"]) :]]
+    if progress["served"]:
+        left[0] += f" at {budgets - progress['served']} of {budgets} KV budgets"
+    return f"{name} skipped ({', '.join(left)} not served): {error}"

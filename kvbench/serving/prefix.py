@@ -1,23 +1,20 @@
 """Prefix caching side by side: the shared-prefix workloads (`shared_doc`, `multiturn`, `system_prompt`:
-kvbench/tasks/shared_prefix.py) through kvbench's prefix cache, vLLM's automatic prefix caching and OpenVINO
-GenAI's `enable_prefix_caching` and llama.cpp's prompt cache (the previous request's tokens this prompt starts with
-kept in its one sequence, as llama-server's `cache_prompt`: kvbench.backends.llamacpp_worker), each with and
-without its cache, requests in order (each after the one before finished: a chat's turns need it, and a request's
-TTFT is then its own prefill).
+kvbench/tasks/shared_prefix.py) through kvbench's prefix cache and every engine of kvbench.backends with one
+(`Backend.prefix_cache`; each engine's `serve_prefix` says what it keeps), each with and without its cache, requests
+in order (each after the one before finished: a chat's turns need it, and a request's TTFT is then its own prefill).
 
     python -m kvbench.serving.prefix                                   # smollm2-135m, the three workloads
-    python -m kvbench.serving.prefix --model gemma3-270m --requests 4 --context 512 --engines vllm
+    python -m kvbench.serving.prefix --model gemma3-270m --requests 4 --context 512 --engines <engine>
 
 Per workload × system: requests, prompt tokens, hit rate (prompt tokens the cache supplied / prompt tokens; kvbench:
-its `reused_tokens`, vLLM: its `num_cached_tokens`, llama.cpp: the tokens kept; OpenVINO does not say: NaN), total
-TTFT without and with the cache and their ratio, whether every answer is the same token string as without the cache,
+its `reused_tokens`, an engine: what it reports, NaN where it does not say: `Backend.tells_hits`), total TTFT
+without and with the cache and their ratio, whether every answer is the same token string as without the cache,
 and the score. Then compression and reuse: kvbench's `reuse=compress_once` (SnapKV compresses the shared context
 once and answers every request from it) against `per_question` (every request compresses its whole prompt beside the
-cached pages), with its TTFT ratio, bytes held and score; the engines cannot reuse a compressed prefix (vLLM's
-blocks are the uncompressed tokens; OpenVINO's eviction and its prefix cache do not combine; llama.cpp's kept tokens
-are the uncompressed sequence), so they have no such row. On a model with sliding-window layers llama.cpp keeps
-nothing (cells left the window as the sequence grew; llama-server re-processes the prompt there too): hit rate 0.
-Timings are ratios within one run of one machine. Writes `prefix_serving.parquet` (+ `.md`) into --out.
+cached pages), with its TTFT ratio, bytes held and score; the engines cannot reuse a compressed prefix (their
+cached blocks or kept tokens are the uncompressed sequence, or their eviction and prefix cache do not combine), so
+they have no such row. Timings are ratios within one run of one machine. Writes `prefix_serving.parquet` (+ `.md`)
+into --out.
 """
 
 from __future__ import annotations
@@ -119,7 +116,7 @@ def engine_requests(cfg, lm):
 
 
 def engine_row(workload, name, requests, task, engine, without: dict, with_cache: dict, hits: bool = True) -> dict:
-    """`hits`: the engine reports the prompt tokens its cache supplied (OpenVINO does not)."""
+    """`hits`: the engine reports the prompt tokens its cache supplied (`Backend.tells_hits`)."""
 
     def ttft(reply):
         return sum(r["first_token_s"] - r["arrival_s"] for r in reply["requests"])
@@ -142,11 +139,17 @@ def engine_row(workload, name, requests, task, engine, without: dict, with_cache
     }
 
 
+def prefix_engines() -> list[str]:
+    """The engines with a prefix cache to compare (`Backend.prefix_cache`), in the order messages name them."""
+    from kvbench.backends import BACKENDS, listed
+
+    return [name for name in listed() if BACKENDS.get(name).prefix_cache]
+
+
 def engines_side(args, workloads: list[str]) -> list[dict]:
-    """Each engine, one worker (vLLM: one per cache setting, kept across workloads, the cache reset before each),
-    every workload's requests in order without then with prefix caching."""
-    from kvbench.backends.openvino import OpenvinoBackend
-    from kvbench.backends.vllm import VllmBackend
+    """Each engine of --engines (`Backend.serve_prefix`): every workload's requests in order without then with its
+    prefix cache."""
+    from kvbench.backends import BACKENDS
     from kvbench.config.rules import plain
     from kvbench.engine.engine import Engine
     from kvbench.model.load import load_model
@@ -159,78 +162,17 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
     model_cfg = dict(plain(first.model))
     stop_ids = sorted(int(t) for t in engine.eos_ids if isinstance(t, int))
     traces = {w: engine_requests(compose(task_overrides(args, w)), lm) for w in workloads}
-    longest = max(q.prompt_tokens + q.max_new_tokens for reqs, _ in traces.values() for q in reqs)
+    wired = {w: wire(requests) for w, (requests, _) in traces.items()}
     out = []
-    if "vllm" in args.engines:
-        backend = VllmBackend(kv_cache_memory_bytes=args.kv_space, max_model_len=16 * math.ceil((longest + 1) / 16))
-        backend.start(model_cfg, dtype)
+    for name in dict.fromkeys(args.engines):  # each engine once, in the order given
+        backend = BACKENDS.get(name)()
         try:
-            for w, (requests, task) in traces.items():
-                replies = {}
-                for cached in (False, True):
-                    worker, _ = backend.worker("auto", cached)
-                    replies[cached] = worker.request(
-                        "serve_trace", requests=wire(requests), stop_ids=stop_ids, sequential=True
-                    )
-                out.append(engine_row(w, "vllm", requests, task, engine, replies[False], replies[True]))
+            replies = backend.serve_prefix(model_cfg, dtype, wired, stop_ids, args.kv_space)
         finally:
             backend.close()
-    if "openvino" in args.engines:
-        ov = OpenvinoBackend()
-        ov.start(model_cfg, dtype)
-        try:
-            assert ov.worker is not None
-            for w, (requests, task) in traces.items():
-                replies = {
-                    cached: ov.worker.request(
-                        "serve_trace",
-                        requests=wire(requests),
-                        stop_ids=stop_ids,
-                        knobs={},
-                        kv_blocks=ov.kv_blocks,
-                        prefix_caching=cached,
-                        sequential=True,
-                    )
-                    for cached in (False, True)
-                }
-                out.append(engine_row(w, "openvino", requests, task, engine, replies[False], replies[True], hits=False))
-        finally:
-            ov.close()
-    if "llamacpp" in args.engines:
-        out += llamacpp_side(model_cfg, dtype, traces, stop_ids, engine)
-    return out
-
-
-def llamacpp_side(model_cfg: dict, dtype: str, traces: dict, stop_ids: list[int], engine) -> list[dict]:
-    """llama.cpp serves one sequence: each workload's requests in order, without then with its prompt cache (each
-    request keeps the tokens the previous one's sequence starts with; the first request of a pass starts cold)."""
-    from kvbench.backends.base import EngineRequest
-    from kvbench.backends.llamacpp import LlamaCpp
-
-    backend = LlamaCpp()
-    backend.start(model_cfg, dtype)
-    out = []
-    try:
         for w, (requests, task) in traces.items():
-            replies = {}
-            for cached in (False, True):
-                gens = [
-                    backend.generate(
-                        EngineRequest(q.prompt_ids + q.suffix_ids, q.max_new_tokens, "full", stop_ids=stop_ids,
-                                      reuse_prefix=cached and i > 0)
-                    )
-                    for i, q in enumerate(requests)
-                ]  # fmt: skip
-                replies[cached] = {
-                    "requests": [
-                        {"tokens": g.token_ids, "arrival_s": 0.0, "first_token_s": g.prefill_s,
-                         "cached_tokens": g.extra["cached_tokens"]}
-                        for g in gens
-                    ]
-                }  # fmt: skip
-            out.append(engine_row(w, "llamacpp", requests, task, engine, replies[False], replies[True]))
-    finally:
-        backend.close()
+            without, with_cache = replies[w]
+            out.append(engine_row(w, name, requests, task, engine, without, with_cache, hits=backend.tells_hits))
     return out
 
 
@@ -256,10 +198,8 @@ def parse(argv):
     parser.add_argument("--max-new-tokens", type=int, default=12, help="a 7-digit answer is ~9 tokens")
     parser.add_argument("--method", default="snapkv", help="the compressing method for compress_once")
     parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument(
-        "--engines", nargs="*", default=["vllm", "openvino", "llamacpp"], choices=["vllm", "openvino", "llamacpp"]
-    )
-    parser.add_argument("--kv-space", type=int, default=256 << 20, help="vLLM's KV space (bytes)")
+    parser.add_argument("--engines", nargs="*", default=prefix_engines(), choices=prefix_engines())
+    parser.add_argument("--kv-space", type=int, default=256 << 20, help="KV space (bytes) of an engine that takes one")
     parser.add_argument("--out", default=None, help="directory for prefix_serving.parquet/.md")
     args = parser.parse_args(argv)
     for key in ("requests", "context", "max_new_tokens"):
@@ -294,14 +234,14 @@ def check_inputs(args, workload: str) -> None:
 
 def check_venvs(engines: list[str]) -> None:
     """The engines' venvs, before any model loads; a missing one is named with the switch that leaves it out."""
-    from kvbench.backends.source import venv_python
+    from kvbench.backends import BACKENDS
 
     for name in engines:
-        venv = f".venv-{name}"
-        if not venv_python(venv).exists():
+        backend = BACKENDS.get(name)
+        if not backend.installed():
             others = " ".join(e for e in engines if e != name)
             raise KvbenchError(
-                f"--engines {name} needs {venv}: run `make engine-{name}`, or leave it out "
+                f"--engines {name} needs {backend.venv}: run `make {backend.make_target}`, or leave it out "
                 f"(`--engines {others}`{'' if others else ': kvbench alone'})"
             )
 

@@ -55,20 +55,20 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
 def test_a_failing_engine_is_skipped_with_one_line_and_the_rest_is_written(tmp_path, monkeypatch, capsys):
     """An engine that fails after the checks (here OpenVINO's model export, raised as the real backend raises it)
     keeps kvbench's rows and the other engines: the run writes its rows, names the engine in one line and in
-    skipped.txt. Isolated from the real engines: the venv check sees a python, the server fails at its start."""
+    skipped.txt. Isolated from the real engines: the venv check sees a python, the backend fails at its start."""
     from pathlib import Path
 
     from kvbench import KvbenchError
     from kvbench.backends import source
-    from kvbench.serving import engines, run
+    from kvbench.backends.openvino import OpenvinoBackend
+    from kvbench.serving import run
 
     monkeypatch.setattr(source, "venv_python", lambda venv: Path(sys.executable))
 
-    class Unexportable:
-        def __init__(self, model_cfg, dtype):
-            raise KvbenchError("optimum-intel could not export the model to OpenVINO IR (ValueError: too new)")
+    def unexportable(self, model_cfg, dtype):
+        raise KvbenchError("optimum-intel could not export the model to OpenVINO IR (ValueError: too new)")
 
-    monkeypatch.setattr(engines, "OpenvinoServer", Unexportable)
+    monkeypatch.setattr(OpenvinoBackend, "start", unexportable)
     cfg = serving_config("serving.requests=2", "serving.engines=[openvino:full,openvino:sum]")
     assert run.main(cfg, tmp_path) == 0
     out = capsys.readouterr()

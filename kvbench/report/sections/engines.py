@@ -1,4 +1,4 @@
-"""Report sections for serving engines (rows of `engine=vllm|llamacpp|openvino`, kvbench.backends): every engine on
+"""Report sections for serving engines (rows of `engine=<a serving engine>`, kvbench.backends): every engine on
 one compression-vs-quality plot (one marker per engine, one colour per option), the parity table (each engine's
 uncompressed run against kvbench's full cache on the same token ids), what each engine offers for the model (its
 options, bytes held per token, tokens that fit in a KV space), and the rows set apart as garbage (`engine_invalid`:
@@ -23,13 +23,38 @@ from kvbench.store.aggregate import FULL, with_lengths
 from kvbench.store.intervals import MIN_N, interval_text, mean_interval
 from kvbench.tasks.facts import task_facts
 
-MARKERS = {"kvbench": "o", "vllm": "s", "llamacpp": "^", "openvino": "D"}  # one marker per engine
 SPACE = 1 << 30  # the KV space "fits" is counted in: 1 GiB
+
+
+def marker(engine: str) -> str:
+    """One marker per engine on the plot of every engine: kvbench's own "o", a serving engine's `Backend.marker`."""
+    from kvbench.backends import BACKENDS
+
+    if engine == "kvbench":
+        return "o"
+    return BACKENDS.get(engine).marker if engine in BACKENDS.names() else "P"  # rows of an engine not here: "P"
+
+
+def baselines() -> str:
+    """What each serving engine's kv_ratio is against, engines with the same baseline together (`Backend.baseline`,
+    named by `Backend.label`), e.g. `A: f16; B and C: the model's dtype`."""
+    from kvbench.backends import BACKENDS, listed
+
+    groups: dict[str, list[str]] = {}
+    for name in listed():
+        backend = BACKENDS.get(name)
+        groups.setdefault(backend.baseline, []).append(backend.label or name)
+    return "; ".join(f"{spoken(names)}: {what}" for what, names in groups.items())
+
+
+def spoken(names: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 def engine_labels(rows: pd.DataFrame) -> pd.Series:
     """The rows' method labels, with ` @<engine>` after a serving engine's options when the rows hold several engines
-    (kvbench's streamingllm and llama.cpp's are different curves on every plot and table); `full` stays `full`,
+    (kvbench's streamingllm and an engine's are different curves on every plot and table); `full` stays `full`,
     each engine's own baseline (the summary compares every option with its own engine's full run)."""
     if "engine" not in rows or rows["engine"].fillna("kvbench").nunique() < 2:
         return rows["method"]
@@ -39,7 +64,7 @@ def engine_labels(rows: pd.DataFrame) -> pd.Series:
 
 
 def option_name(label: str) -> str:
-    """An engine option's name from its label (`q8_0 @llamacpp` -> `q8_0`)."""
+    """An engine option's name from its label (`<option> @<engine>` -> `<option>`)."""
     return str(label).split(" @")[0]
 
 
@@ -85,13 +110,12 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
     for (model, task, length), scope in part.groupby(["model", "task", "length"], sort=True):  # lengths apart
         fig, ax = plt.subplots(figsize=(7.5, 4.2))
         for _, r in scope.iterrows():
-            marker = MARKERS.get(str(r["engine"]), "P")
             few = r["n"] < MIN_N
             colour = colours.get(r["method"], "#333333")
             ax.scatter(
                 r["kv_ratio"],
                 r["score"],
-                marker=marker,
+                marker=marker(str(r["engine"])),
                 s=46,
                 facecolors="none" if few else colour,
                 edgecolors=colour,
@@ -107,7 +131,7 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
             ax.scatter(g["kv_ratio"].mean(), g["score"].mean(), marker="x", color="#999999", s=40)
             ax.annotate(f"{method} (garbage)", (g["kv_ratio"].mean(), g["score"].mean()), fontsize=6, color="#999999")
         for engine in sorted(set(scope["engine"])):
-            ax.scatter([], [], marker=MARKERS.get(engine, "P"), color="#333333", label=f"engine={engine}")
+            ax.scatter([], [], marker=marker(engine), color="#333333", label=f"engine={engine}")
         if len(flagged):
             ax.scatter([], [], marker="x", color="#999999", label="flagged garbage: not averaged")
         ax.set(
@@ -124,7 +148,7 @@ def engines_plot(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) ->
         files.append(path)
     note = (
         "<p>One marker per engine, one colour per option. An engine's kv_ratio is against its own uncompressed "
-        "cache (kvbench: its full cache at the run's dtype; llama.cpp: f16; vLLM and OpenVINO: the model's dtype). "
+        f"cache (kvbench: its full cache at the run's dtype; {baselines()}). "
         f"Hollow: fewer than {MIN_N} examples, no interval.</p>"
     )
     return Section(html=note, markdown=html.unescape(note.replace("<p>", "").replace("</p>", "")), files=files)

@@ -5,7 +5,7 @@ prediction) and the goodput curve (requests per second meeting the SLO, against 
 `python -m kvbench.serving` writes `serving_runs.parquet` (one row per configuration × KV budget); the section
 shows the first such file found beside the report's inputs: `<input>/`, `<input>/serving/`, `<input>/../` or
 `<input>/../serving/`. `render` draws it for any frame of run rows (the serving entry writes its own page with
-it); engines' rows (`engine` vllm / openvino, `method` <engine>:<option>) are lines of their own. A
+it); engines' rows (`engine` a serving engine, `method` <engine>:<option>) are lines of their own. A
 `prefix_serving.parquet` beside it (python -m kvbench.serving.prefix) adds the prefix-caching table. Torch-free."""
 
 from __future__ import annotations
