@@ -113,9 +113,9 @@ class RunSpec:
     )
     fidelity: bool = setting(True, "bool", "fidelity=true (KL columns vs the full cache) or fidelity=false")
     grid_padding: float = setting(
-        2.0,
+        3.0,
         "float",
-        "grid_padding=2 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
+        "grid_padding=3 (a grid batch may hold this × its rows' own cache bytes, pads included, + one row; ≥ 1)",
         min=1,
     )
     # set by a launcher on each worker's copy (kvbench.integrations.ray_launcher), from `launcher.*`

@@ -28,7 +28,7 @@ own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM p
 sliding-window layers the methods that evict while decoding, and every configuration when only one would be in the
 batch. A model's window layers (Gemma 3's local layers: no method compresses them) hold the same number of tokens in
 every row, so they are stacked into one batch as they are (`GridWindowLayer`).
-Rows are grouped so padding at most doubles the bytes a batch holds (`grid_padding`, default MAX_PADDING = 2), at
+Rows are grouped so padding at most triples the bytes a batch holds (`grid_padding`, default MAX_PADDING = 3), at
 most MAX_ROWS per batch. Pads cost memory, never compute (each row attends over its own slots): a larger
 `grid_padding` puts more configurations in one batch — fewer steps, more memory (README "Grid decoding").
 
@@ -57,7 +57,7 @@ from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
 
-MAX_PADDING = 2.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
+MAX_PADDING = 3.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
 # rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)
 MAX_ROWS = 16
 GROW = 32  # slots added at once when a row reaches the capacity (one copy per 32 steps, not per step)

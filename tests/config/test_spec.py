@@ -19,7 +19,7 @@ def test_the_spec_has_every_top_level_setting_with_the_configs_default():
     spec, default = RunSpec.of(compose_config()), RunSpec()
     for name in names - {"model", "task", "method", "engine", "grid", "verdict"}:
         assert getattr(spec, name) == getattr(default, name), name
-    assert spec.grid_padding == 2.0 and spec.task_name == "niah" and spec.verdict["recall_high"] == 0.9
+    assert spec.grid_padding == 3.0 and spec.task_name == "niah" and spec.verdict["recall_high"] == 0.9
     assert spec.method["name"] == "streamingllm" and spec.grid == {"method": None, "budget": None}
 
 

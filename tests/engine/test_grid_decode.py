@@ -65,13 +65,14 @@ def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
 
 def test_padding_bounds_the_groups():
     lengths = [[100] * 3, [50] * 3, [50] * 3, [25] * 3, [25] * 3, [10] * 3, [10] * 3, [10] * 3]
-    out = groups(lengths)
+    out = groups(lengths, max_padding=2.0)
     assert sorted(r for g in out for r in g) == list(range(8))
     for g in out:
         padded = len(g) * sum(max(lengths[r][layer] for r in g) for layer in range(3))
         assert padded <= 2.0 * sum(sum(lengths[r]) for r in g)
     assert out == [[0, 1, 2, 3, 4], [5, 6, 7]]  # 5 × 100 = 2 × 250; one more row of 10 would pass 2×
-    assert groups(lengths[:6]) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
+    assert groups(lengths[:6], max_padding=2.0) == [[0, 1, 2, 3, 4, 5]]  # a last row alone joins the batch before
+    assert groups(lengths) == [list(range(8))]  # the default, 3: 8 × 100 = 2.86 × 280
     assert groups(lengths, max_padding=4.0) == [list(range(8))]  # 8 × 100 = 2.86 × 280: one batch (grid_padding=4)
     assert groups(lengths, max_padding=1.0) == [[0], [1, 2], [3, 4], [5, 6, 7]]  # no pads: equal lengths only
     assert groups([[100], [100], [10]], max_padding=1.0) == [[0, 1, 2]]  # but a last row alone joins (+ one row)
@@ -105,7 +106,7 @@ def test_runner_grid_batch_switch(tmp_path):
     assert no_pads[same].equals(a[same])  # grid_padding changes the batches, never the rows
     in_grid = a.method.isin(["snapkv", "h2o", "streamingllm"])
     assert no_pads[in_grid].batch_size.max() < a[in_grid].batch_size.max()
-    with pytest.raises(KvbenchError, match="grid_padding=2"):
+    with pytest.raises(KvbenchError, match="grid_padding=3"):
         run(compose_config(*tiny_overrides(tmp_path / "bad", "grid_padding=0.5")), output_dir=tmp_path / "bad")
 
 
