@@ -269,6 +269,7 @@ def print_summary(
         ["task", *(["length"] if table["length"].any() else []), "method", "budget", "n", "score", "ci95"]
         + (["score_partial"] if "score_partial" in table else [])
         + ["drop_vs_full", "kv_ratio", "prefill_s", *timing]
+        + (["bandwidth_share"] if table["bandwidth_share"].notna().any() else [])
     )
 
     def show(part: pd.DataFrame) -> str:

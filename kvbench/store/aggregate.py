@@ -348,9 +348,19 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
             machines=int(group["device_name"].nunique()),
             # latency measured on several machines is not one experiment's: not pooled
             **{t: group[t].mean() if group["device_name"].nunique() <= 1 else math.nan for t in TIMING},
+            bandwidth_share=bandwidth_share(group),
         )
         out.append(record)
     return out
+
+
+def bandwidth_share(group: pd.DataFrame) -> float:
+    """The mean share of the bandwidth bound the decode steps reached (kvbench.engine.bandwidth: the bytes a step
+    reads over its time over the machine's bandwidth); NaN across machines, without decoding rows, or for rows
+    written before the column existed."""
+    if "bandwidth_share" not in group or group["device_name"].nunique() > 1:
+        return math.nan
+    return float(group["bandwidth_share"].mean())
 
 
 def state_share(group: pd.DataFrame) -> float:

@@ -5,6 +5,7 @@ on the page.
 """
 
 from kvbench.report.sections import (
+    bandwidth,
     batched,
     diagnose,
     engines,
@@ -20,6 +21,7 @@ from kvbench.report.sections import (
 )
 
 __all__ = [
+    "bandwidth",
     "batched",
     "diagnose",
     "engines",
