@@ -142,8 +142,13 @@ model-qwen:
 leaderboard: install
 	bash scripts/leaderboard.sh $(or $(MODEL),smollm2-135m)
 
+# this machine's figures (docs/benchmarks.md "A sweep at the physical limit"): the sweep's price in the resolved
+# dtype and in fp32, the grid decode step and its bandwidth share, the statistics' cost; ~10 min on 2 cores
 bench: install
-	$(BIN)/python scripts/bench_engine.py
+	$(BIN)/python -m kvbench.bench sweep
+	$(BIN)/python -m kvbench.bench sweep dtype=float32
+	$(BIN)/python -m kvbench.bench decode
+	$(BIN)/python -m kvbench.bench stats
 
 # ruff (lint + format check) and mypy (lenient: pyproject [tool.mypy]) on the package and methods
 lint: install
