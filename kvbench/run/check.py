@@ -79,9 +79,10 @@ def method_yaml_drift(name: str, cls: type | None = None) -> str | None:
         from kvbench.methods import METHODS
 
         cls = METHODS.get(name)
-    given = OmegaConf.to_container(OmegaConf.load(path))
-    problems = drift(cls, given if isinstance(given, dict) else {})
-    if isinstance(given, dict) and given.get("name") != name:
+    loaded = OmegaConf.to_container(OmegaConf.load(path))
+    given = {str(k): v for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+    problems = drift(cls, given)
+    if given.get("name") != name:
         problems.insert(0, f"name: {given.get('name')!r} where the file is {name}.yaml")
     if not problems:
         return None
