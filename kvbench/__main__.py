@@ -1,11 +1,11 @@
 """`python -m kvbench [overrides]`: Hydra entry point (see conf/config.yaml for every key).
 
-Exit codes: 0 done; 1 some configurations failed while running (each named; the others' rows are written);
-2 bad input or setup (one line naming the fix; in a multirun the other jobs still run, and the failed ones are listed
-at the end); 3 the store or run directory failed mid-run (disk full, read-only, ...: one line saying how many rows
-are safe and the command that resumes); 130 interrupted (ctrl-C), 143 terminated (SIGTERM: a Slurm cancel or time
-limit), 129 hung up (SIGHUP): the rows computed so far are in the store, the run's claims are released, rerun to
-resume.
+Exit codes: 0 done; 1 some configurations failed while running (each named; the others' rows are written), or
+Hydra's own errors (an unknown config group option: Hydra lists the options); 2 bad input or setup (one line naming
+the fix; in a multirun the other jobs still run, and the failed ones are listed at the end); 3 the store or run
+directory failed mid-run (disk full, read-only, ...: one line saying how many rows are safe and the command that
+resumes); 130/143/129 interrupted (ctrl-C), terminated (SIGTERM: a Slurm cancel or time limit), hung up (SIGHUP):
+the rows computed so far are in the store, the run's claims are released, rerun to resume.
 """
 
 from __future__ import annotations

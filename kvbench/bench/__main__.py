@@ -1,7 +1,8 @@
 """`python -m kvbench.bench NAME [overrides]` (NAME: sweep | decode | stats | all): kvbench.bench's benchmarks.
 
-Exit codes: 0 done; 2 bad input (an unknown benchmark, an override the configuration refuses: one line naming the
-fix); 130 interrupted.
+Exit codes: 0 done (or --help); 1 a configuration of a benchmark's own run failed while running (sweep: named);
+2 bad input (no or an unknown benchmark, an override the configuration refuses: one line naming the fix); 3 a
+benchmark's temporary store could not be written mid-run (disk full); 130 interrupted (ctrl-C).
 """
 
 from __future__ import annotations

@@ -95,3 +95,28 @@ def knob(
     if choices:
         metadata["choices"] = tuple(choices)
     return dataclasses.field(default=default, metadata=metadata, **field_kwargs)
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's knobs and their defaults: every init field that has one (a default_factory called)."""
+    defaults: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.init and f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.init and f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return defaults
+
+
+def drift(cls: type, given: dict[str, Any], skip: tuple[str, ...] = ("name",)) -> list[str]:
+    """How a config file's keys differ from the dataclass that declares them, the one source of its knobs and
+    defaults: a key that is no field, a field the file lacks, a value other than the field's default (keys in `skip`
+    left out); [] when the file repeats the dataclass exactly."""
+    defaults = field_defaults(cls)
+    given = {k: v for k, v in given.items() if k not in skip}
+    problems = [f"{k} is not a field (fields: {', '.join(defaults) or 'none'})" for k in given if k not in defaults]
+    problems += [f"lacks {k} (default {v!r})" for k, v in defaults.items() if k not in given]
+    problems += [
+        f"{k}: {given[k]!r} where the default is {v!r}" for k, v in defaults.items() if k in given and given[k] != v
+    ]
+    return problems

@@ -1,4 +1,7 @@
-"""`python -m kvbench.guide STORE...`: the selection guide (which method, at which budget, for this model)."""
+"""`python -m kvbench.guide STORE...`: the selection guide (which method, at which budget, for this model).
+
+Exit codes: 0 done (or --help); 2 bad input (one line, before any row is read).
+"""
 
 import sys
 

@@ -334,10 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def score_with_interval(score: float, low: float, high: float) -> str:
     """`0.444 [0.189, 0.733]`, or `0.444 (n<5: no interval)` where there is none."""
     return f"{score:.3f} ({NO_INTERVAL_SHORT})" if math.isnan(low) else f"{score:.3f} [{low:.3f}, {high:.3f}]"

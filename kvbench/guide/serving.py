@@ -7,7 +7,9 @@ its concurrency and its score drop against the full cache at that same KV budget
                                    [--attainment 0.9] [--max-drop 0.05]
 
 `fit`: `meets` when the SLO attainment ≥ --attainment and the score drop ≤ --max-drop; else what fails. Ranked:
-those that meet first, then by goodput. Exit 0, 2 on bad input (one line). Torch-free.
+those that meet first, then by goodput. Torch-free.
+
+Exit codes: 0 done (or --help); 2 bad input (one line).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ points, so `lm_eval --model kvbench` cannot see a third-party model; this script
 With `--model kvbench`, every `--model_args` value is checked before lm-eval indexes its tasks or the model loads
 (the run's Rules, kvbench.config.rules: one line naming the fix, exit 2), and a `--batch_size` above 1 is refused:
 kvbench answers lm-eval's requests one at a time, so it would be ignored.
+
+Exit codes: 0/1 lm-eval's own (done; its errors); 2 a bad `--model_args` value, a `--batch_size` above 1 or a task
+name lm-eval does not index (one line, before lm-eval indexes tasks or the model loads).
 """
 
 from __future__ import annotations

@@ -62,6 +62,37 @@ def method_class(where: str, name: Any) -> type:
     return METHODS.get(name)
 
 
+def method_yaml_drift(name: str, cls: type | None = None) -> str | None:
+    """Where conf/method/<name>.yaml disagrees with the method's dataclass, the one place its knobs and defaults are
+    declared (the yaml repeats them so Hydra takes `method.<knob>=...`; a grid entry by name reads the dataclass, so
+    a yaml that changed a default would make `method=X` and `grid.method=[X]` two different runs); None when the
+    yaml repeats the dataclass exactly, or there is no such yaml."""
+    from omegaconf import OmegaConf
+
+    from kvbench import conf_dir
+    from kvbench.config.registry import drift
+
+    path = conf_dir() / "method" / f"{name}.yaml"
+    if not path.is_file():
+        return None
+    if cls is None:
+        from kvbench.methods import METHODS
+
+        cls = METHODS.get(name)
+    loaded = OmegaConf.to_container(OmegaConf.load(path))
+    given = {str(k): v for k, v in loaded.items()} if isinstance(loaded, dict) else {}
+    problems = drift(cls, given)
+    if given.get("name") != name:
+        problems.insert(0, f"name: {given.get('name')!r} where the file is {name}.yaml")
+    if not problems:
+        return None
+    return (
+        f"conf/method/{name}.yaml disagrees with {cls.__name__} ({cls.__module__}), where {name}'s knobs and "
+        f"defaults are declared: {'; '.join(problems)}; make the yaml repeat the dataclass, and give another value "
+        f"as method.<knob>=... or in an experiment preset"
+    )
+
+
 def check_grid_entry(index: int, entry: Any) -> None:
     from kvbench.methods import build_method, method_defaults
 
@@ -211,8 +242,13 @@ def check_config(cfg) -> None:
 
     method = config.get("method") or {}
     params = {k: v for k, v in method.items() if k != "name"}
-    check_method_params("method", method_class("method", method.get("name")), params)
+    cls = method_class("method", method.get("name"))
+    drifted = method_yaml_drift(method["name"], cls)
+    if drifted:
+        raise KvbenchError(drifted)
+    check_method_params("method", cls, params)
     build_method(method["name"], params)  # the method's own __post_init__ checks
+    check_engine_keys(config.get("engine") or {})
     engine = str((config.get("engine") or {}).get("name") or "kvbench")
     if engine != "kvbench":  # the grid names the engine's options: kvbench.run.configuration.engine_options
         check_engine(engine, config)
@@ -223,6 +259,18 @@ def check_config(cfg) -> None:
     from kvbench.run.model_fields import check_model
 
     check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
+
+
+def check_engine_keys(engine: dict) -> None:
+    """The `engine` group holds its name only (conf/engine/<name>.yaml): what an engine runs is its class's
+    (kvbench.backends.<name>: `options`, `applies`), chosen per configuration in `grid.method`, so any other
+    `engine.` key would be ignored."""
+    for key in engine:
+        if key != "name":
+            raise KvbenchError(
+                f"engine.{key} is not a setting: the engine group is engine=<name> alone; an engine's KV options and "
+                f"their knobs are grid.method entries, e.g. 'grid.method=[{{name: fp8}}]' (kvbench/backends/)"
+            )
 
 
 def check_engine(name: str, config: dict) -> None:

@@ -6,7 +6,7 @@ float32 and in bfloat16 and compressed by each configuration; per layer and KV h
 head's scores equal to another of its scores (`tied`; kvpress #276 found ~74 % for Knorm in bf16) and the share of
 heads whose cut — the lowest kept score — falls inside a tie (`cut in a tie`: there the kept set is decided by the
 order ties are broken in, not by the scores). Prints one line per configuration and each layer's mean overlap.
-Exit 0, 2 on bad input (one line).
+Exit codes: 0 done; 2 bad input (one line; an unknown config group option too).
 
     python -m kvbench.run.stability model=smollm2-135m task=niah 'task.context_lengths=[2048]' \
         'task.depths=[0.5]' 'grid.method=[knorm,snapkv,tova,keydiff]' 'grid.budget=[0.25]'

@@ -1,6 +1,9 @@
 """`python -m kvbench.serving [overrides]`: conf/serving.yaml (the run's config + conf/experiment/serving.yaml).
-Exit 2 with one line on bad input, before the model loads; 3 when writing the rows fails mid-run; 130/143/129 on
-ctrl-C, SIGTERM, SIGHUP (the engine workers closed). Every stop says in one line which finished runs were kept."""
+
+Exit codes: 0 done; 1 Hydra's own errors (an unknown config group option: Hydra lists the options); 2 bad input,
+one line, before the model loads (also an output folder that cannot be written); 3 writing the rows failed mid-run
+(disk full); 130/143/129 ctrl-C, SIGTERM, SIGHUP (the engine workers closed). Every stop says in one line which
+finished runs were kept."""
 
 from __future__ import annotations
 

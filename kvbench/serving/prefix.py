@@ -15,6 +15,10 @@ cached pages), with its TTFT ratio, bytes held and score; the engines cannot reu
 cached blocks or kept tokens are the uncompressed sequence, or their eviction and prefix cache do not combine), so
 they have no such row. Timings are ratios within one run of one machine. Writes `prefix_serving.parquet` (+ `.md`)
 into --out.
+
+Exit codes: 0 done, and every system's full-cache answers are the same with its prefix cache as without; 1 some
+system's full-cache answers changed with its prefix cache (the table printed and written all the same); 2 bad input
+(one line, before any model loads: a flag, an engine whose venv is missing).
 """
 
 from __future__ import annotations

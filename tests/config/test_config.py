@@ -21,10 +21,6 @@ def test_method_configs_compose_and_build(name):
     build_method(name, {k: v for k, v in cfg.method.items() if k != "name"})
 
 
-def test_every_registered_method_has_a_config():
-    assert set(METHODS.names()) <= set(_names("method"))
-
-
 @pytest.mark.parametrize("name", _names("task"))
 def test_task_configs_compose(name):
     cfg = compose_config(f"task={name}")
