@@ -101,7 +101,7 @@ def memory_bandwidth(device: torch.device) -> float:
     return float(cached[key]["bytes_s"])
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
+def weight_bytes(model) -> int:
     """The bytes of weights one decode step reads: every parameter once (tied ones once), the input embedding's
     table left out unless it is the output projection too (a step reads one row of it)."""
     seen, total = set(), 0
@@ -109,9 +109,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embed is not None and (head is None or head.weight.data_ptr() != embed.weight.data_ptr()):
-        total -= embed.weight.numel() * embed.weight.element_size()
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()  # a transformers PreTrainedModel
+    table, output = getattr(embed, "weight", None), getattr(head, "weight", None)
+    if isinstance(table, torch.Tensor):
+        tied = isinstance(output, torch.Tensor) and output.data_ptr() == table.data_ptr()
+        total -= 0 if tied else table.numel() * table.element_size()
     return total
 
 

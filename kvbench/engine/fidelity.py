@@ -171,7 +171,8 @@ def add_columns(
             row.update(identical(len(answer)), fidelity_s=shared_s)
         elif i in own and reference is not None:
             start = time.perf_counter()
-            columns = compare(reference, own[i] if own[i] is not None else forced[i])
+            logits = own[i]
+            columns = compare(reference, logits if logits is not None else forced[i])
             row.update(columns, fidelity_s=time.perf_counter() - start + forced_s.get(i, 0.0))
 
 
