@@ -2,7 +2,7 @@
 
 Each prints ratios measured in one run on this machine (named with its CPU or GPU), never asserted in a test. The
 overrides are `python -m kvbench`'s (model=, dtype=, task.context_lengths=...), checked as a run checks them: a bad
-one is one line and exit 2. `make bench` runs every one.
+one is one line and exit 2. `make bench` runs sweep (in the resolved dtype and fp32), decode and stats.
 
 - sweep: a grid's price. Plain transformers (prefill + greedy loop, its own DynamicCache) vs `method=full` vs the
   default sweep (full + five methods × two budgets, fidelity on), on the same prompts; the outputs compared; each

@@ -1,5 +1,6 @@
 """Configurations of one example decoded as one batch (kvbench.engine.grid_decode) give what each gives alone."""
 
+import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
@@ -322,3 +323,26 @@ def test_an_appended_question_goes_in_one_forward_past_window_layers(family, mon
     each = engine.generate(engine.prefill(ids, method.stats_request()), method, budget, question, 8, keep_logits=True)
     assert one.token_ids == each.token_ids and one.kv_bytes == each.kv_bytes
     assert max(float((a - b).abs().max()) for a, b in zip(one.logits, each.logits)) < 1e-4
+
+
+def test_a_sweeps_predictions_are_each_configuration_run_alone(tmp_path):
+    """The sweep at its fastest (one shared prefill, the grid decoded as one batch, fidelity on) answers exactly as
+    every configuration run on its own (its own prefill, decoded alone, no fidelity): same predictions and bytes."""
+    grid = ["grid.method=[snapkv,h2o,streamingllm,random]", "grid.budget=[0.25,0.5]", "task.max_new_tokens=8"]
+    sweep = run(compose_config(*tiny_overrides(tmp_path / "sweep", *grid)), output_dir=tmp_path / "sweep" / "o")
+    assert sweep.batch_size.max() > 2 and sweep.kl_mean.notna().all()
+    key = ["method", "budget", "example_id"]
+    alone = []
+    for method in ["snapkv", "h2o", "streamingllm", "random"]:
+        for budget in [0.25, 0.5]:
+            own = tiny_overrides(tmp_path / f"{method}{budget}", f"method={method}", f"budget={budget}")
+            alone.append(
+                run(
+                    compose_config(*own, "task.max_new_tokens=8", "fidelity=false", "grid_batch=false"),
+                    output_dir=tmp_path / f"{method}{budget}" / "o",
+                )
+            )
+    each = pd.concat(alone).drop_duplicates(key).set_index(key).sort_index()
+    ours = sweep.set_index(key).sort_index().loc[each.index]
+    assert ours.prediction.tolist() == each.prediction.tolist()
+    assert ours.kv_bytes.tolist() == each.kv_bytes.tolist()
