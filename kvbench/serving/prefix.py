@@ -233,7 +233,18 @@ def check_inputs(args, workload: str) -> None:
             if f"'{group}/" in first or f"group {group}" in first or f"{group}=" in first:
                 raise KvbenchError(f"{flag}={getattr(args, group)}: {first}; see conf/{group}/ for the names") from None
         raise KvbenchError(f"the configuration does not compose: {first}") from None
-    check_config(cfg)
+    try:
+        check_config(cfg)
+    except KvbenchError as error:  # kvbench's check names its keys (dtype=, budget=): here they are switches
+        raise KvbenchError(as_switches(str(error))) from None
+
+
+def as_switches(line: str) -> str:
+    """A run's check line with this command's switches for the keys it sets (`dtype=x` → `--dtype x`)."""
+    import re
+
+    line = line.replace(", or budget=null", "")  # a run may unset its budget; this command always takes one
+    return re.sub(r"\b(dtype|budget|model|method)=", lambda m: f"--{m.group(1)} ", line)
 
 
 def check_venvs(engines: list[str]) -> None:

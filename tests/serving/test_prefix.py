@@ -28,14 +28,15 @@ def no_engine_venvs(monkeypatch, tmp_path):
     [
         (["--method", "nope"], "--method=nope: In 'config': Could not find 'method/nope'"),
         (["--model", "nope"], "--model=nope: In 'config': Could not find 'model/nope'"),
-        (["--dtype", "float8"], "dtype=float8 is not one of"),
-        (["--budget", "1.5"], "budget=1.5 is above 1"),
+        (["--dtype", "float8"], "--dtype float8 is not one of"),
+        (["--budget", "1.5"], "--budget 1.5 is above 1"),
     ],
 )
 def test_a_bad_flag_is_named_before_the_missing_engine_venvs(no_engine_venvs, capsys, flags, start):
     assert main([*flags, "--requests", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith(f"kvbench.serving.prefix: error: {start}")
+    assert " dtype=" not in err and " budget=" not in err  # this command's switches, not a run's keys
 
 
 def test_a_missing_engine_venv_names_the_engines_switch(no_engine_venvs, capsys):
