@@ -30,6 +30,7 @@ from kvbench.store.aggregate import (
     MATCH_KEYS,
     add_results_argument,
     averaged,
+    bandwidth_share,
     load_rows,
     lower_is_better,
     state_share,
@@ -113,6 +114,8 @@ def guide_table(
                 "state_share": state_share(group),  # a hybrid's constant state: the part of kv_ratio no method moves
                 "prefill_vs_full": _ratio(group.loc[matched, "prefill_s"], base["prefill_s"]),
                 "decode_vs_full": _ratio(*_timed_alone(group.loc[matched], base)),
+                # near 1: its decode streams its bytes at the memory's rate, so decode_vs_full is the bytes it holds
+                "bandwidth_share": bandwidth_share(group),
                 "changes_model": any(p in CHANGES_MODEL for p in parts),
                 "needs_statistics": any(p in NEEDS_STATISTICS for p in parts),
                 "fit": _fit(drop_low, drop_high, kv_ratio, int(matched.sum()), max_drop, max_kv_ratio, min_n),
@@ -222,6 +225,7 @@ COLUMNS = [
     "kv_ratio",
     "prefill_vs_full",
     "decode_vs_full",
+    "bandwidth_share",
     "changes_model",
     "needs_statistics",
     "fit",
@@ -285,7 +289,9 @@ def report_summary(rows: pd.DataFrame, max_drop: float = 0.05, max_kv_ratio: flo
 
 def with_state_share(columns: list[str], table: pd.DataFrame) -> list[str]:
     """`columns` with `state_share` after kv_ratio where a hybrid model's rows hold a state (its share of the bytes
-    held: the part of kv_ratio no method can move)."""
+    held: the part of kv_ratio no method can move); `bandwidth_share` only where some row measured it."""
+    if table["bandwidth_share"].isna().all():
+        columns = [c for c in columns if c != "bandwidth_share"]
     if not (table["state_share"].fillna(0) > 0).any():
         return columns
     at = columns.index("kv_ratio") + 1
