@@ -84,7 +84,7 @@ def _shown(value: object) -> str:
 
 def _typed(key: str, value: object, default: object) -> object:
     """`value` as the type of `default` (a YAML scalar or list), or one line naming the expected form."""
-    if default is None or value is None and not isinstance(default, bool):
+    if default is None or (value is None and not isinstance(default, bool)):
         return value
     fix = f"bench.{key}={_shown(default)}"
     if isinstance(default, list | tuple):
@@ -121,7 +121,9 @@ def load(spec):
 def header(name: str, lm, detail: str = "") -> None:
     """`NAME benchmark: model dtype on machine[; detail]`: the first line every benchmark prints."""
     dtype = str(lm.dtype).removeprefix("torch.")
-    print(f"{name} benchmark: {lm.name} {dtype} on {machine(lm.device)}" + (f"; {detail}" if detail else ""), flush=True)
+    print(
+        f"{name} benchmark: {lm.name} {dtype} on {machine(lm.device)}" + (f"; {detail}" if detail else ""), flush=True
+    )
 
 
 def random_ids(lm, length: int, generator: torch.Generator) -> list[int]:

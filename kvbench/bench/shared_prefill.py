@@ -54,7 +54,9 @@ def passes(engine, examples, todo: list, opts: dict) -> dict:
     if opts["separate"] and not opts["save_baseline"]:
         for ex in examples:
             for method, budget in todo:
-                out["separate"].append(engine.run(method, budget, *ex.split(True), max_new_tokens=ex.max_new_tokens).text)
+                out["separate"].append(
+                    engine.run(method, budget, *ex.split(True), max_new_tokens=ex.max_new_tokens).text
+                )
     out["t_separate"], start = time.perf_counter() - start, time.perf_counter()
     for ex in examples:
         prefill, suffix = shared_prefill(engine, ex, todo, out["prefill_s"], "shared")
