@@ -157,3 +157,16 @@ def label(conf) -> str:
     knobs = ",".join(f"{k}={v}" for k, v in method.params().items() if defaults.get(k, object()) != v)
     budget = f"{conf.budget.value:g}" if conf.budget is not None else ""
     return ":".join([method.name, budget, knobs]).rstrip(":")
+
+
+def tool_options(overrides: list[str], defaults: dict[str, object], name: str, required: tuple[str, ...] = ()) -> dict:
+    """`options` for a tool that reads stored rows or files (no model, no configuration): every argument is a
+    `bench.` option, those in `required` must be given."""
+    opts, rest = options(overrides, defaults, name)
+    known = " ".join(f"bench.{k}=..." for k in defaults)
+    if rest:
+        raise KvbenchError(f"{name} takes only its own options ({known}), not {rest[0]}")
+    missing = [k for k in required if opts[k] in (None, "")]
+    if missing:
+        raise KvbenchError(f"{name} needs bench.{missing[0]}=...; its options: {known}")
+    return opts
