@@ -2,13 +2,14 @@
 
 The wheel (tagged manylinux2014, built on a newer system) needs glibc 2.38 for four symbols only: the C23 variants
 `__isoc23_strtol/strtoul/strtoull/sscanf` (they differ from the classic ones in accepting a "0b" prefix, which
-llama.cpp's own parsing never relies on). This script, run once by `make engine-llamacpp`:
+llama.cpp's own parsing never relies on). This module, run once by `make engine-llamacpp` (standard library only:
+importing it does nothing):
   1. compiles `libkvbench-isoc23.so`, which defines the four symbols by calling the classic functions;
   2. edits each bundled library in place: those symbols lose their version requirement (.gnu.version -> global, so
      the loader takes the shim's definition) and the GLIBC_2.38 requirement is marked weak (VER_FLG_WEAK: the loader
      no longer refuses the library for it).
 The worker loads the shim with RTLD_GLOBAL before llama.cpp (kvbench/backends/llamacpp_worker.py). Idempotent; on
-a glibc >= 2.38 it changes nothing. Usage: python scripts/llamacpp_glibc.py <venv>
+a glibc >= 2.38 it changes nothing. Usage: python -m kvbench.backends.llamacpp_glibc <venv>
 """
 
 from __future__ import annotations
