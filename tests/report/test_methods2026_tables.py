@@ -5,9 +5,9 @@ import json
 
 import pandas as pd
 
-from kvbench.store.aggregate import method_yaml
 from kvbench.bench.__main__ import main
 from kvbench.bench.methods2026 import cells, configuration
+from kvbench.store.aggregate import method_yaml
 
 
 def rows(model, method, params, budget, scores, kl=None):
