@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def best_of(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def options(overrides: list[str], defaults: dict[str, object], name: str) -> tuple[dict, list[str]]:
+def options(overrides: list[str], defaults: Mapping[str, Any], name: str) -> tuple[dict, list[str]]:
     """The benchmark's own `bench.KEY=VALUE` options split off the overrides (the rest go to `compose`): each value
     parsed as YAML and typed like its default (None: any; a float takes an int; a list's items like the default's
     first); an unknown key or a wrong type is one line naming the benchmark's options."""
@@ -159,7 +160,7 @@ def label(conf) -> str:
     return ":".join([method.name, budget, knobs]).rstrip(":")
 
 
-def tool_options(overrides: list[str], defaults: dict[str, object], name: str, required: tuple[str, ...] = ()) -> dict:
+def tool_options(overrides: list[str], defaults: Mapping[str, Any], name: str, required: tuple[str, ...] = ()) -> dict:
     """`options` for a tool that reads stored rows or files (no model, no configuration): every argument is a
     `bench.` option, those in `required` must be given."""
     opts, rest = options(overrides, defaults, name)

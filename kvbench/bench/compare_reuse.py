@@ -11,6 +11,8 @@ workload with reuse=compress_once. Prints a Markdown table per task.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 
 from kvbench import KvbenchError
@@ -25,7 +27,7 @@ def load(path: str, reuse: str) -> pd.DataFrame:
     from kvbench.store.aggregate import with_variants
     from kvbench.store.results import read_rows
 
-    rows = read_rows(path)
+    rows = read_rows(Path(path))
     if "reuse" not in rows:
         raise KvbenchError(f"compare_reuse: {path} holds no workload rows (no `reuse` column)")
     rows = prefix_cached(rows)  # a run without the prefix cache also writes reuse=per_question

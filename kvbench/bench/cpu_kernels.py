@@ -27,6 +27,7 @@ import os
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 from unittest import mock
 
 import torch
@@ -68,8 +69,8 @@ def path_context(path: str):
 
 @dataclass
 class Bench:
-    lm: object
-    engine: object
+    lm: Any
+    engine: Any
     clock_kind: str  # "wall" | "cpu"
 
     def clock(self) -> float:

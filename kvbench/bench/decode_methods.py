@@ -122,7 +122,8 @@ def main(overrides: list[str]) -> None:
     engine = Engine(lm)
     engine.eos_ids = set()  # always the same number of decode steps
     header("decode_methods", lm, "shared machine: compare ratios")
-    generator, table = torch.Generator().manual_seed(0), []
+    generator = torch.Generator().manual_seed(0)
+    table: list[tuple] = []
     for length in lengths(spec):
         ids = random_ids(lm, length, generator)
         report(length, rows, requests, one_length(engine, ids, rows, requests, opts), opts, table)

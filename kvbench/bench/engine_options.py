@@ -95,7 +95,7 @@ def main(overrides: list[str]) -> None:
     engine, full = Engine(lm), build_method("full")
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()[: spec.limit]
-    stop = sorted(engine.eos_ids)
+    stop: list[int] = sorted(engine.eos_ids)  # type: ignore[arg-type]  # token ids
     cpu = subprocess.run(["sh", "-c", "lscpu | grep 'Model name'"], capture_output=True, text=True).stdout
     header("engine_options", lm, f"engine={spec.engine_name} vs kvbench, {cpu.split(':')[-1].strip()}")
     ours = {}

@@ -158,7 +158,10 @@ def main(overrides: list[str]) -> None:
     examples = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples()[: spec.limit]
     header("engine_parity", lm, f"engine={spec.engine_name}")
     backend.start(spec.model, spec.dtype if spec.dtype != "auto" else str(lm.dtype).removeprefix("torch."))
-    stop_ids, rows, checks, sizes = sorted(engine.eos_ids), [], [], []
+    stop_ids: list[int] = sorted(engine.eos_ids)  # type: ignore[arg-type]  # token ids
+    rows: list[dict] = []
+    checks: list[tuple] = []
+    sizes: list[str] = []
     try:
         with torch.no_grad():
             for ex in examples:

@@ -81,7 +81,7 @@ def kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: in
     paths = {
         "triton_ms": lambda: triton_kivi_decode_attention(query, storage, scale),  # (B, 1, H_q, D)
         "torch_packed_ms": lambda: packed_decode_attention(query, storage, scale),
-        "dequant_sdpa_ms": lambda: sdpa(query, *view.kv(), scale=scale, enable_gqa=True).transpose(1, 2),
+        "dequant_sdpa_ms": lambda: sdpa(query, *view.kv(), scale=scale, enable_gqa=True).transpose(1, 2),  # type: ignore[misc]
         "full_sdpa_ms": lambda: sdpa(query, keys, values, scale=scale, enable_gqa=True).transpose(1, 2),
     }
     got, exact = paths["triton_ms"]().float(), paths["torch_packed_ms"]().float()

@@ -31,6 +31,7 @@ import fcntl
 import gc
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -99,13 +100,13 @@ def bench_lock(path: str | None):
 class Sweep:
     """What every measurement shares: the model, its engine, the planner's view of it, the limit and the prompt."""
 
-    lm: object
-    engine: object
-    arch: object
-    hw: object
+    lm: Any
+    engine: Any
+    arch: Any
+    hw: Any
     limit: int
     weights: int
-    shape: object
+    shape: Any
     prompt: list[int]
     opts: dict
     rows: list = field(default_factory=list)

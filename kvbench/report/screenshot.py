@@ -29,8 +29,9 @@ MEASURE = """<script>window.addEventListener('load',function(){var p={height:doc
 
 def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
+        found = shutil.which(name)
+        if found:
+            return found
     print(
         "kvbench.report.screenshot: error: no chromium found; install it: apt-get install -y chromium", file=sys.stderr
     )
@@ -77,7 +78,7 @@ def save(image: Image.Image, path: Path, scale: float = 1.0, exact: bool = False
     a 256-colour palette greys out their method colours."""
     image = image.convert("RGB")
     if scale != 1:
-        image = image.resize((int(image.width * scale), int(image.height * scale)), Image.LANCZOS)
+        image = image.resize((int(image.width * scale), int(image.height * scale)), Image.Resampling.LANCZOS)
     if not exact:
         image = image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
     image.save(path, optimize=True)
