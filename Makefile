@@ -67,15 +67,15 @@ test-kvpress: $(VENV_KVPRESS)/.installed
 	$(VENV_KVPRESS)/bin/python -m pytest -q -m "not real_model and not slow"
 
 # engine=llamacpp (kvbench/backends/llamacpp.py): ~20 s. The wheel needs glibc 2.38 for four C23 symbols only;
-# scripts/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
+# kvbench/backends/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
 # dependencies: the worker imports only kvbench.backends.protocol.
 engine-llamacpp: $(VENV_LLAMACPP)/.installed
 
-$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile scripts/llamacpp_glibc.py
+$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile kvbench/backends/llamacpp_glibc.py
 	$(PYTHON) -m venv $(VENV_LLAMACPP)
 	$(VENV_LLAMACPP)/bin/pip install -q llama-cpp-py-sync==0.11739
 	$(VENV_LLAMACPP)/bin/pip install -q --no-deps -e .
-	$(VENV_LLAMACPP)/bin/python scripts/llamacpp_glibc.py $(VENV_LLAMACPP)
+	$(VENV_LLAMACPP)/bin/python -m kvbench.backends.llamacpp_glibc $(VENV_LLAMACPP)
 	touch $@
 
 test-llamacpp: install $(VENV_LLAMACPP)/.installed
@@ -145,10 +145,8 @@ leaderboard: install
 # this machine's figures (docs/benchmarks.md "A sweep at the physical limit"): the sweep's price in the resolved
 # dtype and in fp32, the grid decode step and its bandwidth share, the statistics' cost; ~10 min on 2 cores
 bench: install
-	$(BIN)/python -m kvbench.bench sweep
+	$(BIN)/python -m kvbench.bench all
 	$(BIN)/python -m kvbench.bench sweep dtype=float32
-	$(BIN)/python -m kvbench.bench decode
-	$(BIN)/python -m kvbench.bench stats
 
 # ruff (lint + format check) and mypy (lenient: pyproject [tool.mypy]) on the package and methods
 lint: install

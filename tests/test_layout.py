@@ -27,7 +27,7 @@ LAYERS = [
     ["kvbench.run"],  # the run's entrance checks and modes, configurations, rows, work, the runner
     ["kvbench.plan", "kvbench.integrations"],  # the planner; lm-eval, the Ray launcher
     ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction
-    ["kvbench.__main__", "kvbench.check", "kvbench.bench"],  # entry points; benchmarks of kvbench itself
+    ["kvbench.__main__", "kvbench.check", "kvbench.bench"],  # entry points; the benchmarks, over every layer
 ]
 
 

@@ -37,7 +37,7 @@ CELL_RECORD = 12  # bytes per cell in the state: position (i32), number of seque
 
 
 def load_bindings():
-    """llama.h's CFFI bindings; on a glibc < 2.38 the shim that scripts/llamacpp_glibc.py built is loaded first,
+    """llama.h's CFFI bindings; on a glibc < 2.38 the shim llamacpp_glibc.py built is loaded first,
     globally, so the wheel's four C23 symbols resolve to it."""
     spec = importlib.util.find_spec("llama_cpp_py_sync")
     if spec is None or spec.origin is None:

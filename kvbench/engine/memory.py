@@ -13,7 +13,7 @@ fragmentation can then grow the resident set past the live tensors (a chunked pr
 chunk on longctx-random). `KVBENCH_MMAP_THRESHOLD=131072` fixes the threshold (mallopt): every block above it is
 its own mapping, returned to the OS when freed, so the peak RSS follows the live tensors; it costs time (~15 % on
 prefill and decode of the bundled model at 4K, measured in one run), so it is for memory benchmarks
-(scripts/bench_peak_memory.py sets it), not the default.
+(`python -m kvbench.bench peak_memory` sets it), not the default.
 """
 
 from __future__ import annotations

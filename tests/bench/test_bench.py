@@ -22,7 +22,7 @@ TINY = [
 @pytest.mark.parametrize(
     "argv,line",
     [
-        (["nope"], r"no benchmark 'nope'; choose one of sweep, decode, stats or all"),
+        (["nope"], r"no benchmark 'nope'; choose one of sweep, decode, stats, .* or all"),
         (["stats", "dtype=float8"], r"dtype=float8 is not one of"),
         (["decode", "bogus=["], r"\(overrides: bogus=\[\)"),
         (["sweep", "method=nosuch"], r"nosuch"),
@@ -56,4 +56,4 @@ def test_each_benchmark_runs_on_the_tiny_model(name, capsys, monkeypatch):
     assert f"{name} benchmark: tiny-random float32 on cpu" in out
     rows = re.findall(r"^ +(\d+) +[\d.]+ +([\d.]+) ", out, re.M) if name == "decode" else re.findall(r"× plain", out)
     assert len(rows) == (6 if name == "decode" else 6)
-    assert set(BENCHMARKS) == {"sweep", "decode", "stats"}
+    assert {"sweep", "decode", "stats"} <= set(BENCHMARKS)

@@ -208,17 +208,16 @@ def test_dispatch_picks_triton_only_on_cuda(monkeypatch):
     assert kernels.fast_module(on_cuda, "kivi") is None
 
 
-def test_bench_kernels_parses_its_kivi_arguments():
-    """scripts/bench_kernels.py imports and parses on a CPU-only machine (the GPU run happens when one is lent)."""
-    import importlib.util
+def test_bench_kernels_parses_its_kivi_options():
+    """`python -m kvbench.bench kernels` takes its KIVI options on a CPU-only machine (the GPU run happens when one is
+    lent)."""
+    from kvbench.bench.common import options
+    from kvbench.bench.kernels import OPTIONS
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    args = bench.parse_args(["--kivi", "--lengths", "4096", "32768", "--kivi-bits", "2", "4"])
-    assert args.kivi and args.lengths == [4096, 32768] and args.kivi_bits == [2, 4]
-    assert not bench.parse_args([]).kivi
+    given = ["bench.kivi=true", "bench.lengths=[4096,32768]", "bench.kivi_bits=[2,4]", "device=cpu"]
+    opts, rest = options(given, OPTIONS, "kernels")
+    assert opts["kivi"] and opts["lengths"] == [4096, 32768] and opts["kivi_bits"] == [2, 4] and rest == ["device=cpu"]
+    assert not options([], OPTIONS, "kernels")[0]["kivi"]
 
 
 def _nvidia_tool(name: str) -> Path:

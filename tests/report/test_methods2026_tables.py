@@ -1,12 +1,13 @@
-"""scripts/methods2026_tables.py (docs/methods.md's tables of the 2026 methods): cells on each model's common
+"""`python -m kvbench.bench methods2026` (docs/methods.md's tables of the 2026 methods): cells on each model's common
 examples, the configuration names, and one line naming the fix when the store has no such rows."""
 
 import json
 
 import pandas as pd
 
+from kvbench.bench.__main__ import main
+from kvbench.bench.methods2026 import cells, configuration
 from kvbench.store.aggregate import method_yaml
-from scripts.methods2026_tables import cells, configuration, main
 
 
 def rows(model, method, params, budget, scores, kl=None):
@@ -48,6 +49,6 @@ def test_cells_cover_each_models_common_examples():
 
 
 def test_a_store_without_the_rows_is_one_line_exit_2(tmp_path, capsys):
-    assert main(["ruler", "--store", str(tmp_path / "none")]) == 2
+    assert main(["methods2026", "bench.task=ruler", f"bench.store={tmp_path / 'none'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such file" in err

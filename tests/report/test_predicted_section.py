@@ -1,4 +1,4 @@
-"""The report's "Predicted vs measured" section reads scripts/bench_throughput.py's CSV from beside the store."""
+"""The report's "Predicted vs measured" section reads `python -m kvbench.bench throughput`'s CSV from beside the store."""
 
 import pandas as pd
 

@@ -1,5 +1,6 @@
 """Compress once vs per question (kvbench.report.sections.prefix.compare), on a synthetic rows frame: the table
-scripts/compare_reuse.py prints (the README's "Prefix caching" tables) and the report section, one function."""
+`python -m kvbench.bench compare_reuse` prints (the README's "Prefix caching" tables) and the report section, one
+function."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 import numpy as np
 import pandas as pd
 
+from kvbench.bench.compare_reuse import main
 from kvbench.report.section import Context
 from kvbench.report.sections.prefix import compare, compress_once
-from scripts.compare_reuse import main
 
 CONFIGS = [("full", {}, 1.0), ("snapkv", {}, 0.25), ("snapkv", {}, 0.5), ("kivi", {"bits": 2}, 1.0)]
 
@@ -65,10 +66,14 @@ shared_doc_qa
 """
 
 
+def runs(tmp_path) -> list[str]:
+    return [f"bench.per_question={tmp_path / 'pq.parquet'}", f"bench.compress_once={tmp_path / 'once.parquet'}"]
+
+
 def test_script_prints_the_paired_table(tmp_path, capsys):
     rows("per_question").to_parquet(tmp_path / "pq.parquet")
     rows("compress_once").to_parquet(tmp_path / "once.parquet")
-    assert main([str(tmp_path / "pq.parquet"), str(tmp_path / "once.parquet")]) == 0
+    assert main(runs(tmp_path)) == 0
     assert capsys.readouterr().out == PRINTED
 
 
@@ -77,7 +82,7 @@ def test_script_ignores_runs_without_the_prefix_cache(tmp_path, capsys):
     mixed = pd.concat([rows("per_question", cached=False, run="r0", shift=0.5), rows("per_question")])
     mixed.to_parquet(tmp_path / "pq.parquet")
     rows("compress_once").to_parquet(tmp_path / "once.parquet")
-    assert main([str(tmp_path / "pq.parquet"), str(tmp_path / "once.parquet")]) == 0
+    assert main(runs(tmp_path)) == 0
     printed = capsys.readouterr().out
     assert sorted(printed.splitlines()) == sorted(PRINTED.splitlines())
 

@@ -9,7 +9,7 @@ The operations (each answers None / False where its kernel does not apply or did
 - compact_tokens: decode-time eviction's in-place token copies by runs (tokens.py);
 - kivi_decode_attention: KIVI's decode attention on its packed groups (kivi.py).
 
-Each kernel is here because it earns its place end to end (`python scripts/bench_cpu_kernels.py --clock cpu`: one
+Each kernel is here because it earns its place end to end (`python -m kvbench.bench cpu_kernels bench.clock=cpu`: one
 example = prefill + compression + 24 decode tokens on the bundled model, CPU time at 1 thread, best of 2; Intel(R)
 Xeon(R) Processor, avx512_bf16 and AMX). Example time with every kernel on but this one / with all on (> 1: the kernel
 saves that share):

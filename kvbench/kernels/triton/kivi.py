@@ -19,7 +19,8 @@ residual. Per block:
 Each split writes its running max, denominator and unnormalised output; a few torch ops merge the splits (flash-
 decoding) and round once to the query dtype. bits = 16 (that part unquantized) needs nothing special: its packed
 part is empty, so every slot reads the residual. Tested against kivi_attention.packed_decode_attention under
-TRITON_INTERPRET=1 (tests/kernels/test_triton_kivi.py); no CUDA timing yet (scripts/bench_kernels.py --kivi).
+TRITON_INTERPRET=1 (tests/kernels/test_triton_kivi.py); no CUDA timing yet (`python -m kvbench.bench kernels
+bench.kivi=true`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The report's "Predicted vs measured" section: the capacity planner's numbers (kvbench.plan.planner) beside what
-scripts/bench_throughput.py measured — kv_bytes, memory per request, the largest batch within a memory limit and
-decode ms per step vs the roofline bound (the difference: per-step overhead, stated, not fitted away).
+`python -m kvbench.bench throughput` measured — kv_bytes, memory per request, the largest batch within a memory limit
+and decode ms per step vs the roofline bound (the difference: per-step overhead, stated, not fitted away).
 
-The script writes `predicted_vs_measured.csv` (one row per configuration × quantity: model, hardware, config,
-context, limit_bytes, quantity, predicted, measured, unit) next to its --out; the section shows the first such file
+The benchmark writes `predicted_vs_measured.csv` (one row per configuration × quantity: model, hardware, config,
+context, limit_bytes, quantity, predicted, measured, unit) next to its bench.out; the section shows the first such file
 found beside the report's inputs: `<input>/`, `<input>/throughput/`, `<input>/../` or `<input>/../throughput/`
 (e.g. results/reference/throughput/ for the input results/reference/store). Torch-free."""
 
@@ -73,7 +73,7 @@ def predicted_vs_measured(rows: pd.DataFrame, summary: pd.DataFrame, context: Co
     first = frame.iloc[0]
     intro = (
         f"{first['model']} on {first['hardware']}, context {int(first['context'])}, memory limit "
-        f"{first['limit_bytes'] / 2**30:.2f} GiB (from {path.name}, written by scripts/bench_throughput.py). "
+        f"{first['limit_bytes'] / 2**30:.2f} GiB (from {path.name}, written by python -m kvbench.bench throughput). "
         "Predicted: the planner (kv_bytes by kvbench.model.kv_bytes; largest batch: weights + KV within the limit; "
         "decode: the roofline bound max(bytes / bandwidth, FLOPs / peak)). Measured: one run on this machine "
         "(memory per request: what decoding a batch adds to the process's peak, divided by the batch)."

@@ -96,7 +96,8 @@ def compare(per_question: pd.DataFrame, once: pd.DataFrame) -> pd.DataFrame:
     """Compress once vs per question, paired per request (example_id) within (task, method, budget), `method` the
     variant label: n, mean score with its 95 % interval in the task's score range, how many requests compress-once
     answered better / worse, the partial score where the task has one ("" otherwise) and the bytes held after the
-    last paired request. Cells are text, as scripts/compare_reuse.py prints them (the README's tables)."""
+    last paired request. Cells are text, as `python -m kvbench.bench compare_reuse` prints them (the README's
+    tables)."""
     keys = ["task", "method", "budget"]
     pairs = per_question.merge(once, on=[*keys, "example_id"], suffixes=("_pq", "_once"))
     out = []

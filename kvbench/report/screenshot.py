@@ -1,6 +1,6 @@
 """Render a report.html as a reader sees it: headless Chromium at a given width, screenshots saved as PNGs.
 
-    python scripts/screenshot_report.py results/reference/report/report.html \
+    python -m kvbench.report.screenshot results/reference/report/report.html \
         --out results/reference/report/screenshots [--width 1400]
 
 Writes top.png (the first screen: the takeaways), plots.png, tables.png and overall.png (one screen from each of
@@ -29,9 +29,12 @@ MEASURE = """<script>window.addEventListener('load',function(){var p={height:doc
 
 def chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    print("screenshot_report: error: no chromium found; install it: apt-get install -y chromium", file=sys.stderr)
+        found = shutil.which(name)
+        if found:
+            return found
+    print(
+        "kvbench.report.screenshot: error: no chromium found; install it: apt-get install -y chromium", file=sys.stderr
+    )
     sys.exit(2)
 
 
@@ -75,7 +78,7 @@ def save(image: Image.Image, path: Path, scale: float = 1.0, exact: bool = False
     a 256-colour palette greys out their method colours."""
     image = image.convert("RGB")
     if scale != 1:
-        image = image.resize((int(image.width * scale), int(image.height * scale)), Image.LANCZOS)
+        image = image.resize((int(image.width * scale), int(image.height * scale)), Image.Resampling.LANCZOS)
     if not exact:
         image = image.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
     image.save(path, optimize=True)
@@ -90,7 +93,7 @@ def main() -> int:
     parser.add_argument("--screen", type=int, default=1000, help="height of one screen (px)")
     args = parser.parse_args()
     if not args.page.is_file():
-        print(f"screenshot_report: error: {args.page}: no such file", file=sys.stderr)
+        print(f"kvbench.report.screenshot: error: {args.page}: no such file", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     where = positions(args.page, args.width)

@@ -2,25 +2,24 @@
 store's rows: per configuration and model, the mean score [95 % interval], the examples, kv_ratio · MiB held at the
 end of generation, and KL(full ‖ compressed) per answer token — the mean over examples, the 95th percentile over
 examples, the top-1 agreement. Each model's cells cover the same examples (those every configuration of the tables
-has); where the store holds a configuration's row of an example twice (another experiment), the newest counts.
+has); where the store holds a configuration's row of an example twice (another experiment), the newest counts. Reads
+rows only (no model).
 
-    python scripts/methods2026_tables.py ruler                   # results/reference/store
-    python scripts/methods2026_tables.py niah --store DIR
+    python -m kvbench.bench methods2026 bench.task=ruler                   # results/reference/store
+    python -m kvbench.bench methods2026 bench.task=niah bench.store=DIR [bench.length=2048]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 import numpy as np
 import pandas as pd
 
 from kvbench import KvbenchError
-from kvbench.store.aggregate import load_rows, variant_label
-from kvbench.store.intervals import interval_text, mean_interval
+from kvbench.bench.common import tool_options
 
+OPTIONS = {"task": None, "store": "results/reference/store", "length": 2048}
 MODELS = {"smollm2-135m": "SmolLM2", "gemma3-270m": "Gemma 3"}
 EVICTION = ["full"] + [
     f"{m} {b}" for m in ("rkv", "kvcrush", "triattention", "chunkkv", "snapkv") for b in ("0.5", "0.25")
@@ -34,6 +33,8 @@ PRECISION = (
 
 def configuration(rows: pd.DataFrame) -> pd.Series:
     """`snapkv 0.25` for a method with a budget, the variant label (`kivi(bits=2)`) for one without."""
+    from kvbench.store.aggregate import variant_label
+
     variants = [variant_label(m, p) for m, p in zip(rows["method"], rows["method_params"].map(json.loads))]
     return pd.Series(
         [v if b >= 1 else f"{v} {b:g}" for v, b in zip(variants, rows["budget"])], index=rows.index, dtype=str
@@ -43,6 +44,8 @@ def configuration(rows: pd.DataFrame) -> pd.Series:
 def cells(rows: pd.DataFrame) -> dict[tuple[str, str], list[str]]:
     """(model, configuration) → [score [CI] (n), kv_ratio · MiB, KL mean / p95 / top-1] on each model's common
     examples."""
+    from kvbench.store.intervals import interval_text, mean_interval
+
     out = {}
     for model, scope in rows.groupby("model"):
         per_config = scope.groupby("configuration")["example_id"].agg(frozenset)
@@ -71,25 +74,18 @@ def table(found: dict, order: list[str], models: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("task", choices=("niah", "ruler"))
-    parser.add_argument("--store", default="results/reference/store")
-    parser.add_argument("--length", type=int, default=2048, help="context length of the rows (length_target)")
-    args = parser.parse_args(argv)
-    try:
-        rows = load_rows([args.store])
-    except KvbenchError as error:
-        print(f"kvbench: {error}", file=sys.stderr)
-        return 2
-    rows = rows[(rows["task"] == args.task) & rows["model"].isin(list(MODELS)) & (rows["dtype"] == "bfloat16")]
-    rows = rows[rows["length_target"] == args.length] if "length_target" in rows else rows.iloc[:0]
+def main(overrides: list[str]) -> None:
+    from kvbench.store.aggregate import load_rows
+
+    opts = tool_options(overrides, OPTIONS, "methods2026", required=("task",))
+    task, store, length = opts["task"], str(opts["store"]), opts["length"]
+    if task not in ("niah", "ruler"):
+        raise KvbenchError(f"bench.task={task}: the tables are bench.task=niah or bench.task=ruler")
+    rows = load_rows([store])
+    rows = rows[(rows["task"] == task) & rows["model"].isin(list(MODELS)) & (rows["dtype"] == "bfloat16")]
+    rows = rows[rows["length_target"] == length] if "length_target" in rows else rows.iloc[:0]
     if not len(rows):
-        print(
-            f"kvbench: no {args.task} rows at {args.length} tokens in {args.store}: run the experiment first",
-            file=sys.stderr,
-        )
-        return 2
+        raise KvbenchError(f"no {task} rows at {length} tokens in {store}: run the experiment first")
     rows = rows.assign(configuration=configuration(rows))
     rows = rows[rows["configuration"].isin(EVICTION + PRECISION)]
     rows = rows.sort_values("timestamp").drop_duplicates(["model", "configuration", "example_id"], keep="last")
@@ -97,8 +93,3 @@ def main(argv=None) -> int:
     models = [m for m in MODELS if m in set(rows["model"])]
     print(table(found, EVICTION, models), end="\n\n")
     print(table(found, PRECISION, models))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,38 +1,38 @@
-"""Why H2O loses the needle on the bundled model's NIAH: where its accumulated attention mass goes.
+"""Why H2O loses the needle on NIAH: where its accumulated attention mass goes.
 
-For each NIAH prompt (default: the task's 9, 1K–4K × depths 0.1/0.5/0.9) one prefill records every query's
-attention onto every key (H2O's statistic, and SnapKV's window), then per layer and KV head:
+    python -m kvbench.bench h2o_mass [overrides]     # bundled model, the task's 9 prompts, budget 0.25
+    python -m kvbench.bench h2o_mass 'task.context_lengths=[1024]' bench.json=h2o.json
+
+For each NIAH prompt (the task's: default 1K–4K × depths 0.1/0.5/0.9) one prefill records every query's attention
+onto every key (H2O's statistic, and SnapKV's window), then per layer and KV head:
 - the share of the accumulated mass on the attention sinks (first 4 tokens), the needle sentence, the recent
   window H2O always keeps, the question, and the rest of the haystack — and the mass per token of each;
-- which positions each selection keeps at the budget: kvbench's H2O (score=sum, the original's statistic, summed
-  over a KV head's query group), H2O score=mean (kvpress's ObservedAttentionPress normalisation: ÷ the queries a
-  key received), the original FMInference/H2O real-drop scheme (per query head after repeat_kv, heavy = recent =
-  budget/2), and SnapKV; reported as the share of needle tokens kept and where the heavy hitters sit;
+- which positions each selection keeps at the budget (`budget`, default 0.25): kvbench's H2O (score=sum, the
+  original's statistic, summed over a KV head's query group), H2O score=mean (kvpress's ObservedAttentionPress
+  normalisation: ÷ the queries a key received), the original FMInference/H2O real-drop scheme (per query head after
+  repeat_kv, heavy = recent = budget/2), and SnapKV; reported as the share of needle tokens kept and where the heavy
+  hitters sit;
 - one prompt's kept positions, kvbench H2O vs the original (overlap per KV head).
-Then each configuration decodes the answer from the shared prefill and is scored (exact, partial).
-
-    python scripts/h2o_attention_mass.py                    # bundled model, the 9 prompts, budget 0.25
-    python scripts/h2o_attention_mass.py --lengths 1024 --json h2o.json
+Then each configuration decodes the answer from the shared prefill and is scored (exact, partial;
+`bench.decode=false` skips it). `bench.json=FILE` writes every figure.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import OmegaConf
 
-from kvbench import conf_dir
-from kvbench.engine.engine import Engine
-from kvbench.methods import Budget, build_method
-from kvbench.methods.base import top_k_sorted
-from kvbench.model.load import load_model
-from kvbench.tasks import build_task
+from kvbench.bench.common import checked, header, load, options
 
+if TYPE_CHECKING:
+    from kvbench.methods import Budget
+
+OPTIONS = {"decode": True, "json": None}
 SINKS = 4
 CONFIGS = {  # label → (method, knobs); "original" is analysed only (it keeps per query head: no kvbench cache)
     "h2o (sum)": ("h2o", {}),
@@ -53,9 +53,12 @@ def needle_span(ex, tokenizer) -> tuple[int, int]:
 
 def original_h2o(columns: torch.Tensor, n_keep: int) -> torch.Tensor:
     """FMInference/H2O real-drop (utils_real_drop H2OKVCache_LayerWise): per query head, hh_score = attention summed
-    over the queries; keep top-`heavy` of [: T − recent] + the recent window. columns (B, H_q, T) -> (B, H_q, n_keep)."""
+    over the queries; keep top-`heavy` of [: T − recent] + the recent window.
+    columns (B, H_q, T) -> (B, H_q, n_keep)."""
     n_tokens = columns.shape[-1]
     recent = n_keep // 2
+    from kvbench.methods.base import top_k_sorted
+
     heavy = top_k_sorted(columns[..., : n_tokens - recent], n_keep - recent)
     window = torch.arange(n_tokens - recent, n_tokens).expand(*columns.shape[:2], -1)
     return torch.cat([heavy, window], dim=-1)
@@ -123,27 +126,12 @@ def overlap_with_original(prefill, method, n_keep: int, group: int) -> float:
     return sum(scores) / len(scores)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
-    parser.add_argument("--budget", type=float, default=0.25)
-    parser.add_argument("--no-decode", action="store_true", help="skip decoding and scoring the answers")
-    parser.add_argument("--json", type=Path, help="write every figure here")
-    args = parser.parse_args(argv)
+def prompts(engine, task, methods: dict, budget, opts: dict, lm) -> list[dict]:
+    """Each prompt's analysis (and, with bench.decode, each configuration's score), one prefill per prompt."""
+    from kvbench.methods import build_method
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    lm = load_model(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"), "auto", "auto")
-    task_cfg = OmegaConf.load(conf_dir() / "task" / "niah.yaml")
-    task_cfg.context_lengths, task_cfg.depths = args.lengths, args.depths
-    task = build_task(task_cfg, lm.tokenizer, seed=0)
-    engine, budget = Engine(lm), Budget.parse(args.budget)
-    methods = {label: build_method(name, knobs) for label, (name, knobs) in CONFIGS.items()}
-    for method in methods.values():
-        method.bind(lm)
     request = methods["h2o (sum)"].stats_request() | methods["snapkv"].stats_request()
-    report, start = [], time.perf_counter()
+    report: list[dict] = []
     for ex in task.examples():
         prompt, suffix = ex.split(query_aware=True)
         prefill = engine.prefill(prompt, request)
@@ -152,7 +140,7 @@ def main(argv=None) -> None:
             row["jaccard_h2o_vs_original"] = overlap_with_original(
                 prefill, methods["h2o (sum)"], budget.tokens(prefill.n_tokens), lm.n_q_heads // lm.n_kv_heads
             )
-        if not args.no_decode:
+        if opts["decode"]:
             row["score"] = {}
             for label, method in [*methods.items(), ("full", build_method("full"))]:
                 gen = engine.generate(
@@ -161,50 +149,54 @@ def main(argv=None) -> None:
                 row["score"][label] = task.score(gen.text, ex)
         report.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    print_tables(report, args, lm, time.perf_counter() - start)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    return report
 
 
-def print_tables(report: list[dict], args, lm, seconds: float) -> None:
-    n = len(report)
+def main(overrides: list[str]) -> None:
+    from kvbench.engine.engine import Engine
+    from kvbench.methods import Budget, build_method
+    from kvbench.tasks import build_task
 
-    def mean(get):
-        return sum(get(r) for r in report) / n
+    opts, overrides = options(overrides, OPTIONS, "h2o_mass")
+    spec, _ = checked(overrides, "method=h2o", "budget=0.25")
+    lm = load(spec)
+    task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
+    engine, budget = Engine(lm), Budget.parse(spec.budget)
+    methods = {label: build_method(name, knobs) for label, (name, knobs) in CONFIGS.items()}
+    for method in methods.values():
+        method.bind(lm)
+    header("h2o_mass", lm)
+    start = time.perf_counter()
+    report = prompts(engine, task, methods, budget, opts, lm)
+    print_tables(report, spec, lm, time.perf_counter() - start)
+    if opts["json"]:
+        Path(opts["json"]).write_text(json.dumps(report, indent=1))
 
+
+def mean(report: list[dict], *path: str) -> float:
+    """The mean over prompts of r[path[0]][path[1]]..."""
+    total = 0.0
+    for r in report:
+        for key in path:
+            r = r[key]
+        total += r  # type: ignore[operator]
+    return total / len(report)
+
+
+def print_tables(report: list[dict], spec, lm, seconds: float) -> None:
+    lengths, depths = spec.task.get("context_lengths", []), spec.task.get("depths", [])
     print(
-        f"{lm.name}, {n} NIAH prompts ({'/'.join(map(str, args.lengths))} tokens × depths "
-        f"{'/'.join(map(str, args.depths))}), budget {args.budget}, {seconds:.0f} s"
+        f"{lm.name}, {len(report)} NIAH prompts ({'/'.join(map(str, lengths))} tokens × depths "
+        f"{'/'.join(map(str, depths))}), budget {spec.budget}, {seconds:.0f} s"
     )
     print("\naccumulated attention (all queries, all layers), share of the mass and mass per token ÷ haystack's:")
     print(f"{'region':<10}{'share':>8}{'per token':>11}")
     for region in report[0]["mass_share"]:
         print(
-            f"{region:<10}{mean(lambda r: r['mass_share'][region]):>8.3f}"
-            f"{mean(lambda r: r['mass_per_token_vs_haystack'][region]):>11.2f}"
+            f"{region:<10}{mean(report, 'mass_share', region):>8.3f}"
+            f"{mean(report, 'mass_per_token_vs_haystack', region):>11.2f}"
         )
-    labels = list(report[0]["needle_kept"])
-    print("\nselection at the budget (mean over prompts, layers, heads):")
-    print(
-        f"{'selection':<12}{'needle kept':>12}{'heavy in first 10 %':>21}"
-        + ("" if "score" not in report[0] else f"{'exact':>8}{'partial':>9}")
-    )
-    for label in labels:
-        line = (
-            f"{label:<12}{mean(lambda r: r['needle_kept'][label]):>12.3f}"
-            f"{mean(lambda r: r['heavy_in_first_tenth'][label]):>21.3f}"
-        )
-        if "score" in report[0] and label in report[0]["score"]:
-            line += (
-                f"{mean(lambda r: r['score'][label]['score']):>8.2f}"
-                f"{mean(lambda r: r['score'][label]['score_partial']):>9.2f}"
-            )
-        print(line)
-    if "score" in report[0]:
-        print(
-            f"{'full':<12}{'':>33}{mean(lambda r: r['score']['full']['score']):>8.2f}"
-            f"{mean(lambda r: r['score']['full']['score_partial']):>9.2f}"
-        )
+    print_selection(report)
     print("\nper prompt, needle kept by h2o (sum) / h2o (mean) / original / snapkv:")
     for r in report:
         kept = r["needle_kept"]
@@ -219,5 +211,25 @@ def print_tables(report: list[dict], args, lm, seconds: float) -> None:
     )
 
 
-if __name__ == "__main__":
-    main()
+def print_selection(report: list[dict]) -> None:
+    scored = "score" in report[0]
+    print("\nselection at the budget (mean over prompts, layers, heads):")
+    print(
+        f"{'selection':<12}{'needle kept':>12}{'heavy in first 10 %':>21}"
+        + ("" if not scored else f"{'exact':>8}{'partial':>9}")
+    )
+    for label in report[0]["needle_kept"]:
+        line = (
+            f"{label:<12}{mean(report, 'needle_kept', label):>12.3f}"
+            f"{mean(report, 'heavy_in_first_tenth', label):>21.3f}"
+        )
+        if scored and label in report[0]["score"]:
+            line += (
+                f"{mean(report, 'score', label, 'score'):>8.2f}{mean(report, 'score', label, 'score_partial'):>9.2f}"
+            )
+        print(line)
+    if scored:
+        print(
+            f"{'full':<12}{'':>33}{mean(report, 'score', 'full', 'score'):>8.2f}"
+            f"{mean(report, 'score', 'full', 'score_partial'):>9.2f}"
+        )

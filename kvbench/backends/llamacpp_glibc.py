@@ -2,13 +2,14 @@
 
 The wheel (tagged manylinux2014, built on a newer system) needs glibc 2.38 for four symbols only: the C23 variants
 `__isoc23_strtol/strtoul/strtoull/sscanf` (they differ from the classic ones in accepting a "0b" prefix, which
-llama.cpp's own parsing never relies on). This script, run once by `make engine-llamacpp`:
+llama.cpp's own parsing never relies on). This module, run once by `make engine-llamacpp` (standard library only:
+importing it does nothing):
   1. compiles `libkvbench-isoc23.so`, which defines the four symbols by calling the classic functions;
   2. edits each bundled library in place: those symbols lose their version requirement (.gnu.version -> global, so
      the loader takes the shim's definition) and the GLIBC_2.38 requirement is marked weak (VER_FLG_WEAK: the loader
      no longer refuses the library for it).
 The worker loads the shim with RTLD_GLOBAL before llama.cpp (kvbench/backends/llamacpp_worker.py). Idempotent; on
-a glibc >= 2.38 it changes nothing. Usage: python scripts/llamacpp_glibc.py <venv>
+a glibc >= 2.38 it changes nothing. Usage: python -m kvbench.backends.llamacpp_glibc <venv>
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ int __isoc23_sscanf(const char *s, const char *fmt, ...) {
 SHT_DYNSYM, SHT_GNU_VERSYM, SHT_GNU_VERNEED, VER_FLG_WEAK = 11, 0x6FFFFFFF, 0x6FFFFFFE, 0x2
 
 
-def sections(elf: bytes) -> list[tuple[int, int, int, int, int]]:
+def sections(elf: bytes | bytearray) -> list[tuple[int, int, int, int, int]]:
     """(type, offset, size, link, entsize) of every section of a little-endian ELF64 file."""
     shoff, shentsize, shnum = struct.unpack_from("<Q", elf, 0x28)[0], *struct.unpack_from("<HH", elf, 0x3A)
     out = []
@@ -43,7 +44,7 @@ def sections(elf: bytes) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
-def cstr(elf: bytes, at: int) -> bytes:
+def cstr(elf: bytes | bytearray, at: int) -> bytes:
     return bytes(elf[at : elf.index(b"\0", at)])
 
 
@@ -61,13 +62,13 @@ def patch(path: Path) -> bool:
             struct.pack_into("<H", elf, versym[1] + 2 * i, 1)  # 1 = global: any definition satisfies it
             changed = True
     verneed = next((s for s in secs if s[0] == SHT_GNU_VERNEED), None)
-    at = verneed[1] if verneed else None
+    at, names = (verneed[1], secs[verneed[3]][1]) if verneed else (None, 0)  # its entries, its string table
     while at is not None:  # Elf64_Verneed: version, cnt, file, aux, next; Elf64_Vernaux: hash, flags, other, name, next
         _, cnt, _, aux, nxt = struct.unpack_from("<HHIII", elf, at)
         a = at + aux
         for _ in range(cnt):
             _, flags, _, name, anext = struct.unpack_from("<IHHII", elf, a)
-            if cstr(elf, secs[verneed[3]][1] + name) == b"GLIBC_2.38" and not flags & VER_FLG_WEAK:
+            if cstr(elf, names + name) == b"GLIBC_2.38" and not flags & VER_FLG_WEAK:
                 struct.pack_into("<H", elf, a + 4, flags | VER_FLG_WEAK)
                 changed = True
             a += anext

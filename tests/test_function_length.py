@@ -1,10 +1,9 @@
-"""The N longest functions (and methods) of kvbench/ and methods/, by source lines (def line to last line).
+"""Function length, by source lines (def line to last line: docstring and comments included; a nested function counts
+on its own and inside its parent).
 
-    python scripts/longest_functions.py [-n 15] [paths ...]
-
-Lines count the whole definition, docstring and comments included (ast's lineno to end_lineno); a nested function is
-counted on its own and inside its parent. Prints `lines  path:line  qualified.name`, longest first, then the total
-number of functions and how many are over 50 and 100 lines.
+kvbench/bench holds no function over LIMIT lines. Elsewhere in kvbench/ and methods/ the longest are listed, not
+asserted: `python -m tests.test_function_length [-n 15] [folder ...]` prints the N longest, then how many functions
+are over 50 and over 100 lines.
 """
 
 from __future__ import annotations
@@ -13,7 +12,9 @@ import argparse
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 60
+HELD = ("kvbench/bench",)  # folders whose every function stays within LIMIT
 
 
 def functions(path: Path) -> list[tuple[int, str, int, str]]:
@@ -35,13 +36,28 @@ def functions(path: Path) -> list[tuple[int, str, int, str]]:
     return out
 
 
+def longest(folders: list[str]) -> list[tuple[int, str, int, str]]:
+    """Every function under `folders` (relative to the repository), longest first."""
+    found = [f for folder in folders for path in sorted((ROOT / folder).rglob("*.py")) for f in functions(path)]
+    return sorted(found, key=lambda f: (-f[0], f[1], f[2]))
+
+
+def test_no_function_in_the_benchmarks_is_over_the_limit():
+    over = [f"{lines:4d}  {path}:{line}  {name}" for lines, path, line, name in longest(list(HELD)) if lines > LIMIT]
+    assert not over, f"functions over {LIMIT} lines (split them):\n" + "\n".join(over)
+
+
+def test_the_count_sees_the_house():
+    found = longest(["kvbench", "methods"])
+    assert len(found) > 1000 and any(name == "main" for _, path, _, name in found if path.endswith("__main__.py"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=15, help="how many to print")
     parser.add_argument("paths", nargs="*", default=["kvbench", "methods"], help="folders under the repository")
     args = parser.parse_args()
-    found = [f for folder in args.paths for path in sorted((ROOT / folder).rglob("*.py")) for f in functions(path)]
-    found.sort(key=lambda f: (-f[0], f[1], f[2]))
+    found = longest(args.paths)
     for lines, path, line, name in found[: args.n]:
         print(f"{lines:5d}  {path}:{line}  {name}")
     over = [sum(f[0] > n for f in found) for n in (50, 100)]
