@@ -1,8 +1,8 @@
 """Serving engines as kvbench backends (engine=<name>): each one module behind `base.Backend`, its engine in its own
 venv and worker process (`protocol.py`). Importing this package loads no engine and no torch.
 
-Every module here but the workers is imported (an engine's module registers its Backend with `@BACKENDS.register`),
-so adding an engine is its module and its worker: no list to edit. A worker (`<name>_worker.py`) imports its engine
+Every module here but the workers and `llamacpp_glibc` (run by `make engine-llamacpp`) is imported (an engine's
+module registers its Backend with `@BACKENDS.register`), so adding an engine is its module and its worker: no list to edit. A worker (`<name>_worker.py`) imports its engine
 and runs in the engine's venv only."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from kvbench.config.registry import Registry
 
 BACKENDS = Registry("engine")  # engine name -> Backend subclass
 
+RUN_AS_MAIN = ("_worker", "_glibc")  # workers and make's llama.cpp fix: run by `python -m`, never imported here
 for _module in pkgutil.iter_modules(__path__):
-    if not _module.name.endswith("_worker"):
+    if not _module.name.endswith(RUN_AS_MAIN):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 

@@ -10,6 +10,9 @@ importing it does nothing):
      no longer refuses the library for it).
 The worker loads the shim with RTLD_GLOBAL before llama.cpp (kvbench/backends/llamacpp_worker.py). Idempotent; on
 a glibc >= 2.38 it changes nothing. Usage: python -m kvbench.backends.llamacpp_glibc <venv>
+
+Exit codes: 0 done (patched, or nothing to patch); 1 it failed (no llama.cpp package in the venv, no C compiler:
+Python's traceback, under `make engine-llamacpp`); 2 no venv folder given: one line.
 """
 
 from __future__ import annotations
@@ -100,4 +103,7 @@ def main(venv: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        print("llamacpp_glibc: error: give the venv: python -m kvbench.backends.llamacpp_glibc .venv-llamacpp")
+        sys.exit(2)
     main(sys.argv[1])

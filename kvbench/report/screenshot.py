@@ -5,7 +5,9 @@
 
 Writes top.png (the first screen: the takeaways), plots.png, tables.png and overall.png (one screen from each of
 those anchors) and full.png (the whole page scaled to 1/4, to see its shape), and prints the page's height.
-Needs Debian's `chromium` package (`apt-get install -y chromium`); exit 2 with one line when it is missing.
+Needs Debian's `chromium` package (`apt-get install -y chromium`).
+
+Exit codes: 0 done; 2 no chromium, or a missing report.html: one line naming the fix.
 """
 
 from __future__ import annotations
