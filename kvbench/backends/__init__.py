@@ -2,8 +2,8 @@
 venv and worker process (`protocol.py`). Importing this package loads no engine and no torch.
 
 Every module here but the workers and `llamacpp_glibc` (run by `make engine-llamacpp`) is imported (an engine's
-module registers its Backend with `@BACKENDS.register`), so adding an engine is its module and its worker: no list to edit. A worker (`<name>_worker.py`) imports its engine
-and runs in the engine's venv only."""
+module registers its Backend with `@BACKENDS.register`), so adding an engine is its module and its worker: no list
+to edit. A worker (`<name>_worker.py`) imports its engine and runs in the engine's venv only."""
 
 from __future__ import annotations
 
