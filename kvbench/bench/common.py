@@ -1,11 +1,10 @@
-"""What every benchmark shares: the configuration composed and checked as `python -m kvbench` does, the machine named,
-best-of timing."""
+"""What every benchmark shares: the configuration composed and checked as `python -m kvbench` does, the model loaded as
+a run loads it, the machine named, the prompt and options each benchmark takes."""
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -41,15 +40,13 @@ def machine(device: torch.device) -> str:
     return f"{device_name(device)}, {bf16}{forced}, {torch.get_num_threads()} torch threads"
 
 
-def best_of(fn: Callable[[], object], repeats: int) -> float:
-    """The least-contended of `repeats` timed calls (after one warm-up), in seconds."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def longest_prompt(spec, lm) -> list[int]:
+    """The whole prompt (context + question) of the task's longest example, as a query-aware run feeds it."""
+    from kvbench.tasks import build_task
+
+    examples = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples()
+    prompt, suffix = max(examples, key=lambda e: e.n_tokens).split(True)
+    return prompt + suffix
 
 
 def options(overrides: list[str], defaults: Mapping[str, Any], name: str) -> tuple[dict, list[str]]:

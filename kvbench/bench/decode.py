@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from kvbench.bench.common import compose, machine
+from kvbench.bench.common import checked, load, longest_prompt, machine
 
 ROWS = (1, 2, 4, 8, 11, 16)
 STEPS = 12
@@ -41,16 +41,11 @@ def main(overrides: list[str]) -> None:
     from kvbench.engine.bandwidth import memory_bandwidth
     from kvbench.engine.engine import Engine
     from kvbench.model.attention import StatsRequest
-    from kvbench.model.load import load_model
-    from kvbench.run.check import check_run
-    from kvbench.tasks import build_task
 
-    spec, _ = check_run(compose(overrides, "method=full"))
-    lm = load_model(spec.model, spec.device, spec.dtype)
+    spec, _ = checked(overrides, "method=full")
+    lm = load(spec)
     engine = Engine(lm)
-    example = max(build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples(), key=lambda e: e.n_tokens)
-    prompt, suffix = example.split(True)
-    prefill = engine.prefill(prompt + suffix, StatsRequest())
+    prefill = engine.prefill(longest_prompt(spec, lm), StatsRequest())
     kv = engine.baselines(prefill.n_tokens)["kv_bytes_full"]
     weights, bandwidth = engine.weight_bytes, memory_bandwidth(lm.device)
     print(

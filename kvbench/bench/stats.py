@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from kvbench.bench.common import compose, machine
+from kvbench.bench.common import checked, load, longest_prompt, machine
 
 METHODS = ("h2o", "tova", "snapkv", "pyramidkv")
 REPEATS = 3
@@ -21,16 +21,11 @@ def main(overrides: list[str]) -> None:
     from kvbench.engine.engine import Engine
     from kvbench.methods import build_method, method_defaults
     from kvbench.model.attention import StatsRequest
-    from kvbench.model.load import load_model
-    from kvbench.run.check import check_run
-    from kvbench.tasks import build_task
 
-    spec, _ = check_run(compose(overrides, "method=full"))
-    lm = load_model(spec.model, spec.device, spec.dtype)
+    spec, _ = checked(overrides, "method=full")
+    lm = load(spec)
     engine = Engine(lm)
-    example = max(build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples(), key=lambda e: e.n_tokens)
-    prompt, suffix = example.split(True)
-    ids = prompt + suffix
+    ids = longest_prompt(spec, lm)
     requests = {"plain": StatsRequest()}
     for name in METHODS:
         requests[name] = build_method(name, method_defaults(name)).stats_request()
