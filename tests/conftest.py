@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.model.load import load_model
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"

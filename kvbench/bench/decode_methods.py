@@ -107,7 +107,7 @@ def report(length: int, rows: list, requests: dict, times: tuple[dict, dict], op
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.attention import StatsRequest
 

@@ -80,7 +80,7 @@ def option_line(be, task, lm, examples, option: str, engine_full: dict, stop: li
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.tasks import build_task
 

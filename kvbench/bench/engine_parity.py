@@ -144,7 +144,7 @@ def summary(backend, lm, rows: list[dict], checks: list[tuple], sizes: list[str]
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     opts, overrides = options(overrides, OPTIONS, "engine_parity")

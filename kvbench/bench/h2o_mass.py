@@ -153,7 +153,7 @@ def prompts(engine, task, methods: dict, budget, opts: dict, lm) -> list[dict]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import Budget, build_method
     from kvbench.tasks import build_task
 

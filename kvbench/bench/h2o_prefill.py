@@ -35,7 +35,7 @@ def best_of(engine, ids: list[int], h2o, repeats: int) -> dict[str, float]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
 
     opts, overrides = options(overrides, OPTIONS, "h2o_prefill")

@@ -31,7 +31,7 @@ OPTIONS = {"kivi": False, "lengths": [4096, 16384, 32768], "kivi_bits": [4, 2], 
 
 def timeit(fn, reps: int, device: torch.device) -> float:
     """Median ms of `reps` calls after one warm-up (compilation) call, synchronised on `device`."""
-    from kvbench.engine.memory import synchronize
+    from kvbench.native.memory import synchronize
 
     fn()
     times = []

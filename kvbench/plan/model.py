@@ -135,7 +135,7 @@ DEFAULT = Options()
 
 def prefill_extra(arch: Arch, method, dtype: torch.dtype, context: int, options: Options) -> int:
     """Uncompressed K/V one request holds while its prompt is prefilled, beside the compressed caches: with
-    `prefill=shared` every layer's whole prompt (kvbench.engine: the methods compress after the forward), inline the
+    `prefill=shared` every layer's whole prompt (kvbench.native: the methods compress after the forward), inline the
     largest layer's prompt (compressed right after its attention), chunked the largest layer's chunk. The full
     cache compresses nothing: its prefill is its cache."""
     if method.name == "full":

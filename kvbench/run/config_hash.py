@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.engine import slots
-from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.native import slots
+from kvbench.native.grid_decode import MAX_PADDING
 from kvbench.kernels.backend import backend
 from kvbench.run import modes
 from kvbench.run.configuration import Configuration
@@ -15,7 +15,7 @@ from kvbench.tasks import TASKS
 
 
 def grid_batching(spec: RunSpec, lm, requested: int) -> bool:
-    """Whether a grid's configurations of one example decode together (kvbench.engine.grid_decode): grid_batch=auto does
+    """Whether a grid's configurations of one example decode together (kvbench.native.grid_decode): grid_batch=auto does
     where the rows are identical to one by one (tested) and the run requests more than one configuration besides the
     full-cache baseline — a single method's run (the default job) decodes each configuration alone, so the first
     decode_ms_per_token a user reads is each method's own, not a batch's shared step; true always; false never."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvbench import KvbenchError
 from kvbench.backends import listed
 from kvbench.config.spec import RunSpec
-from kvbench.engine.inline import compresses_per_layer
+from kvbench.native.inline import compresses_per_layer
 from kvbench.methods import Method
 from kvbench.methods.modes import HooksPrefill
 from kvbench.tasks.base import Task
@@ -226,7 +226,7 @@ WHEN = {  # when each mode is active, in words (the table's second column)
     "sliding": "a model with sliding-window layers (Gemma 2/3, Mistral, gpt-oss)",
     "hybrid": "a hybrid model (Qwen3.5, Qwen3-Next, Nemotron-H, Granite 4.0-H, Jamba, Bamba, LFM2, OLMo-hybrid)",
     "context_only": "`query_aware=false`",
-    "no_fidelity": "`fidelity=false` (no KL columns, kvbench.engine.fidelity)",
+    "no_fidelity": "`fidelity=false` (no KL columns, kvbench.native.fidelity)",
     "engine": "`engine=" + "`, `".join(listed()) + "` (kvbench.backends)",  # every registered serving engine
 }
 

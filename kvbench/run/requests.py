@@ -26,8 +26,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.config.spec import RunSpec
-from kvbench.engine.engine import Prefill
-from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
+from kvbench.native.engine import Prefill
+from kvbench.native.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes

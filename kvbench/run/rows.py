@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kvbench.engine import fidelity, inline
-from kvbench.engine.bandwidth import share_columns
-from kvbench.engine.batched import batch_columns, step_kv_bytes
-from kvbench.engine.engine import Engine, Generation
-from kvbench.engine.grid_decode import MAX_PADDING
+from kvbench.native import fidelity, inline
+from kvbench.native.bandwidth import share_columns
+from kvbench.native.batched import batch_columns, step_kv_bytes
+from kvbench.native.engine import Engine, Generation
+from kvbench.native.grid_decode import MAX_PADDING
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import StatsRequest
 from kvbench.run.configuration import Configuration
@@ -32,13 +32,13 @@ class RowContext:
     common: dict  # columns of every row (kvbench.run.runner: provenance, run_id, seed, modes' row keys)
     diagnose: Any = None  # diagnose=true: the verdict Thresholds (kvbench.guide.diagnose_run); rows gain its columns
     side: list = field(default_factory=list)  # diagnose=true: per-(layer, KV head) records, written beside the rows
-    prefill: str = "shared"  # shared | inline (kvbench.engine.inline)
+    prefill: str = "shared"  # shared | inline (kvbench.native.inline)
     prefill_chunk: int | None = None
-    grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.engine.grid_decode)
+    grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.native.grid_decode)
     grid_padding: float = MAX_PADDING
     backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
-    fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.engine.fidelity)
-    bandwidth: float = math.nan  # the machine's memory read bandwidth, bytes/s (kvbench.engine.bandwidth)
+    fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.native.fidelity)
+    bandwidth: float = math.nan  # the machine's memory read bandwidth, bytes/s (kvbench.native.bandwidth)
 
     @property
     def lm(self):
@@ -100,7 +100,7 @@ def generation_row(c: Configuration, ex: Example, ctx: RowContext, gen: Generati
 
 
 def decode_share(ctx: RowContext, decode_s: float, steps: int, kv_bytes: int) -> dict:
-    """`step_bytes` and `bandwidth_share` of a decoding row (kvbench.engine.bandwidth): the weights and the K/V one
+    """`step_bytes` and `bandwidth_share` of a decoding row (kvbench.native.bandwidth): the weights and the K/V one
     step reads, at the row's step time, over the machine's bandwidth."""
     step_s = decode_s / steps if steps else math.nan
     return share_columns(ctx.engine.weight_bytes, kv_bytes, step_s, ctx.bandwidth)
@@ -118,11 +118,11 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
 
         `prefill(ids, request)` replaces engine.prefill for the shared one (the prefix cache: kvbench.run.requests).
         With ctx.prefill=inline every configuration prefills on its own, compressing inside the forward pass
-        (kvbench.engine.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
-        caches allow (kvbench.engine.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
+        (kvbench.native.inline). ctx.grid_batch: the configurations sharing the prefill decode together where their
+        caches allow (kvbench.native.grid_decode), in batches holding at most ctx.grid_padding × their own cache bytes;
         rows are the same, timings the batch's. ctx.diagnose: rows gain the diagnostic columns and the per-(layer,
         KV head) records go to ctx.side. With ctx.fidelity every row gains the fidelity columns
-    (kvbench.engine.fidelity), computed after every row is measured."""
+    (kvbench.native.fidelity), computed after every row is measured."""
     engine, diagnose = ctx.engine, ctx.diagnose
     prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
     mode, chunk = ctx.prefill, ctx.prefill_chunk
@@ -133,14 +133,14 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
     prefill = (prefill or engine.prefill)(prompt_ids, request) if shared else None
     rows, together = [], {}
     if ctx.grid_batch and len(shared) > 1 and diagnose is None and prefill.adopt is None:  # type: ignore[union-attr]
-        from kvbench.engine.grid_decode import generate_grid  # configurations of this example decoded as one batch
+        from kvbench.native.grid_decode import generate_grid  # configurations of this example decoded as one batch
 
         confs = [(c.method, c.budget) for c in shared]
         gens = generate_grid(
             engine, prefill, confs, suffix_ids, ex.max_new_tokens, ex.stop, ctx.grid_padding, keep_logits=ctx.fidelity
         )
         together = {id(c): gen for c, gen in zip(shared, gens)}
-    runs = []  # how each row's cache can be rebuilt for its fidelity columns (kvbench.engine.fidelity)
+    runs = []  # how each row's cache can be rebuilt for its fidelity columns (kvbench.native.fidelity)
     for c in todo:
         if id(c) in together:
             gen = together[id(c)]
@@ -174,8 +174,8 @@ def generation_rows(ctx: RowContext, todo: list[Configuration], ex: Example, pre
 
 
 def stream_rows(ctx: RowContext, c: Configuration, ex: Example) -> list[dict]:
-    """Perplexity tasks: one row per window of the streamed text (see kvbench.engine.streaming)."""
-    from kvbench.engine.streaming import stream_budget, stream_perplexity
+    """Perplexity tasks: one row per window of the streamed text (see kvbench.native.streaming)."""
+    from kvbench.native.streaming import stream_budget, stream_perplexity
 
     engine, task = ctx.engine, ctx.task
     ids, chunk = ex.context_ids, task.chunk  # type: ignore[attr-defined]  # a stream task's step (tasks/ppl.py)

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.engine.bandwidth import memory_bandwidth
-from kvbench.engine.engine import Engine
+from kvbench.native.bandwidth import memory_bandwidth
+from kvbench.native.engine import Engine
 from kvbench.guide.diagnose_run import thresholds_for
 from kvbench.model.load import load_model
 from kvbench.run import modes

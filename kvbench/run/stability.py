@@ -85,7 +85,7 @@ def overlap(a: Kept, b: Kept) -> list[torch.Tensor]:
 
 def measure(spec, confs, examples_of) -> list[dict]:
     """Per configuration: the overlap and tie figures over the examples (`examples_of(tokenizer)`)."""
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.model.load import load_model
 
     results: dict[str, list[Kept]] = {}

@@ -155,7 +155,7 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
     prefix cache."""
     from kvbench.backends import BACKENDS
     from kvbench.config.rules import plain
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.model.load import load_model
     from kvbench.serving.engines import wire
 

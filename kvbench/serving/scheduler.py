@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine.grid_decode import decodes_in_grid
+from kvbench.native.grid_decode import decodes_in_grid
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes
 from kvbench.serving.batch import RowBatch

@@ -26,7 +26,7 @@ NEW = 12
 @pytest.fixture(scope="module")
 def gemma():
     """One 700-token NIAH prompt (needle at 50 %), kvbench's full-cache greedy tokens at f32, its stop ids."""
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.load import load_model
     from kvbench.tasks.base import build_task

@@ -13,7 +13,7 @@ import transformers as tf
 from kvbench.backends.base import EngineRequest
 from kvbench.backends.source import venv_python
 from kvbench.backends.vllm import VllmBackend, hybrid_bytes
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.methods import build_method
 from kvbench.model.load import byte_tokenizer, finish
 

@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.integrations.lm_eval_model import KvbenchLM, from_model_args
 from kvbench.run.configuration import make_configuration
 from kvbench.run.runner import run

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.methods.pyramidkv import PyramidKV
 from kvbench.model.attention import StatsRequest, register

@@ -83,7 +83,7 @@ def test_query_moments_equal_q_proj_moments_on_the_bundled_model():
     projects the hidden states with q_proj. Both must give the same mean and covariance at positions up to 1K."""
     from omegaconf import OmegaConf
 
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
     from tests.conftest import CONF_DIR

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes

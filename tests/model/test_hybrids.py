@@ -15,7 +15,7 @@ import transformers as tf
 import transformers.cache_utils as cache_utils
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.layout import cache_layout

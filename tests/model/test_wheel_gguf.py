@@ -81,7 +81,7 @@ def downloaded() -> bool:
 def test_real_qwen_loads_and_answers():
     if not downloaded():
         pytest.skip("model=qwen2.5-0.5b is opt-in: make model-qwen")
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import Budget, build_method
     from kvbench.model.load import load_model
 

@@ -1,4 +1,4 @@
-"""Fidelity columns (kvbench.engine.fidelity): teacher forcing reproduces the run, KL and top-1 are what they say,
+"""Fidelity columns (kvbench.native.fidelity): teacher forcing reproduces the run, KL and top-1 are what they say,
 the full cache's rows are the reference, a lossless configuration has KL 0, and every generating row has them."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvbench.engine import fidelity
+from kvbench.native import fidelity
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.model.attention import StatsRequest
 from kvbench.run.runner import run
@@ -149,7 +149,7 @@ def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_
     """A grid's rows keep the distributions they decoded from (a row decoded alone in one buffer allocated before its
     measurement): the full cache's are the reference, and where a row followed the full cache's answer those are its
     columns (no rebuild, no second pass), equal to what rebuilding the cache and forcing the answer gives."""
-    from kvbench.engine.grid_decode import generate_grid
+    from kvbench.native.grid_decode import generate_grid
 
     prompt, question = prompt_ids[:-12], prompt_ids[-12:]
     confs = [
@@ -187,7 +187,7 @@ def test_rows_that_followed_the_answer_reuse_their_decoding(tiny_engine, prompt_
 def test_rows_that_left_the_answer_are_forced_together_as_alone(tiny_engine, prompt_ids):
     """Rows fed token by token that left the full answer are forced along it as one grid batch (the CPU's
     row-independent kernels): each row's distributions are, bit for bit, its own forcing alone."""
-    from kvbench.engine.slots import decode_kernels
+    from kvbench.native.slots import decode_kernels
 
     if not decode_kernels(tiny_engine.lm.model):
         pytest.skip("no CPU decode kernels here: rows left the answer are forced one by one")

@@ -1,10 +1,10 @@
-"""Decode-time eviction in place for a configuration decoded alone (kvbench/engine/slots.py): the same tokens, logits and
+"""Decode-time eviction in place for a configuration decoded alone (kvbench/native/slots.py): the same tokens, logits and
 kv_bytes as evicting by gather into new tensors, with the cache's layers in slot buffers while decoding."""
 
 import pytest
 import torch
 
-from kvbench.engine import slots
+from kvbench.native import slots
 from kvbench.methods import Budget, build_method, method_defaults
 
 CONFIGS = [
@@ -23,7 +23,7 @@ def test_in_place_equals_gather(tiny_engine, prompt_ids, name, knobs, budget, mo
         pytest.skip("no C compiler: the decode kernels are not built")
     used = []
     use_slots = slots.use_slots
-    monkeypatch.setattr("kvbench.engine.engine.use_slots", lambda *a: used.append(use_slots(*a)) or used[-1])
+    monkeypatch.setattr("kvbench.native.engine.use_slots", lambda *a: used.append(use_slots(*a)) or used[-1])
 
     def run():
         method = build_method(name, {**method_defaults(name), **knobs})
@@ -32,7 +32,7 @@ def test_in_place_equals_gather(tiny_engine, prompt_ids, name, knobs, budget, mo
 
     in_place = run()
     assert used == [name != "snapkv"]
-    monkeypatch.setattr("kvbench.engine.engine.use_slots", lambda *a: False)  # evict by gather into new tensors
+    monkeypatch.setattr("kvbench.native.engine.use_slots", lambda *a: False)  # evict by gather into new tensors
     gathered = run()
     assert in_place.token_ids == gathered.token_ids and in_place.decode_steps == gathered.decode_steps == 11
     assert all(torch.equal(a, b) for a, b in zip(in_place.logits, gathered.logits))

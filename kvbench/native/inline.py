@@ -5,7 +5,7 @@ compresses: the peak holds the whole uncompressed cache. `prefill=inline` runs o
 compresses layer l right after layer l's attention (kvbench.model.attention.after_each_layer), with the statistics that
 attention call just recorded: the method's `begin` (the example's compression), then its `layer` per layer as it is
 produced, then its `end` — the same calls its `run` makes after a shared prefill, so both keep the same entries
-(tests/engine/test_inline.py, every registered method). At most one layer's uncompressed K/V exists at a time;
+(tests/native/test_inline.py, every registered method). At most one layer's uncompressed K/V exists at a time;
 quantization methods quantize each layer as it is produced.
 
 `prefill_chunk=N` feeds the prompt N tokens at a time, each chunk at its absolute positions after what the cache
@@ -19,7 +19,7 @@ budget (KIVI, hf-quant) quantize the first chunk as it is produced and later chu
 Peak memory is then weights + the budget's cache + one chunk's activations and one layer's chunk K/V.
 
 task=ppl with prefill=inline streams its text through the same per-layer hook (`forward_per_layer`): each layer is
-bounded by `Stream.layer` right after its attention (kvbench.engine.streaming); its `task.chunk` is the
+bounded by `Stream.layer` right after its attention (kvbench.native.streaming); its `task.chunk` is the
 chunk.
 """
 
@@ -30,8 +30,8 @@ import time
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine, Prefill
-from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.native.engine import Engine, Prefill
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
 
@@ -85,7 +85,7 @@ def forward_per_layer(engine: Engine, cache, request, ids: list[int], positions:
     """Forward `ids` through `cache`, calling `bound(layer_idx, keys, values, stats)` right after each layer's
     attention: the cache layer it returns (None: keep the layer as it is) replaces that layer, whose statistics are
     then freed. Returns (logits as `Engine.forward` gives them with `**logits`, the recorder). Used by
-    prefill=inline (per prompt chunk) and task=ppl (per text chunk, kvbench.engine.streaming)."""
+    prefill=inline (per prompt chunk) and task=ppl (per text chunk, kvbench.native.streaming)."""
     hook = _PerLayer(engine, cache, bound)
     with recording(request) as hook.stats, after_each_layer(hook):
         out = engine.forward(ids, positions, cache, **logits)

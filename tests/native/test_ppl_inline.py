@@ -1,16 +1,16 @@
-"""task=ppl with prefill=inline (kvbench/engine/streaming.py): each layer bounded inside the forward right after its
+"""task=ppl with prefill=inline (kvbench/native/streaming.py): each layer bounded inside the forward right after its
 attention gives exactly what bounding every layer after the chunk's forward gives, one layer's chunk at a time."""
 
 import pytest
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine import inline, streaming
-from kvbench.engine.streaming import Stream, stream_chunks
+from kvbench.native import inline, streaming
+from kvbench.native.streaming import Stream, stream_chunks
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.cache import layer_lengths
 from tests.conftest import compose_config, native_method_names
-from tests.engine.test_inline import assert_same_cache, built
+from tests.native.test_inline import assert_same_cache, built
 
 CHUNK, BOUND = 64, 100  # 400 tokens: 7 chunks, the cache bounded from the second on
 VARIANTS = [(name, {}) for name in native_method_names()] + [

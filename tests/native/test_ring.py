@@ -7,7 +7,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.model.ring import RingLayer
 from kvbench.methods import Budget, build_method
 from kvbench.methods.streamingllm import sink_and_recent
@@ -92,7 +92,7 @@ def test_ring_holds_streamingllms_positions_and_keys_at_every_step(engine, promp
 
 @pytest.mark.parametrize("chunk", [None, 64])
 def test_ring_after_inline_prefill_and_prefill_chunk(engine, prompt_ids, chunk):
-    from kvbench.engine import inline
+    from kvbench.native import inline
 
     budget = Budget.parse(0.2)
     runs = []
@@ -122,8 +122,8 @@ def test_ring_with_an_appended_question(engine, prompt_ids):
 
 
 def test_batched_examples_ring_like_each_alone(engine, tiny):
-    """batch_size > 1 (kvbench.engine.batched): the rows' layers ring together, each row equal to its one-by-one run."""
-    from kvbench.engine.batched import run_batch
+    """batch_size > 1 (kvbench.native.batched): the rows' layers ring together, each row equal to its one-by-one run."""
+    from kvbench.native.batched import run_batch
 
     texts = ["The quick brown fox jumps over the lazy dog. ", "Pack my box with five dozen liquor jugs!!!!! "]
     prompts = [tiny.tokenizer(text * 4)["input_ids"] for text in texts]  # equal token counts: one batch
@@ -149,7 +149,7 @@ def test_budget_one_never_rings(engine, prompt_ids):
 
 def test_paged_prefix_layers_keep_per_step_eviction(engine, prompt_ids):
     """Prefix caching: layers over shared pages (nothing evicted at prefill) are not plain tensors: no ring."""
-    from kvbench.engine.prefix_cache import PagedLayer, PrefixCache, page_of, share_pages
+    from kvbench.native.prefix_cache import PagedLayer, PrefixCache, page_of, share_pages
 
     ids, budget = prompt_ids[:64], Budget.parse(80)  # ≥ the prompt: the pages stay shared until the budget
     runs = []
@@ -167,7 +167,7 @@ def test_paged_prefix_layers_keep_per_step_eviction(engine, prompt_ids):
 
 
 def test_grid_rows_with_a_ring_decode_alone(engine, prompt_ids):
-    from kvbench.engine.grid_decode import decodes_in_grid
+    from kvbench.native.grid_decode import decodes_in_grid
 
     for ring in (False, True):
         method = streaming(ring)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.engine.engine import Engine, Generation, Prefill
-from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.native.engine import Engine, Generation, Prefill
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
@@ -186,7 +186,7 @@ def decode_together(
     of the next step at absolute position p; request(live) → the StatsRequest the step records; after_step(stats,
     live) after each forward (decode-time eviction); recorder(request, live) → the StatsRecorder to record with
     (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. follow: teacher forcing —
-    every row is fed these tokens instead of its own (kvbench.engine.fidelity) and stops after len(follow)."""
+    every row is fed these tokens instead of its own (kvbench.native.fidelity) and stops after len(follow)."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
     tokens = logits.argmax(-1) if follow is None else torch.full((n_rows,), follow[0], device=device)  # (B,)

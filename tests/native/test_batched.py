@@ -1,11 +1,11 @@
-"""Batched decoding (kvbench.engine.batched): every row equals its batch-1 run (fp32, greedy) — tokens, bytes, steps."""
+"""Batched decoding (kvbench.native.batched): every row equals its batch-1 run (fp32, greedy) — tokens, bytes, steps."""
 
 import copy
 
 import pytest
 import torch
 
-from kvbench.engine.batched import batches, run_batch
+from kvbench.native.batched import batches, run_batch
 from kvbench.methods import Budget, build_method, method_defaults
 
 TEXTS = [

@@ -25,7 +25,7 @@ from typing import cast
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvbench.engine.engine import Compressed, Engine, Generation, Prefill
+from kvbench.native.engine import Compressed, Engine, Generation, Prefill
 from kvbench.methods import Budget, Method, build_method
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import one_mask
@@ -69,7 +69,7 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
 
 def decoded_logits(gen: Generation, answer: list[int]) -> torch.Tensor | None:
     """(n, V) fp32: the distributions the row's own decoding read its tokens from, when they are what teacher forcing
-    along `answer` gives — the row kept them (a token-by-token configuration: kvbench.engine.grid_decode) and its
+    along `answer` gives — the row kept them (a token-by-token configuration: kvbench.native.grid_decode) and its
     first n − 1 tokens are the answer's, so forcing would feed the same tokens the same way; else None."""
     n = len(answer)
     if len(gen.logits) < n or gen.token_ids[: n - 1] != answer[: n - 1]:
@@ -180,11 +180,11 @@ def forced_rows(
     todo: list[tuple[int, Ran]], suffix_ids: list[int], answer: list[int], max_new_tokens: int
 ) -> tuple[dict[int, torch.Tensor], dict[int, float]]:
     """The (n, V) distributions of rows that left the answer, their caches rebuilt and fed it, by row index, and
-    each one's seconds. Caches fed token by token that can be rows of one grid batch (kvbench.engine.grid_decode:
+    each one's seconds. Caches fed token by token that can be rows of one grid batch (kvbench.native.grid_decode:
     the CPU's row-independent kernels) are forced together, one step for all of them; one-forward caches and the
     rest one by one."""
-    from kvbench.engine.grid_decode import decode_grid, decodes_in_grid
-    from kvbench.engine.slots import decode_kernels
+    from kvbench.native.grid_decode import decode_grid, decodes_in_grid
+    from kvbench.native.slots import decode_kernels
 
     def grid_rows(run: Ran, begun: Compressed) -> bool:  # bit for bit its forcing alone (kernels: row-independent)
         return decode_kernels(run.engine.lm.model) and decodes_in_grid(run.method, begun)

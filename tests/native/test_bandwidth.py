@@ -1,4 +1,4 @@
-"""Each decode row's share of the bandwidth bound (kvbench.engine.bandwidth): the probe is cached per machine, a
+"""Each decode row's share of the bandwidth bound (kvbench.native.bandwidth): the probe is cached per machine, a
 setting overrides it, a damaged cache is one line; a step's bytes are the weights + the K/V it reads, and every
 decoding row of a run carries them."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine import bandwidth
+from kvbench.native import bandwidth
 from kvbench.run.runner import run
 from tests.conftest import compose_config, tiny_overrides
 

@@ -16,9 +16,9 @@ from typing import Any, cast
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine.bandwidth import weight_bytes
-from kvbench.engine.memory import read_peak, reset_peak, synchronize
-from kvbench.engine.slots import plain_layers, use_slots
+from kvbench.native.bandwidth import weight_bytes
+from kvbench.native.memory import read_peak, reset_peak, synchronize
+from kvbench.native.slots import plain_layers, use_slots
 from kvbench.kernels.backend import backend
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
@@ -48,8 +48,8 @@ class Prefill:
     peak_mem_bytes: int
     # prefix caching (kvbench.run.requests): called with each configuration's compressed cache before decoding
     adopt: Callable | None = None
-    baseline_bytes: int = 0  # memory in use when the prefill started (kvbench.engine.memory): deltas are over it
-    # prefill=inline (kvbench.engine.inline): the cache was compressed inside the forward pass; `kv` is then empty
+    baseline_bytes: int = 0  # memory in use when the prefill started (kvbench.native.memory): deltas are over it
+    # prefill=inline (kvbench.native.inline): the cache was compressed inside the forward pass; `kv` is then empty
     compressed: object | None = None
     prompt_tokens: int = 0
     # the compression that made `compressed` (its decode-time state and kept positions); None: nothing to carry on

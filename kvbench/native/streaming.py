@@ -6,9 +6,9 @@ memory stays bounded while the text grows and the per-window perplexity shows wh
 cache is the reference.
 
 `prefill=inline` bounds each layer right after its attention inside the chunk's forward instead (`Stream.begin`,
-`Stream.layer` from the per-layer hook of kvbench.engine.inline, `Stream.end` — the calls `Stream.bound` makes after
+`Stream.layer` from the per-layer hook of kvbench.native.inline, `Stream.end` — the calls `Stream.bound` makes after
 the forward): the same entries and the same per-token NLL, while at most one layer holds its unbounded chunk K/V
-and one layer's statistics exist at a time (tests/engine/test_ppl_inline.py).
+and one layer's statistics exist at a time (tests/native/test_ppl_inline.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
-from kvbench.engine.inline import forward_per_layer
-from kvbench.engine.memory import read_peak, reset_peak, synchronize
+from kvbench.native.engine import Engine
+from kvbench.native.inline import forward_per_layer
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.methods.decode_eviction import DecodeEviction, Evicting
@@ -195,7 +195,7 @@ class Stream:
 
 
 def _streamer(stream: Stream, cache):
-    """The per-layer `bound` of kvbench.engine.inline.forward_per_layer for a streamed chunk: the stream's layer."""
+    """The per-layer `bound` of kvbench.native.inline.forward_per_layer for a streamed chunk: the stream's layer."""
 
     def bound(layer_idx, keys, values, stats):
         return stream.layer(layer_idx, cache.layers[layer_idx], stats)

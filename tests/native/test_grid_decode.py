@@ -1,12 +1,12 @@
-"""Configurations of one example decoded as one batch (kvbench.engine.grid_decode) give what each gives alone."""
+"""Configurations of one example decoded as one batch (kvbench.native.grid_decode) give what each gives alone."""
 
 import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
-from kvbench.engine.grid_decode import generate_grid, groups
+from kvbench.native.engine import Engine
+from kvbench.native.grid_decode import generate_grid, groups
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.load import load_model
 from kvbench.run.runner import run
@@ -41,7 +41,7 @@ def confs():
 @pytest.mark.parametrize("suffix", [0, 12], ids=["query_aware", "appended_question"])
 def test_grid_rows_equal_one_by_one(tiny_engine, prompt_ids, suffix, dtype):
     """fp32 and bf16 (the row-independent linear kernel: kvbench/kernels/cpu/decode_linear.py, which the loader installs)."""
-    from kvbench.engine.slots import decode_kernels
+    from kvbench.native.slots import decode_kernels
 
     if dtype == "bfloat16":
         tiny_engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
@@ -166,7 +166,7 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     import torch
 
     from kvbench.config.spec import RunSpec
-    from kvbench.engine.slots import decode_kernels
+    from kvbench.native.slots import decode_kernels
     from kvbench.kernels.backend import backend
     from kvbench.run.config_hash import grid_batching, hash_configuration
     from kvbench.run.configuration import configurations
@@ -220,7 +220,7 @@ def test_a_grid_step_attends_row_by_row_as_alone(tiny, dtype):
     statistics get the fused decode step's output and its probabilities (zero past the row's length)."""
     import torch
 
-    from kvbench.engine.grid_decode import RowsRecorder
+    from kvbench.native.grid_decode import RowsRecorder
     from kvbench.kernels.attention_stats import decode_attention_with_probs
     from kvbench.model.attention import StatsRequest, _attention
     from kvbench.model.padded import PaddedKV
@@ -274,7 +274,7 @@ def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
     exactly what each gives alone."""
     import torch
 
-    from kvbench.engine.slots import decode_kernels
+    from kvbench.native.slots import decode_kernels
     from kvbench.model.load import byte_tokenizer, finish
     from tests.model.families import build as build_family
 
@@ -305,7 +305,7 @@ def test_an_appended_question_goes_in_one_forward_past_window_layers(family, mon
     gives what feeding it token by token gives."""
     import torch
 
-    import kvbench.engine.engine as engine_module
+    import kvbench.native.engine as engine_module
     from kvbench.model.cache import WINDOW_MASK_APART, one_mask
     from kvbench.model.load import byte_tokenizer, finish
     from tests.model.families import build as build_family

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.model.load import byte_tokenizer, finish

@@ -1,12 +1,12 @@
-"""prefill=inline and prefill_chunk (kvbench/engine/inline.py): same kept entries as the shared prefill, every method."""
+"""prefill=inline and prefill_chunk (kvbench/native/inline.py): same kept entries as the shared prefill, every method."""
 
 import pytest
 import torch
 
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.engine import inline
-from kvbench.engine.memory import read_peak, reset_peak
+from kvbench.native import inline
+from kvbench.native.memory import read_peak, reset_peak
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.methods.base import Capabilities, Method
 from kvbench.model.cache import _tensors, layer_lengths

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
+from kvbench.native.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
 from kvbench.model.cache import cache_from_kv, cache_nbytes
 
 

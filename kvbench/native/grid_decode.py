@@ -48,9 +48,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvbench.engine.batched import BatchedGeneration, decode_together
-from kvbench.engine.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
-from kvbench.engine.memory import reset_peak
+from kvbench.native.batched import BatchedGeneration, decode_together
+from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
+from kvbench.native.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
@@ -287,7 +287,7 @@ def decode_grid(
 ) -> list[BatchedGeneration]:
     """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; keep_logits:
     every row keeps the distribution each of its tokens was read from; follow: every row is fed these tokens
-    (teacher forcing, kvbench.engine.fidelity) instead of its own."""
+    (teacher forcing, kvbench.native.fidelity) instead of its own."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
     cache = grid_cache([s.cache for s in starts])
@@ -373,7 +373,7 @@ def generate_grid(
     """`Engine.generate` for every configuration sharing `prefill`, those that can decoded together (in batches whose
     padded bytes stay ≤ max_padding × their own: `groups`); in order. keep_logits: every row keeps its decoding's
     distributions (at most KEEP_LOGITS_BYTES a row): the full cache's are the fidelity reference, and a row that
-    followed the full cache's answer reads its columns from its own (kvbench.engine.fidelity: no second pass).
+    followed the full cache's answer reads its columns from its own (kvbench.native.fidelity: no second pass).
     They change no measurement: a batched row's peak memory is its prefill's, and a row decoded alone keeps them in a
     buffer filled before its measurement starts."""
     device = engine.lm.device
