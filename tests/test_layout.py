@@ -21,7 +21,7 @@ LAYERS = [
     ["kvbench.store"],  # rows on disk, claims, aggregation (torch-free)
     ["kvbench.model"],  # loading, attention statistics, RoPE, cache layers and their bytes
     ["kvbench.methods"],
-    ["kvbench.native", "kvbench.backends"],  # kvbench's own engine; the serving engines, in their own processes
+    ["kvbench.native", "kvbench.engines"],  # kvbench's own engine; the serving engines, in their own processes
     ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
     ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
     ["kvbench.run"],  # the run's entrance checks and modes, configurations, rows, work, the runner

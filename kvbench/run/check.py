@@ -263,27 +263,28 @@ def check_config(cfg) -> None:
 
 def check_engine_keys(engine: dict) -> None:
     """The `engine` group holds its name only (conf/engine/<name>.yaml): what an engine runs is its class's
-    (kvbench.backends.<name>: `options`, `applies`), chosen per configuration in `grid.method`, so any other
+    (kvbench.engines.<name>: `options`, `applies`), chosen per configuration in `grid.method`, so any other
     `engine.` key would be ignored."""
     for key in engine:
         if key != "name":
             raise KvbenchError(
                 f"engine.{key} is not a setting: the engine group is engine=<name> alone; an engine's KV options and "
-                f"their knobs are grid.method entries, e.g. 'grid.method=[{{name: fp8}}]' (kvbench/backends/)"
+                f"their knobs are grid.method entries, e.g. 'grid.method=[{{name: fp8}}]' (kvbench/engines/)"
             )
 
 
 def check_engine(name: str, config: dict) -> None:
-    """engine=<name>: a registered backend whose venv is built, able to run every requested option on this model."""
-    from kvbench.backends import BACKENDS
+    """engine=<name>: a registered serving engine whose venv is built, able to run every requested option on this
+    model."""
+    from kvbench.engines import ENGINES
 
-    backend = BACKENDS.get(name)()
+    serving_engine = ENGINES.get(name)()
     grid = config.get("grid") or {}
     for entry in grid.get("method") or [config.get("method") or {}]:
         option = entry.get("name") if isinstance(entry, dict) else entry
-        if option in (*backend.options, *backend.applies):  # else engine_options names the valid ones
-            reason = backend.unavailable(config.get("model") or {}, option) or renamed_option(
-                name, backend.options, str(option), entry if isinstance(entry, dict) else {}
+        if option in (*serving_engine.options, *serving_engine.applies):  # else engine_options names the valid ones
+            reason = serving_engine.unavailable(config.get("model") or {}, option) or renamed_option(
+                name, serving_engine.options, str(option), entry if isinstance(entry, dict) else {}
             )
             if reason:
                 raise KvbenchError(reason)

@@ -77,7 +77,7 @@ def hash_configuration(
 ) -> str:
     """`data`: (file name, sha256) of each file the task reads (store.results.data_digests): an edited file is a new
     key, a moved one is not.
-    `engine_version`: a serving engine's (kvbench.backends): another build's rows are other rows."""
+    `engine_version`: a serving engine's (kvbench.engines): another build's rows are other rows."""
     selection = TASKS.get(spec.task_name).selection_keys  # they pick examples, not change them: rows stay reusable
     task = {k: v for k, v in spec.task.items() if k not in selection}
     return config_hash(

@@ -29,9 +29,10 @@ PRECISION = Capabilities(family="precision", has_budget=False)
 
 @dataclass(frozen=True)
 class EngineOption:
-    """What stands for a method in a configuration run by a serving engine (kvbench.backends): one of the engine's
-    own KV options (`Backend.options`) or a kvbench method it applies inside the engine (`Backend.applies`), with the
-    engine knobs the run overrides. `caps.has_budget`: it evicts, with kvbench's budget."""
+    """What stands for a method in a configuration run by a serving engine (kvbench.engines): one of the engine's
+    own KV options (`ServingEngine.options`) or a kvbench method it applies inside the engine
+    (`ServingEngine.applies`), with the engine knobs the run overrides. `caps.has_budget`: it evicts, with kvbench's
+    budget."""
 
     name: str
     knobs: tuple = ()  # (knob, value) pairs the run sets beyond the option's own
@@ -44,11 +45,11 @@ class EngineOption:
 def engine_options(spec: RunSpec) -> list[Configuration]:
     """The run's configurations on a serving engine: its uncompressed `full` first, then the requested options
     (method / grid.method: option names, or {name: option, knob: value}), each refused in one line when the engine
-    lacks it (kvbench.backends.<engine>)."""
-    from kvbench.backends import BACKENDS
+    lacks it (kvbench.engines.<engine>)."""
+    from kvbench.engines import ENGINES
 
-    backend = BACKENDS.get(spec.engine_name)
-    valid = [*backend.options, *backend.applies]
+    serving_engine = ENGINES.get(spec.engine_name)
+    valid = [*serving_engine.options, *serving_engine.applies]
 
     def option(entry, budget) -> Configuration:
         entry = dict(entry) if isinstance(entry, dict) else {"name": entry}
@@ -60,7 +61,7 @@ def engine_options(spec: RunSpec) -> list[Configuration]:
             )
         defaults = method_defaults(name) if name in METHODS.names() else {}  # the kvbench method's yaml knobs
         knobs = tuple(sorted((k, v) for k, v in entry.items() if defaults.get(k, object()) != v))
-        evicts = backend.evicts(name)
+        evicts = serving_engine.evicts(name)
         caps = Capabilities(family="eviction" if evicts else "precision", has_budget=evicts)
         return Configuration(EngineOption(name, knobs, caps), Budget.parse(budget) if evicts else None, True)  # type: ignore[arg-type]  # stands for a Method
 

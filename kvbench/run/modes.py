@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
-from kvbench.backends import listed
+from kvbench.engines import listed
 from kvbench.config.spec import RunSpec
 from kvbench.native.inline import compresses_per_layer
 from kvbench.methods import Method
@@ -227,7 +227,7 @@ WHEN = {  # when each mode is active, in words (the table's second column)
     "hybrid": "a hybrid model (Qwen3.5, Qwen3-Next, Nemotron-H, Granite 4.0-H, Jamba, Bamba, LFM2, OLMo-hybrid)",
     "context_only": "`query_aware=false`",
     "no_fidelity": "`fidelity=false` (no KL columns, kvbench.native.fidelity)",
-    "engine": "`engine=" + "`, `".join(listed()) + "` (kvbench.backends)",  # every registered serving engine
+    "engine": "`engine=" + "`, `".join(listed()) + "` (kvbench.engines)",  # every registered serving engine
 }
 
 

@@ -36,7 +36,7 @@ class RowContext:
     prefill_chunk: int | None = None
     grid_batch: bool = False  # a grid's configurations of one example decoded together (kvbench.native.grid_decode)
     grid_padding: float = MAX_PADDING
-    backend: Any = None  # engine=<serving engine>: its started kvbench.backends.Backend (rows: `engine_rows`)
+    serving_engine: Any = None  # engine=<serving engine>: its started ServingEngine (kvbench.engines; `engine_rows`)
     fidelity: bool = True  # generating rows gain the fidelity columns (kvbench.native.fidelity)
     bandwidth: float = math.nan  # the machine's memory read bandwidth, bytes/s (kvbench.native.bandwidth)
 
@@ -215,15 +215,15 @@ def stream_rows(ctx: RowContext, c: Configuration, ex: Example) -> list[dict]:
 
 
 def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list[dict]:
-    """Each configuration's row from a serving engine (kvbench.backends): the whole prompt through the engine's own
+    """Each configuration's row from a serving engine (kvbench.engines): the whole prompt through the engine's own
     process, greedy. kv_bytes is what the engine holds for the sequence, kv_bytes_full the same engine's uncompressed
     cache at the same tokens (its own baseline); the dense and MHA byte baselines are kvbench's accounting, not the
     engine's: left empty. The answer is cut at the task's stop strings as kvbench's engine cuts it.
 
     engine_extra keeps the generated ids (`token_ids`); the `full` row also carries `parity`: kvbench's own full
-    cache run greedily on the same token ids (`engine_parity`). `engine_invalid` is the backend's reason when the
+    cache run greedily on the same token ids (`engine_parity`). `engine_invalid` is the serving engine's reason when the
     generation is known to be garbage (kept out of every average), "" otherwise."""
-    from kvbench.backends.base import EngineRequest
+    from kvbench.engines.base import EngineRequest
 
     prompt = ex.context_ids + ex.question_ids
     rows = []
@@ -231,7 +231,7 @@ def engine_rows(ctx: RowContext, todo: list[Configuration], ex: Example) -> list
         budget = None if c.budget is None else c.budget.value
         request = EngineRequest(prompt, ex.max_new_tokens, c.method.name, c.method.params(), budget, [])
         request.stop_ids = sorted(int(t) for t in ctx.engine.eos_ids if isinstance(t, int))
-        gen = ctx.backend.generate(request)
+        gen = ctx.serving_engine.generate(request)
         text = ctx.engine.answer_text(gen.token_ids, ex.stop)
         rows.append(
             row_for(

@@ -66,10 +66,10 @@ def test_the_run_says_so_on_a_model_whose_every_layer_slides(tmp_path, capsys):
 
 
 def test_an_engine_option_cannot_be_renamed_by_its_knobs():
-    from kvbench.backends.vllm import VllmBackend
+    from kvbench.engines.vllm import VllmEngine
     from kvbench.run.check import renamed_option
 
-    options = VllmBackend.options
+    options = VllmEngine.options
     reason = renamed_option("vllm", options, "fp8", {"name": "fp8", "kv_cache_dtype": "int8_per_token_head"})
     assert reason is not None and "\n" not in reason and "use method=int8_per_token_head" in reason
     second_full = renamed_option("vllm", options, "full", {"name": "full", "kv_cache_dtype": "fp8_e5m2"})

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.backends.source import venv_python
+from kvbench.engines.source import venv_python
 from kvbench.run.check import check_run
 from tests.conftest import compose_config
 
@@ -72,7 +72,7 @@ def test_openvino_through_the_runner_and_no_compression_is_full(tmp_path):
 
 
 def test_engine_refusals_come_before_any_model_loads(monkeypatch, tmp_path):
-    import kvbench.backends.source as source
+    import kvbench.engines.source as source
 
     store = f"results_dir={tmp_path}"
     with pytest.raises(KvbenchError, match=r"nvfp4 is made for NVIDIA Blackwell GPUs \(FP4\).*scripts/gpu/engines.sh"):
@@ -93,8 +93,8 @@ def test_engine_refusals_come_before_any_model_loads(monkeypatch, tmp_path):
 def test_openvino_converter_must_hold_the_pinned_transformers(monkeypatch, tmp_path):
     """A converter venv built with another transformers is refused (naming the make target) while the model's IR is
     not exported yet; its version is read from the venv's dist-info folder, no interpreter started."""
-    import kvbench.backends.openvino as openvino
-    import kvbench.backends.source as source
+    import kvbench.engines.openvino as openvino
+    import kvbench.engines.source as source
 
     for venv in (".venv-openvino", ".venv-ov-convert"):  # both venvs there, as far as kvbench looks
         (tmp_path / venv / "bin").mkdir(parents=True)

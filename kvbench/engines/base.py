@@ -1,19 +1,19 @@
 """Serving engines behind one small interface: token ids in -> generated ids, timings and the cache bytes the engine
 holds out. Each engine runs in its own venv (`.venv-<engine>`, built by `make engine-<engine>`) and its own process:
-kvbench's process starts `<venv>/bin/python -m kvbench.backends.<name>_worker` and talks JSON lines over its
+kvbench's process starts `<venv>/bin/python -m kvbench.engines.<name>_worker` and talks JSON lines over its
 stdin/stdout (one request object per line in, one reply per line out). A worker imports only the standard library,
-its engine and `kvbench.backends.protocol` (kvbench is installed `--no-deps` in the engine's venv), never torch from
+its engine and `kvbench.engines.protocol` (kvbench is installed `--no-deps` in the engine's venv), never torch from
 kvbench's venv.
 
 An engine's KV options are kvbench methods for that engine, named for what they are (`fp8_e5m2`, `q8_0`, `u4`,
-`sum` ...): `Backend.options` maps each name to the engine's own knobs; `full` is always the engine's uncompressed
-cache. Where an engine lets kvbench apply its own selection (llama.cpp's seq_rm), `Backend.applies` names the kvbench
-methods it can run inside the engine and at which granularity.
+`sum` ...): `ServingEngine.options` maps each name to the engine's own knobs; `full` is always the engine's
+uncompressed cache. Where an engine lets kvbench apply its own selection (llama.cpp's seq_rm), `ServingEngine.applies`
+names the kvbench methods it can run inside the engine and at which granularity.
 
-The backend is the only door to its engine: kvbench's run (kvbench.run), serving trace (kvbench.serving), report
-(kvbench.report) and config loop over the registry (`kvbench.backends.BACKENDS`) and ask the class what they need —
+An engine's ServingEngine is the only door to it: kvbench's run (kvbench.run), serving trace (kvbench.serving), report
+(kvbench.report) and config loop over the registry (`kvbench.engines.ENGINES`) and ask the class what they need —
 its options and refusals, its venv and make target, how it serves a trace (`serve`) and compares prefix caching
-(`serve_prefix`), its block size, and how the report names it. No module outside kvbench/backends names an engine
+(`serve_prefix`), its block size, and how the report names it. No module outside kvbench/engines names an engine
 (tests/test_engine_names.py).
 """
 
@@ -30,7 +30,7 @@ from kvbench import KvbenchError
 class EngineRequest:
     prompt_ids: list[int]  # the whole prompt (context + question, query-aware), the tokenizer's ids
     max_new_tokens: int
-    option: str  # a name of Backend.options (or of Backend.applies)
+    option: str  # a name of ServingEngine.options (or of ServingEngine.applies)
     knobs: dict = field(default_factory=dict)  # the option's engine knobs, with the run's overrides
     budget: float | None = None  # eviction options: kvbench's budget (fraction of the prompt, or tokens > 1)
     stop_ids: list[int] = field(default_factory=list)  # end-of-turn ids: generation stops after one
@@ -52,7 +52,7 @@ class EngineGeneration:
     # every average (report, guide, gate), shown apart with this reason; "" for a valid one
 
 
-class Backend(abc.ABC):
+class ServingEngine(abc.ABC):
     name: str  # engine=<name>
     venv: str  # ".venv-<name>"
     make_target: str  # "engine-<name>"
@@ -79,13 +79,13 @@ class Backend(abc.ABC):
     @classmethod
     def evicts(cls, option: str) -> bool:
         """Whether `option` evicts tokens (it takes kvbench's budget): kvbench's methods applied inside the engine,
-        unless a backend says otherwise for its own eviction options."""
+        unless an engine says otherwise for its own eviction options."""
         return option in cls.applies
 
     @classmethod
     def installed(cls) -> bool:
         """Whether its venv is built (`make <make_target>`)."""
-        from kvbench.backends import source  # looked up at call time: tests stand in a machine without venvs
+        from kvbench.engines import source  # looked up at call time: tests stand in a machine without venvs
 
         return source.venv_python(cls.venv).exists()
 
@@ -136,7 +136,7 @@ class Backend(abc.ABC):
     ) -> tuple[dict, int]:
         """Serve a request trace ({"id", "arrival_s", "prompt_ids", "max_new_tokens"} each) with the engine's own
         continuous batching in `kv_budget` bytes of KV space: (the worker's serve_trace reply —
-        kvbench.backends.trace_driver's record, plus `engine_version` —, the bytes of one of its KV blocks)."""
+        kvbench.engines.trace_driver's record, plus `engine_version` —, the bytes of one of its KV blocks)."""
         raise KvbenchError(f"engine={self.name} serves no request trace")
 
     def serve_prefix(

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.backends.base import EngineRequest
-from kvbench.backends.openvino import OpenvinoBackend
-from kvbench.backends.source import venv_python
+from kvbench.engines.base import EngineRequest
+from kvbench.engines.openvino import OpenvinoEngine
+from kvbench.engines.source import venv_python
 from tests.conftest import CONF_DIR
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
@@ -45,7 +45,7 @@ def gemma():
 def test_gemma3_full_matches_kvbench_f32_and_sliding_eviction_is_flagged(gemma):
     model, ids, ours, stop, text, answers = gemma
     assert len(ids) > 512 and any(answer in text for answer in answers)  # kvbench's full cache finds the needle
-    backend = OpenvinoBackend(kv_blocks=64)
+    backend = OpenvinoEngine(kv_blocks=64)
     try:
         backend.start(model, "float32")
         assert backend.shape is not None and (backend.shape.sliding_layers, backend.shape.window) == (15, 512)

@@ -1,7 +1,7 @@
 """The JSON-lines protocol between kvbench and an engine's worker process (standard library only: a worker runs in the
 engine's venv, where kvbench is installed without its dependencies).
 
-kvbench's side (`Worker`) starts `<venv>/bin/python -m kvbench.backends.<name>_worker`, writes one request object
+kvbench's side (`Worker`) starts `<venv>/bin/python -m kvbench.engines.<name>_worker`, writes one request object
 per line to its stdin and reads one reply per line from its stdout: `{"ok": true, "result": {...}}` or
 `{"ok": false, "error": "one line"}`. The worker's stderr (the engine's own logs) is kept, its last lines only, so
 that a worker that dies is named in one KvbenchError line with its exit code and what it last said.

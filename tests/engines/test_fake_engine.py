@@ -1,8 +1,8 @@
-"""A serving engine is one module behind `Backend` and nothing else: a fake engine (the Backend subclass below, its
-worker tests/backends/fake_engine_worker.py, a process speaking the worker protocol with the standard library only)
-registered by this test alone goes through a run (`python -m kvbench engine=fake ...`: the runner), a serving trace
-(`python -m kvbench.serving serving.engines=[fake:full,fake:half]`) and the report over what both wrote, on the tiny
-model. No file of kvbench names it: the run, the serving trace and the report ask the registry."""
+"""A serving engine is one module behind `ServingEngine` and nothing else: a fake engine (the ServingEngine subclass
+below, its worker tests/engines/fake_engine_worker.py, a process speaking the worker protocol with the standard
+library only) registered by this test alone goes through a run (`python -m kvbench engine=fake ...`: the runner), a
+serving trace (`python -m kvbench.serving serving.engines=[fake:full,fake:half]`) and the report over what both wrote,
+on the tiny model. No file of kvbench names it: the run, the serving trace and the report ask the registry."""
 
 from __future__ import annotations
 
@@ -13,19 +13,19 @@ import sys
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.backends import BACKENDS
-from kvbench.backends.base import Backend, EngineGeneration, EngineRequest
-from kvbench.backends.protocol import Worker
-from kvbench.backends.source import budget_tokens
+from kvbench.engines import ENGINES
+from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
+from kvbench.engines.protocol import Worker
+from kvbench.engines.source import budget_tokens
 from kvbench.plan.hardware import Hardware
-from tests.backends.fake_engine_worker import VERSION
+from tests.engines.fake_engine_worker import VERSION
 from tests.conftest import compose_config, tiny_overrides
 
 HW = Hardware("test", 10**12, 1e11, 1e12, "test")  # the planner's hardware: no CPU calibration in tests
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class FakeEngine(Backend):
+class FakeEngine(ServingEngine):
     """engine=fake: `full` at the model's dtype, `half` at half its bytes per element, `recent` keeping the budget's
     share of the prompt (its own eviction option, so it takes kvbench's budget)."""
 
@@ -60,7 +60,7 @@ class FakeEngine(Backend):
         arch = model_cfg["architecture"]
         self.elements = 2 * arch["num_hidden_layers"] * arch["num_key_value_heads"] * arch["head_dim"]
         self.dtype_bytes = DTYPE_BYTES[dtype]
-        self.worker = Worker(sys.executable, "tests.backends.fake_engine_worker", "the fake worker")
+        self.worker = Worker(sys.executable, "tests.engines.fake_engine_worker", "the fake worker")
         self.info = self.worker.request("start", elements_per_token=self.elements)
 
     def element(self, option: str) -> int:
@@ -99,7 +99,7 @@ class FakeEngine(Backend):
 def registered():
     """engine=fake in the registry for this module's tests only."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(BACKENDS._entries, "fake", FakeEngine)
+        patch.setitem(ENGINES._entries, "fake", FakeEngine)
         yield
 
 
@@ -183,6 +183,6 @@ def test_the_report_shows_the_engine(ran, served, workdir):
     assert any(line.startswith(f"| fake | {VERSION} | tiny-random | float32 | niah | 4 |") for line in lines)  # parity
     offers = {line.split("|")[3].strip(): line for line in lines if line.startswith("| fake | tiny-random |")}
     assert set(offers) == {"full", "half", "recent 0.5"} and offers["half"].rstrip(" |").endswith("yes")
-    assert "fake: the model's dtype" in md  # what its kv_ratio is against, from its Backend
+    assert "fake: the model's dtype" in md  # what its kv_ratio is against, from its ServingEngine
     assert list(out.glob("engines_tiny-random_niah*.png"))  # its own marker on the plot of every engine
     assert "fake:half" in md  # the serving trace's runs, found beside the store

@@ -1,4 +1,4 @@
-"""vLLM's side of engine=vllm, run in .venv-vllm (`python -m kvbench.backends.vllm_worker`).
+"""vLLM's side of engine=vllm, run in .venv-vllm (`python -m kvbench.engines.vllm_worker`).
 
 One `vllm.LLM` per worker: its kv_cache_dtype is fixed when the engine starts, so kvbench starts one worker per
 dtype. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so its KV cache config (blocks,
@@ -15,7 +15,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # threads from OMP
 
 import time
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
+from kvbench.engines.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
 
 
 def group_facts(config) -> list[dict]:
@@ -147,13 +147,13 @@ def serve_trace(
     worker: VllmWorker, requests: list[dict], stop_ids: list[int], sequential: bool = False, fresh: bool = True
 ) -> dict:
     """A request trace through vLLM's own continuous batching within the KV space `start` fixed
-    (kvbench.backends.trace_driver: arrivals on the trace's clock, every step's tokens stamped). After each step the
+    (kvbench.engines.trace_driver: arrivals on the trace's clock, every step's tokens stamped). After each step the
     scheduler tells which requests it runs, its block pool's usage, each request's blocks and preemptions (vLLM
     preempts by recompute when the pool is full) and the prompt tokens its prefix cache supplied."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvbench.backends.trace_driver import drive
+    from kvbench.engines.trace_driver import drive
 
     assert worker.llm is not None, "start first"
     if fresh:  # no prefix cached by an earlier trace (`fresh=False`: keep them)

@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError, conf_dir
-from kvbench.backends import BACKENDS, EngineRequest
-from kvbench.backends.llamacpp import ROOT, LlamaCpp
+from kvbench.engines import ENGINES, EngineRequest
+from kvbench.engines.llamacpp import ROOT, LlamaCpp
 
 pytestmark = [
     pytest.mark.real_model,
@@ -45,7 +45,7 @@ def prompts(smol_fp32):
 
 @pytest.fixture(scope="module")
 def engine():
-    backend = BACKENDS.get("llamacpp")(n_threads=1)
+    backend = ENGINES.get("llamacpp")(n_threads=1)
     backend.start(SMOL)
     yield backend
     backend.close()
@@ -152,8 +152,8 @@ PARENT = """
 import sys, time
 from omegaconf import OmegaConf
 from kvbench import conf_dir
-from kvbench.backends import EngineRequest
-from kvbench.backends.llamacpp import LlamaCpp
+from kvbench.engines import EngineRequest
+from kvbench.engines.llamacpp import LlamaCpp
 
 backend = LlamaCpp(n_threads=1)
 backend.start(OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / "smollm2-135m.yaml")))
@@ -169,7 +169,7 @@ def test_a_sigkilled_kvbench_takes_its_worker_with_it():
     import sys
     import time
 
-    from tests.backends.test_protocol import wait_gone
+    from tests.engines.test_protocol import wait_gone
 
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert parent.stdout is not None

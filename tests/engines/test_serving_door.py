@@ -1,4 +1,4 @@
-"""What each real backend asks its worker when kvbench serves a trace or compares prefix caching (`Backend.serve`,
+"""What each real engine asks its worker when kvbench serves a trace or compares prefix caching (`ServingEngine.serve`,
 `serving_refusal`, `serve_prefix`), with the worker stood in by a recorder: no engine venv needed. The requests are
 the worker protocol's, so a machine without the engines still checks the kvbench side of every engine's door."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kvbench.backends import BACKENDS, llamacpp, openvino, vllm
+from kvbench.engines import ENGINES, llamacpp, openvino, vllm
 from kvbench.serving.engines import servers
 
 SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}  # 64 K/V a token
@@ -55,7 +55,7 @@ def sent(monkeypatch, tmp_path):
     for module in (vllm, openvino, llamacpp):
         monkeypatch.setattr(module, "Worker", Recorder)
     monkeypatch.setattr(vllm, "hf_model_dir", lambda model_cfg: tmp_path)
-    monkeypatch.setattr(openvino.OpenvinoBackend, "converted", lambda self, model_cfg: tmp_path)
+    monkeypatch.setattr(openvino.OpenvinoEngine, "converted", lambda self, model_cfg: tmp_path)
     monkeypatch.setattr(llamacpp, "gguf_of", lambda model_cfg, resolve: tmp_path / "model.gguf")
     monkeypatch.setattr(llamacpp.LlamaCpp, "python", property(lambda self: tmp_path / "python"))
     (tmp_path / "python").write_text("")
@@ -65,12 +65,12 @@ def sent(monkeypatch, tmp_path):
 
 def test_the_serving_engines_are_the_backends_with_serving_options():
     assert servers() == ["vllm", "openvino"]
-    assert BACKENDS.get("vllm").serving_need("fp8", 1024, 256, 606) == 608 * 256  # 16-token blocks, a byte each
-    assert BACKENDS.get("openvino").serving_need("u8", 1024, 256, 609) == 640 * 1024  # 32-token blocks, model dtype
+    assert ENGINES.get("vllm").serving_need("fp8", 1024, 256, 606) == 608 * 256  # 16-token blocks, a byte each
+    assert ENGINES.get("openvino").serving_need("u8", 1024, 256, 609) == 640 * 1024  # 32-token blocks, model dtype
 
 
 def test_vllm_starts_a_worker_of_the_budgets_kv_space_per_trace(sent):
-    backend = vllm.VllmBackend()
+    backend = vllm.VllmEngine()
     backend.serving_start({"name": "m"}, "float32")
     assert sent == [] and backend.serving_refusal("fp8", None, TRACE) == ""  # nothing starts before a trace
     reply, block = backend.serve("fp8", None, 1_000_000, TRACE, [2])
@@ -82,7 +82,7 @@ def test_vllm_starts_a_worker_of_the_budgets_kv_space_per_trace(sent):
 
 
 def test_openvino_serves_in_blocks_of_the_options_own_bytes(sent):
-    backend = openvino.OpenvinoBackend()
+    backend = openvino.OpenvinoEngine()
     backend.serving_start({"name": "m"}, "float32")
     assert backend.serving_refusal("sum", 0.25, TRACE) == ""  # no sliding-window layers
     reply, block = backend.serve("u4", None, 100_000, TRACE, [2])
@@ -98,15 +98,15 @@ def test_openvino_serves_in_blocks_of_the_options_own_bytes(sent):
 
 def test_prefix_caching_without_then_with_each_engines_cache(sent):
     traces = {"shared_doc": TRACE}
-    vllm_replies = vllm.VllmBackend().serve_prefix({"name": "m"}, "float32", traces, [2], 1 << 20)
+    vllm_replies = vllm.VllmEngine().serve_prefix({"name": "m"}, "float32", traces, [2], 1 << 20)
     starts = [fields for _, op, fields in sent if op == "start"]
     assert [s["enable_prefix_caching"] for s in starts] == [False, True] and starts[0]["max_model_len"] == 80
     assert all(f["sequential"] for _, op, f in sent if op == "serve_trace") and len(vllm_replies["shared_doc"]) == 2
     sent.clear()
-    openvino.OpenvinoBackend().serve_prefix({"name": "m"}, "float32", traces, [2], 1 << 20)
+    openvino.OpenvinoEngine().serve_prefix({"name": "m"}, "float32", traces, [2], 1 << 20)
     trace_ops = [f for _, op, f in sent if op == "serve_trace"]
     assert [f["prefix_caching"] for f in trace_ops] == [False, True] and trace_ops[0]["kv_blocks"] == 512
     without, with_cache = llamacpp.LlamaCpp().serve_prefix({"name": "m"}, "float32", traces, [2], 1 << 20)["shared_doc"]
     assert [r["cached_tokens"] for r in without["requests"]] == [0, 0]
     assert [r["cached_tokens"] for r in with_cache["requests"]] == [0, 40]  # the first request of a pass starts cold
-    assert not BACKENDS.get("openvino").tells_hits and BACKENDS.get("vllm").tells_hits
+    assert not ENGINES.get("openvino").tells_hits and ENGINES.get("vllm").tells_hits

@@ -8,8 +8,8 @@ importing it does nothing):
   2. edits each bundled library in place: those symbols lose their version requirement (.gnu.version -> global, so
      the loader takes the shim's definition) and the GLIBC_2.38 requirement is marked weak (VER_FLG_WEAK: the loader
      no longer refuses the library for it).
-The worker loads the shim with RTLD_GLOBAL before llama.cpp (kvbench/backends/llamacpp_worker.py). Idempotent; on
-a glibc >= 2.38 it changes nothing. Usage: python -m kvbench.backends.llamacpp_glibc <venv>
+The worker loads the shim with RTLD_GLOBAL before llama.cpp (kvbench/engines/llamacpp_worker.py). Idempotent; on
+a glibc >= 2.38 it changes nothing. Usage: python -m kvbench.engines.llamacpp_glibc <venv>
 
 Exit codes: 0 done (patched, or nothing to patch); 1 it failed (no llama.cpp package in the venv, no C compiler:
 Python's traceback, under `make engine-llamacpp`); 2 no venv folder given: one line.
@@ -104,6 +104,6 @@ def main(venv: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
-        print("llamacpp_glibc: error: give the venv: python -m kvbench.backends.llamacpp_glibc .venv-llamacpp")
+        print("llamacpp_glibc: error: give the venv: python -m kvbench.engines.llamacpp_glibc .venv-llamacpp")
         sys.exit(2)
     main(sys.argv[1])

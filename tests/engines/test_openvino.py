@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.backends.base import EngineRequest
-from kvbench.backends.openvino import OpenvinoBackend
-from kvbench.backends.source import venv_python
-from tests.backends.conftest import model_cfg
+from kvbench.engines.base import EngineRequest
+from kvbench.engines.openvino import OpenvinoEngine
+from kvbench.engines.source import venv_python
+from tests.engines.conftest import model_cfg
 
 pytestmark = pytest.mark.real_model
 if not (venv_python(".venv-openvino").exists() and venv_python(".venv-ov-convert").exists()):
@@ -21,7 +21,7 @@ if not (venv_python(".venv-openvino").exists() and venv_python(".venv-ov-convert
 
 @pytest.fixture(scope="module")
 def ov():
-    backend = OpenvinoBackend(kv_blocks=64)
+    backend = OpenvinoEngine(kv_blocks=64)
     backend.start(model_cfg(), "float32")
     yield backend
     backend.close()
@@ -61,7 +61,7 @@ def test_eviction_at_budget_above_prompt_is_full(ov, short_prompts):
 
 
 def test_bad_option_refused_in_one_line():
-    backend = OpenvinoBackend()
+    backend = OpenvinoEngine()
     why = backend.unavailable(model_cfg(), "q4_0")
     assert why and "\n" not in why and "u8" in why
     with pytest.raises(KvbenchError, match="before start"):

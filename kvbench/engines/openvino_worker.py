@@ -1,4 +1,4 @@
-"""OpenVINO GenAI's side of engine=openvino, run in .venv-openvino (`python -m kvbench.backends.openvino_worker`).
+"""OpenVINO GenAI's side of engine=openvino, run in .venv-openvino (`python -m kvbench.engines.openvino_worker`).
 
 One ContinuousBatchingPipeline per distinct set of knobs (KV precision, eviction config), made on first use: the
 precision and the eviction config are fixed when a pipeline compiles. A request is stepped by hand (add_request,
@@ -16,13 +16,13 @@ import numpy as np
 import openvino as ov
 import openvino_genai as genai
 
-from kvbench.backends.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
+from kvbench.engines.protocol import peak_rss_bytes, reset_peak_rss, serve_worker, worker_op
 
 MAX_PIPELINES = 2  # compiled pipelines kept (each holds its own KV blocks)
 
 
 def eviction_config(eviction: dict) -> genai.CacheEvictionConfig:
-    """OpenVINO's cache eviction from the option's `cache_eviction` knobs (kvbench.backends.openvino), KVCrush's
+    """OpenVINO's cache eviction from the option's `cache_eviction` knobs (kvbench.engines.openvino), KVCrush's
     representative tokens beside it when the option gives them a budget."""
     crush = None
     if eviction.get("kvcrush_budget"):
@@ -166,11 +166,11 @@ def serve_trace(
     sequential: bool = False,
 ) -> dict:
     """A request trace through the ContinuousBatchingPipeline's own scheduler within `kv_blocks` blocks
-    (kvbench.backends.trace_driver). After each step the pipeline tells its block usage and how many requests it
+    (kvbench.engines.trace_driver). After each step the pipeline tells its block usage and how many requests it
     scheduled; it does not say which, nor its preemptions or prefix-cache hits (those stay unknown)."""
     from typing import Any
 
-    from kvbench.backends.trace_driver import drive
+    from kvbench.engines.trace_driver import drive
 
     pipe = build_pipeline(worker, knobs, kv_blocks, prefix_caching)
     handles: dict[int, Any] = {}
