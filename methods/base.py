@@ -111,7 +111,7 @@ class Capabilities:
     decodes_alone: bool = False  # decoding needs Engine.decode's own loop (StreamingLLM's ring layers): no grid row
     extends_token_by_token: bool = False  # appended tokens are decode steps, one forward each (decoding)
     reindexes_positions: bool = False  # RoPE positions counted inside the cache (StreamingLLM positions=rolling)
-    # what the method reads of the model beyond its cache (kvbench/run/support.py refuses the models lacking it):
+    # what the method reads of the model beyond its cache (kvbench/preflight/support.py refuses the models lacking it):
     # "full_rope" one rotary embedding over the whole head; "qkv_projections" separate q/k/v projections under
     # model.model.layers; "per_head_qk_norm", "full_rope_width" (kvzip's own query path); "full_attention_layers"
     # no sliding-window layers; "kvbench_attention" the model's attention calls kvbench's attention function

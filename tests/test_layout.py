@@ -24,7 +24,10 @@ LAYERS = [
     ["kvbench.native", "kvbench.engines"],  # kvbench's own engine; the serving engines, in their own processes
     ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
     ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
-    ["kvbench.run"],  # the run's entrance checks and modes, configurations, rows, work, the runner
+    # the checks before a run (entrance, modes, model support, model fields); a row's configuration, hash and columns.
+    # One layer: the entrance builds the configurations, and the hash takes what the active modes add
+    ["kvbench.preflight", "kvbench.rows"],
+    ["kvbench.run"],  # the run executed: the runner, work per example, batches, request workloads
     ["kvbench.plan", "kvbench.integrations"],  # the planner; lm-eval, the Ray launcher
     ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction
     ["kvbench.__main__", "kvbench.check", "kvbench.bench"],  # entry points; the benchmarks, over every layer

@@ -94,7 +94,7 @@ class Bench:
     def grid_ms(self, prefill, n_decode: int) -> float:
         """The whole grid's compression + decode in ms per decode step, as the runner decodes it (grid_batch=auto)."""
         from kvbench.native.grid_decode import generate_grid
-        from kvbench.run.config_hash import grid_rows_as_alone
+        from kvbench.rows.config_hash import grid_rows_as_alone
 
         start = self.clock()
         if grid_rows_as_alone(self.lm):

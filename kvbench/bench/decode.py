@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> None:
     from kvbench.native.engine import Engine
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 
     spec, _ = check_run(compose(overrides, "method=full"))

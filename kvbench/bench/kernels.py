@@ -95,7 +95,7 @@ def kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: in
 def bench_kivi_attention(device: torch.device, opts: dict) -> None:
     import pandas as pd
 
-    from kvbench.run.configuration import method_config
+    from kvbench.rows.configuration import method_config
 
     config = method_config("kivi")
     gen = torch.Generator(device=device).manual_seed(0)

@@ -111,7 +111,7 @@ def read_baseline(path: str, settings: dict) -> dict:
 
 
 def against(base: dict, out: dict, lm) -> None:
-    from kvbench.run.config_hash import grid_rows_as_alone
+    from kvbench.rows.config_hash import grid_rows_as_alone
 
     auto = grid_rows_as_alone(lm)  # what a default sweep runs: grid_batch=auto batches where rows come out as alone
     default, t_default = (out["grid"], out["t_grid"]) if auto else (out["shared"], out["t_shared"])

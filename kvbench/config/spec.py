@@ -1,5 +1,5 @@
 """The run spec: every top-level setting of a run, declared once — its default, its type and range (the `Rule` the
-entrance check applies, kvbench.run.check), its meaning. `TOP_LEVEL` (the rules by key) is derived from it;
+entrance check applies, kvbench.preflight.entrance), its meaning. `TOP_LEVEL` (the rules by key) is derived from it;
 conf/config.yaml repeats the defaults for Hydra and docs/cli.md documents the keys (tests/config/test_spec.py and
 tests/test_docs.py hold both to this class).
 

@@ -361,8 +361,8 @@ def from_model_args(args: dict) -> KvbenchLM:
 
     from kvbench import conf_dir
     from kvbench.model.load import load_model, model_config
-    from kvbench.run.configuration import DEFAULT_BUDGET, make_configuration, method_config
-    from kvbench.run.support import is_hybrid, refusal
+    from kvbench.rows.configuration import DEFAULT_BUDGET, make_configuration, method_config
+    from kvbench.preflight.support import is_hybrid, refusal
 
     args = dict(args)
     for key in ("batch_size", "max_batch_size"):  # lm-eval's; kvbench runs one request at a time

@@ -145,7 +145,7 @@ class LmEvalTask(Task):
     def compute_rows(self, ctx, todo: list, ex: Example) -> list[dict]:
         from kvbench.native.engine import Engine
         from kvbench.integrations.lm_eval_model import KvbenchLM
-        from kvbench.run.rows import row_for
+        from kvbench.rows.build import row_for
 
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(ctx.lm)  # its own: KvbenchLM stops at `hf`'s EOS ids

@@ -73,7 +73,7 @@ def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
     source = cfg.get("name_or_path") or f"conf/model/{cfg.name}.yaml"
-    try:  # transformers' own checks of the fields kvbench.run.model_fields does not read
+    try:  # transformers' own checks of the fields kvbench.preflight.model_fields does not read
         config = model_config(cfg)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         cache_layout(text, torch.float32)  # bounds and layer types first: 2^40 layers never reach the meta build

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from kvbench.native.batched import generate_batch, prefill_batch
 from kvbench.model.attention import StatsRequest
-from kvbench.run.configuration import Configuration
+from kvbench.rows.configuration import Configuration
 from kvbench.run.example_work import ExampleWork
-from kvbench.run.rows import generation_row
+from kvbench.rows.build import generation_row
 from kvbench.tasks import Example
 
 

@@ -23,12 +23,12 @@ from kvbench.native.bandwidth import memory_bandwidth
 from kvbench.native.engine import Engine
 from kvbench.guide.diagnose_run import thresholds_for
 from kvbench.model.load import load_model
-from kvbench.run import modes
-from kvbench.run.check import check_model_support, check_run
-from kvbench.run.config_hash import grid_batching, grid_padding, hash_configuration
+from kvbench.preflight import modes
+from kvbench.preflight.entrance import check_model_support, check_run
+from kvbench.rows.config_hash import grid_batching, grid_padding, hash_configuration
 from kvbench.run.example_work import ExampleWork
-from kvbench.run.modes import RunFacts
-from kvbench.run.rows import RowContext
+from kvbench.preflight.modes import RunFacts
+from kvbench.rows.build import RowContext
 from kvbench.store.aggregate import summarize, with_variants
 from kvbench.store.intervals import interval_text
 from kvbench.store.results import (

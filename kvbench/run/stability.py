@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def checked(cfg):
     """The run's spec and its evicting configurations (the full cache, quantization and hooked presses refused)."""
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
 
     spec, confs = check_run(cfg)
     confs = [c for c in confs if c.method.name != "full"]

@@ -223,7 +223,7 @@ def check_inputs(args, workload: str) -> None:
     Hydra cannot find is named by its flag."""
     from hydra.errors import HydraException
 
-    from kvbench.run.check import check_config
+    from kvbench.preflight.entrance import check_config
 
     overrides = [*task_overrides(args, workload), f"method={args.method}", f"budget={args.budget}"]
     try:

@@ -1,8 +1,8 @@
 """Declared once: a method's knobs and their defaults are its dataclass's fields (methods/<name>.py), which
 conf/method/<name>.yaml repeats exactly (so Hydra takes `method.<knob>=...`); an engine's options are its
 ServingEngine's (kvbench/engines/<name>.py), and conf/engine/<name>.yaml holds its name alone. One generic check
-each, here and in the run's entrance check (kvbench.run.check): no test restates a method's knobs or an engine's
-options."""
+each, here and in the run's entrance check (kvbench.preflight.entrance): no test restates a method's knobs or an
+engine's options."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import kvbench
 from kvbench import KvbenchError
 from kvbench.engines import ENGINES
 from kvbench.methods import METHODS
-from kvbench.run.check import check_config, method_yaml_drift
+from kvbench.preflight.entrance import check_config, method_yaml_drift
 from tests.conftest import CONF_DIR, compose_config
 
 METHOD_YAMLS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))

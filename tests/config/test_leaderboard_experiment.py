@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from kvbench.engines.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.config.spec import RunSpec
 from kvbench.methods import METHODS, build_method, method_defaults
-from kvbench.run.check import check_config
-from kvbench.run.configuration import configurations
+from kvbench.preflight.entrance import check_config
+from kvbench.rows.configuration import configurations
 from tests.conftest import CONF_DIR, compose_config, skip_without_venvs
 
 EXPERIMENT = OmegaConf.load(CONF_DIR / "experiment" / "leaderboard.yaml")

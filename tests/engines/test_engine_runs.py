@@ -13,7 +13,7 @@ import pytest
 
 from kvbench import KvbenchError
 from kvbench.engines.source import venv_python
-from kvbench.run.check import check_run
+from kvbench.preflight.entrance import check_run
 from tests.conftest import compose_config
 
 HAS_VLLM = venv_python(".venv-vllm").exists()

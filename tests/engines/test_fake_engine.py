@@ -149,7 +149,7 @@ def test_a_run_writes_the_engines_rows(ran):
 
 def test_its_refusals_come_before_the_model_loads(registered, tmp_path):
     from kvbench.__main__ import engine_option_as_method
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
 
     with pytest.raises(KvbenchError, match="engine=fake runs model=tiny-random only"):
         check_run(compose_config("engine.name=fake", "model=smollm2-135m", "grid.method=[half]"))

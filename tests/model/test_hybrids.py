@@ -20,7 +20,7 @@ from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.layout import cache_layout
 from kvbench.model.load import byte_tokenizer, finish
-from kvbench.run.support import refusal
+from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES, HYBRIDS, build
 
 PROMPT, NEW = 150, 5

@@ -168,8 +168,8 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     from kvbench.config.spec import RunSpec
     from kvbench.native.slots import decode_kernels
     from kvbench.kernels.backend import backend
-    from kvbench.run.config_hash import grid_batching, hash_configuration
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.config_hash import grid_batching, hash_configuration
+    from kvbench.rows.configuration import configurations
 
     cpu = backend("cpu")
 

@@ -10,7 +10,7 @@ from kvbench import KvbenchError
 from kvbench.methods import build_method
 from kvbench.model.load import model_config
 from kvbench.run.runner import compressed_nothing
-from kvbench.run.support import refusal
+from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES
 
 
@@ -67,7 +67,7 @@ def test_the_run_says_so_on_a_model_whose_every_layer_slides(tmp_path, capsys):
 
 def test_an_engine_option_cannot_be_renamed_by_its_knobs():
     from kvbench.engines.vllm import VllmEngine
-    from kvbench.run.check import renamed_option
+    from kvbench.preflight.entrance import renamed_option
 
     options = VllmEngine.options
     reason = renamed_option("vllm", options, "fp8", {"name": "fp8", "kv_cache_dtype": "int8_per_token_head"})
@@ -83,7 +83,7 @@ def test_ids_outside_the_vocabulary_make_an_engine_row_invalid():
 
     import transformers as tf
 
-    from kvbench.run.rows import out_of_vocabulary
+    from kvbench.rows.build import out_of_vocabulary
 
     lm = SimpleNamespace(config=tf.LlamaConfig(vocab_size=320))
     assert out_of_vocabulary([5, 319], lm) == ""

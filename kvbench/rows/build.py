@@ -18,7 +18,7 @@ from kvbench.native.engine import Engine, Generation
 from kvbench.native.grid_decode import MAX_PADDING
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.attention import StatsRequest
-from kvbench.run.configuration import Configuration
+from kvbench.rows.configuration import Configuration
 from kvbench.tasks import Example, Task
 
 

@@ -10,8 +10,8 @@ Declarative, so a new key is one line:
   checks;
 - a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
 
-The run's modes together (kvbench.run.modes) and each method against the model's layers (kvbench.run.support) are
-checked by `check_run` and `check_model_support`.
+The run's modes together (kvbench.preflight.modes) and each method against the model's layers
+(kvbench.preflight.support) are checked by `check_run` and `check_model_support`.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, _show, check_fields, check_value, did_you_mean, plain
 from kvbench.config.spec import TOP_LEVEL, RunSpec
-from kvbench.run import modes
-from kvbench.run.modes import RunFacts
+from kvbench.preflight import modes
+from kvbench.preflight.modes import RunFacts
 
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {
@@ -250,13 +250,13 @@ def check_config(cfg) -> None:
     build_method(method["name"], params)  # the method's own __post_init__ checks
     check_engine_keys(config.get("engine") or {})
     engine = str((config.get("engine") or {}).get("name") or "kvbench")
-    if engine != "kvbench":  # the grid names the engine's options: kvbench.run.configuration.engine_options
+    if engine != "kvbench":  # the grid names the engine's options: kvbench.rows.configuration.engine_options
         check_engine(engine, config)
         return check_task(config.get("task") or {})
     for index, entry in enumerate(((config.get("grid") or {}).get("method")) or []):
         check_grid_entry(index, entry)
     check_task(config.get("task") or {})
-    from kvbench.run.model_fields import check_model
+    from kvbench.preflight.model_fields import check_model
 
     check_model(config.get("model") or {})  # a written-down shape: required fields present, of their types
 
@@ -313,7 +313,7 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     read once here) and its configurations. The model's own refusals follow once its config is read (here when it
     is cheap to read, else by `check_model_support` after loading)."""
     from kvbench.model.load import model_config, resolve_device
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.configuration import configurations
     from kvbench.tasks import TASKS
 
     check_config(cfg)
@@ -321,7 +321,7 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
     resolve_device(spec.device)  # a malformed device string, or a GPU this torch cannot see: one line
     confs = configurations(spec)
     modes.check(RunFacts(spec, TASKS.get(spec.task_name), tuple(c.method for c in confs)))
-    from kvbench.run.support import budget_refusal
+    from kvbench.preflight.support import budget_refusal
 
     for c in confs if spec.engine_name == "kvbench" else ():
         reason = budget_refusal(c.method, c.budget)
@@ -334,12 +334,12 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
 
 
 def check_model_support(spec: RunSpec, confs: list, config) -> None:
-    """Each configuration runs on this model (kvbench.run.support), the model's layers are ones kvbench knows
-    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.run.modes)."""
+    """Each configuration runs on this model (kvbench.preflight.support), the model's layers are ones kvbench knows
+    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.preflight.modes)."""
     import torch
 
     from kvbench.model.layout import cache_layout
-    from kvbench.run.support import refusal
+    from kvbench.preflight.support import refusal
     from kvbench.tasks import TASKS
 
     model_layout = cache_layout(config, torch.float32)  # refuses layer types kvbench does not know

@@ -118,7 +118,7 @@ MODEL_KEYS: dict[str, Rule] = {
     "loader": Rule(
         "str",
         "a loader of conf/model/*.yaml",
-        # kvbench.model.loaded.LOADERS' names (tests/run/test_model_fields.py keeps the two equal)
+        # kvbench.model.loaded.LOADERS' names (tests/preflight/test_model_fields.py keeps the two equal)
         choices=("tiny_random", "random_init", "pretrained", "bundled_gguf", "assembled_gguf", "wheel_parts_gguf"),
     ),
     "name_or_path": Rule("str", "model.name_or_path=<hub id or local directory>", nullable=True),

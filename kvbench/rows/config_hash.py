@@ -8,8 +8,8 @@ from kvbench.config.spec import RunSpec
 from kvbench.native import slots
 from kvbench.native.grid_decode import MAX_PADDING
 from kvbench.kernels.backend import backend
-from kvbench.run import modes
-from kvbench.run.configuration import Configuration
+from kvbench.preflight import modes
+from kvbench.rows.configuration import Configuration
 from kvbench.store.results import config_hash
 from kvbench.tasks import TASKS
 

@@ -1,6 +1,6 @@
-"""What the configuration and the model's config decide is refused before the model loads (kvbench.run.check.check_run,
-exit 2), not after the baseline is computed: a token budget below a method's minimum, head merging to a count that
-does not divide the model's KV heads."""
+"""What the configuration and the model's config decide is refused before the model loads
+(kvbench.preflight.entrance.check_run, exit 2), not after the baseline is computed: a token budget below a method's
+minimum, head merging to a count that does not divide the model's KV heads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from kvbench import KvbenchError
 from kvbench.run import runner
-from kvbench.run.check import check_run
+from kvbench.preflight.entrance import check_run
 from tests.conftest import compose_config, tiny_overrides
 
 CASES = [

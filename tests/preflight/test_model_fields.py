@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError, conf_dir
-from kvbench.run.model_fields import MODEL_KEYS, check_model
+from kvbench.preflight.model_fields import MODEL_KEYS, check_model
 
 
 @pytest.mark.parametrize("path", sorted((conf_dir() / "model").glob("*.yaml")), ids=lambda p: p.stem)

@@ -7,7 +7,7 @@ A mode is a setting (`prefill=inline`, `batch_size=4`), a kind of task (a stream
 external harness scoring its own requests), a kind of method (kvpress's hooks; one needing every layer first), or
 a kind of model (sliding-window layers, known once its config is read). `RunFacts` holds what decides them; before
 the model's config is known `sliding` is None and the model's rows of the table wait for the second check.
-docs/cli.md's "Run modes" table is this table (tests/run/test_modes.py checks it).
+docs/cli.md's "Run modes" table is this table (tests/preflight/test_modes.py checks it).
 """
 
 from __future__ import annotations
@@ -232,7 +232,8 @@ WHEN = {  # when each mode is active, in words (the table's second column)
 
 
 def markdown() -> str:
-    """The run-mode table of docs/cli.md, from MODES, NEEDS and CONFLICTS (tests/run/test_modes.py holds them equal)."""
+    """The run-mode table of docs/cli.md, from MODES, NEEDS and CONFLICTS (tests/preflight/test_modes.py holds them
+    equal)."""
     lines = [
         "| mode | active with | needs | does not combine with | config hash adds | rows add |",
         "|---|---|---|---|---|---|",
