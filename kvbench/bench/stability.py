@@ -1,25 +1,28 @@
-"""`python -m kvbench.run.stability [key=value ...]`: does a method keep the same tokens in bf16 as in fp32?
+"""Does a method keep the same tokens in bf16 as in fp32? Kept-set overlap and ties at the cut, per configuration.
 
-The run's own overrides (model, task, method or grid.method, budget, limit): every example's prompt is prefilled in
-float32 and in bfloat16 and compressed by each configuration; per layer and KV head the overlap of the two kept sets
-(|kept_fp32 ∩ kept_bf16| / kept), and for scorers (methods with per-head `scores`) in each dtype the share of a
-head's scores equal to another of its scores (`tied`; kvpress #276 found ~74 % for Knorm in bf16) and the share of
-heads whose cut — the lowest kept score — falls inside a tie (`cut in a tie`: there the kept set is decided by the
-order ties are broken in, not by the scores). Prints one line per configuration and each layer's mean overlap.
-Exit codes: 0 done; 2 bad input (one line; an unknown config group option too).
+    python -m kvbench.bench stability [overrides]   # e.g. 'grid.method=[knorm,snapkv,tova,keydiff]' 'grid.budget=[0.25]'
 
-    python -m kvbench.run.stability model=smollm2-135m task=niah 'task.context_lengths=[2048]' \
+No `bench.` options: the run's own overrides (model, task, method or grid.method, budget, limit) say what to compare,
+as `python -m kvbench` reads them. Every example's prompt is prefilled in float32 and in bfloat16 and compressed by
+each configuration; per layer and KV head the overlap of the two kept sets (|kept_fp32 ∩ kept_bf16| / kept), and for
+scorers (methods with per-head `scores`) in each dtype the share of a head's scores equal to another of its scores
+(`tied`; kvpress #276 found ~74 % for Knorm in bf16) and the share of heads whose cut — the lowest kept score — falls
+inside a tie (`cut in a tie`: there the kept set is decided by the order ties are broken in, not by the scores).
+Prints one line per configuration and each layer's mean overlap. The full cache, quantization and hooked presses are
+refused (nothing to compare): eviction methods only, on a generating task.
+
+    python -m kvbench.bench stability model=smollm2-135m task=niah 'task.context_lengths=[2048]' \
         'task.depths=[0.5]' 'grid.method=[knorm,snapkv,tova,keydiff]' 'grid.budget=[0.25]'
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
-from kvbench import KvbenchError, conf_dir
+from kvbench import KvbenchError
+from kvbench.bench.common import checked, header, options
 from kvbench.methods import Method
 from kvbench.methods.modes import HooksPrefill
 
@@ -85,12 +88,13 @@ def overlap(a: Kept, b: Kept) -> list[torch.Tensor]:
 
 def measure(spec, confs, examples_of) -> list[dict]:
     """Per configuration: the overlap and tie figures over the examples (`examples_of(tokenizer)`)."""
-    from kvbench.native.engine import Engine
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
 
     results: dict[str, list[Kept]] = {}
     for dtype in DTYPES:
         engine = Engine(load_model(spec.model, spec.device, dtype))
+        header("stability", engine.lm)
         for ex in examples_of(engine.lm):
             for c in confs:
                 prompt_ids, _ = ex.split(c.query_aware)
@@ -148,32 +152,14 @@ def render(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    overrides = sys.argv[1:] if argv is None else argv
-    try:
-        try:
-            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-                cfg = compose("config", overrides=list(overrides))
-        except (HydraException, OmegaConfBaseException) as error:
-            raise KvbenchError(f"{' '.join(str(error).split())} (overrides as for python -m kvbench)") from None
-        spec, confs = checked(cfg)
-        table = measure(spec, confs, lambda lm: examples(spec, lm))
-    except KvbenchError as error:
-        print(f"kvbench.run.stability: error: {error}", file=sys.stderr)
-        return 2
-    print(render(table))
-    return 0
+def main(overrides: list[str]) -> None:
+    _, overrides = options(overrides, {}, "stability")  # no options of its own: a `bench.` key is one line
+    spec, confs = evicting(*checked(overrides))
+    print(render(measure(spec, confs, lambda lm: examples(spec, lm))))
 
 
-def checked(cfg):
+def evicting(spec, confs: list) -> tuple:
     """The run's spec and its evicting configurations (the full cache, quantization and hooked presses refused)."""
-    from kvbench.preflight.entrance import check_run
-
-    spec, confs = check_run(cfg)
     confs = [c for c in confs if c.method.name != "full"]
     for c in confs:
         m = c.method
@@ -194,6 +180,3 @@ def examples(spec, lm) -> list:
     found = task.examples()
     return found[: spec.limit] if spec.limit else found
 
-
-if __name__ == "__main__":
-    sys.exit(main())

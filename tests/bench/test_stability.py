@@ -1,9 +1,10 @@
-"""kvbench.run.stability: kept-set overlap between float32 and bfloat16, and tied scores at the cut."""
+"""`python -m kvbench.bench stability`: kept-set overlap between float32 and bfloat16, and tied scores at the cut."""
 
 import pytest
 import torch
 
-from kvbench.run.stability import Kept, main, overlap, tie_stats
+from kvbench.bench.__main__ import main
+from kvbench.bench.stability import Kept, overlap, tie_stats
 
 TINY = ["model=tiny-random", "device=cpu", "task=niah", "task.context_lengths=[700]", "task.depths=[0.5]"]
 
@@ -31,16 +32,19 @@ def test_overlap_per_layer_and_head():
 
 
 def test_command_prints_the_table_for_the_scorers(capsys):
-    code = main([*TINY, "grid.method=[knorm,snapkv,streamingllm]", "grid.budget=[0.25]"])
-    out = capsys.readouterr().out
+    code = main(["stability", *TINY, "grid.method=[knorm,snapkv,streamingllm]", "grid.budget=[0.25]"])
+    out = capsys.readouterr().out.splitlines()
     assert code == 0
-    lines = {line.split()[0]: line.split() for line in out.splitlines()[1:4]}
+    assert sum(line.startswith("stability benchmark: ") for line in out) == 2  # a header per dtype loaded
+    head = next(i for i, line in enumerate(out) if line.startswith("method"))
+    lines = {line.split()[0]: line.split() for line in out[head + 1 : head + 4]}
     assert set(lines) == {"knorm", "snapkv", "streamingllm"}
     for cells in lines.values():
         assert cells[1] == "0.25" and 0 < float(cells[3]) <= 1 and float(cells[4]) <= float(cells[3])
     assert float(lines["streamingllm"][3]) == 1.0 and lines["streamingllm"][6] == "–"  # positions only, no scores
     assert float(lines["knorm"][3]) < 1.0  # bf16 keys reorder knorm's choice on the random model
-    assert "kept-set overlap per evicting layer" in out and "knorm 0.25: " in out
+    assert any(line.startswith("kept-set overlap per evicting layer") for line in out)
+    assert any(line.startswith("  knorm 0.25: ") for line in out)
 
 
 @pytest.mark.parametrize(
@@ -49,9 +53,10 @@ def test_command_prints_the_table_for_the_scorers(capsys):
         (["method=kivi", "method.group_size=16"], "the stability check compares"),
         (["method=nope"], "nope"),
         (["task.bogus=1"], "bogus"),
+        (["bench.window=2"], "stability has no option bench.window; its options: none"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, extra, message):
-    assert main([*TINY, *extra]) == 2
+    assert main(["stability", *TINY, *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("kvbench.run.stability: error:") and message in err
+    assert len(err.splitlines()) == 1 and err.startswith("kvbench.bench: error:") and message in err
