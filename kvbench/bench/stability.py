@@ -1,6 +1,6 @@
 """Does a method keep the same tokens in bf16 as in fp32? Kept-set overlap and ties at the cut, per configuration.
 
-    python -m kvbench.bench stability [overrides]   # e.g. 'grid.method=[knorm,snapkv,tova,keydiff]' 'grid.budget=[0.25]'
+    python -m kvbench.bench stability [overrides]   # e.g. 'grid.method=[knorm,snapkv,tova]' 'grid.budget=[0.25]'
 
 No `bench.` options: the run's own overrides (model, task, method or grid.method, budget, limit) say what to compare,
 as `python -m kvbench` reads them. Every example's prompt is prefilled in float32 and in bfloat16 and compressed by
