@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.native.engine import Engine
 from kvbench.model.load import load_model
+from kvbench.native.engine import Engine
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

@@ -22,8 +22,8 @@ STEPS = 12
 
 def step_seconds(engine, prefill, rows: int) -> float:
     """One step of `rows` full-cache rows decoded together (alone for 1), best of two."""
-    from kvbench.native.grid_decode import decode_grid
     from kvbench.methods import build_method
+    from kvbench.native.grid_decode import decode_grid
 
     full, best = build_method("full"), float("inf")
     for _ in range(2):
@@ -38,10 +38,10 @@ def step_seconds(engine, prefill, rows: int) -> float:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.bandwidth import memory_bandwidth
-    from kvbench.native.engine import Engine
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
+    from kvbench.native.bandwidth import memory_bandwidth
+    from kvbench.native.engine import Engine
     from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 

@@ -80,8 +80,8 @@ def option_line(be, task, lm, examples, option: str, engine_full: dict, stop: li
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     _, overrides = options(overrides, {}, "engine_options")  # no options of its own: a bench. key is refused

@@ -77,8 +77,8 @@ def one_length(engine, length: int, ids: list[int], confs: list, request, opts: 
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.model.attention import StatsRequest
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "gpu")
     spec, confs = checked(overrides, *DEFAULTS)

@@ -133,8 +133,8 @@ def save(path: str, out: dict, settings: dict) -> None:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     opts, overrides = options(overrides, OPTIONS, "shared_prefill")

@@ -179,4 +179,3 @@ def examples(spec, lm) -> list:
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     found = task.examples()
     return found[: spec.limit] if spec.limit else found
-

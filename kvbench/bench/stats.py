@@ -18,10 +18,10 @@ REPEATS = 3
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method, method_defaults
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 

@@ -55,8 +55,8 @@ def timed_run(overrides: list[str], *extra: str):
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 

@@ -62,8 +62,8 @@ def prompt_of(lm, context: int) -> list[int]:
 
 def broadcast(prefill, batch: int):
     """The one-row prefill as `batch` rows: stride-0 views of its K/V (B, H_kv, T, D), statistics and logits."""
-    from kvbench.native.engine import Prefill
     from kvbench.model.attention import StatsRecorder
+    from kvbench.native.engine import Prefill
 
     stats = StatsRecorder(prefill.stats.request)
     windows = prefill.stats.window.items()
@@ -113,8 +113,8 @@ class Sweep:
 
     def decode(self, method, budget, one, batch: int):
         """Compress `batch` rows of the one prefill and decode them together."""
-        from kvbench.native.batched import decode_together
         from kvbench.model.cache import cache_nbytes
+        from kvbench.native.batched import decode_together
 
         rows_prefill, device, context = broadcast(one, batch), self.lm.device, self.opts["context"]
         hooks = method.begin(rows_prefill.n_tokens, len(rows_prefill.kv), budget)  # the rows' compression
@@ -275,8 +275,8 @@ def hardware(name: str):
 def sweep_of(spec, opts: dict) -> Sweep:
     from omegaconf import OmegaConf
 
-    from kvbench.native.engine import Engine
     from kvbench.model.kv_bytes import KVShape
+    from kvbench.native.engine import Engine
     from kvbench.plan.hardware import GIB
     from kvbench.plan.model import arch_of
 

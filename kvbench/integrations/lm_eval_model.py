@@ -43,10 +43,10 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine
-from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import cache_nbytes
+from kvbench.native.engine import Engine
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -361,8 +361,8 @@ def from_model_args(args: dict) -> KvbenchLM:
 
     from kvbench import conf_dir
     from kvbench.model.load import load_model, model_config
-    from kvbench.rows.configuration import DEFAULT_BUDGET, make_configuration, method_config
     from kvbench.preflight.support import is_hybrid, refusal
+    from kvbench.rows.configuration import DEFAULT_BUDGET, make_configuration, method_config
 
     args = dict(args)
     for key in ("batch_size", "max_batch_size"):  # lm-eval's; kvbench runs one request at a time

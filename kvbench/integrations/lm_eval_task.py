@@ -143,8 +143,8 @@ class LmEvalTask(Task):
 
     # ---- rows (called by the runner instead of its own generation loop) ---------------------------------
     def compute_rows(self, ctx, todo: list, ex: Example) -> list[dict]:
-        from kvbench.native.engine import Engine
         from kvbench.integrations.lm_eval_model import KvbenchLM
+        from kvbench.native.engine import Engine
         from kvbench.rows.build import row_for
 
         if getattr(self, "_engine", None) is None:

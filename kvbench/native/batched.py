@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.native.engine import Engine, Generation, Prefill
-from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import cache_kv, cache_nbytes, one_mask
+from kvbench.native.engine import Engine, Generation, Prefill
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 
 
 @dataclass

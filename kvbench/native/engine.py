@@ -16,9 +16,6 @@ from typing import Any, cast
 import torch
 
 from kvbench import KvbenchError
-from kvbench.native.bandwidth import weight_bytes
-from kvbench.native.memory import read_peak, reset_peak, synchronize
-from kvbench.native.slots import plain_layers, use_slots
 from kvbench.kernels.backend import backend
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
@@ -35,6 +32,9 @@ from kvbench.model.cache import (
     state_layers,
 )
 from kvbench.model.load import LoadedModel
+from kvbench.native.bandwidth import weight_bytes
+from kvbench.native.memory import read_peak, reset_peak, synchronize
+from kvbench.native.slots import plain_layers, use_slots
 
 KEEP_LOGITS_BYTES = 64 * 2**20  # a row's kept distributions (fidelity) at most: 341 steps of a 49K vocabulary
 

@@ -25,10 +25,10 @@ from typing import cast
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvbench.native.engine import Compressed, Engine, Generation, Prefill
 from kvbench.methods import Budget, Method, build_method
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import one_mask
+from kvbench.native.engine import Compressed, Engine, Generation, Prefill
 
 COLUMNS = ("kl_mean", "kl_max", "kl_max_step", "top1_agreement", "fidelity_tokens", "length_vs_full")
 PLAIN = (DynamicLayer, DynamicSlidingWindowLayer)  # layers whose multi-token append equals token-by-token appends

@@ -48,14 +48,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvbench.native.batched import BatchedGeneration, decode_together
-from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
-from kvbench.native.memory import reset_peak
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import WindowLayer
 from kvbench.model.padded import PaddedKV
+from kvbench.native.batched import BatchedGeneration, decode_together
+from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
+from kvbench.native.memory import reset_peak
 
 MAX_PADDING = 3.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
 # rows per batch: the CPU backend's row-independent linear kernel takes a step of at most these (its MAX_ROWS, tested)

@@ -30,10 +30,10 @@ import time
 import torch
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine, Prefill
-from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, after_each_layer, recording
+from kvbench.native.engine import Engine, Prefill
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 
 PREFILL_MODES = ("shared", "inline")
 

@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine
-from kvbench.native.inline import forward_per_layer
-from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.methods import Budget, Method
 from kvbench.methods.compression import Compression
 from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes, layer_lengths
+from kvbench.native.engine import Engine
+from kvbench.native.inline import forward_per_layer
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 
 LOGITS = {"all_logits": True, "fp32": False}  # every position's, in the model's dtype (upcast in _token_nll)
 

@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbench import KvbenchError
-from kvbench.engines import listed
 from kvbench.config.spec import RunSpec
-from kvbench.native.inline import compresses_per_layer
+from kvbench.engines import listed
 from kvbench.methods import Method
 from kvbench.methods.modes import HooksPrefill
+from kvbench.native.inline import compresses_per_layer
 from kvbench.tasks.base import Task
 
 

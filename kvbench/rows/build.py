@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from kvbench.methods.modes import HooksPrefill
+from kvbench.model.attention import StatsRequest
 from kvbench.native import fidelity, inline
 from kvbench.native.bandwidth import share_columns
 from kvbench.native.batched import batch_columns, step_kv_bytes
 from kvbench.native.engine import Engine, Generation
 from kvbench.native.grid_decode import MAX_PADDING
-from kvbench.methods.modes import HooksPrefill
-from kvbench.model.attention import StatsRequest
 from kvbench.rows.configuration import Configuration
 from kvbench.tasks import Example, Task
 

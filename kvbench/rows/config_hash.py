@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
+from kvbench.kernels.backend import backend
 from kvbench.native import slots
 from kvbench.native.grid_decode import MAX_PADDING
-from kvbench.kernels.backend import backend
 from kvbench.preflight import modes
 from kvbench.rows.configuration import Configuration
 from kvbench.store.results import config_hash

@@ -4,11 +4,11 @@ throughput. Configurations that share the prefill share one batched prefill, as 
 
 from __future__ import annotations
 
-from kvbench.native.batched import generate_batch, prefill_batch
 from kvbench.model.attention import StatsRequest
+from kvbench.native.batched import generate_batch, prefill_batch
+from kvbench.rows.build import generation_row
 from kvbench.rows.configuration import Configuration
 from kvbench.run.example_work import ExampleWork
-from kvbench.rows.build import generation_row
 from kvbench.tasks import Example
 
 

@@ -26,11 +26,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.config.spec import RunSpec
-from kvbench.native.engine import Prefill
-from kvbench.native.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
+from kvbench.native.engine import Prefill
+from kvbench.native.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 
 
 def reuse_limit(request: StatsRequest, n_prompt: int) -> int:

@@ -21,9 +21,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from kvbench.model.attention import StatsRequest, recording
 from kvbench.native.batched import forward_batch
 from kvbench.native.grid_decode import GROW, GridLayer, RowsRecorder, decode_step_on_row
-from kvbench.model.attention import StatsRequest, recording
 
 
 def join(layer: GridLayer, keys: torch.Tensor, values: torch.Tensor) -> None:

@@ -142,8 +142,8 @@ def serve_engines(
     from there with one line, so the other engines and kvbench's own rows are still written; `skipped` holds those
     lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with.
     `on_served(*run)` is called with each run as it ends (so that it is written before the next one starts)."""
-    from kvbench.engines import ENGINES
     from kvbench.config.rules import plain
+    from kvbench.engines import ENGINES
 
     cfg, lm, engine = ctx
     model = (dict(plain(cfg.model)), str(lm.dtype).removeprefix("torch."))

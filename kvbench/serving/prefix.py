@@ -154,10 +154,10 @@ def prefix_engines() -> list[str]:
 def engines_side(args, workloads: list[str]) -> list[dict]:
     """Each engine of --engines (`ServingEngine.serve_prefix`): every workload's requests in order without then with its
     prefix cache."""
-    from kvbench.engines import ENGINES
     from kvbench.config.rules import plain
-    from kvbench.native.engine import Engine
+    from kvbench.engines import ENGINES
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.serving.engines import wire
 
     first = compose(task_overrides(args, workloads[0]))

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.engines.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.config.spec import RunSpec
+from kvbench.engines.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.methods import METHODS, build_method, method_defaults
 from kvbench.preflight.entrance import check_config
 from kvbench.rows.configuration import configurations

@@ -17,9 +17,9 @@ def model_cfg() -> dict:
 def short_prompts():
     """Two of kvbench's NIAH prompts at 300 and 500 tokens (query-aware), kvbench's full-cache greedy tokens for
     each at float32 and bfloat16, and the stop ids kvbench decodes with."""
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.tasks.base import build_task
 
     out = {}

@@ -18,8 +18,8 @@ from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
 from kvbench.engines.protocol import Worker
 from kvbench.engines.source import budget_tokens
 from kvbench.plan.hardware import Hardware
-from tests.engines.fake_engine_worker import VERSION
 from tests.conftest import compose_config, tiny_overrides
+from tests.engines.fake_engine_worker import VERSION
 
 HW = Hardware("test", 10**12, 1e11, 1e12, "test")  # the planner's hardware: no CPU calibration in tests
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

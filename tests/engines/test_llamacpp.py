@@ -57,9 +57,9 @@ def run(engine, example, option="full", budget=None, **knobs):
 
 
 def test_full_matches_kvbench_full_cache(engine, prompts, smol_fp32):
-    from kvbench.native.engine import Engine
     from kvbench.methods import METHODS
     from kvbench.model.attention import StatsRequest
+    from kvbench.native.engine import Engine
 
     ours = Engine(smol_fp32)
     for example in prompts:

@@ -26,9 +26,9 @@ NEW = 12
 @pytest.fixture(scope="module")
 def gemma():
     """One 700-token NIAH prompt (needle at 50 %), kvbench's full-cache greedy tokens at f32, its stop ids."""
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.tasks.base import build_task
 
     model = OmegaConf.load(CONF_DIR / "model" / "gemma3-270m.yaml")

@@ -13,9 +13,9 @@ import transformers as tf
 from kvbench.engines.base import EngineRequest
 from kvbench.engines.source import venv_python
 from kvbench.engines.vllm import VllmEngine, hybrid_bytes
-from kvbench.native.engine import Engine
 from kvbench.methods import build_method
 from kvbench.model.load import byte_tokenizer, finish
+from kvbench.native.engine import Engine
 
 pytestmark = pytest.mark.slow  # a vLLM engine start: ~20 s
 if not venv_python(".venv-vllm").exists():

@@ -19,8 +19,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine
 from kvbench.integrations.lm_eval_model import KvbenchLM, from_model_args
+from kvbench.native.engine import Engine
 from kvbench.rows.configuration import make_configuration
 from kvbench.run.runner import run
 from kvbench.store.results import COLUMNS

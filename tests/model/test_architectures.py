@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.native.engine import Engine
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes
 from kvbench.model.load import byte_tokenizer, finish
+from kvbench.native.engine import Engine
 from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES, build
 

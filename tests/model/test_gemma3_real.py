@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.native.engine import Engine
 from kvbench.methods import Budget, build_method
+from kvbench.native.engine import Engine
 from tests.conftest import CONF_DIR
 
 pytestmark = pytest.mark.real_model

@@ -101,9 +101,9 @@ def test_degenerate_configs_are_one_line(fields, message):
 def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(name):
     """Gemma 3n and Gemma 4 reuse earlier layers' K/V in their last layers: the full cache decodes as transformers'
     own generate and holds its bytes; compression is refused in one line (kvbench.preflight.support)."""
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.load import byte_tokenizer, finish
+    from kvbench.native.engine import Engine
     from kvbench.preflight.support import refusal
 
     model = build(name)

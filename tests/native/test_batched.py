@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from kvbench.native.batched import batches, run_batch
 from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.native.batched import batches, run_batch
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. ",

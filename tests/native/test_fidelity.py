@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kvbench.native import fidelity
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.model.attention import StatsRequest
+from kvbench.native import fidelity
 from kvbench.run.runner import run
 from tests.conftest import compose_config, native_method_names, tiny_overrides
 

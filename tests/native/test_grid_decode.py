@@ -5,10 +5,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine
-from kvbench.native.grid_decode import generate_grid, groups
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.load import load_model
+from kvbench.native.engine import Engine
+from kvbench.native.grid_decode import generate_grid, groups
 from kvbench.run.runner import run
 from kvbench.store.results import read_rows
 from tests.conftest import CONF_DIR, compose_config, tiny_overrides
@@ -166,8 +166,8 @@ def test_grid_batch_auto_follows_row_independence_and_forced_elsewhere_hashes_ap
     import torch
 
     from kvbench.config.spec import RunSpec
-    from kvbench.native.slots import decode_kernels
     from kvbench.kernels.backend import backend
+    from kvbench.native.slots import decode_kernels
     from kvbench.rows.config_hash import grid_batching, hash_configuration
     from kvbench.rows.configuration import configurations
 
@@ -220,10 +220,10 @@ def test_a_grid_step_attends_row_by_row_as_alone(tiny, dtype):
     statistics get the fused decode step's output and its probabilities (zero past the row's length)."""
     import torch
 
-    from kvbench.native.grid_decode import RowsRecorder
     from kvbench.kernels.attention_stats import decode_attention_with_probs
     from kvbench.model.attention import StatsRequest, _attention
     from kvbench.model.padded import PaddedKV
+    from kvbench.native.grid_decode import RowsRecorder
 
     dt = getattr(torch, dtype)
     module = tiny.model.model.layers[0].self_attn
@@ -274,8 +274,8 @@ def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
     exactly what each gives alone."""
     import torch
 
-    from kvbench.native.slots import decode_kernels
     from kvbench.model.load import byte_tokenizer, finish
+    from kvbench.native.slots import decode_kernels
     from tests.model.families import build as build_family
 
     torch_dtype = getattr(torch, dtype)

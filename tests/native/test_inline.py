@@ -5,11 +5,11 @@ import torch
 
 from kvbench import KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.native import inline
-from kvbench.native.memory import read_peak, reset_peak
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.methods.base import Capabilities, Method
 from kvbench.model.cache import _tensors, layer_lengths
+from kvbench.native import inline
+from kvbench.native.memory import read_peak, reset_peak
 from tests.conftest import compose_config, compressed
 
 ALL_METHODS = METHODS.names()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kvbench import KvbenchError
-from kvbench.native import inline, streaming
-from kvbench.native.streaming import Stream, stream_chunks
 from kvbench.methods import METHODS, Budget, build_method
 from kvbench.model.cache import layer_lengths
+from kvbench.native import inline, streaming
+from kvbench.native.streaming import Stream, stream_chunks
 from tests.conftest import compose_config, native_method_names
 from tests.native.test_inline import assert_same_cache, built
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.native.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
 from kvbench.model.cache import cache_from_kv, cache_nbytes
+from kvbench.native.prefix_cache import PagedLayer, PrefixCache, gather_pages, page_of, share_pages
 
 
 def make(tree: PrefixCache, ids, made: list | None = None):

@@ -7,13 +7,13 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
-from kvbench.native.engine import Engine
-from kvbench.model.ring import RingLayer
 from kvbench.methods import Budget, build_method
 from kvbench.methods.streamingllm import sink_and_recent
 from kvbench.model.attention import recording
 from kvbench.model.cache import full_cache_nbytes
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
+from kvbench.model.ring import RingLayer
+from kvbench.native.engine import Engine
 
 
 @pytest.fixture(scope="module")

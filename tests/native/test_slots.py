@@ -4,8 +4,8 @@ kv_bytes as evicting by gather into new tensors, with the cache's layers in slot
 import pytest
 import torch
 
-from kvbench.native import slots
 from kvbench.methods import Budget, build_method, method_defaults
+from kvbench.native import slots
 
 CONFIGS = [
     ("h2o", {}, 0.3),

@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers as tf
 
-from kvbench.native.engine import Engine
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.kv_bytes import KVShape, predict_kv_bytes
 from kvbench.model.load import byte_tokenizer, finish
+from kvbench.native.engine import Engine
 from tests.model.families import BASE
 
 PROMPT, NEW = 400, 4

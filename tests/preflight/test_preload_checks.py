@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.run import runner
 from kvbench.preflight.entrance import check_run
+from kvbench.run import runner
 from tests.conftest import compose_config, tiny_overrides
 
 CASES = [

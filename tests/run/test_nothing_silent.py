@@ -9,8 +9,8 @@ import pytest
 from kvbench import KvbenchError
 from kvbench.methods import build_method
 from kvbench.model.load import model_config
-from kvbench.run.runner import compressed_nothing
 from kvbench.preflight.support import refusal
+from kvbench.run.runner import compressed_nothing
 from tests.model.families import FAMILIES
 
 
