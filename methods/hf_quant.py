@@ -23,7 +23,7 @@ def fp8_available() -> bool:
     return hasattr(transformers.cache_utils, "Fp8QuantizedLayer")
 
 
-BACKENDS = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
+ENGINES = {"quanto": ("optimum.quanto", "quanto"), "hqq": ("hqq", "hqq"), "fp8": (None, None)}
 # what each backend's transformers layer accepts (QuantoQuantizedLayer, HQQQuantizedLayer): refused here, before the
 # model loads, not as the layer's ValueError mid-run
 NBITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
@@ -46,8 +46,8 @@ class HFQuantizedCache(Method):
     )
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.backend not in ENGINES:
+            raise KvbenchError(f"hf-quant backend={self.backend!r}: use one of {', '.join(ENGINES)}")
         if self.backend in NBITS and self.nbits not in NBITS[self.backend]:
             raise KvbenchError(
                 f"hf-quant nbits={self.nbits} with backend={self.backend}: use one of "
@@ -59,7 +59,7 @@ class HFQuantizedCache(Method):
                     f"hf-quant {name}={getattr(self, name)} with backend={self.backend}: use one of "
                     f"{', '.join(map(str, AXES[self.backend]))}"
                 )
-        module, extra = BACKENDS[self.backend]
+        module, extra = ENGINES[self.backend]
         if self.backend == "fp8" and not fp8_available():
             import transformers
 

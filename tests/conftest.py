@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import Engine
 from kvbench.model.load import load_model
+from kvbench.native.engine import Engine
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -41,7 +41,7 @@ def tiny():
 def skip_without_venvs(*venvs: str, make: str) -> None:
     """An engine runs in its own venv; .ci/run builds them before `make test`, a fresh `make test` does not: skip in
     one line naming the make target."""
-    from kvbench.backends.source import venv_python
+    from kvbench.engines.source import venv_python
 
     missing = [v for v in venvs if not venv_python(v).exists()]
     if missing:

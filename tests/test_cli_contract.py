@@ -212,11 +212,11 @@ def test_every_preset_has_its_row(group, title):
 
 
 def test_every_engine_row_names_its_make_target():
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     rows = {re.sub(r"`([^`]+)`.*", r"\1", r[0]): r for r in table(section("Engines"))[1:]}
-    for name in BACKENDS.names():
-        target = BACKENDS.get(name).make_target
+    for name in ENGINES.names():
+        target = ENGINES.get(name).make_target
         assert f"`make {target}`" in rows[name], f"docs/cli.md's Engines row of {name} does not say `make {target}`"
 
 

@@ -90,7 +90,7 @@ def test_relative_links_resolve(page):
 
 def test_every_top_level_key_is_in_the_command_line_contract():
     from kvbench.config.spec import TOP_LEVEL
-    from kvbench.run.check import LAUNCHER
+    from kvbench.preflight.entrance import LAUNCHER
 
     cli = (ROOT / "docs" / "cli.md").read_text()
     # `grid` is documented by its two keys, the verdict thresholds as one row, launcher.name as `launcher=ray`

@@ -1,7 +1,7 @@
-"""The adapter is the only door to an engine: outside kvbench/backends no module names a serving engine in its code
+"""The adapter is the only door to an engine: outside kvbench/engines no module names a serving engine in its code
 (a comment or a docstring may cite one). The run, the serving trace, the report and the config loop over the
-registry and ask each engine's Backend; an engine named anywhere else is a second door the next engine would have
-to find (tests/backends/test_fake_engine.py adds one without touching a file of kvbench)."""
+registry and ask each engine's ServingEngine; an engine named anywhere else is a second door the next engine would have
+to find (tests/engines/test_fake_engine.py adds one without touching a file of kvbench)."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import io
 import tokenize
 from pathlib import Path
 
-from kvbench.backends import BACKENDS
+from kvbench.engines import ENGINES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvbench"
-DOOR = PACKAGE / "backends"
+DOOR = PACKAGE / "engines"
 
 
 def engine_words() -> list[str]:
     """Every registered engine's name and the label the report gives it, lower-cased (`vllm`, `llama.cpp`, ...)."""
     words = set()
-    for name in BACKENDS.names():
-        words |= {name.lower(), (BACKENDS.get(name).label or name).lower()}
+    for name in ENGINES.names():
+        words |= {name.lower(), (ENGINES.get(name).label or name).lower()}
     return sorted(words)
 
 
@@ -56,10 +56,10 @@ def test_the_check_reads_code_not_comments_or_docstrings():
     source = '"""Served by vLLM."""\n\n\ndef f():\n    """llama.cpp\'s too."""\n    return x  # openvino\n\n\n'
     source += 'y = "vllm"\n'
     assert named(source, ["vllm", "llama.cpp", "openvino"]) == [(9, "vllm", '"vllm"')]
-    assert named("VllmBackend = 1\n", ["vllm"]) == [(1, "vllm", "VllmBackend")]  # identifiers too, any case
+    assert named("VllmEngine = 1\n", ["vllm"]) == [(1, "vllm", "VllmEngine")]  # identifiers too, any case
 
 
-def test_no_module_outside_the_backends_names_an_engine():
+def test_no_module_outside_kvbench_engines_names_an_engine():
     words = engine_words()
     assert {"llamacpp", "llama.cpp", "vllm", "openvino"} <= set(words)  # the check knows what it looks for
     found = [
@@ -68,4 +68,4 @@ def test_no_module_outside_the_backends_names_an_engine():
         if DOOR not in path.parents
         for line, word, text in named(path.read_text(), words)
     ]
-    assert not found, "an engine named outside kvbench/backends (ask its Backend instead):\n" + "\n".join(found)
+    assert not found, "an engine named outside kvbench/engines (ask its ServingEngine instead):\n" + "\n".join(found)

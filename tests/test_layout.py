@@ -21,10 +21,13 @@ LAYERS = [
     ["kvbench.store"],  # rows on disk, claims, aggregation (torch-free)
     ["kvbench.model"],  # loading, attention statistics, RoPE, cache layers and their bytes
     ["kvbench.methods"],
-    ["kvbench.engine", "kvbench.backends"],  # prefill, compress, decode; serving engines in their own processes
+    ["kvbench.native", "kvbench.engines"],  # kvbench's own engine; the serving engines, in their own processes
     ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
     ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
-    ["kvbench.run"],  # the run's entrance checks and modes, configurations, rows, work, the runner
+    # the checks before a run (entrance, modes, model support, model fields); a row's configuration, hash and columns.
+    # One layer: the entrance builds the configurations, and the hash takes what the active modes add
+    ["kvbench.preflight", "kvbench.rows"],
+    ["kvbench.run"],  # the run executed: the runner, work per example, batches, request workloads
     ["kvbench.plan", "kvbench.integrations"],  # the planner; lm-eval, the Ray launcher
     ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction
     ["kvbench.__main__", "kvbench.check", "kvbench.bench"],  # entry points; the benchmarks, over every layer
@@ -131,7 +134,7 @@ def test_no_import_circle():
 def test_the_layout_test_sees_the_house():
     mods = graph()
     assert "kvbench.run.runner" in mods and "kvbench.methods.snapkv" in mods and "kvbench.kernels" in mods
-    assert "kvbench.engine.engine" in mods["kvbench.run.runner"]
+    assert "kvbench.native.engine" in mods["kvbench.run.runner"]
 
 
 def cpu_backend_importers(edges: dict[str, set[str]]) -> list[str]:
@@ -149,7 +152,7 @@ def test_only_the_backend_registry_imports_the_cpu_backend():
     kvbench.kernels.backend only (which loads it by name, None where it is absent), so an install without the folder
     works (tests/kernels/test_backend.py)."""
     assert not cpu_backend_importers(graph()), "\n".join(cpu_backend_importers(graph()))
-    assert cpu_backend_importers({"kvbench.engine.engine": {"kvbench.kernels.cpu.decode_linear"}})  # it can fail
+    assert cpu_backend_importers({"kvbench.native.engine": {"kvbench.kernels.cpu.decode_linear"}})  # it can fail
 
 
 def test_no_root_folder_shadows_an_installed_package():

@@ -23,6 +23,7 @@ Methods, kernels and memory:
 - throughput: the largest batch within a memory limit and its tokens/s, against the planner's prediction.
 - prefix: prefix caching's time to first token and bytes held, with vs without.
 - h2o_mass: where H2O's accumulated attention mass goes on NIAH, and which needle tokens each selection keeps.
+- stability: whether a method keeps the same tokens in bf16 as in fp32 (kept-set overlap, tied scores at the cut).
 On a GPU (refused in one line without one):
 - gpu: latency and memory per method on a real architecture with random weights (default Llama-3.1-8B's).
 - kernels: the Triton kernels against their torch versions (no model).
@@ -57,6 +58,7 @@ BENCHMARKS = {
         "throughput",
         "prefix",
         "h2o_mass",
+        "stability",
         "gpu",
         "kernels",
         "fidelity_reuse",

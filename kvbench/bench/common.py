@@ -104,7 +104,7 @@ def _typed(key: str, value: object, default: object) -> object:
 def checked(overrides: list[str], *defaults: str):
     """The run spec and its configurations (the full-cache baseline first), every override checked as
     `python -m kvbench` checks it, before anything loads."""
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
 
     return check_run(compose(overrides, *defaults))
 

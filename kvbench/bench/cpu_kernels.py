@@ -93,8 +93,8 @@ class Bench:
 
     def grid_ms(self, prefill, n_decode: int) -> float:
         """The whole grid's compression + decode in ms per decode step, as the runner decodes it (grid_batch=auto)."""
-        from kvbench.engine.grid_decode import generate_grid
-        from kvbench.run.config_hash import grid_rows_as_alone
+        from kvbench.native.grid_decode import generate_grid
+        from kvbench.rows.config_hash import grid_rows_as_alone
 
         start = self.clock()
         if grid_rows_as_alone(self.lm):
@@ -149,7 +149,7 @@ def one_length(bench: Bench, dtype: str, length: int, ids: list[int], opts: dict
 
 
 def one_dtype(spec, opts: dict, table: list) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     lm = load(spec)
     bench = Bench(lm, Engine(lm), opts["clock"])

@@ -3,10 +3,10 @@
     python -m kvbench.bench decode [overrides]       # e.g. dtype=float32 'task.context_lengths=[8192]'
 
 On the task's longest example (default NIAH 4K), B copies of the full cache decode together
-(kvbench.engine.grid_decode; B = 1 decodes alone, as a single configuration's row does). Per B: the step time, its
+(kvbench.native.grid_decode; B = 1 decodes alone, as a single configuration's row does). Per B: the step time, its
 ratio to one row's, the issue's target (1 + 0.1·B), the bandwidth bound's own ratio — (weights + B × one row's K/V)
 over (weights + one row's K/V): what a step that only streams its bytes would cost — and the step's bandwidth share
-(kvbench.engine.bandwidth). A step far above the bound's ratio is overhead or compute; at it, the K/V read per row
+(kvbench.native.bandwidth). A step far above the bound's ratio is overhead or compute; at it, the K/V read per row
 is the cost, and only holding fewer bytes (compression) makes it cheaper.
 """
 
@@ -22,7 +22,7 @@ STEPS = 12
 
 def step_seconds(engine, prefill, rows: int) -> float:
     """One step of `rows` full-cache rows decoded together (alone for 1), best of two."""
-    from kvbench.engine.grid_decode import decode_grid
+    from kvbench.native.grid_decode import decode_grid
     from kvbench.methods import build_method
 
     full, best = build_method("full"), float("inf")
@@ -38,8 +38,8 @@ def step_seconds(engine, prefill, rows: int) -> float:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.bandwidth import memory_bandwidth
-    from kvbench.engine.engine import Engine
+    from kvbench.native.bandwidth import memory_bandwidth
+    from kvbench.native.engine import Engine
     from kvbench.model.attention import StatsRequest
 
     spec, _ = checked(overrides, "method=full")

@@ -107,9 +107,9 @@ def report(length: int, rows: list, requests: dict, times: tuple[dict, dict], op
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.methods import build_method
     from kvbench.model.attention import StatsRequest
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "decode_methods")
     spec, _ = checked(overrides, *DEFAULTS)

@@ -24,7 +24,7 @@ def time_once(engine, ids: list[int], decode_tokens: int) -> tuple[float, float]
     """(prefill seconds, decode seconds per token) of one prompt through the model's own cache."""
     from transformers import DynamicCache
 
-    from kvbench.engine.memory import synchronize
+    from kvbench.native.memory import synchronize
 
     device = engine.lm.device
     cache = DynamicCache()
@@ -49,7 +49,7 @@ def dtype_specs(overrides: list[str], dtypes: list[str]) -> dict:
 
 
 def measure(spec, opts: dict, results: dict) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     lm = load(spec)
     engine = Engine(lm)

@@ -33,7 +33,7 @@ def divergence(a: list[int], b: list[int]) -> int | None:
 
 def parity(be, lm, examples, ours: dict, stop: list[int]) -> dict:
     """The engine's `full` on each prompt against kvbench's: the engine's generations by example id."""
-    from kvbench.backends import EngineRequest
+    from kvbench.engines import EngineRequest
 
     print("\nparity, full: example | tokens | first divergence | kvbench's logit gap there | answer (kvbench / engine)")
     engine_full = {}
@@ -56,7 +56,7 @@ def parity(be, lm, examples, ours: dict, stop: list[int]) -> dict:
 
 def option_line(be, task, lm, examples, option: str, engine_full: dict, stop: list[int], budget: float) -> str:
     """One option on every prompt: equal to the engine's full run, kv_ratio, bytes per token, score, notes."""
-    from kvbench.backends import EngineRequest
+    from kvbench.engines import EngineRequest
 
     equal, ratios, per_token, scores, notes = 0, [], [], [], set()
     for ex in examples:
@@ -80,8 +80,8 @@ def option_line(be, task, lm, examples, option: str, engine_full: dict, stop: li
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     _, overrides = options(overrides, {}, "engine_options")  # no options of its own: a bench. key is refused

@@ -40,16 +40,16 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def engine_of(spec):
     """The run's serving engine (refused in one line for engine=kvbench; its venv and options checked by the run's
     own entrance check)."""
-    from kvbench.backends import BACKENDS, listed
+    from kvbench.engines import ENGINES, listed
 
-    if spec.engine_name not in BACKENDS.names():
+    if spec.engine_name not in ENGINES.names():
         raise KvbenchError(f"give the serving engine to compare: engine={' | engine='.join(listed())}")
-    return BACKENDS.get(spec.engine_name)()
+    return ENGINES.get(spec.engine_name)()
 
 
-def parity_row(lm, engine, backend, ex, stop_ids: list[int]) -> tuple[dict, object]:
+def parity_row(lm, engine, serving_engine, ex, stop_ids: list[int]) -> tuple[dict, object]:
     """kvbench's full cache against the engine's `full` on one prompt: the row, and the engine's generation."""
-    from kvbench.backends import EngineRequest
+    from kvbench.engines import EngineRequest
     from kvbench.methods import build_method
     from kvbench.model.attention import StatsRequest
 
@@ -59,7 +59,7 @@ def parity_row(lm, engine, backend, ex, stop_ids: list[int]) -> tuple[dict, obje
         engine.prefill(ids, StatsRequest()), build_method("full"), None, [], ex.max_new_tokens, keep_logits=True
     )
     kv_s = time.perf_counter() - start
-    theirs = backend.generate(EngineRequest(ids, ex.max_new_tokens, "full", stop_ids=stop_ids))
+    theirs = serving_engine.generate(EngineRequest(ids, ex.max_new_tokens, "full", stop_ids=stop_ids))
     step = first_divergence(ours.token_ids, theirs.token_ids)
     row = {
         "prompt": f"{len(ids)} tok d={ex.meta.get('depth', '')}",
@@ -77,26 +77,26 @@ def parity_row(lm, engine, backend, ex, stop_ids: list[int]) -> tuple[dict, obje
         row["kvb_gap"] = f"{float(logits[ours.token_ids[step]] - logits[theirs.token_ids[step]]):.3f}"
         margins = theirs.extra.get("top2_margins") or []
         row["eng_m"] = f"{margins[step]:.3f}" if step < len(margins) else ""
-        if "type_k" in backend.options.get("full", {}):  # an f32 cache probe, where the engine has the knob
+        if "type_k" in serving_engine.options.get("full", {}):  # an f32 cache probe, where the engine has the knob
             probe = EngineRequest(ids, ex.max_new_tokens, "full", {"type_k": "f32", "type_v": "f32"}, None, stop_ids)
-            probe_step = first_divergence(ours.token_ids, backend.generate(probe).token_ids)
+            probe_step = first_divergence(ours.token_ids, serving_engine.generate(probe).token_ids)
             row["f32kv"] = "identical" if probe_step is None else f"step {probe_step}"
     return row, theirs
 
 
-def no_compression(backend, ex, theirs, row: dict, opts: list[str], stop_ids: list[int]) -> list[tuple]:
+def no_compression(serving_engine, ex, theirs, row: dict, opts: list[str], stop_ids: list[int]) -> list[tuple]:
     """Each eviction option at budget 1.0 against the engine's full run with the same flash-attention setting."""
-    from kvbench.backends import EngineRequest
+    from kvbench.engines import EngineRequest
 
     ids, out = ex.context_ids + ex.question_ids, []
     references = {"auto": theirs.token_ids}  # the engine's full run per flash-attention setting
     for option in opts:
-        knobs = backend.knobs(option) if hasattr(backend, "knobs") else {}
+        knobs = serving_engine.knobs(option) if hasattr(serving_engine, "knobs") else {}
         flash = knobs.get("flash_attn", "auto")  # an option that reads attention runs without flash attention
         if flash not in references:
             request = EngineRequest(ids, ex.max_new_tokens, "full", {"flash_attn": flash}, None, stop_ids)
-            references[flash] = backend.generate(request).token_ids
-        other = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, budget=1.0, stop_ids=stop_ids))
+            references[flash] = serving_engine.generate(request).token_ids
+        other = serving_engine.generate(EngineRequest(ids, ex.max_new_tokens, option, budget=1.0, stop_ids=stop_ids))
         same = other.token_ids == references[flash]
         verdict = "identical" if same else f"differs: {other.token_ids}"
         out.append((row["prompt"], f"{option} (vs full flash_attn={flash})", verdict))
@@ -106,13 +106,13 @@ def no_compression(backend, ex, theirs, row: dict, opts: list[str], stop_ids: li
     return out
 
 
-def bytes_rows(lm, backend, ex, stop_ids: list[int]) -> list[str]:
+def bytes_rows(lm, serving_engine, ex, stop_ids: list[int]) -> list[str]:
     """Each option of the engine on one prompt: what it holds per token."""
-    from kvbench.backends import EngineRequest
+    from kvbench.engines import EngineRequest
 
     ids, out = ex.context_ids + ex.question_ids, []
-    for option, knobs in backend.options.items():
-        g = backend.generate(EngineRequest(ids, ex.max_new_tokens, option, stop_ids=stop_ids))
+    for option, knobs in serving_engine.options.items():
+        g = serving_engine.generate(EngineRequest(ids, ex.max_new_tokens, option, stop_ids=stop_ids))
         fed = len(ids) + g.decode_steps
         found = ex.answers[0] in lm.tokenizer.decode(g.token_ids, skip_special_tokens=True)
         kv = f"{knobs.get('type_k', '')}/{knobs.get('type_v', '')} fa={knobs.get('flash_attn', '')}"
@@ -124,9 +124,9 @@ def bytes_rows(lm, backend, ex, stop_ids: list[int]) -> list[str]:
     return out
 
 
-def summary(backend, lm, rows: list[dict], checks: list[tuple], sizes: list[str], first) -> None:
-    print(f"\n{backend.label or backend.name} ({backend.info.get('engine_version')}) vs kvbench Engine full cache "
-          f"({len(rows)} prompts)\n")  # fmt: skip
+def summary(serving_engine, lm, rows: list[dict], checks: list[tuple], sizes: list[str], first) -> None:
+    name, version = serving_engine.label or serving_engine.name, serving_engine.info.get("engine_version")
+    print(f"\n{name} ({version}) vs kvbench Engine full cache ({len(rows)} prompts)\n")
     head = list(rows[0])
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
@@ -144,20 +144,20 @@ def summary(backend, lm, rows: list[dict], checks: list[tuple], sizes: list[str]
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     opts, overrides = options(overrides, OPTIONS, "engine_parity")
     spec, _ = checked(overrides, "method=full", "dtype=float32", "device=cpu")  # the venv, the options: one line
-    backend = engine_of(spec)
+    serving_engine = engine_of(spec)
     entries = spec.grid.get("method")
-    evict = [e["name"] if isinstance(e, dict) else e for e in entries] if entries else list(backend.applies)
+    evict = [e["name"] if isinstance(e, dict) else e for e in entries] if entries else list(serving_engine.applies)
     evict = [o for o in evict if o != "full"]
     lm = load(spec)
     engine = Engine(lm)
     examples = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context).examples()[: spec.limit]
     header("engine_parity", lm, f"engine={spec.engine_name}")
-    backend.start(spec.model, spec.dtype if spec.dtype != "auto" else str(lm.dtype).removeprefix("torch."))
+    serving_engine.start(spec.model, spec.dtype if spec.dtype != "auto" else str(lm.dtype).removeprefix("torch."))
     stop_ids: list[int] = sorted(engine.eos_ids)  # type: ignore[arg-type]  # token ids
     rows: list[dict] = []
     checks: list[tuple] = []
@@ -165,11 +165,11 @@ def main(overrides: list[str]) -> None:
     try:
         with torch.no_grad():
             for ex in examples:
-                row, theirs = parity_row(lm, engine, backend, ex, stop_ids)
-                checks += no_compression(backend, ex, theirs, row, evict, stop_ids)
+                row, theirs = parity_row(lm, engine, serving_engine, ex, stop_ids)
+                checks += no_compression(serving_engine, ex, theirs, row, evict, stop_ids)
                 rows.append(row)
                 print(" | ".join(str(v) for v in row.values()), flush=True)
-            sizes = bytes_rows(lm, backend, examples[0], stop_ids) if opts["bytes"] else []
+            sizes = bytes_rows(lm, serving_engine, examples[0], stop_ids) if opts["bytes"] else []
     finally:
-        backend.close()
-    summary(backend, lm, rows, checks, sizes, examples[0])
+        serving_engine.close()
+    summary(serving_engine, lm, rows, checks, sizes, examples[0])

@@ -37,10 +37,10 @@ def configurations() -> list:
 
 def one_dtype(spec) -> int:
     """The checks at one dtype; how many failed."""
-    from kvbench.engine import fidelity
-    from kvbench.engine.engine import Engine
-    from kvbench.engine.grid_decode import generate_grid
     from kvbench.model.attention import StatsRequest
+    from kvbench.native import fidelity
+    from kvbench.native.engine import Engine
+    from kvbench.native.grid_decode import generate_grid
 
     lm = load(spec)
     engine, confs, bad = Engine(lm), configurations(), 0

@@ -35,7 +35,7 @@ def plain_prefill(engine, ids: list[int]) -> tuple[float, int]:
     """Seconds and peak bytes of the prompt's forward without statistics."""
     from transformers import DynamicCache
 
-    from kvbench.engine.memory import read_peak, reset_peak, synchronize
+    from kvbench.native.memory import read_peak, reset_peak, synchronize
 
     device = engine.lm.device
     reset_peak(device)
@@ -77,8 +77,8 @@ def one_length(engine, length: int, ids: list[int], confs: list, request, opts: 
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.model.attention import StatsRequest
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "gpu")
     spec, confs = checked(overrides, *DEFAULTS)

@@ -153,8 +153,8 @@ def prompts(engine, task, methods: dict, budget, opts: dict, lm) -> list[dict]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.methods import Budget, build_method
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     opts, overrides = options(overrides, OPTIONS, "h2o_mass")

@@ -35,8 +35,8 @@ def best_of(engine, ids: list[int], h2o, repeats: int) -> dict[str, float]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "h2o_prefill")
     spec, _ = checked(overrides, "method=h2o", "dtype=float32", "task.context_lengths=[1024,2048,4096]")

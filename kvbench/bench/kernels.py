@@ -31,7 +31,7 @@ OPTIONS = {"kivi": False, "lengths": [4096, 16384, 32768], "kivi_bits": [4, 2], 
 
 def timeit(fn, reps: int, device: torch.device) -> float:
     """Median ms of `reps` calls after one warm-up (compilation) call, synchronised on `device`."""
-    from kvbench.engine.memory import synchronize
+    from kvbench.native.memory import synchronize
 
     fn()
     times = []
@@ -95,7 +95,7 @@ def kivi_row(query, keys, values, bits: int, group: int, residual: int, reps: in
 def bench_kivi_attention(device: torch.device, opts: dict) -> None:
     import pandas as pd
 
-    from kvbench.run.configuration import method_config
+    from kvbench.rows.configuration import method_config
 
     config = method_config("kivi")
     gen = torch.Generator(device=device).manual_seed(0)

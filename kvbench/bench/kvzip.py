@@ -91,7 +91,7 @@ def prompts(spec, lm) -> list[list[int]]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "kvzip")
     spec, _ = checked(overrides, "method=kvzip", "dtype=bfloat16", "task.context_lengths=[2048]", "task.depths=[0.5]")

@@ -8,16 +8,16 @@ methods are the grid's (`grid.method`, default full, snapkv, streamingllm, h2o, 
 (default 0.25).
 
 `task=ppl` streams `bench.context` tokens through a bounded cache in chunks of `bench.chunk` as task=ppl does
-(kvbench.engine.streaming; the budget is a fraction of the whole text), modes `shared` (every layer bounded after each
+(kvbench.native.streaming; the budget is a fraction of the whole text), modes `shared` (every layer bounded after each
 chunk's forward) and `inline` (each layer bounded right after its attention); a row's peak is its largest window's,
 its delta that peak over the memory in use when the stream started (the loaded model: the bounded cache counts).
 
 Otherwise each configuration prefills the same prompt (seeded random token ids: memory does not depend on the text)
 and decodes `bench.new_tokens` greedily through the engine the runner uses; `shared` is the whole-prompt prefill then
 compression (what a grid shares), `inline` compresses each layer inside the forward pass, `chunked` is inline with
-`bench.chunk`-token chunks. Peak memory as kvbench.engine.memory measures it: CPU peak RSS (VmHWM reset per
+`bench.chunk`-token chunks. Peak memory as kvbench.native.memory measures it: CPU peak RSS (VmHWM reset per
 configuration, after malloc_trim) and its delta over the memory in use when the configuration started; CUDA max
-allocated. glibc's mmap threshold is fixed at 128 KiB here (KVBENCH_MMAP_THRESHOLD, see kvbench/engine/memory.py), so
+allocated. glibc's mmap threshold is fixed at 128 KiB here (KVBENCH_MMAP_THRESHOLD, see kvbench/native/memory.py), so
 freed tensors leave the resident set at once and the peak follows live memory.
 """
 
@@ -45,7 +45,7 @@ DEFAULTS = ("grid.method=[full,snapkv,streamingllm,h2o,pyramidkv,kivi]", "budget
 
 def measure(engine, conf, mode: str, chunk: int, ids: list[int], new_tokens: int) -> dict:
     """One configuration's prefill (shared, inline or chunked) and decode: its peak and the bytes it holds."""
-    from kvbench.engine import inline
+    from kvbench.native import inline
 
     method, budget = conf.method, conf.budget
     gc.collect()
@@ -68,7 +68,7 @@ def measure(engine, conf, mode: str, chunk: int, ids: list[int], new_tokens: int
 
 def measure_stream(engine, conf, mode: str, chunk: int, ids: list[int]) -> dict:
     """task=ppl: the text streamed `chunk` tokens at a time; the peak of the stream is its largest window's."""
-    from kvbench.engine.streaming import stream_budget, stream_perplexity
+    from kvbench.native.streaming import stream_budget, stream_perplexity
 
     gc.collect()
     bound = stream_budget(conf.budget, len(ids))
@@ -114,8 +114,8 @@ def table(rows: list[dict], confs: list, opts: dict, budget) -> None:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
-    from kvbench.engine.memory import fix_mmap_threshold, in_use
+    from kvbench.native.engine import Engine
+    from kvbench.native.memory import fix_mmap_threshold, in_use
 
     opts, overrides = options(overrides, OPTIONS, "peak_memory")
     spec, confs = checked(overrides, *DEFAULTS)

@@ -70,7 +70,7 @@ def compare(tmp: Path, label: str, overrides: list[str]) -> dict:
 def main(overrides: list[str]) -> int:
     import pandas as pd
 
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
 
     opts, overrides = options(overrides, OPTIONS, "prefix")
     unknown = [w for w in opts["workloads"] if w not in WORKLOADS]

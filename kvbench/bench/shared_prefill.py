@@ -9,7 +9,7 @@ configurations the grid's (default snapkv, h2o, streamingllm, pyramidkv × 0.1 /
 `grid.budget`). Separate = what separate runs do: prefill + compress + decode for each (method, budget)
 (`bench.separate=false` skips it, the slowest). Shared = one prefill per example with the union of the statistics,
 then compress + decode per configuration, one at a time (grid_batch=false). Grid = shared prefill, each
-configuration compressed alone, then decoded together as one batch (grid_batch=true, kvbench.engine.grid_decode).
+configuration compressed alone, then decoded together as one batch (grid_batch=true, kvbench.native.grid_decode).
 Same examples, one process; checks the outputs are identical and prints the wall times and speed-ups.
 `bench.save_baseline=FILE`: time only the shared sweep one by one and write it (outputs, seconds, settings) as JSON;
 `bench.baseline=FILE`: print today's default path (grid where grid_batch=auto batches; else one by one) against it,
@@ -47,7 +47,7 @@ def shared_prefill(engine, ex, todo: list, prefill_s: dict, mode: str):
 
 def passes(engine, examples, todo: list, opts: dict) -> dict:
     """Each pass's outputs and seconds (separate, shared one by one, grid) and the prefills' seconds."""
-    from kvbench.engine.grid_decode import generate_grid
+    from kvbench.native.grid_decode import generate_grid
 
     out: dict = {"prefill_s": {"shared": 0.0, "grid": 0.0}, "separate": [], "shared": [], "grid": [], "batched": 0}
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def read_baseline(path: str, settings: dict) -> dict:
 
 
 def against(base: dict, out: dict, lm) -> None:
-    from kvbench.run.config_hash import grid_rows_as_alone
+    from kvbench.rows.config_hash import grid_rows_as_alone
 
     auto = grid_rows_as_alone(lm)  # what a default sweep runs: grid_batch=auto batches where rows come out as alone
     default, t_default = (out["grid"], out["t_grid"]) if auto else (out["shared"], out["t_shared"])
@@ -133,8 +133,8 @@ def save(path: str, out: dict, settings: dict) -> None:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.methods import build_method
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
 
     opts, overrides = options(overrides, OPTIONS, "shared_prefill")

@@ -18,7 +18,7 @@ REPEATS = 3
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
     from kvbench.methods import build_method, method_defaults
     from kvbench.model.attention import StatsRequest
 

@@ -55,9 +55,9 @@ def timed_run(overrides: list[str], *extra: str):
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
     from kvbench.model.load import load_model
-    from kvbench.run.check import check_run
+    from kvbench.native.engine import Engine
+    from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 
     spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads

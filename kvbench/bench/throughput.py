@@ -62,8 +62,8 @@ def prompt_of(lm, context: int) -> list[int]:
 
 def broadcast(prefill, batch: int):
     """The one-row prefill as `batch` rows: stride-0 views of its K/V (B, H_kv, T, D), statistics and logits."""
-    from kvbench.engine.engine import Prefill
     from kvbench.model.attention import StatsRecorder
+    from kvbench.native.engine import Prefill
 
     stats = StatsRecorder(prefill.stats.request)
     windows = prefill.stats.window.items()
@@ -76,7 +76,7 @@ def broadcast(prefill, batch: int):
 
 def settle(device: torch.device) -> int:
     """Free what is garbage, reset the peak; the memory in use now (freed heap given back to the OS first)."""
-    from kvbench.engine.memory import reset_peak
+    from kvbench.native.memory import reset_peak
 
     gc.collect()
     return reset_peak(device)
@@ -113,8 +113,8 @@ class Sweep:
 
     def decode(self, method, budget, one, batch: int):
         """Compress `batch` rows of the one prefill and decode them together."""
-        from kvbench.engine.batched import decode_together
         from kvbench.model.cache import cache_nbytes
+        from kvbench.native.batched import decode_together
 
         rows_prefill, device, context = broadcast(one, batch), self.lm.device, self.opts["context"]
         hooks = method.begin(rows_prefill.n_tokens, len(rows_prefill.kv), budget)  # the rows' compression
@@ -168,8 +168,8 @@ class Sweep:
 
     def one_request(self, method, budget):
         """One request's prefill and compression: the prefill, and what admitting it adds to the peak."""
-        from kvbench.engine.batched import prefill_batch
-        from kvbench.engine.memory import read_peak
+        from kvbench.native.batched import prefill_batch
+        from kvbench.native.memory import read_peak
 
         before = settle(self.lm.device)
         one = prefill_batch(self.engine, [self.prompt], method.stats_request())
@@ -275,8 +275,8 @@ def hardware(name: str):
 def sweep_of(spec, opts: dict) -> Sweep:
     from omegaconf import OmegaConf
 
-    from kvbench.engine.engine import Engine
     from kvbench.model.kv_bytes import KVShape
+    from kvbench.native.engine import Engine
     from kvbench.plan.hardware import GIB
     from kvbench.plan.model import arch_of
 

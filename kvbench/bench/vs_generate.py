@@ -48,7 +48,7 @@ def best_times(engine, lm, ids: list[int], opts: dict) -> tuple[dict, dict]:
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     opts, overrides = options(overrides, OPTIONS, "vs_generate")
     spec, _ = checked(overrides, "method=full", "model=gemma3-270m", "device=cpu", "task.context_lengths=[2048]")

@@ -67,7 +67,7 @@ def build_dataclass(cls: type, params: dict, what: str) -> Any:
 
 # the longest context a token count may name without a model (no published model reads more than ~10M tokens):
 # a count of positions, tokens or steps (`knob(..., tokens=True)`) is bounded by it, then by the model's own context
-# (kvbench.run.support.count_refusal) — a billion future positions or evict_every would ask for gigabytes
+# (kvbench.preflight.support.count_refusal) — a billion future positions or evict_every would ask for gigabytes
 MAX_CONTEXT_TOKENS = 2**24
 
 
@@ -80,7 +80,7 @@ def knob(
     tokens: bool = False,
     **field_kwargs: Any,
 ) -> Any:
-    """A dataclass field with the range kvbench.run.check checks before the model loads, e.g.
+    """A dataclass field with the range kvbench.preflight.entrance checks before the model loads, e.g.
     `window_size: int = knob(32, min=1)`, `pooling: str = knob("avg", choices=("avg", "max"))`. Numbers without
     a `min` must be ≥ 0; `min=None` explicitly (knob(0.0, min=None)) is not expressible: use -math.inf.
     `tokens=True`: a count of token positions or decode steps, at most MAX_CONTEXT_TOKENS and the model's context."""

@@ -1,5 +1,5 @@
 """Declarative validation: a `Rule` says what a value may be; `check_value` raises one `KvbenchError` line naming
-the key, the bad value, what is wrong and the fix. Used by the whole-input check (kvbench.run.check) and by
+the key, the bad value, what is wrong and the fix. Used by the whole-input check (kvbench.preflight.entrance) and by
 tasks declaring their knobs. Importable without torch."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The run spec: every top-level setting of a run, declared once — its default, its type and range (the `Rule` the
-entrance check applies, kvbench.run.check), its meaning. `TOP_LEVEL` (the rules by key) is derived from it;
+entrance check applies, kvbench.preflight.entrance), its meaning. `TOP_LEVEL` (the rules by key) is derived from it;
 conf/config.yaml repeats the defaults for Hydra and docs/cli.md documents the keys (tests/config/test_spec.py and
 tests/test_docs.py hold both to this class).
 
@@ -61,7 +61,7 @@ class RunSpec:
     model: dict = section("model=smollm2-135m (conf/model/)")
     task: dict = section("task=niah (conf/task/)")
     method: dict = section("method=snapkv (conf/method/)")
-    engine: dict = section("engine=kvbench (conf/engine/: kvbench or a serving engine of kvbench.backends)")
+    engine: dict = section("engine=kvbench (conf/engine/: kvbench or a serving engine of kvbench.engines)")
     budget: float | int | None = setting(None, "budget", BUDGET_FIX, nullable=True)  # None: 0.5 where one is taken
     grid: dict = setting(None, "dict", "grid.method=[snapkv,h2o] grid.budget=[0.25,0.5]", factory=dict, keys=GRID_KEYS)
     query_aware: bool = setting(True, "bool", "query_aware=true or query_aware=false")

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from kvbench.engine.fidelity import per_step
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import SELECT_OBSERVERS
+from kvbench.native.fidelity import per_step
 
 
 @dataclass

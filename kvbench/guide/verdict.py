@@ -42,7 +42,7 @@ class Thresholds:
 
     @classmethod
     def from_config(cls, block) -> Thresholds:
-        """The `verdict:` block, every key checked (kvbench.run.check runs this before the model loads)."""
+        """The `verdict:` block, every key checked (kvbench.preflight.entrance runs this before the model loads)."""
         given = plain(block) or {}
         if not isinstance(given, dict):
             raise KvbenchError(f"verdict={_show(given)} is not a mapping; use e.g. verdict.recall_high=0.9")

@@ -20,7 +20,7 @@ import sys
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_value
 from kvbench.config.spec import DTYPE_CHOICES, TOP_LEVEL
-from kvbench.run.check import check_method_params, method_class
+from kvbench.preflight.entrance import check_method_params, method_class
 
 MODEL_ARG_RULES: dict[str, Rule] = {  # kvbench.integrations.lm_eval_model.MODEL_ARGS, each with its rule
     "model": Rule("str", "model=smollm2-135m (a conf/model name)"),

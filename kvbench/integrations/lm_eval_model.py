@@ -13,7 +13,7 @@ What each lm-eval request means with a compressed cache (tokenization and trunca
   like an uncompressed question (`Compression.on_extend`): decode-time evicting methods (H2O, StreamingLLM) do not
   evict the context to make room for them. Requests that share a context share one prefill.
 - loglikelihood_rolling(text): the prefix token + the text stream through a bounded cache `chunk` tokens at a
-  time, as in the `ppl` task (kvbench.engine.streaming); a fractional budget is a fraction of the text's tokens. At
+  time, as in the `ppl` task (kvbench.native.streaming); a fractional budget is a fraction of the text's tokens. At
   budget 1.0 this is `hf`'s number for a text that fits max_length; a longer text continues in one stream
   (positions keep counting) where `hf` restarts disjoint windows.
 - query_aware=false: the prompt's last `question_tokens` tokens are appended uncompressed after compression.
@@ -43,10 +43,10 @@ from lm_eval.models.utils import (
 from tqdm import tqdm
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
-from kvbench.engine.memory import read_peak, reset_peak, synchronize
 from kvbench.model.attention import StatsRequest
 from kvbench.model.cache import cache_nbytes
+from kvbench.native.engine import Engine
+from kvbench.native.memory import read_peak, reset_peak, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class KvbenchLM(TemplateLM):
         return out
 
     def rolling_answers(self, requests, disable_tqdm: bool = True) -> list[list[Answer]]:
-        from kvbench.engine.streaming import stream_budget, stream_perplexity
+        from kvbench.native.streaming import stream_budget, stream_perplexity
 
         out = []
         for request in tqdm(requests, desc="loglikelihood_rolling", disable=disable_tqdm):
@@ -361,8 +361,8 @@ def from_model_args(args: dict) -> KvbenchLM:
 
     from kvbench import conf_dir
     from kvbench.model.load import load_model, model_config
-    from kvbench.run.configuration import DEFAULT_BUDGET, make_configuration, method_config
-    from kvbench.run.support import is_hybrid, refusal
+    from kvbench.preflight.support import is_hybrid, refusal
+    from kvbench.rows.configuration import DEFAULT_BUDGET, make_configuration, method_config
 
     args = dict(args)
     for key in ("batch_size", "max_batch_size"):  # lm-eval's; kvbench runs one request at a time

@@ -143,9 +143,9 @@ class LmEvalTask(Task):
 
     # ---- rows (called by the runner instead of its own generation loop) ---------------------------------
     def compute_rows(self, ctx, todo: list, ex: Example) -> list[dict]:
-        from kvbench.engine.engine import Engine
         from kvbench.integrations.lm_eval_model import KvbenchLM
-        from kvbench.run.rows import row_for
+        from kvbench.native.engine import Engine
+        from kvbench.rows.build import row_for
 
         if getattr(self, "_engine", None) is None:
             self._engine = Engine(ctx.lm)  # its own: KvbenchLM stops at `hf`'s EOS ids

@@ -89,7 +89,7 @@ def run_ray(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFra
         import ray
     except ImportError:
         raise KvbenchError("launcher=ray needs Ray: pip install 'kvbench[ray]' (or use launcher=local)") from None
-    from kvbench.run.check import check_run
+    from kvbench.preflight.entrance import check_run
     from kvbench.run.runner import check_outputs, failures_text, finish_run
     from kvbench.tasks import TASKS
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from kvbench.kernels.kivi_attention import KiviStorage
 
-BACKENDS = {"cpu": "kvbench.kernels.cpu"}  # name -> the module that implements it
+ENGINES = {"cpu": "kvbench.kernels.cpu"}  # name -> the module that implements it
 
 
 class CpuKernels(Protocol):
@@ -67,9 +67,9 @@ class CpuKernels(Protocol):
 
 
 def backend(name: str) -> CpuKernels | None:
-    """The backend `name` (a key of BACKENDS) when it is installed and switched on, else None."""
+    """The backend `name` (a key of ENGINES) when it is installed and switched on, else None."""
     try:
-        module = importlib.import_module(BACKENDS[name])
+        module = importlib.import_module(ENGINES[name])
     except ImportError:  # the folder is not there (or cannot import here): the torch paths
         return None
     # the module's functions are the interface's operations (tests/kernels/test_backend.py checks every signature)

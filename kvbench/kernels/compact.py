@@ -3,7 +3,7 @@
 
 `compact_tokens(t, index)` leaves in slots [0, N) of t (1, H, T, D) exactly what `t.gather(2, index)` would give
 (positions sorted ascending), without a new tensor; the caller then views t[:, :, :N]. Used for the rows of a grid
-(kvbench/engine/grid_decode.py), whose caches are slots of one batch tensor.
+(kvbench/native/grid_decode.py), whose caches are slots of one batch tensor.
 `gather_tokens(t, index)` is `t.gather(2, index)` (B, H, N, D) as a new tensor: compression (kvbench/model/cache.py
 `gather_kv`). It is torch's gather everywhere: a C copy by runs measured within noise end to end (kvbench/kernels/cpu).
 """

@@ -294,7 +294,7 @@ def cache_index(module) -> int:
 @contextlib.contextmanager
 def after_each_layer(hook):
     """Call `hook(layer_idx, keys, values)` at the end of every attention call inside the block, with the layer's
-    whole cached K/V (B, H_kv, T, D) — `prefill=inline` compresses each layer there (kvbench.engine.inline). Inside the
+    whole cached K/V (B, H_kv, T, D) — `prefill=inline` compresses each layer there (kvbench.native.inline). Inside the
     block a layer may hold fewer tokens than the mask the model built from layer 0 (PyramidKV's per-layer counts
     while prefilling in chunks): such a layer gets the bottom-right-aligned causal mask of its own length."""
     previous = getattr(_active, "layer_hook", None)
@@ -318,7 +318,7 @@ def _own_length_mask(attention_mask, query: torch.Tensor, key: torch.Tensor):
 @contextlib.contextmanager
 def recording(request: StatsRequest, recorder: StatsRecorder | None = None):
     """Record `request`'s statistics for every attention call inside the block; yields the recorder (`recorder`:
-    a StatsRecorder of one's own, e.g. one that records some batch rows only: kvbench.engine.grid_decode)."""
+    a StatsRecorder of one's own, e.g. one that records some batch rows only: kvbench.native.grid_decode)."""
     recorder = recorder if recorder is not None else StatsRecorder(request)
     previous = getattr(_active, "recorder", None)
     _active.recorder = recorder if request else None
@@ -345,7 +345,7 @@ def kvbench_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
 def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     recorder = getattr(_active, "recorder", None)
-    if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.engine.grid_decode)
+    if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.native.grid_decode)
         if key.lengths is not None and query.shape[2] == 1 and _fused_ok(recorder, kwargs):
             return _rows_attention(module, query, key, value, scaling, recorder, **kwargs), None
         key, value, attention_mask = key.tensor, value.tensor, key.mask  # pads masked out
@@ -422,7 +422,7 @@ def _fused_ok(recorder: StatsRecorder | None, kwargs) -> bool:
 
 
 def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, recorder, **kwargs) -> torch.Tensor:
-    """A grid decode step (kvbench.engine.grid_decode): each row attends over its own tokens by the very call a batch-1
+    """A grid decode step (kvbench.native.grid_decode): each row attends over its own tokens by the very call a batch-1
     decode makes, so its output has the bits it has alone — one sdpa over the padded, masked batch rounds
     differently (enough to flip a greedy token in bf16). The rows recording statistics (`recorder.rows`, a
     grid_decode.RowsRecorder) take the fused decode step and their rows are stored stacked, zero past each row's

@@ -109,7 +109,7 @@ def layer_lengths(cache: DynamicCache) -> list[int]:
 
 
 # The transformers versions where each window layer masks from its own offset, checked token by token on Gemma 2 and 3
-# and Mistral (tests/engine/test_grid_decode.py); 5.2 (kvpress's venv) differs on Gemma 2 by 0.018 in a logit.
+# and Mistral (tests/native/test_grid_decode.py); 5.2 (kvpress's venv) differs on Gemma 2 by 0.018 in a logit.
 WINDOW_MASK_APART = Version(transformers.__version__).release >= (5, 25)
 
 

@@ -46,7 +46,7 @@ class LoadedModel:
 
         Returns fp32 logits (1, V) for the last position, or (len(ids), V) with all_logits (perplexity); fp32=False:
         in the model's dtype (a long chunk's fp32 copy would be a streamed window's largest tensor:
-        kvbench.engine.streaming upcasts block by block)."""
+        kvbench.native.streaming upcasts block by block)."""
         own = model_cache(cache, self.config)  # a hybrid's view laid out as the model's own cache (else `cache`)
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # (1, R)

@@ -1,4 +1,4 @@
-"""Keys or values of rows with their own lengths in one dense batch (kvbench.engine.grid_decode), for the attention
+"""Keys or values of rows with their own lengths in one dense batch (kvbench.native.grid_decode), for the attention
 function (kvbench.model.attention), which masks the pad slots. Kept apart so both import it without a cycle."""
 
 from __future__ import annotations

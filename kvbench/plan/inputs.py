@@ -1,6 +1,6 @@
 """The planner's whole input checked before any arithmetic, with the Rules the run uses (kvbench.config.rules):
-every key of conf/plan.yaml, the hardware preset, the method and grid (kvbench.run.check), the model's
-written-down shape (kvbench.run.model_fields); each bad value is one `KvbenchError` line naming the fix."""
+every key of conf/plan.yaml, the hardware preset, the method and grid (kvbench.preflight.entrance), the model's
+written-down shape (kvbench.preflight.model_fields); each bad value is one `KvbenchError` line naming the fix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_value, did_you_mean, plain
 from kvbench.config.spec import TOP_LEVEL
-from kvbench.run.check import _lookup, check_grid_entry, check_method_params, method_class
+from kvbench.preflight.entrance import _lookup, check_grid_entry, check_method_params, method_class
 
 MAX_CONTEXT = 1 << 24  # the longest context planned (16M tokens), as the fit search's cap (kvbench.plan.model)
 MAX_BATCH = 1 << 20
@@ -86,7 +86,7 @@ def check_plan(cfg) -> dict:
     for key, value in hardware.items():
         check_value(f"hardware.{key}", value, HARDWARE[key])
     from kvbench.methods import build_method
-    from kvbench.run.model_fields import check_model
+    from kvbench.preflight.model_fields import check_model
 
     method = config.get("method") or {}
     params = {k: v for k, v in method.items() if k != "name"}
@@ -111,9 +111,9 @@ def kv_bits(value: Any) -> int | None:
 
 
 def check_options(config: dict, configurations, arch) -> None:
-    """What a run would refuse: a (method, model) pair (kvbench.run.support, the run's rule), `prefill_chunk`
+    """What a run would refuse: a (method, model) pair (kvbench.preflight.support, the run's rule), `prefill_chunk`
     without `prefill=inline`, and a `kv_dtype` beside a method that sets the cache's precision itself."""
-    from kvbench.run.support import budget_refusal, refusal
+    from kvbench.preflight.support import budget_refusal, refusal
 
     if config.get("prefill_chunk") is not None and config.get("prefill", "shared") != "inline":
         raise KvbenchError(

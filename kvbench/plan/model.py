@@ -73,7 +73,7 @@ def arch_of(cfg) -> Arch:
     from transformers import AutoModelForCausalLM
 
     source = cfg.get("name_or_path") or f"conf/model/{cfg.name}.yaml"
-    try:  # transformers' own checks of the fields kvbench.run.model_fields does not read
+    try:  # transformers' own checks of the fields kvbench.preflight.model_fields does not read
         config = model_config(cfg)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         cache_layout(text, torch.float32)  # bounds and layer types first: 2^40 layers never reach the meta build
@@ -135,7 +135,7 @@ DEFAULT = Options()
 
 def prefill_extra(arch: Arch, method, dtype: torch.dtype, context: int, options: Options) -> int:
     """Uncompressed K/V one request holds while its prompt is prefilled, beside the compressed caches: with
-    `prefill=shared` every layer's whole prompt (kvbench.engine: the methods compress after the forward), inline the
+    `prefill=shared` every layer's whole prompt (kvbench.native: the methods compress after the forward), inline the
     largest layer's prompt (compressed right after its attention), chunked the largest layer's chunk. The full
     cache compresses nothing: its prefill is its cache."""
     if method.name == "full":

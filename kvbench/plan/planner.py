@@ -49,7 +49,7 @@ def plan(cfg: DictConfig) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     from kvbench.plan.inputs import check_contexts, check_options, check_plan, kv_bits, listed
     from kvbench.plan.model import Options, arch_of, plan_point
     from kvbench.plan.reuse import Reuse, workload_shape
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.configuration import configurations
     from kvbench.store.aggregate import variant_label
 
     config = check_plan(cfg)  # every key, the hardware, method, grid and model shape: before any arithmetic

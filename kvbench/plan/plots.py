@@ -26,7 +26,7 @@ def region_plot(cfg, path: Path) -> Path:
     from kvbench.plan.hardware import build_hardware
     from kvbench.plan.model import arch_of, plan_point
     from kvbench.plan.reuse import Reuse
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.configuration import configurations
     from kvbench.store.aggregate import variant_label
     from kvbench.store.results import write_atomic
 

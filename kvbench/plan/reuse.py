@@ -1,6 +1,6 @@
 """The planner's reuse factor: `batch` requests whose contexts start with the same `prefix` tokens (one document
 asked many questions, a long system prompt) under prefix caching, counted as kvbench's engine holds and computes
-them (kvbench/run/requests.py, kvbench/engine/prefix_cache.py).
+them (kvbench/run/requests.py, kvbench/native/prefix_cache.py).
 
 Bytes held by the batch = `once` (held once for all) + batch × `private` (each request's own):
 - no prefix (prefix=0): once 0, private = the request's cache (kvbench.model.kv_bytes).

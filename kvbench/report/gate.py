@@ -40,7 +40,7 @@ ENTRY_KEYS = [
     "min_examples",
 ]
 BOUNDS = ["min_score", "max_drop_vs_full", "max_kl_mean", "max_kl_p95", "min_top1_agreement"]
-# fidelity bounds (kvbench.engine.fidelity's row columns): the statistic over the selected rows and its comparison
+# fidelity bounds (kvbench.native.fidelity's row columns): the statistic over the selected rows and its comparison
 FIDELITY = {
     "max_kl_mean": ("kl_mean", "mean", "<="),  # mean over rows of each answer's mean KL(full ‖ compressed), nats
     "max_kl_p95": ("kl_mean", "p95", "<="),  # the tail: 95th percentile over rows (examples) of the same

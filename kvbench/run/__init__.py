@@ -1,1 +1,2 @@
-"""One run: configurations, work per example, the rows it writes, workloads."""
+"""One run, executed: the runner, the work per example (alone or in batches) and request workloads. Its checks before
+it starts are kvbench.preflight; what a row is and what keys it, kvbench.rows."""

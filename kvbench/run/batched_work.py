@@ -1,14 +1,14 @@
 """The runner's work loop with `batch_size` > 1: examples of equal prompt (and question) length are buffered into
-batches of `batch_size` and decoded together (kvbench.engine.batched); rows are what batch 1 gives, plus the batch's
+batches of `batch_size` and decoded together (kvbench.native.batched); rows are what batch 1 gives, plus the batch's
 throughput. Configurations that share the prefill share one batched prefill, as in a batch-1 grid."""
 
 from __future__ import annotations
 
-from kvbench.engine.batched import generate_batch, prefill_batch
 from kvbench.model.attention import StatsRequest
-from kvbench.run.configuration import Configuration
+from kvbench.native.batched import generate_batch, prefill_batch
+from kvbench.rows.build import generation_row
+from kvbench.rows.configuration import Configuration
 from kvbench.run.example_work import ExampleWork
-from kvbench.run.rows import generation_row
 from kvbench.tasks import Example
 
 

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvbench.config.spec import RunSpec
-from kvbench.run import modes, requests
-from kvbench.run.configuration import Configuration
-from kvbench.run.modes import RunFacts
-from kvbench.run.rows import RowContext, engine_rows, generation_rows, stream_rows
+from kvbench.preflight import modes
+from kvbench.preflight.modes import RunFacts
+from kvbench.rows.build import RowContext, engine_rows, generation_rows, stream_rows
+from kvbench.rows.configuration import Configuration
+from kvbench.run import requests
 from kvbench.store.claims import Claims
 from kvbench.store.results import fault_text
 from kvbench.tasks import Example
@@ -41,7 +42,7 @@ class ExampleWork:
             "stream": lambda ex, todo: [row for c in todo for row in stream_rows(ctx, c, ex)],
             "workload": lambda ex, todo: self.requests.rows(ctx, todo, ex),  # type: ignore[union-attr]
             "external": lambda ex, todo: self.task.compute_rows(ctx, todo, ex),
-            "engine": lambda ex, todo: engine_rows(ctx, todo, ex),  # a serving engine (kvbench.backends)
+            "engine": lambda ex, todo: engine_rows(ctx, todo, ex),  # a serving engine (kvbench.engines)
         }
 
     @property
@@ -95,7 +96,7 @@ class ExampleWork:
     def compute(self, ex: Example, todo: list[Configuration]) -> list[dict]:
         """The rows of `todo` on example `ex`: by the task's kind (any task runs as requests in order under the
         prefix cache; a serving engine's rows come from its process)."""
-        kind = "engine" if self.ctx.backend else "workload" if self.requests is not None else self.task.kind
+        kind = "engine" if self.ctx.serving_engine else "workload" if self.requests is not None else self.task.kind
         return self.kinds[kind](ex, todo)
 
     def todo(self, ex: Example) -> list[Configuration]:

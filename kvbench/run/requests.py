@@ -26,11 +26,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvbench.config.spec import RunSpec
-from kvbench.engine.engine import Prefill
-from kvbench.engine.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 from kvbench.methods.compression import Compression
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import _tensors, cache_from_kv, cache_nbytes
+from kvbench.native.engine import Prefill
+from kvbench.native.prefix_cache import PrefixCache, gather_pages, page_of, share_pages, shared_layer
 
 
 def reuse_limit(request: StatsRequest, n_prompt: int) -> int:
@@ -103,7 +103,7 @@ class RequestRunner:
         self.windows = frozenset(i for i, kind in enumerate(self.lm.layout.layers) if kind.kind == "sliding")
 
     def rows(self, ctx, todo, ex) -> list[dict]:
-        """Each configuration's row for request `ex` (ctx: kvbench.run.rows.RowContext); with ctx.diagnose the rows
+        """Each configuration's row for request `ex` (ctx: kvbench.rows.build.RowContext); with ctx.diagnose the rows
         gain the diagnostic columns and ctx.side the per-(layer, KV head) records, from this request's own caches:
         per question the prompt as prefilled through the prefix cache, compressed once the stored compressed context
         with the question appended (against the full cache with the same split)."""
@@ -120,7 +120,7 @@ class RequestRunner:
 
     # ---- per question: prefix pages + prefill of the rest ----------------------------------------------------
     def _per_question(self, ctx, todo, ex) -> list[dict]:
-        from kvbench.run.rows import generation_rows
+        from kvbench.rows.build import generation_rows
 
         lm = self.lm
         prompt_ids, suffix_ids = ex.split(todo[0].query_aware)
@@ -162,7 +162,7 @@ class RequestRunner:
     # ---- compress once, answer many ----------------------------------------------------------------------------
     def _compress_once(self, ctx, c, ex) -> tuple[dict, StoredContext]:
         """The row of configuration `c` for request `ex`, and the compressed context it was answered from."""
-        from kvbench.run.rows import generation_row
+        from kvbench.rows.build import generation_row
 
         assert self.store is not None  # reuse=compress_once runs with prefix_cache=true (workload.check)
         engine = self.engine.prepared(c.method)

@@ -19,16 +19,16 @@ from tqdm import tqdm
 
 from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.spec import RunSpec
-from kvbench.engine.bandwidth import memory_bandwidth
-from kvbench.engine.engine import Engine
 from kvbench.guide.diagnose_run import thresholds_for
 from kvbench.model.load import load_model
-from kvbench.run import modes
-from kvbench.run.check import check_model_support, check_run
-from kvbench.run.config_hash import grid_batching, grid_padding, hash_configuration
+from kvbench.native.bandwidth import memory_bandwidth
+from kvbench.native.engine import Engine
+from kvbench.preflight import modes
+from kvbench.preflight.entrance import check_model_support, check_run
+from kvbench.preflight.modes import RunFacts
+from kvbench.rows.build import RowContext
+from kvbench.rows.config_hash import grid_batching, grid_padding, hash_configuration
 from kvbench.run.example_work import ExampleWork
-from kvbench.run.modes import RunFacts
-from kvbench.run.rows import RowContext
 from kvbench.store.aggregate import summarize, with_variants
 from kvbench.store.intervals import interval_text
 from kvbench.store.results import (
@@ -63,30 +63,30 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     data = data_digests(task.data_files())
     store = ResultStore(spec.results_dir)  # checked only once the input is known to be good
     out_dir = check_outputs(store, output_dir)
-    backend = start_backend(spec, lm)  # a serving engine's worker process (engine=kvbench: None)
+    serving_engine = start_serving_engine(spec, lm)  # a serving engine's worker process (engine=kvbench: None)
     try:
-        return run_examples(spec, confs, lm, task, examples, data, store, out_dir, backend)
+        return run_examples(spec, confs, lm, task, examples, data, store, out_dir, serving_engine)
     finally:
-        if backend is not None:
-            backend.close()
+        if serving_engine is not None:
+            serving_engine.close()
 
 
-def start_backend(spec: RunSpec, lm):
-    """engine=<serving engine>: its backend, its worker started on the run's model at kvbench's resolved dtype (the
-    engine's weights and activations then match the full cache it is compared with; kvbench.backends)."""
+def start_serving_engine(spec: RunSpec, lm):
+    """engine=<serving engine>: its ServingEngine, its worker started on the run's model at kvbench's resolved dtype
+    (the engine's weights and activations then match the full cache it is compared with; kvbench.engines)."""
     if spec.engine_name == "kvbench":
         return None
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
-    backend = BACKENDS.get(spec.engine_name)()
-    print(f"[kvbench] starting engine={spec.engine_name} in its own process ({backend.venv})", flush=True)
-    backend.start(spec.model, str(lm.dtype).removeprefix("torch."))
-    return backend
+    serving_engine = ENGINES.get(spec.engine_name)()
+    print(f"[kvbench] starting engine={spec.engine_name} in its own process ({serving_engine.venv})", flush=True)
+    serving_engine.start(spec.model, str(lm.dtype).removeprefix("torch."))
+    return serving_engine
 
 
-def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir: Path, backend) -> pd.DataFrame:
+def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir: Path, serving_engine) -> pd.DataFrame:
     """The examples × configurations of a checked run, into the store and the run directory."""
-    version = backend.version if backend is not None else None
+    version = serving_engine.version if serving_engine is not None else None
     for c in confs:
         c.hash = hash_configuration(c, spec, lm, data, version)
 
@@ -110,7 +110,7 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
         prefill_chunk=spec.prefill_chunk,
         grid_batch=grid_batching(spec, lm, requested=len(confs) - 1),  # confs[0]: the baseline
         grid_padding=grid_padding(spec),
-        backend=backend,
+        serving_engine=serving_engine,
         fidelity=spec.fidelity,
         bandwidth=bandwidth,
     )

@@ -8,7 +8,7 @@ metrics.py    per-request and per-run figures (TTFT, TPOT, percentiles, goodput 
 predict.py    the capacity planner's concurrency and tokens/s for the same model, budget and method
 run.py        one trace × every configuration × every KV budget → rows; `python -m kvbench.serving`
               (`python -m kvbench +experiment=serving` routes here)
-engines.py    the same trace through serving engines' continuous batching (kvbench.backends: Backend.serve)
+engines.py    the same trace through serving engines' continuous batching (kvbench.engines: ServingEngine.serve)
 prefix.py     prefix caching side by side: kvbench vs the engines' (`python -m kvbench.serving.prefix`)
 """
 

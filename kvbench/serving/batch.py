@@ -1,6 +1,6 @@
 """The running requests' caches as the rows of one batch, rows joining and leaving between decode steps.
 
-It reuses the grid decoder's pieces (kvbench.engine.grid_decode): each layer is a `GridLayer` holding row r's
+It reuses the grid decoder's pieces (kvbench.native.grid_decode): each layer is a `GridLayer` holding row r's
 tokens left-aligned in slots [0, lengths[r]) of one (B, H_kv, capacity, D) tensor; the attention function runs each
 row over its own slots (`PaddedKV`: the C kernel's row-independent decode on the CPU, else the batch-1 call per
 row), so a row decodes with the bits it has alone. What serving adds: rows at their own positions (each request's
@@ -21,9 +21,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from kvbench.engine.batched import forward_batch
-from kvbench.engine.grid_decode import GROW, GridLayer, RowsRecorder, decode_step_on_row
 from kvbench.model.attention import StatsRequest, recording
+from kvbench.native.batched import forward_batch
+from kvbench.native.grid_decode import GROW, GridLayer, RowsRecorder, decode_step_on_row
 
 
 def join(layer: GridLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -101,7 +101,7 @@ class RowBatch:
         return logits
 
     def _after_step(self, stats) -> None:
-        """Each evicting row's policy on a batch-1 view of its own slots (kvbench.engine.grid_decode.decode_grid)."""
+        """Each evicting row's policy on a batch-1 view of its own slots (kvbench.native.grid_decode.decode_grid)."""
         for i, row in enumerate(self.rows):
             if row.hooks.acts_while_decoding:  # else nothing to do while generating
                 decode_step_on_row(self.grids, i, row.hooks, stats)

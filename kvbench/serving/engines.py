@@ -1,11 +1,11 @@
 """The same trace served by real engines' continuous batching under the same KV budget (`serving.engines`): every
-engine of kvbench.backends whose Backend lists `serving_options`, each in its own venv and worker process (the
-worker's `serve_trace` op drives the engine on the trace's clock: kvbench.backends.trace_driver).
+engine of kvbench.engines whose ServingEngine lists `serving_options`, each in its own venv and worker process (the
+worker's `serve_trace` op drives the engine on the trace's clock: kvbench.engines.trace_driver).
 
-The KV budget becomes the engine's whole KV space (`Backend.serve` says how: a byte budget, or a block count of
+The KV budget becomes the engine's whole KV space (`ServingEngine.serve` says how: a byte budget, or a block count of
 the option's own block bytes). Each engine schedules, batches, chunks prefills and preempts by its own rules. Rows
 are kvbench's own (kvbench.serving.metrics), with `engine` and `method` = `<engine>:<option>`; what an engine does
-not tell is NaN (`Backend.tells_queue` False: queueing time, preemptions and per-request blocks). Scores: the
+not tell is NaN (`ServingEngine.tells_queue` False: queueing time, preemptions and per-request blocks). Scores: the
 engine's greedy ids as text, cut as kvbench cuts its own (Engine.answer_text), scored by the task.
 """
 
@@ -21,23 +21,23 @@ from kvbench.serving import OutputFailed
 
 
 def servers() -> list[str]:
-    """The engines that serve a trace (their Backend's `serving_options`), in the order messages name them."""
-    from kvbench.backends import BACKENDS, listed
+    """The engines that serve a trace (their ServingEngine's `serving_options`), in the order messages name them."""
+    from kvbench.engines import ENGINES, listed
 
-    return [name for name in listed() if BACKENDS.get(name).serving_options]
+    return [name for name in listed() if ENGINES.get(name).serving_options]
 
 
 def check_engines(value) -> dict[str, tuple[str, ...]]:
     """`serving.engines`: null, or a list of `<engine>:<option>`, each an option the engine serves a trace with;
     returns {engine: (option, ...)} in the order given."""
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     if value is None or value == [] or value == {}:
         return {}
     if isinstance(value, str):
         value = [value]
     if not (isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.count(":") == 1 for v in value)):
-        example = ",".join(f"{name}:{o}" for name in servers()[:1] for o in BACKENDS.get(name).serving_options[:2])
+        example = ",".join(f"{name}:{o}" for name in servers()[:1] for o in ENGINES.get(name).serving_options[:2])
         raise KvbenchError(
             f"serving.engines={value!r} must be a list of <engine>:<option>; use 'serving.engines=[{example}]'"
         )
@@ -49,17 +49,17 @@ def check_engines(value) -> dict[str, tuple[str, ...]]:
     for name, options in grouped.items():
         if name not in servers():
             raise KvbenchError(f"serving.engines: {name} is no serving engine; use {' or '.join(servers())}")
-        backend = BACKENDS.get(name)
-        bad = [o for o in options if o not in backend.serving_options]
+        serving_engine = ENGINES.get(name)
+        bad = [o for o in options if o not in serving_engine.serving_options]
         if bad:
             raise KvbenchError(
                 f"serving.engines: {name}:{bad[0]} is not an option {name} serves a trace with; use one of "
-                + ", ".join(f"{name}:{o}" for o in backend.serving_options)
+                + ", ".join(f"{name}:{o}" for o in serving_engine.serving_options)
             )
-        if not backend.installed():
+        if not serving_engine.installed():
             raise KvbenchError(
-                f"serving.engines: {name} needs {backend.venv}: run `make {backend.make_target}`, or serve without it "
-                f"(serving.engines=null: kvbench's own scheduler only)"
+                f"serving.engines: {name} needs {serving_engine.venv}: run `make {serving_engine.make_target}`, "
+                f"or serve without it (serving.engines=null: kvbench's own scheduler only)"
             )
         out[name] = tuple(options)
     return out
@@ -67,10 +67,10 @@ def check_engines(value) -> dict[str, tuple[str, ...]]:
 
 def engine_need(engine: str, option: str, token_bytes_model: int, elements_per_token: int, tokens: int) -> int:
     """Bytes of the engine's KV space one request of `tokens` tokens needs: whole blocks at the option's
-    precision (`Backend.serving_need`)."""
-    from kvbench.backends import BACKENDS
+    precision (`ServingEngine.serving_need`)."""
+    from kvbench.engines import ENGINES
 
-    return BACKENDS.get(engine).serving_need(option, token_bytes_model, elements_per_token, tokens)
+    return ENGINES.get(engine).serving_need(option, token_bytes_model, elements_per_token, tokens)
 
 
 def check_engine_budgets(engines: dict, shape, budgets, prompt: int, output: int) -> None:
@@ -142,8 +142,8 @@ def serve_engines(
     from there with one line, so the other engines and kvbench's own rows are still written; `skipped` holds those
     lines. `ctx`: the serving run's (cfg, lm, engine) — the model config, dtype and stop ids kvbench decodes with.
     `on_served(*run)` is called with each run as it ends (so that it is written before the next one starts)."""
-    from kvbench.backends import BACKENDS
     from kvbench.config.rules import plain
+    from kvbench.engines import ENGINES
 
     cfg, lm, engine = ctx
     model = (dict(plain(cfg.model)), str(lm.dtype).removeprefix("torch."))
@@ -153,22 +153,22 @@ def serve_engines(
     out: list[tuple[str, str, float, int, Any, dict]] = []
     skipped: list[str] = []
     for name, options in engines.items():
-        backend = BACKENDS.get(name)()
+        serving_engine = ENGINES.get(name)()
         progress = {"option": options[0], "served": 0}  # the option being served, and its KV budgets done
         try:
-            backend.serving_start(*model)
+            serving_engine.serving_start(*model)
             for option in options:
                 progress.update(option=option, served=0)
-                budget = evict_budget if backend.evicts(option) else None
-                refused = backend.serving_refusal(option, budget, trace)
+                budget = evict_budget if serving_engine.evicts(option) else None
+                refused = serving_engine.serving_refusal(option, budget, trace)
                 if refused:
                     skipped.append(f"{name}:{option} not served: {refused}")
                     print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
                     continue
                 for kv_budget in kv_budgets:
                     print(f"[serving] {name}:{option} at {kv_budget / 1e6:.1f} MB ...", file=sys.stderr, flush=True)
-                    reply, block_bytes = backend.serve(option, budget, kv_budget, trace, stop_ids)
-                    result = result_of(requests, reply, block_bytes, knows_queue=backend.tells_queue)
+                    reply, block_bytes = serving_engine.serve(option, budget, kv_budget, trace, stop_ids)
+                    result = result_of(requests, reply, block_bytes, knows_queue=serving_engine.tells_queue)
                     out.append((name, option, 1.0 if budget is None else budget, kv_budget, result, reply))
                     progress["served"] += 1
                     if on_served is not None:
@@ -179,7 +179,7 @@ def serve_engines(
             skipped.append(skipped_line(name, options, progress, len(kv_budgets), e))
             print(f"[serving] {skipped[-1]}", file=sys.stderr, flush=True)
         finally:
-            backend.close()
+            serving_engine.close()
     return out, skipped
 
 

@@ -250,7 +250,7 @@ def check_fit(shape, max_context: int, confs, budgets, prompt: int, output: int,
 
 
 def check(cfg) -> tuple[ServingSpec, list]:
-    """Everything before the model loads: the run's own keys (kvbench.run.check), the
+    """Everything before the model loads: the run's own keys (kvbench.preflight.entrance), the
     `serving:` block, and — where the model's shape is known without loading it — context and budgets. Returns the
     spec and the run's configurations (the full cache first)."""
     from omegaconf import OmegaConf
@@ -259,8 +259,8 @@ def check(cfg) -> tuple[ServingSpec, list]:
     from kvbench.model import layout as layers
     from kvbench.model.kv_bytes import KVShape
     from kvbench.model.load import model_config, resolve_device, resolve_dtype
-    from kvbench.run.check import check_config
-    from kvbench.run.configuration import configurations
+    from kvbench.preflight.entrance import check_config
+    from kvbench.rows.configuration import configurations
 
     spec = serving_spec(cfg.get("serving"))
     rest = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "serving"])

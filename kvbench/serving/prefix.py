@@ -1,13 +1,14 @@
 """Prefix caching side by side: the shared-prefix workloads (`shared_doc`, `multiturn`, `system_prompt`:
-kvbench/tasks/shared_prefix.py) through kvbench's prefix cache and every engine of kvbench.backends with one
-(`Backend.prefix_cache`; each engine's `serve_prefix` says what it keeps), each with and without its cache, requests
-in order (each after the one before finished: a chat's turns need it, and a request's TTFT is then its own prefill).
+kvbench/tasks/shared_prefix.py) through kvbench's prefix cache and every engine of kvbench.engines with one
+(`ServingEngine.prefix_cache`; each engine's `serve_prefix` says what it keeps), each with and without its cache,
+requests in order (each after the one before finished: a chat's turns need it, and a request's TTFT is then its own
+prefill).
 
     python -m kvbench.serving.prefix                                   # smollm2-135m, the three workloads
     python -m kvbench.serving.prefix --model gemma3-270m --requests 4 --context 512 --engines <engine>
 
 Per workload × system: requests, prompt tokens, hit rate (prompt tokens the cache supplied / prompt tokens; kvbench:
-its `reused_tokens`, an engine: what it reports, NaN where it does not say: `Backend.tells_hits`), total TTFT
+its `reused_tokens`, an engine: what it reports, NaN where it does not say: `ServingEngine.tells_hits`), total TTFT
 without and with the cache and their ratio, whether every answer is the same token string as without the cache,
 and the score. Then compression and reuse: kvbench's `reuse=compress_once` (SnapKV compresses the shared context
 once and answers every request from it) against `per_question` (every request compresses its whole prompt beside the
@@ -120,7 +121,7 @@ def engine_requests(cfg, lm):
 
 
 def engine_row(workload, name, requests, task, engine, without: dict, with_cache: dict, hits: bool = True) -> dict:
-    """`hits`: the engine reports the prompt tokens its cache supplied (`Backend.tells_hits`)."""
+    """`hits`: the engine reports the prompt tokens its cache supplied (`ServingEngine.tells_hits`)."""
 
     def ttft(reply):
         return sum(r["first_token_s"] - r["arrival_s"] for r in reply["requests"])
@@ -144,19 +145,19 @@ def engine_row(workload, name, requests, task, engine, without: dict, with_cache
 
 
 def prefix_engines() -> list[str]:
-    """The engines with a prefix cache to compare (`Backend.prefix_cache`), in the order messages name them."""
-    from kvbench.backends import BACKENDS, listed
+    """The engines with a prefix cache to compare (`ServingEngine.prefix_cache`), in the order messages name them."""
+    from kvbench.engines import ENGINES, listed
 
-    return [name for name in listed() if BACKENDS.get(name).prefix_cache]
+    return [name for name in listed() if ENGINES.get(name).prefix_cache]
 
 
 def engines_side(args, workloads: list[str]) -> list[dict]:
-    """Each engine of --engines (`Backend.serve_prefix`): every workload's requests in order without then with its
+    """Each engine of --engines (`ServingEngine.serve_prefix`): every workload's requests in order without then with its
     prefix cache."""
-    from kvbench.backends import BACKENDS
     from kvbench.config.rules import plain
-    from kvbench.engine.engine import Engine
+    from kvbench.engines import ENGINES
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.serving.engines import wire
 
     first = compose(task_overrides(args, workloads[0]))
@@ -169,14 +170,14 @@ def engines_side(args, workloads: list[str]) -> list[dict]:
     wired = {w: wire(requests) for w, (requests, _) in traces.items()}
     out = []
     for name in dict.fromkeys(args.engines):  # each engine once, in the order given
-        backend = BACKENDS.get(name)()
+        serving_engine = ENGINES.get(name)()
         try:
-            replies = backend.serve_prefix(model_cfg, dtype, wired, stop_ids, args.kv_space)
+            replies = serving_engine.serve_prefix(model_cfg, dtype, wired, stop_ids, args.kv_space)
         finally:
-            backend.close()
+            serving_engine.close()
         for w, (requests, task) in traces.items():
             without, with_cache = replies[w]
-            out.append(engine_row(w, name, requests, task, engine, without, with_cache, hits=backend.tells_hits))
+            out.append(engine_row(w, name, requests, task, engine, without, with_cache, hits=serving_engine.tells_hits))
     return out
 
 
@@ -222,7 +223,7 @@ def check_inputs(args, workload: str) -> None:
     Hydra cannot find is named by its flag."""
     from hydra.errors import HydraException
 
-    from kvbench.run.check import check_config
+    from kvbench.preflight.entrance import check_config
 
     overrides = [*task_overrides(args, workload), f"method={args.method}", f"budget={args.budget}"]
     try:
@@ -249,15 +250,15 @@ def as_switches(line: str) -> str:
 
 def check_venvs(engines: list[str]) -> None:
     """The engines' venvs, before any model loads; a missing one is named with the switch that leaves it out."""
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     for name in engines:
-        backend = BACKENDS.get(name)
-        if not backend.installed():
+        serving_engine = ENGINES.get(name)
+        if not serving_engine.installed():
             others = " ".join(e for e in engines if e != name)
             raise KvbenchError(
-                f"--engines {name} needs {backend.venv}: run `make {backend.make_target}`, or leave it out "
-                f"(`--engines {others}`{'' if others else ': kvbench alone'})"
+                f"--engines {name} needs {serving_engine.venv}: run `make {serving_engine.make_target}`, "
+                f"or leave it out (`--engines {others}`{'' if others else ': kvbench alone'})"
             )
 
 

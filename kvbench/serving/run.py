@@ -100,8 +100,8 @@ def serve(cfg, out_dir: Path | None = None, hardware=None, echo: bool = True) ->
     from omegaconf import OmegaConf
 
     from kvbench import conf_dir
-    from kvbench.engine.engine import Engine
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.plan.hardware import build_hardware
     from kvbench.plan.model import arch_of
     from kvbench.serving.inputs import check, check_requests

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from kvbench import KvbenchError
-from kvbench.engine.grid_decode import decodes_in_grid
 from kvbench.model.attention import recording
 from kvbench.model.cache import cache_nbytes
+from kvbench.native.grid_decode import decodes_in_grid
 from kvbench.serving.batch import RowBatch
 from kvbench.serving.trace import Request
 

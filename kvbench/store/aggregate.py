@@ -355,7 +355,7 @@ def _pool(rows: pd.DataFrame, level: str, confidence: float) -> list[dict]:
 
 
 def bandwidth_share(group: pd.DataFrame) -> float:
-    """The mean share of the bandwidth bound the decode steps reached (kvbench.engine.bandwidth: the bytes a step
+    """The mean share of the bandwidth bound the decode steps reached (kvbench.native.bandwidth: the bytes a step
     reads over its time over the machine's bandwidth); NaN across machines, without decoding rows, or for rows
     written before the column existed."""
     if "bandwidth_share" not in group or group["device_name"].nunique() > 1:
@@ -379,7 +379,7 @@ def averaged(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[rows["engine_invalid"].fillna("").astype(str) == ""]
 
 
-# the domain of each fidelity column (kvbench.engine.fidelity): KL(full ‖ compressed) ≥ 0, top-1 agreement a share
+# the domain of each fidelity column (kvbench.native.fidelity): KL(full ‖ compressed) ≥ 0, top-1 agreement a share
 FIDELITY_DOMAIN = {"kl_mean": (0.0, math.inf), "kl_max": (0.0, math.inf), "top1_agreement": (0.0, 1.0)}
 FIDELITY_SLACK = 1e-6  # float rounding: a KL of −1e-9 is a KL of 0, not a broken measurement
 

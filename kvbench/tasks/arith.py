@@ -4,7 +4,7 @@ Each example: a start number and `n_steps` additions and subtractions; the model
 (`Step k: a + b = c.`, a worked three-step example shows the form) and then `Answer: <number>`. Unlike `longgen`,
 whose trace is replayed, here every trace token is generated, so what a decode-time eviction (R-KV, `decoding`,
 H2O, TOVA) drops can change the trace itself: a lost operand is recomputed, a step repeated, the answer postponed.
-The rows' `length_vs_full` (kvbench.engine.fidelity) is then how much longer the compressed run wrote than the full
+The rows' `length_vs_full` (kvbench.native.fidelity) is then how much longer the compressed run wrote than the full
 cache on the same problem (eviction can lengthen reasoning traces, arXiv 2512.12008). Scores: `score` 1 when the
 first `Answer:` gives the final value; `score_partial` the share of the step results written after an `=` in the
 trace (in any order).

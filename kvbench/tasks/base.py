@@ -72,7 +72,7 @@ class Task(abc.ABC):
     # task keys that select examples rather than change them (a grid of lengths, subsets): left out of config_hash,
     # so rows are reused across runs that select differently; every other key is part of the hash
     selection_keys: ClassVar[frozenset[str]] = frozenset()
-    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.run.check.Rule, where the yaml default's type is not enough
+    knobs: ClassVar[dict] = {}  # task.<key> → kvbench.config.rules.Rule, where the yaml default's type is not enough
     # how the runner turns an example into rows (kvbench.run.example_work dispatches on it; lm-eval's `output_type`):
     # "generate" a prompt answered by greedy decoding; "stream" a text streamed through the cache (perplexity);
     # "workload" requests sharing prefixes, run in order (kvbench.run.requests); "external" the task drives the
@@ -119,7 +119,7 @@ class Task(abc.ABC):
     @classmethod
     def check(cls, cfg: dict) -> None:
         """Checks of the task's config that need no tokenizer or model (run before the model loads); knob types
-        and ranges come from `knobs` and the yaml defaults (kvbench.run.check), this adds the rest."""
+        and ranges come from `knobs` and the yaml defaults (kvbench.preflight.entrance), this adds the rest."""
         return  # nothing more by default: a task with cross-knob rules overrides it
 
     @abc.abstractmethod
@@ -151,7 +151,7 @@ class Task(abc.ABC):
 
     def compute_rows(self, ctx, todo: list, example: Example) -> list[dict]:
         """Kind "external" only: the rows of configurations `todo` on `example`, the task driving the engine itself
-        (ctx: kvbench.run.rows.RowContext); the runner computes every other kind's rows."""
+        (ctx: kvbench.rows.build.RowContext); the runner computes every other kind's rows."""
         raise KvbenchError(f"task {self.name} is of kind {self.kind!r}: its rows are the runner's to compute")
 
 

@@ -76,4 +76,4 @@ class Perplexity(Task):
         return [f"{example.example_id}/w{k:03d}" for k in range(n_windows)]
 
     def score(self, prediction: str, example: Example) -> dict[str, float]:
-        raise KvbenchError("task ppl is scored per window by kvbench.engine.streaming, not from generated text")
+        raise KvbenchError("task ppl is scored per window by kvbench.native.streaming, not from generated text")

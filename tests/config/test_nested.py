@@ -15,7 +15,7 @@ import torch
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, check_value
 from kvbench.methods import build_method, method_defaults
-from kvbench.run.check import check_run
+from kvbench.preflight.entrance import check_run
 from tests.conftest import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]

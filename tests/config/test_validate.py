@@ -1,5 +1,5 @@
 """Bad input, by category: each case is one KvbenchError line naming the fix, raised before the model loads
-(kvbench.run.check.check_config), and exit 2 from the command line. The table in the README counts these."""
+(kvbench.preflight.entrance.check_config), and exit 2 from the command line. The table in the README counts these."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from kvbench import KvbenchError
 from kvbench.config.spec import TOP_LEVEL
-from kvbench.run.check import NOT_JOB_KEYS, check_config, check_run
+from kvbench.preflight.entrance import NOT_JOB_KEYS, check_config, check_run
 from tests.conftest import CONF_DIR, compose_config, skip_without_serving_engines, tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +196,7 @@ def test_good_input_passes(overrides):
 
 def test_the_documented_compose_overrides_syntax_builds(tmp_path):
     from kvbench.config.spec import RunSpec
-    from kvbench.run.configuration import configurations
+    from kvbench.rows.configuration import configurations
 
     cfg = compose_config("method=compose", "method.stack=[headmerge,h2o,kivi]", "method.overrides={kivi: {bits: 2}}")
     composed = configurations(RunSpec.of(cfg))[1].method.params()
@@ -322,7 +322,7 @@ def test_knob_ranges_and_choices_are_checked_from_the_dataclass():
     from dataclasses import dataclass
 
     from kvbench.config.registry import knob
-    from kvbench.run.check import check_method_params
+    from kvbench.preflight.entrance import check_method_params
 
     @dataclass
     class Example:

@@ -207,7 +207,7 @@ def test_submitit_local_multirun_writes_every_job_to_the_shared_store(tmp_path):
 )
 def test_bad_launcher_settings_name_the_fix(override, fix):
     from kvbench import KvbenchError
-    from kvbench.run.check import check_config
+    from kvbench.preflight.entrance import check_config
     from tests.conftest import compose_config
 
     with pytest.raises(KvbenchError, match=fix.replace(".", r"\.")):

@@ -19,9 +19,9 @@ from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
 from kvbench.integrations.lm_eval_model import KvbenchLM, from_model_args
-from kvbench.run.configuration import make_configuration
+from kvbench.native.engine import Engine
+from kvbench.rows.configuration import make_configuration
 from kvbench.run.runner import run
 from kvbench.store.results import COLUMNS
 from tests.conftest import compose_config
@@ -225,7 +225,7 @@ def test_console_script_unknown_task_is_one_line_exit_2(tmp_path, monkeypatch, c
 
 
 def test_task_include_path_that_does_not_exist_is_refused_before_the_model_loads(tmp_path):
-    from kvbench.run.check import check_config
+    from kvbench.preflight.entrance import check_config
 
     cfg = compose_config("model=tiny-random", "task=lm_eval", "task.tasks=[x]", f"task.include_path={tmp_path}/no")
     with pytest.raises(KvbenchError, match=r"task\.include_path=.* does not exist"):

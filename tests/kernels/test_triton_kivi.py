@@ -133,7 +133,7 @@ _GENERATE = """
 import sys, torch
 from omegaconf import OmegaConf
 import kvbench.kernels as kernels
-from kvbench.engine.engine import Engine
+from kvbench.native.engine import Engine
 from kvbench.kernels.triton import kivi as triton_kivi
 from kvbench.methods import build_method, method_defaults
 from kvbench.model.load import load_model

@@ -11,8 +11,8 @@ NO_KVPRESS = "kvpress is not installed in this venv (it pins transformers < 5.3)
 
 @pytest.fixture(scope="session")
 def smol_fp32():
-    from kvbench.engine.engine import Engine
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
 
     lm = load_model(OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml"), "cpu", "float32")
     return lm, Engine(lm)

@@ -38,8 +38,8 @@ def test_bad_press_specs_are_one_line_each(press, kwargs, message):
 
 
 def test_a_bad_press_exits_2_before_the_model_loads(tmp_path, monkeypatch):
-    """The whole command: validated when the configurations are built (kvbench.run.check.check_run)."""
-    from kvbench.run.check import check_run
+    """The whole command: validated when the configurations are built (kvbench.preflight.entrance.check_run)."""
+    from kvbench.preflight.entrance import check_run
 
     cfg = compose_config(*tiny_overrides(tmp_path, "method=kvpress", "method.press=NoSuchPress"))
     with pytest.raises(KvbenchError, match="kvpress has no press 'NoSuchPress'"):

@@ -180,8 +180,8 @@ def test_decoding_generates_what_decoding_press_generates(smol_fp32, niah_prompt
 if __name__ == "__main__":  # the fidelity table (docs/methods.md)
     from omegaconf import OmegaConf
 
-    from kvbench.engine.engine import Engine
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from kvbench.tasks import build_task
     from tests.conftest import CONF_DIR
 

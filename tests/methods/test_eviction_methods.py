@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.methods.pyramidkv import PyramidKV
 from kvbench.model.attention import StatsRequest, register
 from kvbench.model.load import LoadedModel, byte_tokenizer
+from kvbench.native.engine import Engine
 from tests.conftest import compressed
 
 
@@ -230,7 +230,6 @@ def test_rolling_positions_of_an_appended_question_are_consecutive(tiny, tiny_en
 
 def test_compose_refuses_decode_eviction_on_layers_that_cannot_drop_tokens():
     from kvbench import KvbenchError
-
     from kvbench.methods.hf_quant import fp8_available
 
     quant = {"hf-quant": {"backend": "fp8" if fp8_available() else "quanto"}}  # transformers 5.2 has no fp8 cache

@@ -83,9 +83,9 @@ def test_query_moments_equal_q_proj_moments_on_the_bundled_model():
     projects the hidden states with q_proj. Both must give the same mean and covariance at positions up to 1K."""
     from omegaconf import OmegaConf
 
-    from kvbench.engine.engine import Engine
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from tests.conftest import CONF_DIR
 
     lm = load_model(OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml"), "cpu", "auto")

@@ -151,7 +151,7 @@ FAMILIES = {
         **MOE,
     ),
 }
-# not run: MiniMax, whose model keeps a cache of its own (refused in one line, kvbench.run.support)
+# not run: MiniMax, whose model keeps a cache of its own (refused in one line, kvbench.preflight.support)
 HYBRIDS = (
     "qwen3_5",
     "qwen3_5-moe",
@@ -168,7 +168,7 @@ HYBRIDS = (
 )
 
 # layers reusing an earlier layer's K/V (transformers' kv_sharing_modes "reuse": they cache nothing): the full cache
-# runs exactly, compression is refused (kvbench.run.support); tests/model/test_layout_kinds.py
+# runs exactly, compression is refused (kvbench.preflight.support); tests/model/test_layout_kinds.py
 SHARED_KV = {
     "gemma3n": lambda: tf.Gemma3nTextConfig(  # the last 2 of 6 layers reuse earlier layers' K/V
         **{k: v for k, v in SHARED.items() if k != "intermediate_size"},

@@ -1,5 +1,5 @@
 """docs/models.md's architecture matrix is what the refusal rules say: which registered method runs on which model
-family (tests/model/families.py), from the checks kvbench makes before a model loads (kvbench/run/support.py). A ✓
+family (tests/model/families.py), from the checks kvbench makes before a model loads (kvbench/preflight/support.py). A ✓
 pair is run by tests/model/test_architectures.py (budget 1.0 = the full cache, bytes = the accounting).
 
 Regenerate the table (it prints Markdown): `python -m tests.model.test_architecture_matrix`.
@@ -13,7 +13,7 @@ import torch
 
 from kvbench.methods import METHODS, build_method, method_defaults
 from kvbench.model.layout import cache_layout
-from kvbench.run.support import refusal
+from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES
 from tests.model.test_architectures import KNOBS
 

@@ -3,7 +3,7 @@
 For each family: the full cache reproduces transformers' own `generate`, token for token, and holds exactly what
 transformers' own cache holds (sliding layers at their window, latent layers at their width). For each (family,
 method): either the pair is refused before the model loads with one line naming what is unsupported
-(kvbench.run.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
+(kvbench.preflight.support), or budget 1.0 (or the method's lossless knobs) reproduces the full cache's tokens and
 logits and, at budget 0.25, the bytes held are the method's own accounting (kvbench.model.kv_bytes).
 """
 
@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbench.engine.engine import Engine
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.methods.modes import HooksPrefill
 from kvbench.model.kv_bytes import OPAQUE_TOLERANCE, KVShape, predict_kv_bytes
 from kvbench.model.load import byte_tokenizer, finish
-from kvbench.run.support import refusal
+from kvbench.native.engine import Engine
+from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES, build
 
 PROMPT, NEW = 150, 5  # a prompt longer than the families' 64-token window

@@ -131,8 +131,8 @@ def test_h2o_keeps_the_positions_eager_attention_weights_select(tiny, prompt_ids
     """The chunked column sums (normalisation folded into a product) select what eager attention's weights do."""
     from types import SimpleNamespace
 
-    from kvbench.engine.engine import Engine
     from kvbench.methods import Budget, build_method
+    from kvbench.native.engine import Engine
     from tests.conftest import compressed, eager_attentions
 
     ids = prompt_ids[:300]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
+from kvbench.native.engine import Engine
 from tests.conftest import CONF_DIR
 
 pytestmark = pytest.mark.real_model
@@ -53,9 +53,9 @@ def test_full_cache_is_transformers_generate_and_windows_hold(gemma):
 
 def test_grid_rows_with_stacked_windows_are_the_rows_alone(gemma):
     """A grid of configurations decodes as one batch on Gemma 3 (its 15 window layers stacked,
-    kvbench.engine.grid_decode.GridWindowLayer) and each row is token for token, byte for byte, its decode alone."""
-    from kvbench.engine.grid_decode import generate_grid
-    from kvbench.engine.slots import decode_kernels
+    kvbench.native.grid_decode.GridWindowLayer) and each row is token for token, byte for byte, its decode alone."""
+    from kvbench.native.grid_decode import generate_grid
+    from kvbench.native.slots import decode_kernels
 
     if not decode_kernels(gemma.model):
         pytest.skip("the decode kernels are not built (no C compiler): Gemma's grid rows decode alone")

@@ -15,12 +15,12 @@ import transformers as tf
 import transformers.cache_utils as cache_utils
 
 from kvbench import KvbenchError
-from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method, method_defaults
 from kvbench.model.cache import cache_nbytes
 from kvbench.model.layout import cache_layout
 from kvbench.model.load import byte_tokenizer, finish
-from kvbench.run.support import refusal
+from kvbench.native.engine import Engine
+from kvbench.preflight.support import refusal
 from tests.model.families import FAMILIES, HYBRIDS, build
 
 PROMPT, NEW = 150, 5

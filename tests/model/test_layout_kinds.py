@@ -100,11 +100,11 @@ def test_degenerate_configs_are_one_line(fields, message):
 @pytest.mark.parametrize("name", sorted(SHARED_KV))
 def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(name):
     """Gemma 3n and Gemma 4 reuse earlier layers' K/V in their last layers: the full cache decodes as transformers'
-    own generate and holds its bytes; compression is refused in one line (kvbench.run.support)."""
-    from kvbench.engine.engine import Engine
+    own generate and holds its bytes; compression is refused in one line (kvbench.preflight.support)."""
     from kvbench.methods import build_method
     from kvbench.model.load import byte_tokenizer, finish
-    from kvbench.run.support import refusal
+    from kvbench.native.engine import Engine
+    from kvbench.preflight.support import refusal
 
     model = build(name)
     lm = finish(model, byte_tokenizer(), name, torch.device("cpu"), torch.float32)
@@ -122,7 +122,7 @@ def test_kv_shared_layers_run_their_full_cache_exactly_and_refuse_compression(na
 @pytest.mark.skipif(BEFORE_5_24, reason=f"the layout is transformers 5.24's, this is {tf.__version__}")
 def test_deepseek_v32_is_refused_in_one_line_and_planned():
     from kvbench.methods import build_method
-    from kvbench.run.support import refusal
+    from kvbench.preflight.support import refusal
 
     config = CONFIGS["deepseek-v32"]()
     reason = refusal(build_method("full"), config)

@@ -4,9 +4,9 @@ CI runs them both ways with KVBENCH_NO_BF16=1)."""
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.engine.engine import Engine
 from kvbench.methods import Budget, build_method
 from kvbench.model.load import load_model
+from kvbench.native.engine import Engine
 from kvbench.tasks import build_task
 from tests.conftest import CONF_DIR
 

@@ -81,9 +81,9 @@ def downloaded() -> bool:
 def test_real_qwen_loads_and_answers():
     if not downloaded():
         pytest.skip("model=qwen2.5-0.5b is opt-in: make model-qwen")
-    from kvbench.engine.engine import Engine
     from kvbench.methods import Budget, build_method
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
 
     qwen = load_model(QWEN, "cpu", "float32")
     assert type(qwen.model).__name__ == "Qwen2ForCausalLM" and qwen.layout.kinds == ("global",) * 24

@@ -88,9 +88,9 @@ def test_predicted_bytes_equal_measured_on_the_bundled_model():
     """Every registered method at two settings on SmolLM2-135M (bf16): one shared prefill, as a grid run does."""
     from omegaconf import OmegaConf
 
-    from kvbench.engine.engine import Engine
     from kvbench.model.attention import StatsRequest
     from kvbench.model.load import load_model
+    from kvbench.native.engine import Engine
     from tests.conftest import CONF_DIR
 
     lm = load_model(OmegaConf.load(CONF_DIR / "model" / "smollm2-135m.yaml"), "cpu", "bfloat16")

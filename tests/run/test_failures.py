@@ -38,7 +38,7 @@ def test_one_failing_method_keeps_the_rows_of_the_others(tmp_path, monkeypatch):
 
 
 def test_every_configuration_failing_ends_with_the_list_of_failures(tmp_path, monkeypatch):
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("out of memory in a kernel")

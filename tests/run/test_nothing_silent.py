@@ -9,8 +9,8 @@ import pytest
 from kvbench import KvbenchError
 from kvbench.methods import build_method
 from kvbench.model.load import model_config
+from kvbench.preflight.support import refusal
 from kvbench.run.runner import compressed_nothing
-from kvbench.run.support import refusal
 from tests.model.families import FAMILIES
 
 
@@ -66,10 +66,10 @@ def test_the_run_says_so_on_a_model_whose_every_layer_slides(tmp_path, capsys):
 
 
 def test_an_engine_option_cannot_be_renamed_by_its_knobs():
-    from kvbench.backends.vllm import VllmBackend
-    from kvbench.run.check import renamed_option
+    from kvbench.engines.vllm import VllmEngine
+    from kvbench.preflight.entrance import renamed_option
 
-    options = VllmBackend.options
+    options = VllmEngine.options
     reason = renamed_option("vllm", options, "fp8", {"name": "fp8", "kv_cache_dtype": "int8_per_token_head"})
     assert reason is not None and "\n" not in reason and "use method=int8_per_token_head" in reason
     second_full = renamed_option("vllm", options, "full", {"name": "full", "kv_cache_dtype": "fp8_e5m2"})
@@ -83,7 +83,7 @@ def test_ids_outside_the_vocabulary_make_an_engine_row_invalid():
 
     import transformers as tf
 
-    from kvbench.run.rows import out_of_vocabulary
+    from kvbench.rows.build import out_of_vocabulary
 
     lm = SimpleNamespace(config=tf.LlamaConfig(vocab_size=320))
     assert out_of_vocabulary([5, 319], lm) == ""

@@ -80,7 +80,7 @@ def selections() -> list[tuple[list[str], list[str]]]:
     two values (fast, and away from each list's most demanding end), then to the second of them; each count (an
     int key, or a null one declared int: every record) to 1. A task reading data files reads tests/fixtures/<name>/
     as its `data_dir`. A task whose defaults select nothing ([], lm_eval's tasks) is tested elsewhere."""
-    from kvbench.run.check import task_rule
+    from kvbench.preflight.entrance import task_rule
     from kvbench.tasks import TASKS
 
     out = []

@@ -1,11 +1,11 @@
-"""The engines' trace loop (kvbench.backends.trace_driver) on a scripted engine: arrivals on the trace's clock,
+"""The engines' trace loop (kvbench.engines.trace_driver) on a scripted engine: arrivals on the trace's clock,
 idle gaps skipped, every step's tokens stamped, requests in order when sequential."""
 
 from __future__ import annotations
 
 import math
 
-from kvbench.backends.trace_driver import drive
+from kvbench.engines.trace_driver import drive
 
 
 class Scripted:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvbench.backends.source import venv_python
+from kvbench.engines.source import venv_python
 from kvbench.plan.hardware import Hardware
 from kvbench.serving.metrics import REQUEST_COLUMNS
 from kvbench.serving.run import serve

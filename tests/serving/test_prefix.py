@@ -20,7 +20,7 @@ def test_bad_input_is_one_line(capsys):
 @pytest.fixture
 def no_engine_venvs(monkeypatch, tmp_path):
     """A machine without the engines' venvs."""
-    monkeypatch.setattr("kvbench.backends.source.venv_python", lambda venv: tmp_path / venv / "bin" / "python")
+    monkeypatch.setattr("kvbench.engines.source.venv_python", lambda venv: tmp_path / venv / "bin" / "python")
 
 
 @pytest.mark.parametrize(

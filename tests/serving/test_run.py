@@ -59,8 +59,8 @@ def test_a_failing_engine_is_skipped_with_one_line_and_the_rest_is_written(tmp_p
     from pathlib import Path
 
     from kvbench import KvbenchError
-    from kvbench.backends import source
-    from kvbench.backends.openvino import OpenvinoBackend
+    from kvbench.engines import source
+    from kvbench.engines.openvino import OpenvinoEngine
     from kvbench.serving import run
 
     monkeypatch.setattr(source, "venv_python", lambda venv: Path(sys.executable))
@@ -68,7 +68,7 @@ def test_a_failing_engine_is_skipped_with_one_line_and_the_rest_is_written(tmp_p
     def unexportable(self, model_cfg, dtype):
         raise KvbenchError("optimum-intel could not export the model to OpenVINO IR (ValueError: too new)")
 
-    monkeypatch.setattr(OpenvinoBackend, "start", unexportable)
+    monkeypatch.setattr(OpenvinoEngine, "start", unexportable)
     cfg = serving_config("serving.requests=2", "serving.engines=[openvino:full,openvino:sum]")
     assert run.main(cfg, tmp_path) == 0
     out = capsys.readouterr()

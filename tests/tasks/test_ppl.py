@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench import KvbenchError
-from kvbench.engine.streaming import stream_perplexity
 from kvbench.methods import Budget, build_method
+from kvbench.native.streaming import stream_perplexity
 from kvbench.run.runner import run
 from tests.conftest import compose_config
 

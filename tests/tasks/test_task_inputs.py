@@ -10,7 +10,7 @@ import re
 import pytest
 
 from kvbench import KvbenchError
-from kvbench.run.check import check_config
+from kvbench.preflight.entrance import check_config
 from kvbench.tasks import build_task
 from tests.conftest import compose_config
 

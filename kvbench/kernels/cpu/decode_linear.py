@@ -1,6 +1,6 @@
 """The model's linear layers for the few rows of a decode step, on the CPU: csrc/decode_linear.c.
 
-Why: a grid of configurations decodes as one batch (kvbench/engine/grid_decode.py) only if each row comes out as it does
+Why: a grid of configurations decodes as one batch (kvbench/native/grid_decode.py) only if each row comes out as it does
 decoded alone, and torch's CPU products round a row by the batch's row count (MKL's float32 one-row gemv and
 several-row gemm sum in different orders; oneDNN's bfloat16 kernels at some row counts). The C kernel computes every
 output the same way whatever the row count and thread count (its contract is in its header), so in a decode step
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 # rows (batch × tokens) a forward pass may have for the kernel: decode steps, short suffixes, a grid's decode batch
-# (kvbench.engine.grid_decode.MAX_ROWS, tested equal)
+# (kvbench.native.grid_decode.MAX_ROWS, tested equal)
 MAX_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 

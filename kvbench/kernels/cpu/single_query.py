@@ -1,7 +1,7 @@
 """One decode step's attention (a single query per row) on the CPU: csrc/decode_attention.c.
 
 Why: each row's output is the same bits whatever the other rows and the thread count (the contract is in the C
-file's header), so a grid of configurations decoded as one batch (kvbench/engine/grid_decode.py) attends in one call per
+file's header), so a grid of configurations decoded as one batch (kvbench/native/grid_decode.py) attends in one call per
 layer and still gets what each configuration gets alone; and torch's CPU sdpa for one query is slow in bf16 (~10×
 this kernel at 1K–4K tokens on the bundled model's shapes, ~1.5× in fp32: the README's decode table).
 

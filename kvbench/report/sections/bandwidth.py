@@ -1,6 +1,6 @@
 """The report's bandwidth-bound section (kvbench.report.section): each decoding configuration's step against the
 machine's memory bandwidth, from rows' `step_bytes`, `decode_ms_per_token` and `bandwidth_share`
-(kvbench.engine.bandwidth). A share near 1: the step streams its bytes as fast as the memory allows, and two methods'
+(kvbench.native.bandwidth). A share near 1: the step streams its bytes as fast as the memory allows, and two methods'
 latencies differ by the bytes they hold; well below 1: compute or overhead bounds the step, and a latency difference
 may be neither method's cache. Torch-free."""
 

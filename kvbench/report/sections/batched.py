@@ -1,5 +1,5 @@
 """The report's throughput section (kvbench.report.section): decode tokens/s and per-request latency by
-configuration × batch size, from rows' `batch_size` / `decode_tokens_per_s` / `latency_s` (kvbench.engine.batched).
+configuration × batch size, from rows' `batch_size` / `decode_tokens_per_s` / `latency_s` (kvbench.native.batched).
 Shown when a run decoded in batches (some row with batch_size > 1). Torch-free."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Report sections for serving engines (rows of `engine=<a serving engine>`, kvbench.backends): every engine on
+"""Report sections for serving engines (rows of `engine=<a serving engine>`, kvbench.engines): every engine on
 one compression-vs-quality plot (one marker per engine, one colour per option), the parity table (each engine's
 uncompressed run against kvbench's full cache on the same token ids), what each engine offers for the model (its
 options, bytes held per token, tokens that fit in a KV space), and the rows set apart as garbage (`engine_invalid`:
@@ -27,23 +27,24 @@ SPACE = 1 << 30  # the KV space "fits" is counted in: 1 GiB
 
 
 def marker(engine: str) -> str:
-    """One marker per engine on the plot of every engine: kvbench's own "o", a serving engine's `Backend.marker`."""
-    from kvbench.backends import BACKENDS
+    """One marker per engine on the plot of every engine: kvbench's own "o", a serving engine's
+    `ServingEngine.marker`."""
+    from kvbench.engines import ENGINES
 
     if engine == "kvbench":
         return "o"
-    return BACKENDS.get(engine).marker if engine in BACKENDS.names() else "P"  # rows of an engine not here: "P"
+    return ENGINES.get(engine).marker if engine in ENGINES.names() else "P"  # rows of an engine not here: "P"
 
 
 def baselines() -> str:
-    """What each serving engine's kv_ratio is against, engines with the same baseline together (`Backend.baseline`,
-    named by `Backend.label`), e.g. `A: f16; B and C: the model's dtype`."""
-    from kvbench.backends import BACKENDS, listed
+    """What each serving engine's kv_ratio is against, engines with the same baseline together
+    (`ServingEngine.baseline`, named by `ServingEngine.label`), e.g. `A: f16; B and C: the model's dtype`."""
+    from kvbench.engines import ENGINES, listed
 
     groups: dict[str, list[str]] = {}
     for name in listed():
-        backend = BACKENDS.get(name)
-        groups.setdefault(backend.baseline, []).append(backend.label or name)
+        serving_engine = ENGINES.get(name)
+        groups.setdefault(serving_engine.baseline, []).append(serving_engine.label or name)
     return "; ".join(f"{spoken(names)}: {what}" for what, names in groups.items())
 
 
@@ -253,16 +254,16 @@ def engines_tables(rows: pd.DataFrame, summary: pd.DataFrame, context: Context) 
 
 
 def not_run(rows: pd.DataFrame) -> list[str]:
-    """Per engine in the rows: the options it offers (kvbench.backends) that these rows do not hold."""
-    from kvbench.backends import BACKENDS
+    """Per engine in the rows: the options it offers (kvbench.engines) that these rows do not hold."""
+    from kvbench.engines import ENGINES
 
     lines = []
     for engine in sorted(set(rows["engine"]) - {"kvbench"}):
-        if engine not in BACKENDS.names():
+        if engine not in ENGINES.names():
             continue
-        backend = BACKENDS.get(engine)
+        serving_engine = ENGINES.get(engine)
         ran = set(rows.loc[rows["engine"] == engine, "method"].map(option_name))
-        rest = [o for o in [*backend.options, *backend.applies] if o not in ran]
+        rest = [o for o in [*serving_engine.options, *serving_engine.applies] if o not in ran]
         if rest:
             lines.append(f"engine={engine} also offers (not in these rows): {', '.join(rest)}.")
     return lines

@@ -1,6 +1,6 @@
 """Report section: task score against fidelity (KL divergence from the full cache along its answer).
 
-Per model and task, each configuration's mean score against the mean of its rows' `kl_mean` (kvbench.engine.fidelity:
+Per model and task, each configuration's mean score against the mean of its rows' `kl_mean` (kvbench.native.fidelity:
 KL(full ‖ compressed) per answer token, nats, teacher-forced along the full cache's answer), with a bar out to the
 95th percentile over examples (the tail a mean hides, what the gate's `max_kl_p95` bounds), and a table with top-1
 agreement, the mean of each answer's worst step and the generated length relative to the full cache's. Two

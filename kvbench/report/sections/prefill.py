@@ -3,7 +3,7 @@
 Shown when the rows hold more than the default shared prefill: per model, task, context length, method and budget,
 the median peak memory over the loaded model (`peak_mem_delta_bytes`) and the absolute peak, one column per mode.
 A streamed text (task=ppl: one row per window) counts once, its peak over the model at the text's length;
-its `inline` column is the text streamed with each layer bounded inside the forward (kvbench.engine.streaming).
+its `inline` column is the text streamed with each layer bounded inside the forward (kvbench.native.streaming).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def peak_by_prefill(rows: pd.DataFrame, summary: pd.DataFrame, context: Context)
     note = (
         "Median peak memory per configuration, MiB: over the loaded model (peak_mem_delta_bytes), the absolute peak "
         "in brackets. shared = compress after the whole prefill; inline = each layer compressed inside the forward "
-        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/engine/inline.py). A streamed text (ppl) "
+        "pass; + chunk N = the prompt fed N tokens at a time (kvbench/native/inline.py). A streamed text (ppl) "
         "counts once: "
         "its largest window's peak, over the memory in use when it started (shared: every layer bounded after each "
         "chunk's forward; inline: each layer right after its attention)."

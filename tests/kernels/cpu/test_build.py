@@ -61,7 +61,7 @@ def test_a_built_kernel_is_cached_under_kvbench_cache(monkeypatch, tmp_path):
 
 @needs_cc
 def test_the_engine_builds_every_kernel_before_anything_is_timed(monkeypatch, tmp_path, tiny):
-    from kvbench.engine.engine import Engine
+    from kvbench.native.engine import Engine
 
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
     build._load.cache_clear()  # as a new process on a machine without them

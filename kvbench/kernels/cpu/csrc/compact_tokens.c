@@ -2,7 +2,7 @@
  * is one memmove, not a per-element index. The results are torch's gather's, byte for byte.
  *
  * compact_tokens — decode-time eviction in place: keep index[h][0..N) of each head, moved to slots [0, N) of the same
- * storage. A grid row's cache (kvbench/engine/grid_decode.py) lives in slots of one batch tensor; evicting one token per
+ * storage. A grid row's cache (kvbench/native/grid_decode.py) lives in slots of one batch tensor; evicting one token per
  * step by gathering the kept ones into a new tensor and writing them back copies the whole cache twice per step and
  * layer. Here the kept tokens before the first evicted one stay where they are and each later run is one memmove —
  * one token evicted is one memmove of the tail. index must be strictly increasing (sources at or after targets).

@@ -1,6 +1,6 @@
 /* One decode step's attention — a single query per row and head — over each row's own tokens, float32 or bfloat16,
  * computed so that a row's output never depends on the other rows or the thread count: a grid of configurations
- * decoded as one batch (kvbench/engine/grid_decode.py) then gets, bit for bit, what each configuration gets alone.
+ * decoded as one batch (kvbench/native/grid_decode.py) then gets, bit for bit, what each configuration gets alone.
  * Why C: torch's CPU sdpa for one query costs ~1 ms per call in bf16 at 4K tokens (it reads K/V at a fraction of
  * the memory bandwidth), a grid step makes one such call per row and layer, and one call over the padded batch
  * rounds differently from the per-row calls.

@@ -1,6 +1,6 @@
 /* y = x Wᵀ for the few rows of a decode step (nn.Linear without bias), float32 or bfloat16, computed so that a row's
  * result never depends on how many rows the call has or how many threads run it: a grid of configurations decoded
- * as one batch (kvbench/engine/grid_decode.py) then gets, bit for bit, what each configuration gets decoded alone.
+ * as one batch (kvbench/native/grid_decode.py) then gets, bit for bit, what each configuration gets decoded alone.
  * torch's CPU products do not promise that: MKL's float32 gemv (one row) and gemm (several) sum in different orders,
  * and oneDNN's bfloat16 kernels round a row differently at some row counts.
  *

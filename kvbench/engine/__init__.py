@@ -1,2 +1,0 @@
-"""The engine: prefill, compression and decode of one example — alone, batched, as a grid, inline, streaming,
-with a prefix cache."""
