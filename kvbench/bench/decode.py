@@ -22,8 +22,8 @@ STEPS = 12
 
 def step_seconds(engine, prefill, rows: int) -> float:
     """One step of `rows` full-cache rows decoded together (alone for 1), best of two."""
-    from kvbench.native.grid_decode import decode_grid
     from kvbench.methods import build_method
+    from kvbench.native.grid_decode import decode_grid
 
     full, best = build_method("full"), float("inf")
     for _ in range(2):
@@ -38,9 +38,9 @@ def step_seconds(engine, prefill, rows: int) -> float:
 
 
 def main(overrides: list[str]) -> None:
+    from kvbench.model.attention import StatsRequest
     from kvbench.native.bandwidth import memory_bandwidth
     from kvbench.native.engine import Engine
-    from kvbench.model.attention import StatsRequest
 
     spec, _ = checked(overrides, "method=full")
     lm = load(spec)

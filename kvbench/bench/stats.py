@@ -18,9 +18,9 @@ REPEATS = 3
 
 
 def main(overrides: list[str]) -> None:
-    from kvbench.native.engine import Engine
     from kvbench.methods import build_method, method_defaults
     from kvbench.model.attention import StatsRequest
+    from kvbench.native.engine import Engine
 
     spec, _ = checked(overrides, "method=full")
     lm = load(spec)
