@@ -123,11 +123,11 @@ def main(overrides: list[str]) -> None:
     opts, overrides = options(overrides, OPTIONS, "kernels")
     spec, _ = checked(overrides, "device=cuda", "method=full")  # device=cuda without a GPU: one line
     device = resolve_device(spec.device)
-    if importlib.util.find_spec("triton") is None:
-        raise KvbenchError("the Triton kernels need triton: pip install -e '.[kernels]'")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not (opts["kivi"] and interpreted):
         raise KvbenchError("the Triton kernels run on CUDA: device=cuda on a GPU (or bench.kivi=true device=cpu with "
                            "TRITON_INTERPRET=1, a smoke check)")  # fmt: skip
+    if importlib.util.find_spec("triton") is None:
+        raise KvbenchError("the Triton kernels need triton: pip install -e '.[kernels]'")
     print(f"kernels benchmark: {'KIVI decode attention' if opts['kivi'] else 'column sums'} on {machine(device)}")
     bench_kivi_attention(device, opts) if opts["kivi"] else bench_column_sums(device)

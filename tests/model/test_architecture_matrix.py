@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
+from transformers import cache_utils
 
 from kvbench.methods import METHODS, build_method, method_defaults
 from kvbench.model.layout import cache_layout
@@ -18,6 +20,8 @@ from tests.model.families import FAMILIES
 from tests.model.test_architectures import KNOBS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+# the matrix holds the hybrid families, which transformers 5.2 (kvpress's venv) cannot build
+pytestmark = pytest.mark.skipif(not hasattr(cache_utils, "LinearAttentionLayer"), reason="an older transformers")
 
 
 def markdown() -> str:
