@@ -7,5 +7,5 @@ support.py       which methods run on which model families, from the model's con
 model_fields.py  a model's shape as written (config.json, a conf/model `architecture:` block), field by field
 
 The run-mode table the entrance checks (which modes combine) is kvbench/rows/modes.py: a mode is part of a row's
-identity. (`python -m kvbench.check` is the CI gate over stored rows, kvbench/check.py; kvbench.config holds the rules these
-checks apply.)"""
+identity. (`python -m kvbench.check` is the CI gate over stored rows, kvbench/check.py; kvbench.config holds the rules
+these checks apply.)"""
