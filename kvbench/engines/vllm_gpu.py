@@ -96,8 +96,12 @@ def one_type(dtype: str, folder: Path, tokenizer, prompts, kv_gib: float, refere
     record: dict = {"kv_cache_dtype": dtype}
     try:
         info = worker.request(
-            "start", model_dir=str(folder), dtype="bfloat16", kv_cache_dtype=dtype,
-            kv_cache_memory_bytes=int(kv_gib * 2**30), enable_prefix_caching=False,
+            "start",
+            model_dir=str(folder),
+            dtype="bfloat16",
+            kv_cache_dtype=dtype,
+            kv_cache_memory_bytes=int(kv_gib * 2**30),
+            enable_prefix_caching=False,
             max_model_len=max(len(ids) for ids, _ in prompts) + 64,  # the longest prompt + the answer
         )
         outs = [worker.request("generate", prompt_ids=ids, max_new_tokens=24, stop_ids=[]) for ids, _ in prompts]
