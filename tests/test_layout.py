@@ -24,9 +24,8 @@ LAYERS = [
     ["kvbench.native", "kvbench.engines"],  # kvbench's own engine; the serving engines, in their own processes
     ["kvbench.guide"],  # diagnostics, verdicts, the selection guide
     ["kvbench.report"],  # torch-free: tables, plots, sections, the gate
-    # the checks before a run (entrance, modes, model support, model fields); a row's configuration, hash and columns.
-    # One layer: the entrance builds the configurations, and the hash takes what the active modes add
-    ["kvbench.preflight", "kvbench.rows"],
+    ["kvbench.rows"],  # a row's identity: configurations, the run-mode table, the config hash, the row builder
+    ["kvbench.preflight"],  # the checks before a run: entrance, model support, model fields (over rows' modes)
     ["kvbench.run"],  # the run executed: the runner, work per example, batches, request workloads
     ["kvbench.plan", "kvbench.integrations"],  # the planner; lm-eval, the Ray launcher
     ["kvbench.serving"],  # a request trace under a KV budget: the engine, the planner's prediction

@@ -2,9 +2,10 @@
 worker process (`protocol.py`). Importing this package loads no engine and no torch. (kvbench's own engine, in this
 process, is kvbench.native.)
 
-Every module here but the workers and `llamacpp_glibc` (run by `make engine-llamacpp`) is imported (an engine's
-module registers its ServingEngine with `@ENGINES.register`), so adding an engine is its module and its worker: no
-list to edit. A worker (`<name>_worker.py`) imports its engine and runs in the engine's venv only."""
+Every module here but those run by `python -m` (the workers, `llamacpp_glibc` for `make engine-llamacpp`, `vllm_gpu`)
+is imported (an engine's module registers its ServingEngine with `@ENGINES.register`), so adding an engine is its
+module and its worker: no list to edit. A worker (`<name>_worker.py`) imports its engine and runs in the engine's
+venv only."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvbench.engines.base import EngineGeneration, EngineRequest, ServingEngine
 
 ENGINES = Registry("engine")  # engine name -> ServingEngine subclass
 
-RUN_AS_MAIN = ("_worker", "_glibc")  # workers and make's llama.cpp fix: run by `python -m`, never imported here
+RUN_AS_MAIN = ("_worker", "_glibc", "_gpu")  # workers, make's llama.cpp fix, the GPU tool: run by `python -m` only
 for _module in pkgutil.iter_modules(__path__):
     if not _module.name.endswith(RUN_AS_MAIN):
         importlib.import_module(f"{__name__}.{_module.name}")

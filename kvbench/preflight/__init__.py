@@ -3,9 +3,9 @@
 
 entrance.py      the whole configuration: top-level keys, method knobs, grid entries, task knobs, the engine
                  (`check_config`, `check_run`), then each method against the model's config (`check_model_support`)
-modes.py         the run modes in one table: which combine, what each adds to the config hash and the rows
 support.py       which methods run on which model families, from the model's config
 model_fields.py  a model's shape as written (config.json, a conf/model `architecture:` block), field by field
 
-(`python -m kvbench.check` is the CI gate over stored rows, kvbench/check.py; kvbench.config holds the rules these
-checks apply.)"""
+The run-mode table the entrance checks (which modes combine) is kvbench/rows/modes.py: a mode is part of a row's
+identity. (`python -m kvbench.check` is the CI gate over stored rows, kvbench/check.py; kvbench.config holds the rules
+these checks apply.)"""

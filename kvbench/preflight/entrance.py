@@ -10,7 +10,7 @@ Declarative, so a new key is one line:
   checks;
 - a task knob: the type of its default in conf/task/<name>.yaml, or a `Rule` in the task class's `knobs`.
 
-The run's modes together (kvbench.preflight.modes) and each method against the model's layers
+The run's modes together (kvbench.rows.modes) and each method against the model's layers
 (kvbench.preflight.support) are checked by `check_run` and `check_model_support`.
 """
 
@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 from kvbench import KvbenchError
 from kvbench.config.rules import Rule, _show, check_fields, check_value, did_you_mean, plain
 from kvbench.config.spec import TOP_LEVEL, RunSpec
-from kvbench.preflight import modes
-from kvbench.preflight.modes import RunFacts
+from kvbench.rows import modes
+from kvbench.rows.modes import RunFacts
 
 # the `launcher` group's keys (conf/launcher/*.yaml); checked when present
 LAUNCHER: dict[str, Rule] = {
@@ -335,7 +335,7 @@ def check_run(cfg: DictConfig) -> tuple[RunSpec, list]:
 
 def check_model_support(spec: RunSpec, confs: list, config) -> None:
     """Each configuration runs on this model (kvbench.preflight.support), the model's layers are ones kvbench knows
-    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.preflight.modes)."""
+    (kvbench.model.layout), and the run's modes handle its sliding-window layers (kvbench.rows.modes)."""
     import torch
 
     from kvbench.model.layout import cache_layout

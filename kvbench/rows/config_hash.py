@@ -8,7 +8,7 @@ from kvbench.config.spec import RunSpec
 from kvbench.kernels.backend import backend
 from kvbench.native import slots
 from kvbench.native.grid_decode import MAX_PADDING
-from kvbench.preflight import modes
+from kvbench.rows import modes
 from kvbench.rows.configuration import Configuration
 from kvbench.store.results import config_hash
 from kvbench.tasks import TASKS

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvbench.config.spec import RunSpec
-from kvbench.preflight import modes
-from kvbench.preflight.modes import RunFacts
+from kvbench.rows import modes
 from kvbench.rows.build import RowContext, engine_rows, generation_rows, stream_rows
 from kvbench.rows.configuration import Configuration
+from kvbench.rows.modes import RunFacts
 from kvbench.run import requests
 from kvbench.store.claims import Claims
 from kvbench.store.results import fault_text

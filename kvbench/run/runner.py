@@ -23,11 +23,11 @@ from kvbench.guide.diagnose_run import thresholds_for
 from kvbench.model.load import load_model
 from kvbench.native.bandwidth import memory_bandwidth
 from kvbench.native.engine import Engine
-from kvbench.preflight import modes
 from kvbench.preflight.entrance import check_model_support, check_run
-from kvbench.preflight.modes import RunFacts
+from kvbench.rows import modes
 from kvbench.rows.build import RowContext
 from kvbench.rows.config_hash import grid_batching, grid_padding, hash_configuration
+from kvbench.rows.modes import RunFacts
 from kvbench.run.example_work import ExampleWork
 from kvbench.store.aggregate import summarize, with_variants
 from kvbench.store.intervals import interval_text

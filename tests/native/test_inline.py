@@ -52,7 +52,7 @@ def assert_same_cache(a, b):
 @pytest.mark.parametrize("name", ALL_METHODS)
 def test_inline_keeps_what_shared_keeps_and_generates_the_same(name, tiny_engine, prompt_ids):
     method = built(name)
-    if not inline.compresses_per_layer(method):  # refused by kvbench.preflight.modes (kvzip needs every layer)
+    if not inline.compresses_per_layer(method):  # refused by kvbench.rows.modes (kvzip needs every layer)
         pytest.skip(f"{name} compresses after the whole prefill")
     budget = Budget.parse(0.25) if method.caps.has_budget else None
     engine = tiny_engine.prepared(method)
@@ -209,7 +209,7 @@ def test_a_method_that_needs_every_layer_is_refused(tmp_path):
     class Task:
         name, kind = "niah", "generate"
 
-    from kvbench.preflight.modes import RunFacts, check
+    from kvbench.rows.modes import RunFacts, check
 
     with pytest.raises(KvbenchError, match="use prefill=shared for it"):
         check(RunFacts(RunSpec.of(cfg), Task, (WholeCacheMethod(),)))

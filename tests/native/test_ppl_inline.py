@@ -51,10 +51,10 @@ def test_inline_streaming_equals_whole_chunk_streaming(name, knobs, tiny_engine,
     monkeypatch.setattr(streaming, "Stream", Recorded)
     whole_method, whole = streams(tiny_engine, name, knobs, ids, False)
     inline_method, inlined = streams(tiny_engine, name, knobs, ids, True)
-    if not inline.compresses_per_layer(inline_method):  # kvzip: refused by kvbench.preflight.modes, before loading
+    if not inline.compresses_per_layer(inline_method):  # kvzip: refused by kvbench.rows.modes, before loading
         with pytest.raises(KvbenchError, match="kvzip re-reads the whole prompt"):  # and task=ppl cannot serve it
             list(whole)
-        pytest.skip(f"{name} compresses after the whole prefill (refused by kvbench.preflight.modes)")
+        pytest.skip(f"{name} compresses after the whole prefill (refused by kvbench.rows.modes)")
     n_chunks = 0
     while True:  # both in lockstep: a chunk's cache is compared before the next forward appends to it
         try:

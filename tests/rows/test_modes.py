@@ -1,4 +1,4 @@
-"""kvbench.preflight.modes: the one table of run modes — the docs show it, every conflict is one line naming both modes,
+"""kvbench.rows.modes: the one table of run modes — the docs show it, every conflict is one line naming both modes,
 and the hash keys the active modes add are what rows of those modes were always keyed by."""
 
 from dataclasses import replace
@@ -8,8 +8,8 @@ import pytest
 
 from kvbench.config.spec import RunSpec
 from kvbench.methods import build_method
-from kvbench.preflight import modes
-from kvbench.preflight.modes import CONFLICTS, MODES, NEEDS, WHEN, RunFacts
+from kvbench.rows import modes
+from kvbench.rows.modes import CONFLICTS, MODES, NEEDS, WHEN, RunFacts
 from kvbench.tasks import TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_docs_show_the_table():
     assert modes.markdown() in (ROOT / "docs" / "cli.md").read_text(), (
-        "paste kvbench.preflight.modes.markdown() into docs/cli.md"
+        "paste kvbench.rows.modes.markdown() into docs/cli.md"
     )
 
 
