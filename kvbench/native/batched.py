@@ -33,6 +33,22 @@ class BatchedGeneration(Generation):
     decode_tokens_per_s: float = float("nan")  # the whole batch's
     latency_s: float = float("nan")  # this request: prefill + decode until it finished
     batch_kv_bytes: int = 0  # every row's cache at the end: what one step of the batch reads besides the weights
+    # a grid row that left the reference row's answer (kvbench.native.grid_decode `reference`): its cache and
+    # decode-time state as they stood when it did, for fidelity's forced continuation (no recompression)
+    divergence: Divergence | None = None
+
+
+@dataclass
+class Divergence:
+    """A row's state at the step its token first differed from the reference row's: `step` (its generated token
+    `step` is the first that differs), a copy of its cache and of its compression's decode-time state, and the
+    position of the next token — fed the reference's token `step` from here, it is the row teacher-forced along
+    the reference's answer."""
+
+    step: int
+    cache: object  # a transformers DynamicCache of batch 1
+    hooks: Compression
+    position: int
 
 
 @torch.inference_mode()
@@ -175,63 +191,81 @@ def decode_together(
     keep_logits: bool = False,
     drop_rows=None,
     recorder=None,
-    follow: list[int] | None = None,
+    follow: list[list[int]] | None = None,
+    watch=None,
 ) -> Decoded:
     """Greedy decoding of B rows in one batch from `logits` (B, V) at the prompt's end, until every row is done.
 
     Each row stops as `Engine.generate` stops alone (max_new_tokens, an end-of-turn id, a stop string). Finished
     rows keep feeding their last token (the cache stays one batch; what they produce is masked out), unless
-    `drop_rows(keep)` is given: it removes them from the cache (batch indices `keep` stay) and the batch shrinks.
+    `drop_rows(keep)` is given: it removes them from the cache (batch indices `keep` stay) and the batch shrinks;
+    it may return the kept indices in a new batch order (the grid moves a row into a hole instead of copying all).
     `live`: the rows still in the batch (original indices, in batch order). positions(p, n) → (n, 1) RoPE positions
     of the next step at absolute position p; request(live) → the StatsRequest the step records; after_step(stats,
     live) after each forward (decode-time eviction); recorder(request, live) → the StatsRecorder to record with
     (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. follow: teacher forcing —
-    every row is fed these tokens instead of its own (kvbench.native.fidelity) and stops after len(follow)."""
+    row r is fed follow[r] instead of its own tokens (kvbench.native.fidelity) and stops after len(follow[r]).
+    watch(generated, live) after the first tokens and after each step's (a grid's divergence copies): its time is
+    not the decode's."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
-    tokens = logits.argmax(-1) if follow is None else torch.full((n_rows,), follow[0], device=device)  # (B,)
+
+    def fed(rows: list[int], step: int) -> torch.Tensor:  # (B_live,) the forced tokens of step `step`
+        assert follow is not None
+        return torch.tensor([follow[row][min(step, len(follow[row]) - 1)] for row in rows], device=device)
+
+    tokens = logits.argmax(-1) if follow is None else fed(list(range(n_rows)), 0)  # (B,)
     generated = [[int(t)] for t in tokens]
-    max_new_tokens = max_new_tokens if follow is None else len(follow)
     kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
     done = [False] * n_rows
     steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
     reset_peak(device)
-    start = time.perf_counter()
+    start, paused = time.perf_counter(), 0.0
+
+    def watched(live: list[int]) -> float:  # seconds spent in `watch`
+        if watch is None:
+            return 0.0
+        begun = time.perf_counter()
+        watch(generated, live)
+        return time.perf_counter() - begun
 
     def finished(row: int) -> bool:
         out = generated[row]
-        if len(out) >= max_new_tokens or (follow is None and out[-1] in engine.eos_ids):
+        limit = max_new_tokens if follow is None else len(follow[row])
+        if len(out) >= limit or (follow is None and out[-1] in engine.eos_ids):
             return True
         if follow is not None:
             return False
         return bool(stop) and any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stop)
 
     live = list(range(n_rows))
+    paused += watched(live)
     while True:
         for row in live:
             if not done[row] and finished(row):  # this row's cache now holds what it holds alone at its end
                 done[row], finish_steps[row] = True, steps
                 finish_bytes[row] = row_bytes(row)
-                finish_s[row] = time.perf_counter() - start
+                finish_s[row] = time.perf_counter() - start - paused
         if all(done):
             break
         if drop_rows is not None and any(done[row] for row in live):
             keep = [i for i, row in enumerate(live) if not done[row]]
-            drop_rows(keep)
-            tokens, live = tokens[keep], [live[i] for i in keep]  # (B_live,)
+            order = drop_rows(keep) or keep  # the batch indices, in their new batch order
+            tokens, live = tokens[order], [live[i] for i in order]  # (B_live,)
         step_request = request(live)
         with recording(step_request, recorder(step_request, live) if recorder else None) as stats:
             logits = forward_batch(engine, tokens[:, None], positions(position, len(live)), cache)  # (B_live, V)
         after_step(stats, live)
         position, steps = position + 1, steps + 1
-        tokens = logits.argmax(-1) if follow is None else torch.full_like(tokens, follow[steps])  # (B_live,)
+        tokens = logits.argmax(-1) if follow is None else fed(live, steps)  # (B_live,)
         for i, row in enumerate(live):
             if not done[row]:  # finished rows still in the batch keep decoding; their output is masked out
                 generated[row].append(int(tokens[i]))
                 if keep_logits:
                     kept[row].append(logits[i])
+        paused += watched(live)
     synchronize(device)
-    decode_s = time.perf_counter() - start
+    decode_s = time.perf_counter() - start - paused
     return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device))
 
 

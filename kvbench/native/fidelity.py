@@ -28,6 +28,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from kvbench.methods import Budget, Method, build_method
 from kvbench.model.attention import StatsRequest, recording
 from kvbench.model.cache import one_mask
+from kvbench.native.batched import Divergence
 from kvbench.native.engine import Compressed, Engine, Generation, Prefill
 
 COLUMNS = ("kl_mean", "kl_max", "kl_max_step", "top1_agreement", "fidelity_tokens", "length_vs_full")
@@ -46,9 +47,12 @@ def one_forward(method: Method, start: Compressed) -> bool:
 
 
 @torch.inference_mode()
-def forced_logits(engine: Engine, start: Compressed, method: Method, answer: list[int]) -> torch.Tensor:
+def forced_logits(
+    engine: Engine, start: Compressed, method: Method, answer: list[int], resumed: bool = False
+) -> torch.Tensor:
     """(n, V) fp32: the distributions answer[0..n) are read from when `start`'s cache is fed `answer` (the cache is
-    consumed). Step 0 is the compressed cache's first distribution; step i follows answer[:i]."""
+    consumed). Step 0 is the compressed cache's first distribution; step i follows answer[:i]. resumed: `start` is a
+    grid row's state where it left the answer (`resume`), its decoding already begun."""
     first = start.logits.float()[None]  # (1, V)
     rest, position, cache = answer[:-1], start.position, start.cache
     if not rest:
@@ -57,7 +61,8 @@ def forced_logits(engine: Engine, start: Compressed, method: Method, answer: lis
         logits = engine.forward(rest, list(range(position, position + len(rest))), cache, all_logits=True)
         return torch.cat([first, logits])  # (n, V)
     hooks = start.hooks  # this configuration's compression: its decode-time evictions
-    hooks.on_decode_start(cache, position)
+    if not resumed:  # a grid row never began one (kvbench.native.grid_decode)
+        hooks.on_decode_start(cache, position)
     out = [first]
     for token in rest:
         with recording(hooks.decode_request()) as stats:
@@ -176,40 +181,79 @@ def add_columns(
             row.update(columns, fidelity_s=time.perf_counter() - start + forced_s.get(i, 0.0))
 
 
+def resume(run: Ran, answer: list[int]) -> tuple[Compressed, int] | None:
+    """A grid row's state where it left the answer (its `divergence`, copied when it did) and that step d: fed
+    answer[d:] from there, token by token, it gives distributions d.. of forcing along the answer, its own decoding
+    steps 0..d − 1 being the rest — no compression again, no steps before d. A cache fed the answer in one forward
+    (`one_forward`) takes it whole from its compressed cache: the copy without its d decoded tokens (nothing evicted
+    them), step 0. None: no copy (the row decoded alone, or did not leave the answer while decoded), or a one-forward
+    cache with window layers (they dropped tokens since): compressed again."""
+    fork: Divergence | None = getattr(run.gen, "divergence", None)
+    if fork is None or fork.step >= len(answer) or len(run.gen.logits) <= fork.step:
+        return None
+    run.gen.divergence = None  # type: ignore[attr-defined]  # consumed: the copy's memory goes with it
+    begun = Compressed(
+        fork.cache, run.gen.logits[fork.step], fork.position, 0, 0, 0.0, 0, compression=fork.hooks
+    )  # its token `step` was read from its own distribution `step`: forcing's too (same tokens before it)
+    if not one_forward(run.method, begun):
+        return begun, fork.step
+    layers = fork.cache.layers  # type: ignore[attr-defined]  # a DynamicCache
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return None
+    for layer in layers:  # (1, H_kv, n, D) → the compressed cache's (1, H_kv, n − d, D)
+        layer.keys, layer.values = layer.keys[:, :, : -fork.step or None], layer.values[:, :, : -fork.step or None]
+    begun.position, begun.logits = fork.position - fork.step, run.gen.logits[0]
+    return begun, 0
+
+
 def forced_rows(
     todo: list[tuple[int, Ran]], suffix_ids: list[int], answer: list[int], max_new_tokens: int
 ) -> tuple[dict[int, torch.Tensor], dict[int, float]]:
-    """The (n, V) distributions of rows that left the answer, their caches rebuilt and fed it, by row index, and
-    each one's seconds. Caches fed token by token that can be rows of one grid batch (kvbench.native.grid_decode:
-    the CPU's row-independent kernels) are forced together, one step for all of them; one-forward caches and the
-    rest one by one."""
+    """The (n, V) distributions of rows that left the answer, fed it from where they left it (`resume`) or from
+    their caches rebuilt, by row index, and each one's seconds. Caches fed token by token that can be rows of one
+    grid batch (kvbench.native.grid_decode: the CPU's row-independent kernels) are forced together, one step for
+    all of them, each from its own step; one-forward caches and the rest one by one."""
     from kvbench.native.grid_decode import decode_grid, decodes_in_grid
     from kvbench.native.slots import decode_kernels
 
     def grid_rows(run: Ran, begun: Compressed) -> bool:  # bit for bit its forcing alone (kernels: row-independent)
         return decode_kernels(run.engine.lm.model) and decodes_in_grid(run.method, begun)
 
+    runs = dict(todo)
     logits: dict[int, torch.Tensor] = {}
     seconds: dict[int, float] = {}
-    together: list[tuple[int, Compressed]] = []
+    steps: dict[int, int] = {}  # where each row's forcing starts: its own decoding's distributions before it
+    together: dict[object, list[tuple[int, Compressed]]] = {}  # rows forced as one batch, by `batch_key`
     for i, run in todo:
         start = time.perf_counter()
-        source = replace(cast(Prefill, run.source), adopt=None)
-        begun = run.engine.compressed(source, run.method, run.budget, suffix_ids, max_new_tokens)
+        resumed = resume(run, answer)
+        if resumed is None:
+            source = replace(cast(Prefill, run.source), adopt=None)
+            resumed = run.engine.compressed(source, run.method, run.budget, suffix_ids, max_new_tokens), 0
+        begun, steps[i] = resumed
         if run.engine is not todo[0][1].engine or one_forward(run.method, begun) or not grid_rows(run, begun):
-            logits[i] = forced_logits(run.engine, begun, run.method, answer)
+            logits[i] = forced_logits(run.engine, begun, run.method, answer[steps[i] :], resumed=steps[i] > 0)
         else:
-            together.append((i, begun))
+            together.setdefault(batch_key(begun), []).append((i, begun))
         seconds[i] = time.perf_counter() - start
-    if len(together) == 1:
-        i, begun = together.pop()
+    for batch in together.values():
         start = time.perf_counter()
-        logits[i] = forced_logits(todo[0][1].engine, begun, dict(todo)[i].method, answer)
-        seconds[i] += time.perf_counter() - start
-    if together:
-        start = time.perf_counter()
-        gens = decode_grid(todo[0][1].engine, [b for _, b in together], len(answer), (), True, follow=answer)
-        share = (time.perf_counter() - start) / len(together)
-        for (i, _), gen in zip(together, gens):
-            logits[i], seconds[i] = torch.stack(gen.logits).float(), seconds[i] + share  # (n, V)
+        follow = [answer[steps[i] :] for i, _ in batch]
+        if len(batch) == 1:
+            ((i, begun),) = batch
+            logits[i] = forced_logits(runs[i].engine, begun, runs[i].method, follow[0], resumed=steps[i] > 0)
+        else:
+            gens = decode_grid(runs[batch[0][0]].engine, [b for _, b in batch], len(answer), (), True, follow=follow)
+            logits.update({i: torch.stack(gen.logits).float() for (i, _), gen in zip(batch, gens)})  # (n − step, V)
+        for i, _ in batch:
+            seconds[i] += (time.perf_counter() - start) / len(batch)
+    for i, step in steps.items():  # (step, V) of its own decoding, then (n − step, V) forced: (n, V)
+        logits[i] = torch.cat([torch.stack(runs[i].gen.logits[:step]).float(), logits[i]]) if step else logits[i]
     return logits, seconds
+
+
+def batch_key(begun: Compressed) -> object:
+    """Rows forced as one grid batch: any, each at its own position — except where the model has window layers,
+    whose rows must stand at the same position (kvbench.native.grid_decode.GridWindowLayer)."""
+    windows = any(type(layer) is not DynamicLayer for layer in begun.cache.layers)
+    return begun.position if windows else None

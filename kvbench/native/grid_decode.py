@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from typing import cast
 
+import copy
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -51,9 +53,9 @@ from transformers.cache_utils import DynamicLayer
 from kvbench.kernels.compact import compact_kv
 from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
-from kvbench.model.cache import WindowLayer
+from kvbench.model.cache import WindowLayer, kv_layer
 from kvbench.model.padded import PaddedKV
-from kvbench.native.batched import BatchedGeneration, decode_together
+from kvbench.native.batched import BatchedGeneration, Divergence, decode_together
 from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
 from kvbench.native.memory import reset_peak
 
@@ -76,8 +78,7 @@ class GridLayer(DynamicLayer):
         shape = (len(rows), keys.shape[1], max(self.lengths) + GROW, keys.shape[3])
         self.keys, self.values = keys.new_empty(shape), keys.new_empty(shape)  # (B, H_kv, capacity, D)
         for row, (k, v) in enumerate(rows):
-            self.write(row, k, v)
-            self.keys[row, :, k.shape[2] :], self.values[row, :, k.shape[2] :] = 0, 0  # pads: finite for masked sdpa
+            self.write(row, k, v)  # pads stay unwritten: attention reads a row's own slots (PaddedKV.dense else)
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
 
     def write(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -98,13 +99,8 @@ class GridLayer(DynamicLayer):
         self.keys[rows, :, slots] = key_states[:, :, 0]  # (B, H_kv, D) into each row's next slot
         self.values[rows, :, slots] = value_states[:, :, 0]
         self.lengths = [n + 1 for n in self.lengths]
-        used = max(self.lengths)
-        mask = None
-        if min(self.lengths) < used:
-            mask = torch.arange(used, device=self.device) < (slots + 1)[:, None]  # (B, T)
-            mask = mask[:, None, None, :]  # (B, 1, 1, T)
-        lengths = list(self.lengths)
-        return PaddedKV(self.keys[:, :, :used], mask, lengths), PaddedKV(self.values[:, :, :used], mask, lengths)
+        used, lengths = max(self.lengths), list(self.lengths)
+        return PaddedKV(self.keys[:, :, :used], None, lengths), PaddedKV(self.values[:, :, :used], None, lengths)
 
     def get_seq_length(self) -> int:
         return max(self.lengths)
@@ -114,6 +110,21 @@ class GridLayer(DynamicLayer):
         index = torch.tensor(keep, device=self.device)
         self.keys, self.values = self.keys[index], self.values[index]  # (B_kept, H_kv, capacity, D)
         self.lengths = [self.lengths[i] for i in keep]
+
+    def move_rows(self, order: list[int]) -> None:
+        """Row i becomes row order[i] (`fill_holes`: only rows past the kept count move): a moved row's own slots
+        are copied, the others stay where they are, and the batch is the first len(order) rows (a view)."""
+        for i, old in enumerate(order):
+            if old != i:
+                n = self.lengths[old]
+                self.keys[i, :, :n], self.values[i, :, :n] = self.keys[old, :, :n], self.values[old, :, :n]
+        self.keys, self.values = self.keys[: len(order)], self.values[: len(order)]  # (B_kept, H_kv, capacity, D)
+        self.lengths = [self.lengths[old] for old in order]
+
+    def snapshot(self, row: int) -> DynamicLayer:
+        """A batch-1 layer holding a copy of row `row`'s tokens (1, H_kv, n, D)."""
+        n = self.lengths[row]
+        return kv_layer(self.keys[row : row + 1, :, :n].clone(), self.values[row : row + 1, :, :n].clone())
 
     def row(self, row: int) -> GridRow:
         """A batch-1 plain layer viewing row `row`'s tokens (no copy)."""
@@ -168,6 +179,31 @@ class GridWindowLayer(WindowLayer):
     def keep_rows(self, keep: list[int]) -> None:
         index = torch.tensor(keep, device=self.device)
         self.keys, self.values = self.keys[index], self.values[index]  # (B_kept, H_kv, n, D)
+
+    def snapshot(self, row: int) -> WindowLayer:
+        """A batch-1 window layer holding a copy of row `row`'s window."""
+        layer = WindowLayer(sliding_window=self.sliding_window)
+        keys, values = self.keys[row : row + 1].clone(), self.values[row : row + 1].clone()  # (1, H_kv, n, D)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values, layer.cumulative_length = keys, values, self.cumulative_length
+        return layer
+
+    def move_rows(self, order: list[int]) -> None:
+        """As GridLayer.move_rows: every row holds as many tokens, so a moved row is copied whole."""
+        for i, old in enumerate(order):
+            if old != i:
+                self.keys[i], self.values[i] = self.keys[old], self.values[old]
+        self.keys, self.values = self.keys[: len(order)], self.values[: len(order)]  # (B_kept, H_kv, n, D)
+
+
+def fill_holes(keep: list[int]) -> list[int]:
+    """The batch order after rows leave, as few rows moved as can be: new batch index i holds old row order[i] —
+    a kept row stays at its index, and each hole below the kept count takes a kept row from past it (one row's
+    slots copied, not the whole batch's)."""
+    n_kept = len(keep)
+    movers = iter(i for i in keep if i >= n_kept)
+    kept = set(keep)
+    return [i if i in kept else next(movers) for i in range(n_kept)]
 
 
 def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
@@ -283,13 +319,17 @@ def decode_grid(
     max_new_tokens: int,
     stop: tuple[str, ...],
     keep_logits: bool = False,
-    follow: list[int] | None = None,
+    follow: list[list[int]] | None = None,
+    reference: int | None = None,
 ) -> list[BatchedGeneration]:
-    """Decode configurations of one example (compressed, batch 1 each, same position) as one batch; keep_logits:
-    every row keeps the distribution each of its tokens was read from; follow: every row is fed these tokens
-    (teacher forcing, kvbench.native.fidelity) instead of its own."""
+    """Decode configurations of one example (compressed, batch 1 each) as one batch, each row at its own position;
+    keep_logits: every row keeps the distribution each of its tokens was read from; follow: row r is fed follow[r]
+    (teacher forcing, kvbench.native.fidelity) instead of its own tokens. reference (with keep_logits): the row
+    whose answer fidelity forces the others along (the full cache's) — a row whose token first differs from it
+    keeps a copy of its state then (`BatchedGeneration.divergence`, copied outside the decode's time)."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
+    offsets = torch.tensor([s.position - position for s in starts], device=device)  # (B,) each row's own position
     cache = grid_cache([s.cache for s in starts])
     grids = cast(list[GridLayer], cache.layers)
     for s in starts:
@@ -317,17 +357,37 @@ def decode_grid(
             if row in hooked:
                 decode_step_on_row(grids, i, hooks[row], stats)  # its decode-time policy on its own tokens
 
-    def drop_rows(keep: list[int]) -> None:
-        for grid in grids:
-            grid.keep_rows(keep)
-        ids[:] = [ids[i] for i in keep]
+    following = set(range(n_rows)) - {reference} if keep_logits and reference is not None and not follow else set()
+    diverged: dict[int, Divergence] = {}
+
+    def watch(generated: list[list[int]], live: list[int]) -> None:
+        """Rows whose newest token is the first to differ from the reference's: their state copied now."""
+        answer = generated[cast(int, reference)]
+        for row in sorted(following):
+            step = len(generated[row]) - 1
+            if row not in live or step >= len(answer):  # finished along the answer, or past its end
+                following.discard(row)
+            elif generated[row][step] != answer[step]:
+                following.discard(row)
+                i = live.index(row)
+                snapshot = DynamicCache()
+                snapshot.layers.extend(cast(GridLayer, layer).snapshot(i) for layer in cache.layers)
+                at = position + len(generated[row]) - 1 + int(offsets[row])
+                diverged[row] = Divergence(step, snapshot, copy.deepcopy(hooks[row]), at)
+
+    def drop_rows(keep: list[int]) -> list[int]:
+        order = fill_holes(keep)
+        for layer in cache.layers:
+            cast(GridLayer, layer).move_rows(order)
+        ids[:] = [ids[i] for i in order]
+        return order
 
     done = decode_together(
         engine,
         cache,
         torch.stack([s.logits for s in starts]),  # (B, V)
         position,
-        positions=lambda p, n: torch.full((n, 1), p, device=device),  # (B_live, 1)
+        positions=lambda p, n: (p + offsets[ids])[:, None],  # (B_live, 1)
         request=request,
         after_step=after_step,
         row_bytes=lambda row: sum(g.lengths[ids.index(row)] * b for g, b in zip(grids, token_bytes)),
@@ -337,6 +397,7 @@ def decode_grid(
         recorder=recorder,
         keep_logits=keep_logits,
         follow=follow,
+        watch=watch if following else None,
     )
     return [
         BatchedGeneration(
@@ -355,6 +416,7 @@ def decode_grid(
             decode_tokens_per_s=done.tokens_per_s,
             batch_kv_bytes=sum(done.nbytes),
             latency_s=s.prefill_s + done.seconds[row],
+            divergence=diverged.get(row),
         )
         for row, s in enumerate(starts)
     ]
@@ -412,7 +474,9 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, any(keep[i] for i in rows))
+            full = [g for g, i in enumerate(rows) if confs[i][0].name == "full"]  # fidelity's reference row
+            kept = any(keep[i] for i in rows)
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, kept, reference=next(iter(full), None))
             for i, gen in zip(rows, gens):
                 out[i] = gen
                 gen.logits = gen.logits if keep[i] else []  # a batch keeps every row's: only these are read

@@ -5,12 +5,15 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from kvbench.methods import METHODS, Budget, build_method, method_defaults
 from kvbench.model.attention import StatsRequest
+from kvbench.model.load import load_model
 from kvbench.native import fidelity
+from kvbench.native.engine import Engine
 from kvbench.run.runner import run
-from tests.conftest import compose_config, native_method_names, tiny_overrides
+from tests.conftest import CONF_DIR, compose_config, native_method_names, tiny_overrides
 
 # plain caches (one forward), per-layer lengths, decode-time eviction, re-indexed positions, quantized storage
 CASES = [
@@ -199,9 +202,46 @@ def test_rows_that_left_the_answer_are_forced_together_as_alone(tiny_engine, pro
     prefill = tiny_engine.prefill(prompt, request)
     full = tiny_engine.generate(prefill, build("full", {}), None, question, 10)
     answer = full.token_ids
-    runs = [fidelity.Ran(m, b, tiny_engine, prefill, tiny_engine.generate(prefill, m, b, question, 10)) for m, b in confs]
+    runs = [
+        fidelity.Ran(m, b, tiny_engine, prefill, tiny_engine.generate(prefill, m, b, question, 10)) for m, b in confs
+    ]
     together, seconds = fidelity.forced_rows(list(enumerate(runs)), question, answer, 10)
     assert set(together) == set(seconds) == {0, 1} and all(s > 0 for s in seconds.values())
     for i, (method, budget) in enumerate(confs):
         alone = fidelity.compressed_logits(tiny_engine, prefill, method, budget, question, answer, 10)
         assert torch.equal(together[i], alone.float())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alone(tiny_engine, prompt_ids, dtype):
+    """A grid row whose token first differs from the full cache's keeps a copy of its state then; forced along the
+    answer from that copy (token by token), or from its compressed cache inside it (one forward), each row's
+    distributions are, bit for bit, its cache compressed again and forced from the start alone."""
+    from kvbench.native.grid_decode import generate_grid
+    from kvbench.native.slots import decode_kernels
+
+    engine = tiny_engine
+    if dtype == "bfloat16":
+        engine = Engine(load_model(OmegaConf.load(CONF_DIR / "model" / "tiny-random.yaml"), "cpu", dtype))
+    if not decode_kernels(engine.lm.model):
+        pytest.skip("no CPU decode kernels here: no grid whose rows are their alone selves")
+    prompt, question = prompt_ids[:-12], prompt_ids[-12:]
+    confs = [(build("full", {}), None), (build("h2o", {}), Budget.parse(0.05)),
+             (build("h2o", {}), Budget.parse(0.1)), (build("streamingllm", {}), Budget.parse(0.05)),
+             (build("snapkv", {}), Budget.parse(0.05)), (build("random", {}), Budget.parse(0.05))]  # fmt: skip
+    request = StatsRequest()
+    for method, _ in confs:
+        request = request | method.stats_request()
+    prefill = engine.prefill(prompt, request)
+    gens = generate_grid(engine, prefill, confs, question, 10, max_padding=100.0, keep_logits=True)  # one batch
+    answer = gens[0].token_ids
+    left = [i for i, gen in enumerate(gens) if i and fidelity.decoded_logits(gen, answer) is None]
+    assert left and all(gens[i].divergence is not None for i in left), "the rows that left the answer kept a copy"
+    by_token = {gens[i].divergence.step for i in left if confs[i][0].name == "h2o"}  # forced together, from here
+    assert len(by_token) == 2 and min(by_token) > 0, "two rows resumed from two steps of their own (own positions)"
+    runs = [fidelity.Ran(m, b, engine, prefill, gen) for (m, b), gen in zip(confs, gens)]
+    forced, _ = fidelity.forced_rows([(i, runs[i]) for i in left], question, answer, 10)
+    for i in left:
+        method, budget = confs[i]
+        alone = fidelity.compressed_logits(engine, prefill, method, budget, question, answer, 10)
+        assert torch.equal(forced[i], alone.float()), method.name

@@ -134,7 +134,13 @@ def test_a_single_method_run_decodes_each_configuration_alone(tmp_path, capsys):
         "fidelity_s",
         "bandwidth_share",
     }
-    measured = timings | {"step_bytes", "latency_s", "batch_size", "peak_mem_bytes", "peak_mem_delta_bytes"}  # RSS: per process
+    measured = timings | {
+        "step_bytes",
+        "latency_s",
+        "batch_size",
+        "peak_mem_bytes",
+        "peak_mem_delta_bytes",
+    }  # RSS: per process
     assert [c for c in a.columns if c not in measured and not a[c].equals(b[c])] == []
     assert set(a.method) == {"full", "streamingllm"} and (a.batch_size == 1).all() and (b.batch_size == 2).all()
     assert "batch_ms_per_step" not in alone and "decode_ms_per_token" in alone
@@ -346,3 +352,30 @@ def test_a_sweeps_predictions_are_each_configuration_run_alone(tmp_path):
     ours = sweep.set_index(key).sort_index().loc[each.index]
     assert ours.prediction.tolist() == each.prediction.tolist()
     assert ours.kv_bytes.tolist() == each.kv_bytes.tolist()
+
+
+def test_rows_leaving_a_grid_move_the_fewest_rows_and_keep_every_rows_tokens():
+    """Finished rows leave by holes filled from the batch's end (fill_holes): each kept row's own slots are what
+    they were, the batch is the kept count, and a row that did not move was not copied."""
+    import torch
+
+    from kvbench.native.grid_decode import GridLayer, fill_holes
+
+    assert fill_holes([0, 2, 4]) == [0, 4, 2]
+    assert fill_holes([1, 2, 3]) == [3, 1, 2]
+    assert fill_holes([0, 1]) == [0, 1]
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        (torch.randn(1, 2, n, 4, generator=generator), torch.randn(1, 2, n, 4, generator=generator))
+        for n in (7, 3, 9, 1, 5)
+    ]
+    grid = GridLayer(rows)
+    storage = grid.keys.data_ptr()
+    order = fill_holes([0, 2, 4])
+    grid.move_rows(order)
+    assert grid.lengths == [7, 5, 9] and grid.keys.shape[0] == 3 and grid.keys.data_ptr() == storage
+    for i, old in enumerate(order):
+        k, v = rows[old]
+        assert torch.equal(grid.keys[i : i + 1, :, : k.shape[2]], k) and torch.equal(
+            grid.values[i : i + 1, :, : k.shape[2]], v
+        )
