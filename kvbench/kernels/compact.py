@@ -36,9 +36,15 @@ def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     inside = index.numel() > 0 and bool(((index >= 0) & (index < n_tokens)).all())  # else flat rows: another head's
     if index.shape[:2] != (bsz, heads) or not inside:
         return tensor.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, N, D); bad positions: torch says
-    offset = torch.arange(bsz * heads, device=index.device).view(bsz, heads, 1) * n_tokens  # (B, H, 1)
-    rows = (index + offset).reshape(-1)  # (B·H·N,) row of each kept token in the flattened tensor
-    return tensor.reshape(-1, dim).index_select(0, rows).view(bsz, heads, -1, dim)  # (B, H, N, D)
+    batch = torch.arange(bsz, device=index.device).view(bsz, 1, 1)  # (B, 1, 1)
+    head = torch.arange(heads, device=index.device).view(1, heads, 1)  # (1, H, 1)
+    if tensor.transpose(1, 2).is_contiguous():  # stored (B, T, H, D): a prefill's keys as the projection wrote them
+        flat = tensor.transpose(1, 2).view(-1, dim)  # (B·T·H, D), no copy
+        rows = (batch * n_tokens + index) * heads + head  # (B, H, N) row of each kept token
+    else:
+        flat = tensor.reshape(-1, dim)  # (B·H·T, D): a view where (B, H, T, D) is contiguous
+        rows = (batch * heads + head) * n_tokens + index
+    return flat.index_select(0, rows.reshape(-1)).view(bsz, heads, -1, dim)  # (B, H, N, D)
 
 
 def compact_kv(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -438,8 +438,7 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
     outputs, recorded = [], []
     for row, n_tokens in enumerate(lengths):
         if together is not None and row not in asking:
-            outputs.append(together[row : row + 1])  # (1, 1, H_q, D): what the kernel gives this row alone
-            continue
+            continue  # its output is the kernel's row: what the kernel gives this row alone
         q = query[row : row + 1]  # (1, H_q, 1, D)
         k, v = key.tensor[row : row + 1, :, :n_tokens], value.tensor[row : row + 1, :, :n_tokens]  # (1, H_kv, n, D)
         if row in asking:
@@ -448,12 +447,14 @@ def _rows_attention(module, query, key: PaddedKV, value: PaddedKV, scaling, reco
             recorded.append(probs)
         else:
             out = _plain_attention(module, q, k, v, None, scaling, **kwargs)[0]  # (1, 1, H_q, D)
+        if together is not None:
+            together[row] = out[0]  # the kernel left it empty (0 tokens)
         outputs.append(out)
     if recorded:
         width = max(lengths)
         rows = torch.stack([torch.nn.functional.pad(p[0], (0, width - p.shape[-1])) for p in recorded])  # (B_r, H_q, T)
         recorder.store_decode_row(cache_index(module), rows)
-    return torch.cat(outputs)  # (B, 1, H_q, D)
+    return together if together is not None else torch.cat(outputs)  # (B, 1, H_q, D)
 
 
 def register() -> str:

@@ -77,3 +77,12 @@ def test_gathering_equals_torchs_gather(dtype):
     assert torch.equal(compact.gather_tokens(source, one_row), want)
     with pytest.raises(RuntimeError):  # a position outside the cache: torch's gather says so
         compact.gather_tokens(source, torch.full((2, 3, 4), 300))
+
+
+def test_gathering_a_prefills_keys_as_the_projection_laid_them_out():
+    """A prefill's keys are a (B, T, H, D) tensor seen as (B, H, T, D): gathered without a copy of the whole, the
+    values torch's gather gives."""
+    source = torch.randn(2, 50, 3, 8).transpose(1, 2)  # (B, H, T, D), stored (B, T, H, D)
+    index = torch.stack([torch.randperm(50)[:20].sort().values for _ in range(6)]).view(2, 3, 20)  # (B, H, N)
+    got = compact.gather_tokens(source, index)
+    assert torch.equal(got, source.gather(2, index.unsqueeze(-1).expand(-1, -1, -1, 8))) and got.is_contiguous()
