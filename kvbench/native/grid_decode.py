@@ -28,6 +28,11 @@ own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM p
 sliding-window layers the methods that evict while decoding, and every configuration when only one would be in the
 batch. A model's window layers (Gemma 3's local layers: no method compresses them) hold the same number of tokens in
 every row, so they are stacked into one batch as they are (`GridWindowLayer`).
+Finished rows leave by `fill_holes` (a kept row from the end moves into each hole: one row's slots copied); pad
+slots are never written (attention reads a row's own slots; `PaddedKV.dense` zeroes them in a copy for the one
+masked call over the batch). With a `reference` row (the full cache's, fidelity on), a row whose token first
+differs from it keeps a copy of its cache and decode-time state then (`Divergence`, outside the decode's time):
+fidelity forces it along the answer from there (kvbench.native.fidelity.resume).
 Rows are grouped so padding at most triples the bytes a batch holds (`grid_padding`, default MAX_PADDING = 3), at
 most MAX_ROWS per batch. Pads cost memory, never compute (each row attends over its own slots): a larger
 `grid_padding` puts more configurations in one batch — fewer steps, more memory (README "Grid decoding").
