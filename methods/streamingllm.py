@@ -51,6 +51,7 @@ class StreamingCompression(Evicting):
         super().__init__(method, n_prompt, n_layers, budget)
         self.decoded_to: int | None = None  # ring: tokens seen so far while Engine.decode runs; None: no ring
         self.all_rings = False  # every layer rings: a decode step has nothing left to evict or convert
+        self._kept: tuple[tuple[int, int], torch.Tensor] | None = None  # (tokens, size) → the last step's positions
 
     def start_decoding(self, cache, stats):
         method = self.method
@@ -93,7 +94,10 @@ class StreamingCompression(Evicting):
 
     def decode_keep(self, layer_idx, layer, size, stats):  # the layer is over its size
         assert self.like is not None  # set by `layer`
-        return sink_and_recent(layer.get_seq_length(), self.method.start_size, size, self.like)  # oldest non-sinks go
+        key = (layer.get_seq_length(), size)  # the layers of a step share it: built once, not once a layer
+        if self._kept is None or self._kept[0] != key:
+            self._kept = key, sink_and_recent(key[0], self.method.start_size, size, self.like)  # oldest non-sinks go
+        return self._kept[1]
 
 
 @METHODS.register("streamingllm")

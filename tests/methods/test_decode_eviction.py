@@ -236,3 +236,51 @@ def test_tova_evicts_by_the_step_query_on_the_shared_component():
         row = (query @ before.repeat_interleave(2, 1).transpose(-1, -2) * 0.25).softmax(-1)  # (1, 4, 1, 21)
         kept = row.mean(1)[0, 0].topk(20).indices.sort().values  # head-averaged: the same positions for every head
         assert torch.equal(cache.layers[0].keys, before[:, :, kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_h2os_step_over_every_layer_at_once_is_its_layer_by_layer_step(dtype):
+    """H2O's decode step stacked over layers that stand alike (kvbench's common case) keeps, step after step, the
+    very positions and scores the layer-by-layer step keeps — ties at the lowest score included (topk decides)."""
+
+    from kvbench.methods.decode_eviction import Evicting
+    from kvbench.model.attention import StatsRecorder
+
+    generator = torch.Generator().manual_seed(0)
+    n_layers, n_kv, n_q, n_prompt, dim = 3, 2, 4, 40, 8
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator)
+
+    kv = [(rand(1, n_kv, n_prompt, dim).to(dtype), rand(1, n_kv, n_prompt, dim).to(dtype)) for _ in range(n_layers)]
+    prefill = StatsRecorder(StatsRequest(all_queries=True))
+    prefill.all_queries = {i: rand(1, n_q, n_prompt) for i in range(n_layers)}
+    runs = []
+    for _ in range(2):
+        method = build_method("h2o", {})
+        hooks = method.begin(n_prompt, n_layers, Budget.parse(0.5))
+        runs.append((hooks, hooks.run([(k.clone(), v.clone()) for k, v in kv], prefill)))
+    for step in range(12):
+        new = [(rand(1, n_kv, 1, dim).to(dtype), rand(1, n_kv, 1, dim).to(dtype)) for _ in range(n_layers)]
+        n_tokens = runs[0][1].layers[0].get_seq_length() + 1
+        votes = {i: rand(1, n_q, n_tokens) for i in range(n_layers)}
+        if step % 4 == 3:  # ties: the two lowest scores of a layer equal
+            votes[1][..., :2] = 0.0
+            for hooks, _ in runs:
+                hooks.received[1][..., :2] = 0.0
+        for r, (hooks, cache) in enumerate(runs):
+            for layer, (k, v) in zip(cache.layers, new):
+                layer.update(k, v)
+            stats = StatsRecorder(StatsRequest(all_queries=True))
+            stats.all_queries = {i: t.clone() for i, t in votes.items()}
+            if r == 0:
+                hooks._evict_layer = None  # the stacked step must not fall back to it
+                hooks.on_decode_step(cache, stats)  # every layer at once
+            else:
+                Evicting.on_decode_step(hooks, cache, stats)  # layer by layer
+        (a, cache_a), (b, cache_b) = runs
+        for i in range(n_layers):
+            assert torch.equal(a.received[i], b.received[i]), (step, i)
+            assert torch.equal(cache_a.layers[i].keys, cache_b.layers[i].keys), (step, i)
+            assert torch.equal(cache_a.layers[i].values, cache_b.layers[i].values), (step, i)
+    assert runs[0][1].layers[0].get_seq_length() == 20  # held at its size
