@@ -24,10 +24,11 @@ every row keeps what it keeps alone.
 
 Decoded alone instead (automatically, with `Engine.decode`, exactly today's path): caches with storage of their
 own (KIVI, hf-quant), ragged heads (AdaKV), re-indexed positions (StreamingLLM positions=rolling), ring buffers
-(StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), on a model with
-sliding-window layers the methods that evict while decoding, and every configuration when only one would be in the
-batch. A model's window layers (Gemma 3's local layers: no method compresses them) hold the same number of tokens in
-every row, so they are stacked into one batch as they are (`GridWindowLayer`).
+(StreamingLLM ring=true), model-changing methods (head merging, which has its own prefill), and every configuration
+when only one would be in the batch. A model's window layers (Gemma 3's local layers: no method compresses them, and
+decode-time eviction leaves them alone — `layer_select` skips a sliding layer) hold the same number of tokens in every
+row, so they are stacked into one batch as they are (`GridWindowLayer`); a row's decode-time policy sees its window
+as a batch-1 window layer (`GridWindowLayer.row`).
 Finished rows leave by `fill_holes` (a kept row from the end moves into each hole: one row's slots copied); pad
 slots are never written (attention reads a row's own slots; `PaddedKV.dense` zeroes them in a copy for the one
 masked call over the batch). With a `reference` row (the full cache's, fidelity on), a row whose token first
@@ -193,6 +194,14 @@ class GridWindowLayer(WindowLayer):
         layer.keys, layer.values, layer.cumulative_length = keys, values, self.cumulative_length
         return layer
 
+    def row(self, row: int) -> WindowLayer:
+        """A batch-1 window layer viewing row `row`'s window (no copy): a decode-time policy leaves it alone."""
+        layer = WindowLayer(sliding_window=self.sliding_window)
+        layer.lazy_initialization(self.keys[row : row + 1], self.values[row : row + 1])
+        layer.keys, layer.values = self.keys[row : row + 1], self.values[row : row + 1]  # (1, H_kv, n, D)
+        layer.cumulative_length = self.cumulative_length
+        return layer
+
     def move_rows(self, order: list[int]) -> None:
         """As GridLayer.move_rows: every row holds as many tokens, so a moved row is copied whole."""
         for i, old in enumerate(order):
@@ -233,12 +242,11 @@ def decodes_in_grid(method: Method, start: Compressed) -> bool:
             return False
         return cast(torch.Tensor, layer.keys).shape[2] == min(layer.cumulative_length, layer.sliding_window - 1)
 
-    window_ok = not start.hooks.acts_while_decoding  # a window layer's rows step together: none may evict there
     return (
         method.caps.shares_prefill
         and not method.caps.decodes_alone
-        and all(  # plain tensors, dense heads; the model's windows as they are
-            type(layer) is DynamicLayer or (window_ok and whole_window(layer)) for layer in start.cache.layers
+        and all(  # plain tensors, dense heads; the model's windows as they are (no policy evicts there)
+            type(layer) is DynamicLayer or whole_window(layer) for layer in start.cache.layers
         )
         and start.cache.layers[0].keys.shape[0] == 1
         and start.hooks.position(start.position, start.cache) == start.position  # no re-indexed positions
@@ -314,7 +322,7 @@ def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
         own = row_stats(stats, recorded.index(i), [g.lengths[i] for g in grids])
     policy.on_decode_step(view, own)
     for grid, layer, old in zip(grids, cast(list[GridRow], view.layers), before):
-        if layer.keys is not old and not layer.compacted:  # replaced: its tokens become the row's slots
+        if layer.keys is not old and not getattr(layer, "compacted", False):  # replaced: its tokens become the row's
             grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
 
 
