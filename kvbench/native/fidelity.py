@@ -186,20 +186,21 @@ def resume(run: Ran, answer: list[int]) -> tuple[Compressed, int] | None:
     answer[d:] from there, token by token, it gives distributions d.. of forcing along the answer, its own decoding
     steps 0..d − 1 being the rest — no compression again, no steps before d. A cache fed the answer in one forward
     (`one_forward`) takes it whole from its compressed cache: the copy without its d decoded tokens (nothing evicted
-    them), step 0. None: no copy (the row decoded alone, or did not leave the answer while decoded), or a one-forward
-    cache with window layers (they dropped tokens since): compressed again."""
+    them), step 0. None: no copy (the row decoded alone, or did not leave the answer while decoded), or a model with
+    window layers (their rows share a forced batch only at one position, and a window dropped tokens since): the
+    row is compressed again and forced from the start with the others."""
     fork: Divergence | None = getattr(run.gen, "divergence", None)
     if fork is None or fork.step >= len(answer) or len(run.gen.logits) <= fork.step:
         return None
     run.gen.divergence = None  # type: ignore[attr-defined]  # consumed: the copy's memory goes with it
+    layers = fork.cache.layers  # type: ignore[attr-defined]  # a DynamicCache
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return None  # window layers: rows batch only at one position — all from the start, compressed again
     begun = Compressed(
         fork.cache, run.gen.logits[fork.step], fork.position, 0, 0, 0.0, 0, compression=fork.hooks
     )  # its token `step` was read from its own distribution `step`: forcing's too (same tokens before it)
     if not one_forward(run.method, begun):
         return begun, fork.step
-    layers = fork.cache.layers  # type: ignore[attr-defined]  # a DynamicCache
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        return None
     for layer in layers:  # (1, H_kv, n, D) → the compressed cache's (1, H_kv, n − d, D)
         layer.keys, layer.values = layer.keys[:, :, : -fork.step or None], layer.values[:, :, : -fork.step or None]
     begun.position, begun.logits = fork.position - fork.step, run.gen.logits[0]
