@@ -23,8 +23,8 @@ from kvbench import KvbenchError
 from kvbench.methods.base import METHODS, check_choice, top_k_sorted
 from kvbench.methods.decode_eviction import DecodeEviction, Evicting
 from kvbench.methods.scorers import per_kv_head
-from kvbench.model.cache import layer_select
 from kvbench.model.attention import StatsRequest
+from kvbench.model.cache import layer_select
 
 
 class H2OCompression(Evicting):

@@ -11,9 +11,10 @@ Cost per example, nearly nothing where rows keep what they decoded from (a grid'
 `fidelity=true`): the full cache's decoding is teacher forcing along its own answer, so its kept distributions are the
 reference, and a row whose tokens followed that answer read its own. Only a row that left the answer pays: from
 the copy a grid made where it left (`resume`: its own decoding before that step), else its compression again from
-the shared prefill (deterministic: the cache the row decoded from), then the answer fed through it — in one forward where that equals decoding (plain caches of one mask), else token by token as decoding
-feeds it (quantized or custom layers, methods acting on decode steps); token-by-token rows that can be rows of one grid
-batch (the CPU's row-independent kernels) are forced together, one step for all of them (`forced_rows`).
+the shared prefill (deterministic: the cache the row decoded from), then the answer fed through it — in one forward
+where that equals decoding (plain caches of one mask), else token by token as decoding feeds it (quantized or custom
+layers, methods acting on decode steps); token-by-token rows that can be rows of one grid batch (the CPU's
+row-independent kernels) are forced together, one step for all of them, each from its own step (`forced_rows`).
 """
 
 from __future__ import annotations

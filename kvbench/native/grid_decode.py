@@ -48,9 +48,8 @@ attributed (on the bundled model both came out equal to one by one's: the prefil
 
 from __future__ import annotations
 
-from typing import cast
-
 import copy
+from typing import cast
 
 import torch
 from transformers import DynamicCache
@@ -487,9 +486,9 @@ def generate_grid(
             rows = [together[g] for g in group]
             if len(rows) == 1:
                 continue  # alone below
-            full = [g for g, i in enumerate(rows) if confs[i][0].name == "full"]  # fidelity's reference row
+            full = next((g for g, i in enumerate(rows) if confs[i][0].name == "full"), None)  # fidelity's reference
             kept = any(keep[i] for i in rows)
-            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, kept, reference=next(iter(full), None))
+            gens = decode_grid(engine, [starts[i] for i in rows], max_new_tokens, stop, kept, reference=full)
             for i, gen in zip(rows, gens):
                 out[i] = gen
                 gen.logits = gen.logits if keep[i] else []  # a batch keeps every row's: only these are read
