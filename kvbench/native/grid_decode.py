@@ -325,6 +325,31 @@ def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
             grid.write(i, cast(torch.Tensor, layer.keys), cast(torch.Tensor, layer.values))
 
 
+class DivergenceWatch:
+    """decode_together's `watch` for a grid with a reference row (the full cache's): each other row, at the step its
+    token first differs from the reference's, leaves a copy of its cache and decode-time state (`diverged`) — fidelity
+    forces it along the reference's answer from there (kvbench.native.fidelity.resume)."""
+
+    def __init__(self, cache: DynamicCache, hooks: list, reference: int, positions: list[int]):
+        self.cache, self.hooks, self.reference, self.positions = cache, hooks, reference, positions
+        self.following = set(range(len(hooks))) - {reference}  # rows whose tokens are the reference's so far
+        self.diverged: dict[int, Divergence] = {}
+
+    def __call__(self, generated: list[list[int]], live: list[int]) -> None:
+        answer = generated[self.reference]
+        for row in sorted(self.following):
+            step = len(generated[row]) - 1  # its newest token's
+            if row not in live or step >= len(answer):  # finished along the answer, or past its end
+                self.following.discard(row)
+            elif generated[row][step] != answer[step]:
+                self.following.discard(row)
+                snapshot = DynamicCache()
+                i = live.index(row)  # its batch index now
+                snapshot.layers.extend(cast(GridLayer, layer).snapshot(i) for layer in self.cache.layers)
+                at = self.positions[row] + step  # the next token's position: `step` tokens decoded since its start
+                self.diverged[row] = Divergence(step, snapshot, copy.deepcopy(self.hooks[row]), at)
+
+
 def decode_grid(
     engine: Engine,
     starts: list[Compressed],
@@ -369,23 +394,9 @@ def decode_grid(
             if row in hooked:
                 decode_step_on_row(grids, i, hooks[row], stats)  # its decode-time policy on its own tokens
 
-    following = set(range(n_rows)) - {reference} if keep_logits and reference is not None and not follow else set()
-    diverged: dict[int, Divergence] = {}
-
-    def watch(generated: list[list[int]], live: list[int]) -> None:
-        """Rows whose newest token is the first to differ from the reference's: their state copied now."""
-        answer = generated[cast(int, reference)]
-        for row in sorted(following):
-            step = len(generated[row]) - 1
-            if row not in live or step >= len(answer):  # finished along the answer, or past its end
-                following.discard(row)
-            elif generated[row][step] != answer[step]:
-                following.discard(row)
-                i = live.index(row)
-                snapshot = DynamicCache()
-                snapshot.layers.extend(cast(GridLayer, layer).snapshot(i) for layer in cache.layers)
-                at = position + len(generated[row]) - 1 + int(offsets[row])
-                diverged[row] = Divergence(step, snapshot, copy.deepcopy(hooks[row]), at)
+    watch = None
+    if keep_logits and reference is not None and not follow:
+        watch = DivergenceWatch(cache, hooks, reference, [s.position for s in starts])
 
     def drop_rows(keep: list[int]) -> list[int]:
         order = fill_holes(keep)
@@ -409,7 +420,7 @@ def decode_grid(
         recorder=recorder,
         keep_logits=keep_logits,
         follow=follow,
-        watch=watch if following else None,
+        watch=watch,
     )
     return [
         BatchedGeneration(
@@ -428,7 +439,7 @@ def decode_grid(
             decode_tokens_per_s=done.tokens_per_s,
             batch_kv_bytes=sum(done.nbytes),
             latency_s=s.prefill_s + done.seconds[row],
-            divergence=diverged.get(row),
+            divergence=watch.diverged.get(row) if watch is not None else None,
         )
         for row, s in enumerate(starts)
     ]
