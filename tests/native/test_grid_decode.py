@@ -279,14 +279,20 @@ def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
     """Models with sliding-window layers (tests/model/families.py, windows of 64 under a 150-token prompt): the rows
     share one batch (their windows stacked: GridWindowLayer; the methods that evict while decoding too — they never
     evict a window layer) and give what each gives alone: the same tokens and bytes, the same logits bit for bit
-    (Gemma 2's soft-capped eager attention: within 2e-7)."""
+    (within 1e-6 where noted below)."""
     import torch
 
     from kvbench.model.load import byte_tokenizer, finish
     from kvbench.native.slots import decode_kernels
     from tests.model.families import build as build_family
 
+    import transformers
+
     torch_dtype = getattr(torch, dtype)
+    # bit for bit, but Gemma 2's soft-capped eager attention over a batch (~1e-7), and fp32 under transformers < 5.3
+    # (kvpress's venv: its window layers' fp32 decode rounds by the batch, ~3e-7): within 1e-6 there, tokens equal
+    old = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 3)
+    exact = family != "gemma2" and not (old and dtype == "float32")
     lm = finish(build_family(family, dtype=torch_dtype), byte_tokenizer(), family, torch.device("cpu"), torch_dtype)
     engine = Engine(lm)
     if not decode_kernels(lm.model):
@@ -303,7 +309,7 @@ def test_window_layers_decode_in_the_grid_as_alone(family, dtype):
         label = f"{family} {name} {budget}"
         assert got.token_ids == want.token_ids and got.kv_bytes == want.kv_bytes, label
         apart = max(float((a - b).abs().max()) for a, b in zip(got.logits, want.logits))
-        assert apart <= (1e-6 if family == "gemma2" else 0.0), label  # Gemma 2's eager soft-capped batch: ~1e-7
+        assert apart <= (0.0 if exact else 1e-6), label
         if family == "gemma3" and in_grid is not None:  # global and window layers (the others: every layer alike)
             assert (getattr(got, "batch_size", 1) >= 4) == in_grid, label
 
