@@ -98,16 +98,33 @@ def compressed_logits(
     return forced_logits(engine, start, method, answer)
 
 
-def per_step(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class Reference:
+    """The full cache's distributions (n, V) as every comparison reads them, computed once per example."""
+
+    logits: torch.Tensor  # (n, V)
+    log_p: torch.Tensor  # (n, V) fp32 log-softmax
+    p: torch.Tensor  # (n, V) its probabilities
+    top1: torch.Tensor  # (n,) its most likely tokens
+
+    @classmethod
+    def of(cls, full: torch.Tensor) -> Reference:
+        log_p = torch.log_softmax(full.float(), -1)  # (n, V)
+        return cls(full, log_p, log_p.exp(), full.argmax(-1))
+
+
+def per_step(full: torch.Tensor | Reference, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(n,) KL(full ‖ other) in nats and (n,) top-1 agreement (1.0 / 0.0) of logits `other` (n, V) against the full
-    cache's `full` (n, V), step by step (diagnose's per-step columns read the same)."""
-    log_p, log_q = torch.log_softmax(full.float(), -1), torch.log_softmax(other.float(), -1)  # (n, V)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)  # (n,) KL(p ‖ q); rounding can dip below 0
-    return kl, (full.argmax(-1) == other.argmax(-1)).float()  # (n,), (n,)
+    cache's `full` (n, V) logits or their `Reference`, step by step (diagnose's per-step columns read the same)."""
+    ref = full if isinstance(full, Reference) else Reference.of(full)
+    log_q = torch.log_softmax(other.float(), -1)  # (n, V)
+    kl = (ref.p * (ref.log_p - log_q)).sum(-1).clamp_min(0)  # (n,) KL(p ‖ q); rounding can dip below 0
+    return kl, (ref.top1 == other.argmax(-1)).float()  # (n,), (n,)
 
 
-def compare(full: torch.Tensor, other: torch.Tensor) -> dict:
-    """Fidelity columns of distributions `other` (n, V) logits against the full cache's `full` (n, V) logits."""
+def compare(full: torch.Tensor | Reference, other: torch.Tensor) -> dict:
+    """Fidelity columns of distributions `other` (n, V) logits against the full cache's (n, V) logits or their
+    `Reference`."""
     kl, top1 = per_step(full, other)  # (n,), (n,)
     step = int(kl.argmax())
     return {
@@ -166,6 +183,7 @@ def add_columns(
             start_full = engine.compressed(replace(prefill, adopt=None), full, None, suffix_ids, max_new_tokens)
             answer = engine.decode(start_full, full, max_new_tokens, stop).token_ids
         reference = compressed_logits(engine, prefill, full, None, suffix_ids, answer, max_new_tokens)
+    compared = Reference.of(reference) if reference is not None and rebuild else None  # what every row is read against
     shared_s = time.perf_counter() - start  # the reference's cost: charged to the full cache's row
     own = {i: decoded_logits(run.gen, answer) for i, run in enumerate(runs) if run in rebuild}
     forced, forced_s = forced_rows(
@@ -175,10 +193,10 @@ def add_columns(
         row["length_vs_full"] = len(run.gen.token_ids) / len(answer)
         if run.method.name == "full":  # the reference itself
             row.update(identical(len(answer)), fidelity_s=shared_s)
-        elif i in own and reference is not None:
+        elif i in own and compared is not None:
             start = time.perf_counter()
             logits = own[i]
-            columns = compare(reference, logits if logits is not None else forced[i])
+            columns = compare(compared, logits if logits is not None else forced[i])
             row.update(columns, fidelity_s=time.perf_counter() - start + forced_s.get(i, 0.0))
 
 
