@@ -15,8 +15,12 @@ more than MAX_ROWS rows (prefills, long suffixes), other dtypes, a bias, autogra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+from kvbench.kernels.cpu import build
 
 # rows (batch × tokens) a forward pass may have for the kernel: decode steps, short suffixes, a grid's decode batch
 # (kvbench.native.grid_decode.MAX_ROWS, tested equal)
@@ -25,19 +29,24 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernel():
-    from kvbench.kernels.cpu import build
+    """The C function, or None (KVBENCH_NO_CPU_EXT=1 — read at every call —, no compiler)."""
+    return _loaded() if build.enabled() else None
 
+
+@functools.cache
+def _loaded():
     return build.function("decode_linear", "pppillli")
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes this call (else nn.Linear's own product)."""
+    """Whether `linear` takes this call (else nn.Linear's own product). Called for every linear layer of every
+    forward: the row count first (a prefill's calls end there)."""
     return (
-        takes_weight(weight, bias)
+        0 < x.numel() // max(weight.shape[1], 1) <= MAX_ROWS
+        and takes_weight(weight, bias)
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.shape[-1] == weight.shape[1]
-        and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
 
@@ -61,18 +70,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         return None
     n_out, k_in = weight.shape
     rows = x.reshape(-1, k_in).contiguous()  # (M, K)
-    out = torch.empty(rows.shape[0], n_out, dtype=x.dtype)  # (M, N)
-    status = kernel(
-        rows.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        int(x.dtype == torch.bfloat16),
-        rows.shape[0],
-        n_out,
-        k_in,
-        torch.get_num_threads(),
-    )
-    return out.reshape(*x.shape[:-1], n_out) if status == 0 else None
+    n_rows = rows.shape[0]
+    out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype)  # (..., N): the same memory as (M, N)
+    bf16 = x.dtype == torch.bfloat16
+    status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, n_rows, n_out, k_in, _threads())
+    return out if status == 0 else None
+
+
+_threads = torch.get_num_threads
 
 
 class DecodeLinear(nn.Linear):
