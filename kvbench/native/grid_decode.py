@@ -146,7 +146,8 @@ class GridRow(DynamicLayer):
 
     def __init__(self, grid: GridLayer, row: int):
         super().__init__()
-        self.lazy_initialization(grid.keys, grid.values)
+        # what lazy_initialization sets, without its two empty tensors (a view is made per hooked row, layer, step)
+        self.dtype, self.device, self.is_initialized = grid.dtype, grid.device, True
         self.grid, self.row, self.compacted = grid, row, False
         n = grid.lengths[row]
         self.keys, self.values = grid.keys[row : row + 1, :, :n], grid.values[row : row + 1, :, :n]
