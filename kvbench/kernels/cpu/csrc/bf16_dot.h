@@ -1,6 +1,6 @@
 /* Q·Kᵀ of bfloat16 rows with AVX512-BF16 dot products (vdpbf16ps: pairs of bf16 products, exact in float32, added
  * into float32 accumulators), shared by the kernels that score a prompt's queries against its keys in bf16
- * (prefill_attention.c, softmax_column_sums.c). Only where the compiler targets AVX512-BF16 (-march=native on such a
+ * (softmax_column_sums.c). Only where the compiler targets AVX512-BF16 (-march=native on such a
  * CPU); callers check BF16_DOT. */
 #ifndef KVBENCH_BF16_DOT_H
 #define KVBENCH_BF16_DOT_H
