@@ -9,18 +9,24 @@ Three passes in one process, each on the run's examples (default: NIAH 1K/2K/4K 
 - sweep: the default grid — full + SnapKV, PyramidKV, H2O, StreamingLLM, random × 0.25 / 0.5 — fidelity on.
 Prints each pass's seconds (the examples' work: the model loaded), sweep/full and full/plain, whether full's
 predictions are plain's, and where the sweep's time goes from its rows: fidelity's share and the grid's decode.
+`bench.pairs=N` runs full and the sweep N times, interleaved (full, sweep, full, sweep, …), and prints each pair's
+ratio and their median: on a machine whose speed drifts between minutes (a shared VM) one pair's ratio can move by
+10 % or more.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 
 import torch
 
-from kvbench.bench.common import compose, machine
+from kvbench import KvbenchError
+from kvbench.bench.common import compose, machine, options
 
 GRID = ["grid.method=[snapkv,pyramidkv,h2o,streamingllm,random]", "grid.budget=[0.25,0.5]"]
+OPTIONS = {"pairs": 1}  # interleaved (full, sweep) runs
 
 
 def plain_answers(lm, engine, examples) -> tuple[float, list[str]]:
@@ -60,6 +66,9 @@ def main(overrides: list[str]) -> None:
     from kvbench.preflight.entrance import check_run
     from kvbench.tasks import build_task
 
+    opts, overrides = options(overrides, OPTIONS, "sweep")
+    if opts["pairs"] < 1:
+        raise KvbenchError(f"bench.pairs={opts['pairs']}: give 1 or more (full, sweep) pairs")
     spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads
     lm = load_model(spec.model, spec.device, spec.dtype)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
@@ -68,8 +77,8 @@ def main(overrides: list[str]) -> None:
     print(f"sweep benchmark: {lm.name} {str(lm.dtype).removeprefix('torch.')} on {machine(lm.device)}")
     plain_s, plain = plain_answers(lm, engine, examples)
     del engine, lm
-    full = timed_run(overrides, "method=full")
-    sweep = timed_run(overrides, *GRID)
+    pairs = [(timed_run(overrides, "method=full"), timed_run(overrides, *GRID)) for _ in range(opts["pairs"])]
+    full, sweep = pairs[0]
     full_s, sweep_s = full.attrs["work_s"], sweep.attrs["work_s"]
     by_id = dict(zip(full.example_id, full.prediction))
     same = sum(by_id.get(ex.example_id) == answer for ex, answer in zip(examples, plain))
@@ -89,3 +98,7 @@ def main(overrides: list[str]) -> None:
             f"{(step / alone).mean():.2f}× the full cache's alone (mean over examples); bandwidth share "
             f"{grid_rows.bandwidth_share.mean():.2f} (full alone {full.bandwidth_share.mean():.2f})"
         )
+    if len(pairs) > 1:
+        ratios = [s.attrs["work_s"] / f.attrs["work_s"] for f, s in pairs]  # each pair's sweep / full
+        listed = " / ".join(f"{r:.3f}" for r in ratios)
+        print(f"sweep / full, {len(ratios)} interleaved pairs: {listed}; median {statistics.median(ratios):.3f}×")

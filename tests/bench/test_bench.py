@@ -26,6 +26,7 @@ TINY = [
         (["stats", "dtype=float8"], r"dtype=float8 is not one of"),
         (["decode", "bogus=["], r"\(overrides: bogus=\[\)"),
         (["sweep", "method=nosuch"], r"nosuch"),
+        (["sweep", "bench.pairs=0"], r"bench.pairs=0: give 1 or more \(full, sweep\) pairs"),
         ([], r"usage: python -m kvbench.bench"),
     ],
 )
@@ -46,6 +47,15 @@ def test_the_sweep_benchmark_prints_its_ratios_and_full_equals_plain(capsys, mon
     assert re.search(r"sweep, fidelity on +[\d.]+ s +[\d.]+× full", out)
     assert re.search(r"fidelity columns +[\d.]+ s +[\d.]+% of the sweep", out)
     assert "11 configurations in the sweep (22 rows)" in out
+
+
+def test_the_sweep_benchmark_interleaves_pairs_and_prints_their_median(capsys, monkeypatch):
+    monkeypatch.setenv("KVBENCH_BANDWIDTH_GBS", "10")
+    assert main(["sweep", *TINY, "bench.pairs=2"]) == 0
+    found = re.search(r"sweep / full, 2 interleaved pairs: ([\d.]+) / ([\d.]+); median ([\d.]+)×", capsys.readouterr().out)
+    assert found is not None
+    first, second, median = (float(x) for x in found.groups())
+    assert median == pytest.approx((first + second) / 2, abs=1e-3)
 
 
 @pytest.mark.parametrize("name", ["decode", "stats"])
