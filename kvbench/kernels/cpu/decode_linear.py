@@ -73,11 +73,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     n_rows = rows.shape[0]
     out = torch.empty(x.shape[:-1] + (n_out,), dtype=x.dtype)  # (..., N): the same memory as (M, N)
     bf16 = x.dtype == torch.bfloat16
-    status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, n_rows, n_out, k_in, _threads())
+    threads = torch.get_num_threads()
+    status = kernel(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), bf16, n_rows, n_out, k_in, threads)
     return out if status == 0 else None
-
-
-_threads = torch.get_num_threads
 
 
 class DecodeLinear(nn.Linear):
