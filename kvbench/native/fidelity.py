@@ -102,7 +102,6 @@ def compressed_logits(
 class Reference:
     """The full cache's distributions (n, V) as every comparison reads them, computed once per example."""
 
-    logits: torch.Tensor  # (n, V)
     log_p: torch.Tensor  # (n, V) fp32 log-softmax
     p: torch.Tensor  # (n, V) its probabilities
     top1: torch.Tensor  # (n,) its most likely tokens
@@ -110,7 +109,7 @@ class Reference:
     @classmethod
     def of(cls, full: torch.Tensor) -> Reference:
         log_p = torch.log_softmax(full.float(), -1)  # (n, V)
-        return cls(full, log_p, log_p.exp(), full.argmax(-1))
+        return cls(log_p, log_p.exp(), full.argmax(-1))
 
 
 def per_step(full: torch.Tensor | Reference, other: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
