@@ -78,16 +78,19 @@ def one_length(engine, length: int, ids: list[int], confs: list, request, opts: 
 
 def main(overrides: list[str]) -> None:
     from kvbench.model.attention import StatsRequest
+    from kvbench.model.device import resolve_device
     from kvbench.native.engine import Engine
+    from kvbench.native.graph_decode import check_setting
 
     opts, overrides = options(overrides, OPTIONS, "gpu")
     spec, confs = checked(overrides, *DEFAULTS)
     confs = requested(spec, confs)
+    check_setting(spec.decode_graph, resolve_device(spec.device))
     start = time.perf_counter()
     lm = load(spec)
     params = sum(p.numel() for p in lm.model.parameters()) / 1e9
     header("gpu", lm, f"{params:.2f} B params, loaded in {time.perf_counter() - start:.1f} s")
-    engine = Engine(lm)
+    engine = Engine(lm, graphs=spec.decode_graph)  # decode_graph=true: steps replayed as a CUDA graph
     engine.eos_ids = set()  # fixed-length decodes: random weights may emit EOS anywhere
     request = StatsRequest()
     for conf in confs:

@@ -112,6 +112,9 @@ class RunSpec:
         choices=("auto", True, False),
     )
     fidelity: bool = setting(True, "bool", "fidelity=true (KL columns vs the full cache) or fidelity=false")
+    decode_graph: bool = setting(
+        False, "bool", "decode_graph=true (CUDA: a configuration's decode step captured once, replayed) or false"
+    )
     grid_padding: float = setting(
         3.0,
         "float",

@@ -15,6 +15,7 @@ class PaddedKV:
     tensor: torch.Tensor  # (B, H_kv, T, D); pad slots may hold anything (the grid never writes them)
     mask: torch.Tensor | None = None  # (B, 1, 1, T) bool, True = a token of that row; None: from `lengths`
     lengths: list[int] | None = None  # per row, its tokens: slots [0, n) (a decode step attends row by row)
+    zero_pads: bool = False  # the pad slots hold zeros (kvbench.native.graph_decode): `dense` needs no copy
 
     def pad_mask(self) -> torch.Tensor | None:
         """(B, 1, 1, T) bool, True = a token of that row; None: no pads."""
@@ -27,4 +28,4 @@ class PaddedKV:
         """(B, H_kv, T, D) with the pads zeroed, for one masked attention call over the batch (a masked slot's
         value still enters the product: it must be finite)."""
         mask = self.pad_mask()  # (B, 1, 1, T)
-        return self.tensor if mask is None else self.tensor.masked_fill(~mask.transpose(-1, -2), 0)
+        return self.tensor if mask is None or self.zero_pads else self.tensor.masked_fill(~mask.transpose(-1, -2), 0)

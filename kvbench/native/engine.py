@@ -33,6 +33,8 @@ from kvbench.model.cache import (
 )
 from kvbench.model.load import LoadedModel
 from kvbench.native.bandwidth import weight_bytes
+from kvbench.native.graph_decode import GraphStep
+from kvbench.native.graph_decode import applies as graph_applies
 from kvbench.native.memory import read_peak, reset_peak, synchronize
 from kvbench.native.slots import plain_layers, use_slots
 
@@ -117,8 +119,9 @@ class Compressed:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, full: LoadedModel | None = None):
+    def __init__(self, lm: LoadedModel, full: LoadedModel | None = None, graphs: bool = False):
         self.lm = lm
+        self.graphs = graphs  # decode_graph: plain configurations decode by a captured CUDA graph (graph_decode.py)
         # kv_bytes_full always refers to the original model (head merging runs on a converted copy)
         self.full_lm = full or lm
         self.full_layout = self.full_lm.layout
@@ -272,22 +275,28 @@ class Engine:
         steps, t0 = 0, time.perf_counter()
         hooks = start.hooks
         hooks.on_decode_start(cache, position)
-        slots = use_slots(cache, hooks, self.lm.model)  # evictions in place, appends into spare slots
+        graph = GraphStep(self.lm, start, max_new_tokens) if self.graphs and graph_applies(self.lm, start) else None
+        slots = graph is None and use_slots(cache, hooks, self.lm.model)  # evictions in place, appends into slots
         while len(generated) < max_new_tokens and token not in self.eos_ids:
             if stop and any(s in tokenizer.decode(generated, skip_special_tokens=True) for s in stop):
                 break
-            with recording(hooks.decode_request()) as stats:
-                logits = self.forward([token], [hooks.position(position, cache)], cache)[-1]
-            hooks.on_decode_step(cache, stats)
+            if graph is not None:  # the static step, replayed (its logits buffer is the next step's too)
+                logits = graph(token)
+            else:
+                with recording(hooks.decode_request()) as stats:
+                    logits = self.forward([token], [hooks.position(position, cache)], cache)[-1]
+                hooks.on_decode_step(cache, stats)
             position, steps = position + 1, steps + 1
             token = int(logits.argmax())
             generated.append(token)
             if logits_buffer is not None:
                 kept_logits.append(logits_buffer[len(generated) - 1].copy_(logits))
             elif keep_logits:
-                kept_logits.append(logits)
+                kept_logits.append(logits.clone() if graph is not None else logits)
         synchronize(device)
-        decode_s = time.perf_counter() - t0
+        decode_s = time.perf_counter() - t0 - (graph.capture_s if graph is not None else 0.0)  # capture: setup
+        if graph is not None:
+            graph.finish()  # exact-size tensors again, as below
         if slots:
             plain_layers(cache)  # exact-size tensors again: kv_bytes counts what a plain cache would hold
         peak = max(start.prefill_peak, read_peak(device))
@@ -390,7 +399,9 @@ class Engine:
         cache = self._prepared
         if key not in cache:
             model = method.prepare_model(self.lm.model) if isinstance(method, ChangesModel) else self.lm.model
-            cache[key] = self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_lm)
+            cache[key] = (
+                self if model is self.lm.model else Engine(replace(self.lm, model=model), self.full_lm, self.graphs)
+            )
         return cache[key]
 
     def run(

@@ -100,5 +100,7 @@ def hash_configuration(
             # the C decode kernels round differently from torch's products and sdpa: their rows are their own
             **({"decode_kernels": "c"} if decode_kernels(lm) else {}),
             **({"bf16_kernels": "column-sums"} if bf16_kernels(lm) else {}),
+            # a captured step attends over its buffers under a mask (kvbench.native.graph_decode): its own last bits
+            **({"decode_graph": True} if spec.decode_graph else {}),
         }
     )

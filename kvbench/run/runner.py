@@ -20,9 +20,11 @@ from tqdm import tqdm
 from kvbench import ConfigurationsFailed, KvbenchError
 from kvbench.config.spec import RunSpec
 from kvbench.guide.diagnose_run import thresholds_for
+from kvbench.model.device import resolve_device
 from kvbench.model.load import load_model
 from kvbench.native.bandwidth import memory_bandwidth
 from kvbench.native.engine import Engine
+from kvbench.native.graph_decode import check_setting as check_graph_setting
 from kvbench.preflight.entrance import check_model_support, check_run
 from kvbench.rows import modes
 from kvbench.rows.build import RowContext
@@ -51,6 +53,7 @@ def run(cfg: DictConfig, output_dir: str | Path | None = None) -> pd.DataFrame:
     """Run the configured job in this process (or one launcher shard of it); returns this run's rows (computed
     and reused). Writes store + run directory. `kvbench.__main__.launch` picks a launcher first."""
     spec, confs = check_run(cfg)
+    check_graph_setting(spec.decode_graph, resolve_device(spec.device))  # before a model loads
     lm = load_model(spec.model, spec.device, spec.dtype)
     check_model_support(spec, confs, lm.config)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
@@ -102,7 +105,7 @@ def run_examples(spec: RunSpec, confs, lm, task, examples, data, store, out_dir:
     common["memory_bandwidth"] = bandwidth  # bytes/s: what each row's bandwidth_share is a share of
     common.update(engine=spec.engine_name, engine_version=version or common["kvbench_version"])
     ctx = RowContext(
-        Engine(lm),
+        Engine(lm, graphs=spec.decode_graph),
         task,
         common,
         diagnose=thresholds_for(spec, task) if spec.diagnose else None,
