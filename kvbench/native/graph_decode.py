@@ -70,6 +70,11 @@ class BufferLayer(DynamicLayer):
         return kv_layer(self.keys[:, :, :n].clone(), self.values[:, :, :n].clone())  # (1, H_kv, n, D)
 
 
+def capacity(tokens: int) -> int:
+    """A buffer's slots: the tokens rounded up to 16 (sdpa's memory-efficient kernel pads a mask to that anyway)."""
+    return -(-tokens // 16) * 16
+
+
 def applies(lm, start) -> bool:
     """Whether this configuration's decode can be one static step: plain batch-1 full-attention layers at their
     own positions, nothing acting on decode steps, a model without window, latent (MLA) or recurrent layers."""
@@ -104,9 +109,9 @@ class GraphStep:
         device = lm.device
         self.lm, self.cache, self.capture = lm, start.cache, capture and device.type == "cuda"
         self.step_count = torch.zeros(1, dtype=torch.long, device=device)  # (1,) steps taken, advanced by the step
-        capacity_extra = max(max_new_tokens - 1, 0)  # forwards a decode of max_new_tokens makes at most
+        extra = max(max_new_tokens - 1, 0)  # forwards a decode of max_new_tokens makes at most
         self.layers = [
-            BufferLayer(layer.keys, layer.values, layer.keys.shape[2] + capacity_extra, self.step_count)
+            BufferLayer(layer.keys, layer.values, capacity(layer.keys.shape[2] + extra), self.step_count)
             for layer in start.cache.layers
         ]
         self.cache.layers[:] = self.layers
@@ -158,8 +163,15 @@ class GraphStep:
     def _capture(self) -> None:
         start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # recorded, not run: the state is still the previous step's
-            self._forward()
+        try:
+            with torch.cuda.graph(graph):  # recorded, not run: the state is still the previous step's
+                self._forward()
+        except RuntimeError as error:  # something in the model's step syncs with the host or leaves the device
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise KvbenchError(
+                f"decode_graph=true: {type(self.lm.model).__name__}'s decode step could not be captured as a CUDA "
+                f"graph ({first}); use decode_graph=false"
+            ) from error
         torch.cuda.synchronize()
         self.graph, self.capture_s = graph, time.perf_counter() - start
 
