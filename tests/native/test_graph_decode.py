@@ -5,6 +5,7 @@ where CUDA is present (skipped here otherwise, and said so)."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvbench import KvbenchError
 from kvbench.methods import Budget, build_method, method_defaults
@@ -47,6 +48,35 @@ def test_static_step_gives_eager_tokens_and_bytes(family):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+class OpNames(TorchDispatchMode):
+    """The aten ops a block runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# a host round trip (a tensor's value read into Python, a tensor made from Python data) cannot be captured
+HOST_OPS = {"aten._local_scalar_dense.default", "aten.lift_fresh.default", "aten.item.default", "aten.nonzero.default"}
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "qwen3", "phi3", "gpt2", "olmo2", "mixtral"])
+def test_the_static_step_never_reads_a_tensor_into_python(family):
+    lm = finish(build(family), byte_tokenizer(), family, torch.device("cpu"), torch.float32)
+    engine, full = Engine(lm, graphs=True), build_method("full")
+    start = engine.compressed(engine.prefill(list(range(3, 100)), full.stats_request()), full, None, [], NEW)
+    assert graph_decode.applies(lm, start)
+    step = graph_decode.GraphStep(lm, start, NEW)
+    step(5)  # the first step makes the logits buffer
+    with OpNames() as ops:
+        step(6)  # what a capture records
+    assert "aten.scaled_dot_product_attention.default" in ops.names and not ops.names & HOST_OPS
+
+
 def test_buffer_layer_writes_the_steps_slot_and_masks_the_rest():
     keys, values = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)  # (1, H_kv, T, D)
     step = torch.zeros(1, dtype=torch.long)
@@ -67,14 +97,41 @@ def test_decode_graph_is_refused_off_cuda():
     graph_decode.check_setting(False, torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the graph capture runs only on a GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_captured_graph_gives_eager_tokens_and_bytes(dtype):
-    lm = finish(build("llama-gqa"), byte_tokenizer(), "llama-gqa", torch.device("cuda"), dtype)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the graph capture runs only on a GPU")
+
+
+def static_logits(lm, start, capture: bool) -> tuple[list[torch.Tensor], bool]:
+    """Each step's logits of a greedy decode through GraphStep, and whether it replayed a captured graph."""
+    step = graph_decode.GraphStep(lm, start, NEW, capture=capture)
+    token, out = int(start.logits.argmax()), []
+    for _ in range(NEW - 1):
+        out.append(step(token).clone())
+        token = int(out[-1].argmax())
+    return out, step.graph is not None
+
+
+@CUDA
+def test_captured_graph_gives_eager_tokens_and_bytes():
+    lm = finish(build("llama-gqa"), byte_tokenizer(), "llama-gqa", torch.device("cuda"), torch.float32)
     for name, budget in CONFIGS[:3]:
         eager, graph, took = decode_both(lm, name, budget)
         assert took
         assert graph.token_ids == eager.token_ids and graph.kv_bytes == eager.kv_bytes
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_replayed_graph_is_its_static_step_bit_for_bit(dtype):
+    lm = finish(build("llama-gqa"), byte_tokenizer(), "llama-gqa", torch.device("cuda"), dtype)
+    engine, method = Engine(lm), build_method("snapkv", method_defaults("snapkv"))
+    ids = list(range(3, 160))
+    runs = []
+    for capture in (False, True):
+        start = engine.compressed(engine.prefill(ids, method.stats_request()), method, Budget.parse(0.5), [], NEW)
+        runs.append(static_logits(lm, start, capture))
+    (eager, replayed), (captured, graphed) = runs
+    assert graphed and not replayed
+    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
 
 
 def test_a_run_with_decode_graph_on_the_cpu_stops_before_the_model_loads(tmp_path, monkeypatch):
