@@ -92,7 +92,7 @@ def test_buffer_layer_writes_the_steps_slot_and_masks_the_rest():
 
 
 def test_decode_graph_is_refused_off_cuda():
-    with pytest.raises(KvbenchError, match="decode_graph=true captures CUDA graphs.*use device=cuda"):
+    with pytest.raises(KvbenchError, match=r"decode_graph=true captures CUDA graphs.*use device=cuda"):
         graph_decode.check_setting(True, torch.device("cpu"))
     graph_decode.check_setting(False, torch.device("cpu"))
 
