@@ -67,6 +67,61 @@ static inline const float *as_float(const void *p, int is_bf16, int64_t i, int64
     return buf;
 }
 
+#ifdef __AVX512F__
+#define HB 4 /* query heads per block of value accumulators */
+#define VB 4 /* vectors of LANES per block: HB x VB accumulators stay in registers across a chunk's tokens */
+
+/* acc[h0 + i][d0 + d] += Σ_t p[h0 + i][t] · v_t[d0 + d] for i < hb, d < vb · LANES: one fma per token in token order,
+ * as the scalar loop does it, the accumulators held in registers instead of memory. hb and vb are constants at each
+ * call site (always_inline), so the loops unroll and the registers hold. */
+static inline __attribute__((always_inline)) void value_block(const void *v, int is_bf16, int64_t vbase, int64_t t0,
+                                                              int64_t n, int64_t D, const float *p, float *acc,
+                                                              int64_t h0, int64_t d0, const int hb, const int vb) {
+    __m512 a[HB][VB];
+    for (int i = 0; i < hb; i++)
+        for (int j = 0; j < vb; j++) a[i][j] = _mm512_loadu_ps(acc + (h0 + i) * D + d0 + j * LANES);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 vv[VB];
+        for (int j = 0; j < vb; j++) vv[j] = lanes_as_float(v, vbase + (t0 + t) * D + d0 + j * LANES, is_bf16);
+        for (int i = 0; i < hb; i++) {
+            const __m512 w = _mm512_set1_ps(p[(h0 + i) * n + t]);
+            for (int j = 0; j < vb; j++) a[i][j] = _mm512_fmadd_ps(w, vv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < hb; i++)
+        for (int j = 0; j < vb; j++) _mm512_storeu_ps(acc + (h0 + i) * D + d0 + j * LANES, a[i][j]);
+}
+
+#define VALUE_CASE(hb, vb)                                                                                     \
+    case (hb) * 8 + (vb):                                                                                      \
+        value_block(v, is_bf16, vbase, t0, n, D, p, acc, h0, d0, hb, vb);                                      \
+        break;
+
+/* acc (G x D, zeroed) = Σ_t p[i][t] · v_t over the chunk's n tokens from t0, whole vectors by value_block, the
+ * D % LANES tail by the scalar loop's own fmas */
+static void accumulate_values(const void *v, int is_bf16, int64_t vbase, int64_t t0, int64_t n, int64_t D, int64_t G,
+                              const float *p, float *acc) {
+    const int64_t whole = D / LANES * LANES;
+    for (int64_t h0 = 0; h0 < G; h0 += HB) {
+        const int hb = (int)(G - h0 < HB ? G - h0 : HB);
+        for (int64_t d0 = 0; d0 < whole; d0 += VB * LANES) {
+            const int vb = (int)((whole - d0) / LANES < VB ? (whole - d0) / LANES : VB);
+            switch (hb * 8 + vb) {
+                VALUE_CASE(1, 1) VALUE_CASE(1, 2) VALUE_CASE(1, 3) VALUE_CASE(1, 4)
+                VALUE_CASE(2, 1) VALUE_CASE(2, 2) VALUE_CASE(2, 3) VALUE_CASE(2, 4)
+                VALUE_CASE(3, 1) VALUE_CASE(3, 2) VALUE_CASE(3, 3) VALUE_CASE(3, 4)
+                VALUE_CASE(4, 1) VALUE_CASE(4, 2) VALUE_CASE(4, 3) VALUE_CASE(4, 4)
+            default: break;
+            }
+        }
+    }
+    for (int64_t t = 0; t < n && whole < D; t++)
+        for (int64_t i = 0; i < G; i++)
+            for (int64_t d = whole; d < D; d++)
+                acc[i * D + d] = fmaf(p[i * n + t], load_float(v, vbase + (t0 + t) * D + d, is_bf16), acc[i * D + d]);
+}
+#endif
+
 static inline int64_t chunks_of(int64_t n) { /* depends on the row's own length only */
     int64_t c = n / MIN_CHUNK;
     return c < 1 ? 1 : c > MAX_CHUNKS ? MAX_CHUNKS : c;
@@ -99,7 +154,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
         const int64_t c = row_chunk - first[b], n_chunks = first[b + 1] - first[b], n = lengths[b];
         const int64_t t0 = n * c / n_chunks, t1 = n * (c + 1) / n_chunks;
         float *maxima = part + item * G * (D + 2), *sums = maxima + G, *acc = sums + G;
-        float qf[MAX_GROUP][MAX_DIM], kf[MAX_DIM], vf[MAX_DIM];
+        float qf[MAX_GROUP][MAX_DIM], kf[MAX_DIM];
         for (int64_t i = 0; i < G; i++)
             for (int64_t d = 0; d < D; d++) qf[i][d] = load_float(q, (b * H_q + g * G + i) * D + d, is_bf16);
         const int64_t kbase = b * k_batch_stride + g * k_head_stride, vbase = b * v_batch_stride + g * v_head_stride;
@@ -134,6 +189,10 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
             sums[i] = halving_sum(partial, LANES);
         }
         memset(acc, 0, (size_t)(G * D) * sizeof(float));
+#ifdef __AVX512F__
+        accumulate_values(v, is_bf16, vbase, t0, t1 - t0, D, G, scores, acc);
+#else
+        float vf[MAX_DIM];
         for (int64_t t = t0; t < t1; t++) {
             const float *vt = as_float(v, is_bf16, vbase + t * D, D, vf);
             for (int64_t i = 0; i < G; i++) {
@@ -143,6 +202,7 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
                 for (int64_t d = 0; d < D; d++) a[d] = fmaf(w, vt[d], a[d]);
             }
         }
+#endif
         free(scores);
     }
 

@@ -27,16 +27,6 @@
 #define NB 4 /* outputs per block */
 #define MB 4 /* rows per block */
 
-#ifdef __AVX512F__
-static inline __m512 weight_vector(const void *w, int is_bf16, int64_t i) { /* LANES weights from w[i] */
-    if (is_bf16) {
-        __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_loadu_ps((const float *)w + i);
-}
-#endif
-
 /* out[m][n] = the lane sum, then the K % LANES tail from k on, in order by fma */
 static inline void finish(const float *xf, const void *w, int is_bf16, float *out, int64_t m, int64_t n, int64_t k,
                           int64_t K, int64_t N, float sum) {
@@ -58,7 +48,7 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
     const int64_t elem = is_bf16 ? 2 : 4;
     for (; k + LANES <= K; k += LANES) {
         __m512 wv[NB];
-        for (int j = 0; j < NB; j++) wv[j] = weight_vector(w, is_bf16, rows[j] * K + k);
+        for (int j = 0; j < NB; j++) wv[j] = lanes_as_float(w, rows[j] * K + k, is_bf16);
         if (m0 == 0) /* while the first rows stream this block's weights, fetch the next block's into cache */
             for (int j = 0; j < NB; j++)
                 _mm_prefetch((const char *)w + ((rows[j] + NB < N ? rows[j] + NB : N - 1) * K + k) * elem, _MM_HINT_T0);

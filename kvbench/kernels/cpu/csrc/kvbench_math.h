@@ -80,6 +80,15 @@ static inline float halving_sum16(__m512 v) {
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
+
+/* LANES elements from element i of a float32 or bfloat16 array, as float32 (bf16: its bits shifted up, exact) */
+static inline __m512 lanes_as_float(const void *data, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        __m256i half = _mm256_loadu_si256((const __m256i *)((const uint16_t *)data + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_loadu_ps((const float *)data + i);
+}
 #endif
 
 /* element i of a float32 or bfloat16 array, as float32 */
