@@ -11,7 +11,8 @@ Prints each pass's seconds (the examples' work: the model loaded), sweep/full an
 predictions are plain's, and where the sweep's time goes from its rows: fidelity's share and the grid's decode.
 `bench.pairs=N` runs full and the sweep N times, interleaved (full, sweep, full, sweep, …), and prints each pair's
 ratio and their median: on a machine whose speed drifts between minutes (a shared VM) one pair's ratio can move by
-10 % or more.
+10 % or more. `bench.by_length=true` makes each pair one context length at a time — that length's full run, then its
+sweep — so the two halves of a ratio are at most a minute apart; the rows and seconds are the lengths' summed.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import statistics
 import tempfile
 import time
 
+import pandas as pd
 import torch
 
 from kvbench import KvbenchError
 from kvbench.bench.common import compose, machine, options
 
 GRID = ["grid.method=[snapkv,pyramidkv,h2o,streamingllm,random]", "grid.budget=[0.25,0.5]"]
-OPTIONS = {"pairs": 1}  # interleaved (full, sweep) runs
+OPTIONS = {"pairs": 1, "by_length": False}  # interleaved (full, sweep) runs; each length's full beside its sweep
 
 
 def plain_answers(lm, engine, examples) -> tuple[float, list[str]]:
@@ -60,6 +62,27 @@ def timed_run(overrides: list[str], *extra: str):
         return run(compose(overrides, f"results_dir={tmp}/store", *extra), output_dir=f"{tmp}/out")
 
 
+def timed_pair(overrides: list[str], lengths: list[int] | None):
+    """(full, sweep) runs on the examples: whole, or one context length at a time, each length's full run beside
+    its sweep (a drift of the machine's speed between minutes then falls on both), rows joined, work_s summed."""
+    if not lengths:
+        return timed_run(overrides, "method=full"), timed_run(overrides, *GRID)
+    own = [o for o in overrides if not o.startswith("task.context_lengths=")]
+    runs = [
+        (
+            timed_run(own, f"task.context_lengths=[{n}]", "method=full"),
+            timed_run(own, f"task.context_lengths=[{n}]", *GRID),
+        )
+        for n in lengths
+    ]
+    joined = []
+    for side in zip(*runs):
+        frame = pd.concat(side, ignore_index=True)
+        frame.attrs["work_s"] = sum(f.attrs["work_s"] for f in side)
+        joined.append(frame)
+    return joined[0], joined[1]
+
+
 def main(overrides: list[str]) -> None:
     from kvbench.model.load import load_model
     from kvbench.native.engine import Engine
@@ -70,6 +93,9 @@ def main(overrides: list[str]) -> None:
     if opts["pairs"] < 1:
         raise KvbenchError(f"bench.pairs={opts['pairs']}: give 1 or more (full, sweep) pairs")
     spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads
+    lengths = spec.task.get("context_lengths") if opts["by_length"] else None
+    if opts["by_length"] and not lengths:
+        raise KvbenchError(f"bench.by_length=true needs a task with context_lengths; task={spec.task_name} has none")
     lm = load_model(spec.model, spec.device, spec.dtype)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()[: spec.limit] if spec.limit else task.examples()
@@ -77,7 +103,7 @@ def main(overrides: list[str]) -> None:
     print(f"sweep benchmark: {lm.name} {str(lm.dtype).removeprefix('torch.')} on {machine(lm.device)}")
     plain_s, plain = plain_answers(lm, engine, examples)
     del engine, lm
-    pairs = [(timed_run(overrides, "method=full"), timed_run(overrides, *GRID)) for _ in range(opts["pairs"])]
+    pairs = [timed_pair(overrides, lengths) for _ in range(opts["pairs"])]
     full, sweep = pairs[0]
     full_s, sweep_s = full.attrs["work_s"], sweep.attrs["work_s"]
     by_id = dict(zip(full.example_id, full.prediction))

@@ -100,14 +100,16 @@ def test_decode_graph_is_refused_off_cuda():
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the graph capture runs only on a GPU")
 
 
-def static_logits(lm, start, capture: bool) -> tuple[list[torch.Tensor], bool]:
-    """Each step's logits of a greedy decode through GraphStep, and whether it replayed a captured graph."""
+def static_logits(lm, start, capture: bool, tokens: list[int] | None = None):
+    """Each step's logits through GraphStep fed `tokens` (default: greedy), the tokens fed, and whether it replayed
+    a captured graph."""
     step = graph_decode.GraphStep(lm, start, NEW, capture=capture)
-    token, out = int(start.logits.argmax()), []
-    for _ in range(NEW - 1):
+    fed, out = [int(start.logits.argmax())], []
+    for i in range(NEW - 1):
+        token = tokens[i] if tokens is not None else fed[-1]
         out.append(step(token).clone())
-        token = int(out[-1].argmax())
-    return out, step.graph is not None
+        fed.append(int(out[-1].argmax()))
+    return out, fed[:-1], step.graph is not None
 
 
 @CUDA
@@ -121,17 +123,20 @@ def test_captured_graph_gives_eager_tokens_and_bytes():
 
 @CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_replayed_graph_is_its_static_step_bit_for_bit(dtype):
+def test_a_replayed_graph_gives_its_static_steps_logits(dtype):
     lm = finish(build("llama-gqa"), byte_tokenizer(), "llama-gqa", torch.device("cuda"), dtype)
     engine, method = Engine(lm), build_method("snapkv", method_defaults("snapkv"))
     ids = list(range(3, 160))
-    runs = []
-    for capture in (False, True):
+    runs, tokens = [], None
+    for capture in (False, True):  # the same tokens fed to both (bf16's near ties may pick another greedy token)
         start = engine.compressed(engine.prefill(ids, method.stats_request()), method, Budget.parse(0.5), [], NEW)
-        runs.append(static_logits(lm, start, capture))
+        logits, tokens, graphed = static_logits(lm, start, capture, tokens)
+        runs.append((logits, graphed))
     (eager, replayed), (captured, graphed) = runs
     assert graphed and not replayed
-    assert all(torch.equal(a, b) for a, b in zip(eager, captured))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # cuBLAS may pick another algorithm inside a capture
+    for a, b in zip(eager, captured):  # a stale slot, step or position would move them far more
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
 def test_a_run_with_decode_graph_on_the_cpu_stops_before_the_model_loads(tmp_path, monkeypatch):
