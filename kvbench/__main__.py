@@ -2,10 +2,11 @@
 
 Exit codes: 0 done; 1 some configurations failed while running (each named; the others' rows are written), or
 Hydra's own errors (an unknown config group option: Hydra lists the options); 2 bad input or setup (one line naming
-the fix; in a multirun the other jobs still run, and the failed ones are listed at the end); 3 the store or run
-directory failed mid-run (disk full, read-only, ...: one line saying how many rows are safe and the command that
-resumes); 130/143/129 interrupted (ctrl-C), terminated (SIGTERM: a Slurm cancel or time limit), hung up (SIGHUP):
-the rows computed so far are in the store, the run's claims are released, rerun to resume.
+the fix, an unknown key too, before Hydra; in a multirun the other jobs still run, and the failed ones are listed at
+the end); 3 the store or run directory failed mid-run (disk full, read-only, ...: one line saying how many rows
+are safe and the command that resumes); 130/143/129 interrupted (ctrl-C), terminated (SIGTERM: a Slurm cancel or
+time limit), hung up (SIGHUP): the rows computed so far are in the store, the run's claims are released, rerun to
+resume.
 """
 
 from __future__ import annotations
@@ -135,8 +136,28 @@ def engine_option_as_method(argv: list[str]) -> str | None:
     return f"method={option} is engine={engine}'s option, not a kvbench method: give it as 'grid.method=[{option}]'"
 
 
+def unknown_key(argv: list[str]) -> str | None:
+    """`key=value` whose top-level key is no setting of conf/config.yaml and no config group: Hydra would answer in
+    several lines (exit 1); one line names what to use instead. `+key=`/`~key` and `hydra.*` are Hydra's."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config.rules import did_you_mean
+
+    known = set(OmegaConf.load(conf_dir() / "config.yaml").keys()) | {
+        p.name for p in conf_dir().iterdir() if p.is_dir()
+    }
+    for arg in argv:
+        key = arg.split("=", 1)[0].split(".", 1)[0]
+        if "=" not in arg or arg.startswith(("+", "~", "-")) or key == "hydra" or key in known:
+            continue
+        if key == "output_dir":
+            return "output_dir is not a kvbench setting: a run's directory is hydra.run.dir=PATH (-m: hydra.sweep.dir)"
+        return f"{key} is not a kvbench setting; {did_you_mean(key, known)}the settings are listed in conf/config.yaml"
+    return None
+
+
 def main() -> None:
-    wrong = engine_option_as_method(sys.argv[1:])
+    wrong = engine_option_as_method(sys.argv[1:]) or unknown_key(sys.argv[1:])
     if wrong:
         print(f"kvbench: error: {wrong}", file=sys.stderr)
         sys.exit(2)

@@ -161,3 +161,27 @@ def test_summary_labels_a_batch_step_and_says_when_n_is_too_small(capsys):
     assert full.split()[-3:] == ["–", "25.000", "2"]  # the batch's step, never shown as full's own decode speed
     assert snapkv.split()[-3:] == ["–", "25.000", "1–2"]  # one example alone, two in a batch: a mixed mean
     assert "batch_ms_per_step: one decode step of a batch" in out
+
+
+@pytest.mark.parametrize(
+    ("arg", "line"),
+    [
+        ("output_dir=/tmp/x", "output_dir is not a kvbench setting: a run's directory is hydra.run.dir=PATH"),
+        ("budgte=0.3", "budgte is not a kvbench setting; did you mean budget? the settings are listed in"),
+    ],
+)
+def test_an_unknown_key_is_one_line_and_exit_2_before_hydra(arg, line, monkeypatch, capsys):
+    from kvbench.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["kvbench", "model=tiny-random", arg])
+    with pytest.raises(SystemExit) as stop:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.startswith(f"kvbench: error: {line}") and len(err.splitlines()) == 1
+
+
+def test_known_keys_and_hydras_own_pass_the_key_check():
+    from kvbench.__main__ import unknown_key
+
+    given = ["-m", "budget=0.3", "task.context_lengths=[1]", "grid.method=[a]", "model=x", "+experiment=y", "~seed"]
+    assert unknown_key([*given, "hydra.run.dir=/tmp/r", "decode_graph=true"]) is None
