@@ -11,8 +11,9 @@ Prints each pass's seconds (the examples' work: the model loaded), sweep/full an
 predictions are plain's, and where the sweep's time goes from its rows: fidelity's share and the grid's decode.
 `bench.pairs=N` runs full and the sweep N times, interleaved (full, sweep, full, sweep, …), and prints each pair's
 ratio and their median: on a machine whose speed drifts between minutes (a shared VM) one pair's ratio can move by
-10 % or more. `bench.by_length=true` makes each pair one context length at a time — that length's full run, then its
-sweep — so the two halves of a ratio are at most a minute apart; the rows and seconds are the lengths' summed.
+10 % or more. Each pass goes one context length at a time (`bench.by_length`, default null: where the task has
+context lengths; true: required; false: the examples whole) — that length's full run, then its sweep — so the two
+halves of a ratio are at most a minute apart; the rows and seconds are the lengths' summed.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kvbench import KvbenchError
 from kvbench.bench.common import compose, machine, options
 
 GRID = ["grid.method=[snapkv,pyramidkv,h2o,streamingllm,random]", "grid.budget=[0.25,0.5]"]
-OPTIONS = {"pairs": 1, "by_length": False}  # interleaved (full, sweep) runs; each length's full beside its sweep
+OPTIONS = {"pairs": 1, "by_length": None}  # interleaved (full, sweep) runs; each length's full beside its sweep
 
 
 def plain_answers(lm, engine, examples) -> tuple[float, list[str]]:
@@ -93,9 +94,11 @@ def main(overrides: list[str]) -> None:
     if opts["pairs"] < 1:
         raise KvbenchError(f"bench.pairs={opts['pairs']}: give 1 or more (full, sweep) pairs")
     spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads
-    lengths = spec.task.get("context_lengths") if opts["by_length"] else None
-    if opts["by_length"] and not lengths:
+    lengths = spec.task.get("context_lengths") if opts["by_length"] is not False else None  # null: where it can
+    if opts["by_length"] is True and not lengths:
         raise KvbenchError(f"bench.by_length=true needs a task with context_lengths; task={spec.task_name} has none")
+    if opts["by_length"] not in (None, True, False):
+        raise KvbenchError(f"bench.by_length={opts['by_length']}: give true, false or null (by length where it can)")
     lm = load_model(spec.model, spec.device, spec.dtype)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()[: spec.limit] if spec.limit else task.examples()

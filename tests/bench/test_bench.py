@@ -28,6 +28,7 @@ TINY = [
         (["sweep", "method=nosuch"], r"nosuch"),
         (["sweep", "bench.pairs=0"], r"bench.pairs=0: give 1 or more \(full, sweep\) pairs"),
         (["sweep", "task=ppl", "bench.by_length=true"], r"bench.by_length=true needs a task with context_lengths"),
+        (["sweep", "bench.by_length=3"], r"bench.by_length=3: give true, false or null"),
         ([], r"usage: python -m kvbench.bench"),
     ],
 )
@@ -62,7 +63,7 @@ def test_the_sweep_benchmark_interleaves_pairs_and_prints_their_median(capsys, m
 def test_the_sweep_benchmark_pairs_each_length_and_joins_them(capsys, monkeypatch):
     monkeypatch.setenv("KVBENCH_BANDWIDTH_GBS", "10")
     lengths = [*TINY[:3], "task.context_lengths=[450,600]", *TINY[4:]]
-    assert main(["sweep", *lengths, "bench.by_length=true"]) == 0
+    assert main(["sweep", *lengths]) == 0  # by length: the default where the task has lengths
     out = capsys.readouterr().out
     assert re.search(r"method=full +[\d.]+ s +[\d.]+× plain; predictions equal: 4/4", out)
     assert "11 configurations in the sweep (44 rows)" in out
