@@ -136,19 +136,29 @@ def engine_option_as_method(argv: list[str]) -> str | None:
     return f"method={option} is engine={engine}'s option, not a kvbench method: give it as 'grid.method=[{option}]'"
 
 
-def unknown_key(argv: list[str]) -> str | None:
-    """`key=value` whose top-level key is no setting of conf/config.yaml and no config group: Hydra would answer in
-    several lines (exit 1); one line names what to use instead. `+key=`/`~key` and `hydra.*` are Hydra's."""
+def known_keys() -> set[str]:
+    """Top-level keys an override may name: conf/config.yaml's settings, the config groups, the other conf files
+    (serving.yaml, ...) and what each experiment adds (+experiment=serving brings `serving`)."""
     from omegaconf import OmegaConf
 
+    conf = conf_dir()
+    keys = set(OmegaConf.load(conf / "config.yaml").keys())
+    keys |= {p.name for p in conf.iterdir() if p.is_dir()} | {p.stem for p in conf.glob("*.yaml")}
+    for path in (conf / "experiment").glob("*.yaml"):
+        keys |= set(OmegaConf.load(path).keys())
+    return {str(key) for key in keys}
+
+
+def unknown_key(argv: list[str]) -> str | None:
+    """`key=value` whose top-level key no setting, config group or experiment has: Hydra would answer in several
+    lines (exit 1); one line names what to use instead. `+key=`/`~key` and `hydra.*`/`hydra/*` are Hydra's."""
     from kvbench.config.rules import did_you_mean
 
-    known = set(OmegaConf.load(conf_dir() / "config.yaml").keys()) | {
-        p.name for p in conf_dir().iterdir() if p.is_dir()
-    }
-    for arg in argv:
-        key = arg.split("=", 1)[0].split(".", 1)[0]
-        if "=" not in arg or arg.startswith(("+", "~", "-")) or key == "hydra" or key in known:
+    given = [arg for arg in argv if "=" in arg and not arg.startswith(("+", "~", "-"))]
+    tops = [arg.split("=", 1)[0].replace("/", ".").split(".", 1)[0] for arg in given]
+    known = known_keys() if any(key != "hydra" for key in tops) else set()
+    for key in tops:
+        if key == "hydra" or key in known:
             continue
         if key == "output_dir":
             return "output_dir is not a kvbench setting: a run's directory is hydra.run.dir=PATH (-m: hydra.sweep.dir)"

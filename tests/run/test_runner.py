@@ -185,3 +185,5 @@ def test_known_keys_and_hydras_own_pass_the_key_check():
 
     given = ["-m", "budget=0.3", "task.context_lengths=[1]", "grid.method=[a]", "model=x", "+experiment=y", "~seed"]
     assert unknown_key([*given, "hydra.run.dir=/tmp/r", "decode_graph=true"]) is None
+    # a Hydra group override and an experiment's own keys
+    assert unknown_key(["hydra/launcher=submitit_local", "+experiment=serving", "serving.slo_tpot_s=9"]) is None
