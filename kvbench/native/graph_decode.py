@@ -33,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from kvbench import KvbenchError
 from kvbench.model.cache import kv_layer
 from kvbench.model.padded import PaddedKV
+from kvbench.preflight.support import NO_ATTENTION_INTERFACE
 
 WARMUP = 2  # eager steps before the capture (torch's CUDA graph notes: warm up on a side stream first)
 
@@ -77,11 +78,13 @@ def capacity(tokens: int) -> int:
 
 def applies(lm, start) -> bool:
     """Whether this configuration's decode can be one static step: plain batch-1 full-attention layers at their
-    own positions, nothing acting on decode steps, a model without window, latent (MLA) or recurrent layers."""
+    own positions, nothing acting on decode steps, a model without window, latent (MLA) or recurrent layers whose
+    attention goes through transformers' AttentionInterface (kvbench's attention function reads the buffers)."""
     hooks, layers = start.hooks, start.cache.layers
     return (
         all(kind.kind == "global" for kind in lm.layout.layers)  # per-head K/V of every token: no window, no latent
         and not lm.layout.is_hybrid
+        and lm.config.model_type not in NO_ATTENTION_INTERFACE  # attention that reads the cache's tensors itself
         and not hooks.acts_while_decoding
         and not hooks.method.caps.decodes_alone
         and bool(layers)
