@@ -30,6 +30,9 @@ from kvbench.model.ragged import RaggedKV, ragged_attention
 # not "…sdpa…": transformers refuses any implementation named so for models without sdpa support (Gemma-2, whose
 # soft-capped logits this function sends to the model's own eager attention)
 ATTN_IMPLEMENTATION = "kvbench_stats"
+# model types whose attention reads the cache's tensors itself instead of going through transformers'
+# AttentionInterface (transformers 5.2's Falcon): no statistics recorded there, no buffers read through it
+NO_ATTENTION_INTERFACE = ("falcon",)
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvbench import KvbenchError
+from kvbench.model.attention import NO_ATTENTION_INTERFACE
 from kvbench.model.cache import kv_layer
 from kvbench.model.padded import PaddedKV
-from kvbench.preflight.support import NO_ATTENTION_INTERFACE
 
 WARMUP = 2  # eager steps before the capture (torch's CUDA graph notes: warm up on a side stream first)
 

@@ -33,6 +33,7 @@ import transformers
 from transformers import cache_utils
 
 from kvbench.model import layout
+from kvbench.model.attention import NO_ATTENTION_INTERFACE
 from kvbench.model.states import HYBRID_TYPES, STATE_TYPES
 
 HYBRID_CACHE = hasattr(cache_utils, "LinearAttentionLayer")  # transformers keeps a hybrid's states in DynamicCache
@@ -40,7 +41,6 @@ HYBRID_CACHE = hasattr(cache_utils, "LinearAttentionLayer")  # transformers keep
 POSITION_ONLY = ("full", "random", "streamingllm")  # select token positions, the same for every head
 FUSED_QKV = {"phi3": "qkv_proj", "gpt_neox": "query_key_value", "falcon": "query_key_value", "gpt2": "c_attn"}
 NOT_LLAMA_LAYOUT = ("gpt2", "gpt_neox", "falcon")  # decoder layers elsewhere than model.model.layers
-NO_ATTENTION_INTERFACE = ("falcon",)  # attention that does not go through transformers' AttentionInterface
 SHARED_ATTENTION = ("zamba2",)  # one attention module serving several layers, called without the layer: no statistics
 RAGGED_LAYERS = ("adakv",)  # an eviction method whose layers hold KV heads of different lengths (RaggedLayer)
 FULL_WIDTH_QK_NORM = ("olmo2", "olmo3")  # q_norm/k_norm over the whole projection, before the heads split
