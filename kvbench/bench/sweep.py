@@ -94,11 +94,11 @@ def main(overrides: list[str]) -> None:
     if opts["pairs"] < 1:
         raise KvbenchError(f"bench.pairs={opts['pairs']}: give 1 or more (full, sweep) pairs")
     spec, _ = check_run(compose(overrides, "method=full"))  # every override checked before anything loads
+    if not any(opts["by_length"] is value for value in (None, True, False)):  # 1 == True: compared by identity
+        raise KvbenchError(f"bench.by_length={opts['by_length']}: give true, false or null (by length where it can)")
     lengths = spec.task.get("context_lengths") if opts["by_length"] is not False else None  # null: where it can
     if opts["by_length"] is True and not lengths:
         raise KvbenchError(f"bench.by_length=true needs a task with context_lengths; task={spec.task_name} has none")
-    if opts["by_length"] not in (None, True, False):
-        raise KvbenchError(f"bench.by_length={opts['by_length']}: give true, false or null (by length where it can)")
     lm = load_model(spec.model, spec.device, spec.dtype)
     task = build_task(spec.task, lm.tokenizer, spec.seed, lm.max_context)
     examples = task.examples()[: spec.limit] if spec.limit else task.examples()
