@@ -193,6 +193,7 @@ def decode_together(
     recorder=None,
     follow: list[list[int]] | None = None,
     watch=None,
+    measure_peak: bool = True,
 ) -> Decoded:
     """Greedy decoding of B rows in one batch from `logits` (B, V) at the prompt's end, until every row is done.
 
@@ -206,7 +207,8 @@ def decode_together(
     (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. follow: teacher forcing —
     row r is fed follow[r] instead of its own tokens (kvbench.native.fidelity) and stops after len(follow[r]).
     watch(generated, live) after the first tokens and after each step's (a grid's divergence copies): its time is
-    not the decode's."""
+    not the decode's. measure_peak=False: `Decoded.peak` is 0 and the peak is not reset — a grid's rows report their
+    compression's peak, and on the CPU the reset's malloc_trim would make the steps fault their buffers in again."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
 
@@ -219,7 +221,8 @@ def decode_together(
     kept = [[row] for row in logits] if keep_logits else [[] for _ in range(n_rows)]
     done = [False] * n_rows
     steps, finish_steps, finish_bytes, finish_s = 0, [0] * n_rows, [0] * n_rows, [0.0] * n_rows
-    reset_peak(device)
+    if measure_peak:
+        reset_peak(device)
     start, paused = time.perf_counter(), 0.0
 
     def watched(live: list[int]) -> float:  # seconds spent in `watch`
@@ -266,7 +269,8 @@ def decode_together(
         paused += watched(live)
     synchronize(device)
     decode_s = time.perf_counter() - start - paused
-    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, read_peak(device))
+    peak = read_peak(device) if measure_peak else 0
+    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, peak)
 
 
 def _extend_batch(engine: Engine, cache, hooks: Compression, ids: torch.Tensor, position: int) -> torch.Tensor:

@@ -109,6 +109,7 @@ class Compressed:
     prefill_s: float  # the prefill's share charged to this method + compression + suffix
     prefill_peak: int  # peak memory of the prefill and of this compression
     baseline_bytes: int = 0  # memory in use when the prefill started (peak_mem_delta_bytes is over it)
+    start_bytes: int = 0  # memory in use when this compression started (after reset_peak's trim)
     # this configuration's compression of this example: decoding runs its hooks (methods/compression.py)
     compression: Compression | None = None
 
@@ -208,7 +209,7 @@ class Engine:
         device = self.lm.device
         prompt = prefill.stats.prompt  # what methods derive from it is shared by a grid, charged to each
         mark = prompt.mark() if prompt is not None else (0, 0)
-        reset_peak(device)
+        start_bytes = reset_peak(device)
         start = time.perf_counter()
         method.bind(self.lm)
         cache, compression = prefill.compressed, prefill.compression  # prefill=inline: compressed in the forward
@@ -233,8 +234,9 @@ class Engine:
         peak = max(prefill.peak_mem_bytes, read_peak(device), reused_peak)
         suffix = position - prefill.n_tokens
         return Compressed(
-            cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes, compression
-        )
+            cache, logits, position, prefill.n_tokens, suffix, prefill_s, peak, prefill.baseline_bytes, start_bytes,
+            compression,
+        )  # fmt: skip
 
     def logits_buffer(self, start: Compressed, max_new_tokens: int) -> torch.Tensor | None:
         """(max_new_tokens, V) fp32 zeros for `decode`'s kept distributions (the fidelity columns read a row's own

@@ -422,6 +422,7 @@ def decode_grid(
         keep_logits=keep_logits,
         follow=follow,
         watch=watch,
+        measure_peak=False,  # a grid row's peak is its compression's (`generate_grid`)
     )
     return [
         BatchedGeneration(
@@ -482,8 +483,8 @@ def generate_grid(
     out: list[Generation | None] = [None] * len(confs)
     together = []
     for i, (method, budget) in enumerate(confs):
-        before = held()
         start = engine.compressed(prefill, method, budget, suffix_ids, max_new_tokens)
+        before = max(0, start.start_bytes - base)  # `held()` as its compression began: its own trim, not a second
         start.prefill_peak = max(prefill.peak_mem_bytes, start.prefill_peak - before)
         starts.append(start)
         keep.append(keep_logits and max_new_tokens * start.logits.numel() * 4 <= KEEP_LOGITS_BYTES)

@@ -389,3 +389,34 @@ def test_rows_leaving_a_grid_move_the_fewest_rows_and_keep_every_rows_tokens():
         assert torch.equal(grid.keys[i : i + 1, :, : k.shape[2]], k) and torch.equal(
             grid.values[i : i + 1, :, : k.shape[2]], v
         )
+
+
+def test_a_grid_trims_malloc_once_per_compression(tiny_engine, prompt_ids, monkeypatch):
+    """On the CPU each reset of the peak returns malloc's free memory to the OS (malloc_trim), and every page the next
+    steps touch then faults in again: a grid of C configurations resets once, then once per compression (whose
+    reset also tells what the caches compressed before it hold) — not again to read that, nor before a decode whose
+    peak no row reports. Each row's peak is its compression's less those earlier caches, never below the prefill's."""
+    import functools
+    import operator
+
+    import kvbench.native.engine as engine_module
+    from kvbench.native import memory
+
+    trims, starts = [], []
+    monkeypatch.setattr(memory, "_trim", lambda: trims.append(1))
+    compressed = engine_module.Engine.compressed
+
+    def recorded(self, *args, **kwargs):
+        start = compressed(self, *args, **kwargs)
+        starts.append(start)
+        return start
+
+    monkeypatch.setattr(engine_module.Engine, "compressed", recorded)
+    in_grid = [(m, b) for (m, b), row in zip(confs(), GRID) if row[3]]
+    prefill = tiny_engine.prefill(prompt_ids, functools.reduce(operator.or_, (m.stats_request() for m, _ in in_grid)))
+    trims.clear()
+    gens = generate_grid(tiny_engine, prefill, in_grid, [], max_new_tokens=6, max_padding=100.0)
+    assert len(trims) == 1 + len(in_grid)  # the base, then each compression's own
+    assert all(g.batch_size == len(in_grid) for g in gens)
+    assert all(g.peak_mem_bytes >= prefill.peak_mem_bytes for g in gens)
+    assert len(starts) == len(in_grid) and all(s.start_bytes > 0 for s in starts)  # the RSS each compression began at

@@ -35,23 +35,24 @@ static inline void finish(const float *xf, const void *w, int is_bf16, float *ou
 }
 
 /* out[m0 + i][rows[j]] for i < mb, j < NB: rows[] are the block's weight rows (a last, partial block repeats its
- * last row; `stored` says how many are real). mb is a constant at each call site (always_inline), so the
- * accumulators stay in registers; the arithmetic per output is the same for every mb. */
-static inline __attribute__((always_inline)) void block(const float *xf, const void *w, int is_bf16, float *out,
+ * last row; `stored` says how many are real). mb and is_bf16 are constants at each call site (always_inline), so the
+ * accumulators stay in registers and the k loop has no branch but its own; the arithmetic per output is the same for
+ * every mb. Each k step also fetches fetch_step bytes of the next block into cache (four prefetches spread over
+ * them; a prefetch past the weights' end is a hint that never faults). */
+static inline __attribute__((always_inline)) void block(const float *xf, const void *w, const int is_bf16, float *out,
                                                         int64_t m0, const int mb, const int64_t *rows, int stored,
-                                                        int64_t K, int64_t N) {
+                                                        int64_t K, int64_t N, const char *fetch, int64_t fetch_step) {
     int64_t k = 0;
 #ifdef __AVX512F__
+    const int64_t quarter = fetch_step / 4;
     __m512 acc[MB][NB];
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    const int64_t elem = is_bf16 ? 2 : 4;
     for (; k + LANES <= K; k += LANES) {
         __m512 wv[NB];
         for (int j = 0; j < NB; j++) wv[j] = lanes_as_float(w, rows[j] * K + k, is_bf16);
-        if (m0 == 0) /* while the first rows stream this block's weights, fetch the next block's into cache */
-            for (int j = 0; j < NB; j++)
-                _mm_prefetch((const char *)w + ((rows[j] + NB < N ? rows[j] + NB : N - 1) * K + k) * elem, _MM_HINT_T0);
+        for (int q = 0; q < 4; q++) _mm_prefetch(fetch + q * quarter, _MM_HINT_T0);
+        fetch += fetch_step;
         for (int i = 0; i < mb; i++) {
             __m512 xv = _mm512_loadu_ps(xf + (m0 + i) * K + k);
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -60,6 +61,7 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
     for (int i = 0; i < mb; i++) /* the lane tree in registers: the same additions as halving_sum, in its order */
         for (int j = 0; j < stored; j++) finish(xf, w, is_bf16, out, m0 + i, rows[j], k, K, N, halving_sum16(acc[i][j]));
 #else
+    (void)fetch, (void)fetch_step;
     float partial[MB][NB][LANES];
     memset(partial, 0, sizeof partial);
     for (; k + LANES <= K; k += LANES) {
@@ -80,6 +82,31 @@ static inline __attribute__((always_inline)) void block(const float *xf, const v
 #endif
 }
 
+/* Every row of weight block b: MB rows at a time, then the last rows (a constant count each, so their accumulators
+ * stay in registers too). The next block's weights are fetched into cache across all of these passes, an equal
+ * share per k step: the stream from memory then overlaps every pass's arithmetic, not the first's. */
+static inline __attribute__((always_inline)) void block_rows(const float *xf, const void *w, const int is_bf16,
+                                                             float *out, int64_t b, int64_t M, int64_t N, int64_t K) {
+    const int64_t elem = is_bf16 ? 2 : 4, steps = K / LANES, passes = (M + MB - 1) / MB;
+    const int64_t fetch_step = steps ? (NB * K * elem + passes * steps - 1) / (passes * steps) : 0;
+    const char *fetch = (const char *)w + (b + 1) * NB * K * elem;
+    int64_t rows[NB];
+    int stored = 0;
+    for (int j = 0; j < NB; j++) {
+        rows[j] = b * NB + j < N ? b * NB + j : N - 1;
+        stored += b * NB + j < N;
+    }
+    int64_t m0 = 0;
+    for (; m0 + MB <= M; m0 += MB, fetch += steps * fetch_step)
+        block(xf, w, is_bf16, out, m0, MB, rows, stored, K, N, fetch, fetch_step);
+    switch (M - m0) {
+    case 3: block(xf, w, is_bf16, out, m0, 3, rows, stored, K, N, fetch, fetch_step); break;
+    case 2: block(xf, w, is_bf16, out, m0, 2, rows, stored, K, N, fetch, fetch_step); break;
+    case 1: block(xf, w, is_bf16, out, m0, 1, rows, stored, K, N, fetch, fetch_step); break;
+    default: break;
+    }
+}
+
 int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M, int64_t N, int64_t K,
                   int n_threads) {
     float *wide = is_bf16 ? malloc((size_t)(M * K + M * N) * sizeof(float)) : NULL; /* bf16: x widened, y in fp32 */
@@ -91,20 +118,10 @@ int decode_linear(const void *x, const void *w, void *y, int is_bf16, int64_t M,
     const int64_t n_blocks = (N + NB - 1) / NB;
 #pragma omp parallel for schedule(static) num_threads(n_threads)
     for (int64_t b = 0; b < n_blocks; b++) {
-        int64_t rows[NB];
-        int stored = 0;
-        for (int j = 0; j < NB; j++) {
-            rows[j] = b * NB + j < N ? b * NB + j : N - 1;
-            stored += b * NB + j < N;
-        }
-        int64_t m0 = 0;
-        for (; m0 + MB <= M; m0 += MB) block(xf, w, is_bf16, yf, m0, MB, rows, stored, K, N);
-        switch (M - m0) { /* the last rows: a constant count each, so their accumulators stay in registers too */
-        case 3: block(xf, w, is_bf16, yf, m0, 3, rows, stored, K, N); break;
-        case 2: block(xf, w, is_bf16, yf, m0, 2, rows, stored, K, N); break;
-        case 1: block(xf, w, is_bf16, yf, m0, 1, rows, stored, K, N); break;
-        default: break;
-        }
+        if (is_bf16)
+            block_rows(xf, w, 1, yf, b, M, N, K);
+        else
+            block_rows(xf, w, 0, yf, b, M, N, K);
     }
     if (is_bf16) {
         for (int64_t e = 0; e < M * N; e++) ((uint16_t *)y)[e] = float_to_bf16(yf[e]);
