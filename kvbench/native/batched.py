@@ -15,7 +15,7 @@ cache / B: every tensor has B as its leading dimension), and the batch's prefill
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,8 @@ class BatchedGeneration(Generation):
     # a grid row that left the reference row's answer (kvbench.native.grid_decode `reference`): its cache and
     # decode-time state as they stood when it did, for fidelity's forced continuation (no recompression)
     divergence: Divergence | None = None
+    # a grid row that left the reference row's answer, forced along it inside the grid itself (a forked row)
+    forced: ForcedTail | None = None
 
 
 @dataclass
@@ -49,6 +51,28 @@ class Divergence:
     cache: object  # a transformers DynamicCache of batch 1
     hooks: Compression
     position: int
+
+
+@dataclass
+class ForcedTail:
+    """A grid row's teacher-forced continuation, computed as another row of its grid (kvbench.native.grid_decode
+    `DivergenceWatch`): from its distribution `step` on (its own decoding's before it), the distributions forcing it
+    along the reference row's answer gives, and `seconds`, the forked row's share of the steps it was in (each
+    step's seconds over the rows then in the batch)."""
+
+    step: int
+    logits: list[torch.Tensor]  # (V,) each
+    seconds: float
+
+
+@dataclass
+class Fork:
+    """A row `decode_together`'s watch added to the batch as its last row (the cache already holds it): a copy of
+    row `parent` as it stands, fed row `lead`'s tokens from the next step on — teacher forcing along `lead`'s
+    answer — and done when `lead` is."""
+
+    parent: int
+    lead: int
 
 
 @torch.inference_mode()
@@ -169,6 +193,7 @@ class Decoded:
     nbytes: list[int]  # the row's cache bytes when it finished
     decode_s: float
     peak: int
+    shares: dict[int, float] = field(default_factory=dict)  # a forked row's share of its steps' seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -207,8 +232,10 @@ def decode_together(
     (default: every row); row_bytes(row) → a row's cache bytes, read when it finishes. follow: teacher forcing —
     row r is fed follow[r] instead of its own tokens (kvbench.native.fidelity) and stops after len(follow[r]).
     watch(generated, live) after the first tokens and after each step's (a grid's divergence copies): its time is
-    not the decode's. measure_peak=False: `Decoded.peak` is 0 and the peak is not reset — a grid's rows report their
-    compression's peak, and on the CPU the reset's malloc_trim would make the steps fault their buffers in again."""
+    not the decode's; the `Fork`s it returns are rows it added to the cache, which join the batch as new rows
+    (indices from n_rows on) — each one's share of the steps it is in is `Decoded.shares`. measure_peak=False:
+    `Decoded.peak` is 0 and the peak is not reset — a grid's rows report their compression's peak, and on the CPU
+    the reset's malloc_trim would make the steps fault their buffers in again."""
     device, tokenizer = engine.lm.device, engine.lm.tokenizer
     n_rows = logits.shape[0]
 
@@ -225,14 +252,28 @@ def decode_together(
         reset_peak(device)
     start, paused = time.perf_counter(), 0.0
 
-    def watched(live: list[int]) -> float:  # seconds spent in `watch`
+    leads: dict[int, int] = {}  # a forked row → the row whose tokens it is fed
+    shares: dict[int, float] = {}
+
+    def watched(live: list[int]) -> float:  # seconds spent in `watch`; its forks join the batch (live grows)
+        nonlocal tokens
         if watch is None:
             return 0.0
         begun = time.perf_counter()
-        watch(generated, live)
+        for fork in watch(generated, live) or ():
+            row, lead = len(generated), live.index(fork.lead)
+            leads[row], shares[row] = fork.lead, 0.0
+            generated.append([int(tokens[lead])])  # what the lead read from this step: the fork is fed it next
+            kept.append([kept[fork.parent][-1]])  # the parent's distribution of this step: its first
+            for per_row, empty in ((done, False), (finish_steps, 0), (finish_bytes, 0), (finish_s, 0.0)):
+                per_row.append(empty)
+            live.append(row)
+            tokens = torch.cat([tokens, tokens[lead : lead + 1]])  # (B_live,)
         return time.perf_counter() - begun
 
     def finished(row: int) -> bool:
+        if row in leads:
+            return done[leads[row]]
         out = generated[row]
         limit = max_new_tokens if follow is None else len(follow[row])
         if len(out) >= limit or (follow is None and out[-1] in engine.eos_ids):
@@ -244,7 +285,7 @@ def decode_together(
     live = list(range(n_rows))
     paused += watched(live)
     while True:
-        for row in live:
+        for row in sorted(live, key=leads.__contains__):  # forks after their leads: done with them
             if not done[row] and finished(row):  # this row's cache now holds what it holds alone at its end
                 done[row], finish_steps[row] = True, steps
                 finish_bytes[row] = row_bytes(row)
@@ -255,12 +296,18 @@ def decode_together(
             keep = [i for i, row in enumerate(live) if not done[row]]
             order = drop_rows(keep) or keep  # the batch indices, in their new batch order
             tokens, live = tokens[order], [live[i] for i in order]  # (B_live,)
-        step_request = request(live)
+        step_request, step_start = request(live), time.perf_counter()
         with recording(step_request, recorder(step_request, live) if recorder else None) as stats:
             logits = forward_batch(engine, tokens[:, None], positions(position, len(live)), cache)  # (B_live, V)
         after_step(stats, live)
         position, steps = position + 1, steps + 1
         tokens = logits.argmax(-1) if follow is None else fed(live, steps)  # (B_live,)
+        if leads:  # forked rows are fed their lead's token; each is charged its share of the step
+            tokens = tokens[[live.index(leads.get(row, row)) for row in live]]  # (B_live,)
+            share = (time.perf_counter() - step_start) / len(live)
+            for row in live:
+                if row in leads:
+                    shares[row] += share
         for i, row in enumerate(live):
             if not done[row]:  # finished rows still in the batch keep decoding; their output is masked out
                 generated[row].append(int(tokens[i]))
@@ -270,7 +317,7 @@ def decode_together(
     synchronize(device)
     decode_s = time.perf_counter() - start - paused
     peak = read_peak(device) if measure_peak else 0
-    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, peak)
+    return Decoded(generated, kept, finish_steps, finish_s, finish_bytes, decode_s, peak, shares)
 
 
 def _extend_batch(engine: Engine, cache, hooks: Compression, ids: torch.Tensor, position: int) -> torch.Tensor:

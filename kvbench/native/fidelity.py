@@ -228,8 +228,9 @@ def resume(run: Ran, answer: list[int]) -> tuple[Compressed, int] | None:
 def forced_rows(
     todo: list[tuple[int, Ran]], suffix_ids: list[int], answer: list[int], max_new_tokens: int
 ) -> tuple[dict[int, torch.Tensor], dict[int, float]]:
-    """The (n, V) distributions of rows that left the answer, fed it from where they left it (`resume`) or from
-    their caches rebuilt, by row index, and each one's seconds. Caches fed token by token that can be rows of one
+    """The (n, V) distributions of rows that left the answer, by row index, and each one's seconds: forced inside
+    their grid (`BatchedGeneration.forced`), else fed it from where they left it (`resume`) or from their caches
+    rebuilt. Caches fed token by token that can be rows of one
     grid batch (kvbench.native.grid_decode: the CPU's row-independent kernels) are forced together, one step for
     all of them, each from its own step; one-forward caches and the rest one by one."""
     from kvbench.native.grid_decode import decode_grid, decodes_in_grid
@@ -244,6 +245,10 @@ def forced_rows(
     steps: dict[int, int] = {}  # where each row's forcing starts: its own decoding's distributions before it
     together: dict[object, list[tuple[int, Compressed]]] = {}  # rows forced as one batch, by `batch_key`
     for i, run in todo:
+        tail = getattr(run.gen, "forced", None)
+        if tail is not None and len(run.gen.logits) >= tail.step:  # forced in its grid (grid_decode.DivergenceWatch)
+            steps[i], logits[i], seconds[i] = tail.step, torch.stack(tail.logits).float(), tail.seconds
+            continue
         start = time.perf_counter()
         resumed = resume(run, answer)
         if resumed is None:

@@ -60,7 +60,7 @@ from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import WindowLayer, kv_layer
 from kvbench.model.padded import PaddedKV
-from kvbench.native.batched import BatchedGeneration, Divergence, decode_together
+from kvbench.native.batched import BatchedGeneration, Divergence, Fork, ForcedTail, decode_together
 from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
 from kvbench.native.memory import reset_peak
 
@@ -76,12 +76,14 @@ class GridLayer(DynamicLayer):
     keys: torch.Tensor  # (B, H_kv, capacity, D), never None once built
     values: torch.Tensor
 
-    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, rows: list[tuple[torch.Tensor, torch.Tensor]], reserve: int = 0):
         super().__init__()
         keys = rows[0][0]  # (1, H_kv, T_0, D)
         self.lengths = [k.shape[2] for k, _ in rows]
-        shape = (len(rows), keys.shape[1], max(self.lengths) + GROW, keys.shape[3])
-        self.keys, self.values = keys.new_empty(shape), keys.new_empty(shape)  # (B, H_kv, capacity, D)
+        shape = (len(rows) + reserve, keys.shape[1], max(self.lengths) + GROW, keys.shape[3])
+        # (B + reserve, H_kv, capacity, D): rows `fork` may add later; never written until then, so never faulted in
+        self._keys, self._values = keys.new_empty(shape), keys.new_empty(shape)
+        self.keys, self.values = self._keys[: len(rows)], self._values[: len(rows)]  # (B, H_kv, capacity, D)
         for row, (k, v) in enumerate(rows):
             self.write(row, k, v)  # pads stay unwritten: attention reads a row's own slots (PaddedKV.dense else)
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
@@ -97,8 +99,7 @@ class GridLayer(DynamicLayer):
         if key_states.shape[2] != 1:
             raise ValueError("a grid-decoded cache takes one token per step")
         if max(self.lengths) == self.keys.shape[2]:
-            pad = self.keys.new_zeros(*self.keys.shape[:2], GROW, self.keys.shape[3])  # (B, H_kv, GROW, D)
-            self.keys, self.values = torch.cat([self.keys, pad], 2), torch.cat([self.values, pad], 2)
+            self._grow(self._reserved(), GROW)
         rows = torch.arange(len(self.lengths), device=self.device)
         slots = torch.tensor(self.lengths, device=self.device)  # (B,)
         self.keys[rows, :, slots] = key_states[:, :, 0]  # (B, H_kv, D) into each row's next slot
@@ -109,6 +110,30 @@ class GridLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return max(self.lengths)
+
+    def _reserved(self) -> int:
+        """Rows of the tensors' storage past the batch (`reserve`, and rows that left by `move_rows`)."""
+        same = self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[1:] == self._keys.shape[1:]
+        return self._keys.shape[0] - self.keys.shape[0] if same else 0
+
+    def _grow(self, rows: int, slots: int) -> None:
+        """New tensors with `rows` more rows (unwritten) and `slots` more slots per row (zeros) than the batch's."""
+        b, heads, capacity, dim = self.keys.shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(b + rows, heads, capacity + slots, dim)  # (B + rows, H_kv, capacity + slots, D)
+            new[:b, :, :capacity], new[:b, :, capacity:] = old, 0
+            setattr(self, "_" + name, new)
+            setattr(self, name, new[:b])
+
+    def fork(self, row: int) -> None:
+        """A new last row holding a copy of row `row`'s tokens: a reserved row (else the tensors grow by one)."""
+        b, n = self.keys.shape[0], self.lengths[row]
+        if not self._reserved():
+            self._grow(1, 0)
+        self.keys, self.values = self._keys[: b + 1], self._values[: b + 1]  # (B + 1, H_kv, capacity, D)
+        self.keys[b, :, :n], self.values[b, :, :n] = self.keys[row, :, :n], self.values[row, :, :n]
+        self.lengths.append(n)
 
     def keep_rows(self, keep: list[int]) -> None:
         """Only rows `keep` (batch indices) stay: finished rows leave the batch."""
@@ -220,9 +245,9 @@ def fill_holes(keep: list[int]) -> list[int]:
     return [i if i in kept else next(movers) for i in range(n_kept)]
 
 
-def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
-    """One cache of the rows' caches (each batch 1): plain layers' tensors copied into GridLayers, window layers
-    stacked into GridWindowLayers."""
+def grid_cache(caches: list[DynamicCache], reserve: int = 0) -> DynamicCache:
+    """One cache of the rows' caches (each batch 1): plain layers' tensors copied into GridLayers (with `reserve`
+    rows for `GridLayer.fork`), window layers stacked into GridWindowLayers."""
     cache = DynamicCache()
     for layer_idx in range(len(caches[0].layers)):
         rows = [c.layers[layer_idx] for c in caches]
@@ -230,7 +255,8 @@ def grid_cache(caches: list[DynamicCache]) -> DynamicCache:
             cache.layers.append(GridWindowLayer(cast(list[WindowLayer], rows)))
             continue
         plain = cast(list[DynamicLayer], rows)
-        cache.layers.append(GridLayer([(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in plain]))
+        kv = [(cast(torch.Tensor, r.keys), cast(torch.Tensor, r.values)) for r in plain]
+        cache.layers.append(GridLayer(kv, reserve))
     return cache
 
 
@@ -328,27 +354,44 @@ def decode_step_on_row(grids: list[GridLayer], i: int, policy, stats) -> None:
 
 class DivergenceWatch:
     """decode_together's `watch` for a grid with a reference row (the full cache's): each other row, at the step its
-    token first differs from the reference's, leaves a copy of its cache and decode-time state (`diverged`) — fidelity
-    forces it along the reference's answer from there (kvbench.native.fidelity.resume)."""
+    token first differs from the reference's, is forked — a copy of its slots and decode-time state joins the batch
+    as a new row fed the reference's tokens from then on (`Fork`: teacher forcing inside the grid, one step for all
+    rows) — where it is in `forkable` and the batch has room (`room` rows, the grid's reserve); else it leaves a copy
+    of its cache and state (`diverged`) that fidelity forces along the answer after the grid
+    (kvbench.native.fidelity.resume). `forks`: row → (its forked row, the step it left at)."""
 
-    def __init__(self, cache: DynamicCache, hooks: list, reference: int, positions: list[int]):
-        self.cache, self.hooks, self.reference, self.positions = cache, hooks, reference, positions
+    def __init__(self, cache: DynamicCache, hooks: list, reference: int, positions: list[int], ids: list[int],
+                 forkable: set[int], room: int):  # fmt: skip
+        self.cache, self.hooks, self.reference, self.positions, self.ids = cache, hooks, reference, positions, ids
+        self.forkable, self.room = forkable, room
         self.following = set(range(len(hooks))) - {reference}  # rows whose tokens are the reference's so far
         self.diverged: dict[int, Divergence] = {}
+        self.forks: dict[int, tuple[int, int]] = {}
 
-    def __call__(self, generated: list[list[int]], live: list[int]) -> None:
-        answer = generated[self.reference]
+    def __call__(self, generated: list[list[int]], live: list[int]) -> list[Fork]:
+        answer, forks = generated[self.reference], []
         for row in sorted(self.following):
             step = len(generated[row]) - 1  # its newest token's
             if row not in live or step >= len(answer):  # finished along the answer, or past its end
                 self.following.discard(row)
             elif generated[row][step] != answer[step]:
                 self.following.discard(row)
-                snapshot = DynamicCache()
                 i = live.index(row)  # its batch index now
+                if row in self.forkable and len(self.forks) < self.room:
+                    for layer in self.cache.layers:
+                        cast(GridLayer, layer).fork(i)  # the batch's next row
+                    new = len(generated) + len(forks)  # the row decode_together gives it
+                    self.hooks.append(copy.deepcopy(self.hooks[row]))
+                    self.positions.append(self.positions[row])
+                    self.ids.append(new)
+                    self.forks[row] = new, step
+                    forks.append(Fork(row, self.reference))
+                    continue
+                snapshot = DynamicCache()
                 snapshot.layers.extend(cast(GridLayer, layer).snapshot(i) for layer in self.cache.layers)
                 at = self.positions[row] + step  # the next token's position: `step` tokens decoded since its start
                 self.diverged[row] = Divergence(step, snapshot, copy.deepcopy(self.hooks[row]), at)
+        return forks
 
 
 def decode_grid(
@@ -363,12 +406,16 @@ def decode_grid(
     """Decode configurations of one example (compressed, batch 1 each) as one batch, each row at its own position;
     keep_logits: every row keeps the distribution each of its tokens was read from; follow: row r is fed follow[r]
     (teacher forcing, kvbench.native.fidelity) instead of its own tokens. reference (with keep_logits): the row
-    whose answer fidelity forces the others along (the full cache's) — a row whose token first differs from it
-    keeps a copy of its state then (`BatchedGeneration.divergence`, copied outside the decode's time)."""
+    whose answer fidelity forces the others along (the full cache's) — a row whose token first differs from it is
+    forked into the batch and forced there (`BatchedGeneration.forced`) or, without room, keeps a copy of its
+    state then (`BatchedGeneration.divergence`); both copies are made outside the decode's time."""
     device, n_rows = engine.lm.device, len(starts)
     position = starts[0].position
-    offsets = torch.tensor([s.position - position for s in starts], device=device)  # (B,) each row's own position
-    cache = grid_cache([s.cache for s in starts])
+    begin = [s.position for s in starts]  # each row's own position at the start (a fork's: its parent's)
+    watched = keep_logits and reference is not None and not follow
+    forkable = forkable_rows(engine, starts, reference) if watched else set()
+    room = min(len(forkable), MAX_ROWS - n_rows)  # forks step with the rest: the linear kernel's rows at most
+    cache = grid_cache([s.cache for s in starts], room)
     grids = cast(list[GridLayer], cache.layers)
     for s in starts:
         s.cache = None  # the grid holds copies: the rows' own tensors are freed
@@ -384,20 +431,18 @@ def decode_grid(
             merged = merged | hooks[row].decode_request()
         return merged
 
-    hooked = {row for row, h in enumerate(hooks) if h.acts_while_decoding}  # acts on its decode steps
-
     def recorder(step_request, live: list[int]) -> RowsRecorder:
         asking = [i for i, row in enumerate(live) if hooks[row].decode_request()]  # batch indices
         return RowsRecorder(step_request, asking, device)
 
     def after_step(stats, live: list[int]) -> None:
         for i, row in enumerate(live):
-            if row in hooked:
+            if hooks[row].acts_while_decoding:
                 decode_step_on_row(grids, i, hooks[row], stats)  # its decode-time policy on its own tokens
 
     watch = None
-    if keep_logits and reference is not None and not follow:
-        watch = DivergenceWatch(cache, hooks, reference, [s.position for s in starts])
+    if watched:
+        watch = DivergenceWatch(cache, hooks, cast(int, reference), begin, ids, forkable, room)
 
     def drop_rows(keep: list[int]) -> list[int]:
         order = fill_holes(keep)
@@ -411,7 +456,7 @@ def decode_grid(
         cache,
         torch.stack([s.logits for s in starts]),  # (B, V)
         position,
-        positions=lambda p, n: (p + offsets[ids])[:, None],  # (B_live, 1)
+        positions=lambda p, n: torch.tensor([[p + begin[row] - position] for row in ids], device=device),  # (B_live, 1)
         request=request,
         after_step=after_step,
         row_bytes=lambda row: sum(g.lengths[ids.index(row)] * b for g, b in zip(grids, token_bytes)),
@@ -438,13 +483,36 @@ def decode_grid(
             logits=done.logits[row],
             peak_mem_delta_bytes=s.prefill_peak - s.baseline_bytes,
             batch_size=n_rows,
-            decode_tokens_per_s=done.tokens_per_s,
-            batch_kv_bytes=sum(done.nbytes),
+            decode_tokens_per_s=sum(done.steps[:n_rows]) / done.decode_s if done.decode_s > 0 else float("nan"),
+            batch_kv_bytes=sum(done.nbytes),  # forked rows too: the steps read them
             latency_s=s.prefill_s + done.seconds[row],
             divergence=watch.diverged.get(row) if watch is not None else None,
+            forced=forced_tail(done, watch, row),
         )
         for row, s in enumerate(starts)
     ]
+
+
+def forkable_rows(engine: Engine, starts: list[Compressed], reference: int | None) -> set[int]:
+    """The rows a grid may fork (`DivergenceWatch`): fed the answer token by token (a cache fed it in one forward is
+    forced from its compressed cache after the grid, in one forward), on the row-independent kernels (a forked row
+    is then, bit for bit, its forcing alone), every layer plain (window layers batch at one position only)."""
+    from kvbench.native.fidelity import one_forward
+    from kvbench.native.slots import decode_kernels
+
+    if not decode_kernels(engine.lm.model):
+        return set()
+    if any(type(layer) is not DynamicLayer for s in starts for layer in s.cache.layers):
+        return set()
+    return {r for r, s in enumerate(starts) if r != reference and not one_forward(s.hooks.method, s)}
+
+
+def forced_tail(done, watch: DivergenceWatch | None, row: int) -> ForcedTail | None:
+    """Row `row`'s forcing along the reference's answer, computed by its forked row (None: not forked)."""
+    if watch is None or row not in watch.forks:
+        return None
+    fork, step = watch.forks[row]
+    return ForcedTail(step, done.logits[fork], done.shares[fork])
 
 
 def generate_grid(

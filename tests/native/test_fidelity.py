@@ -212,11 +212,16 @@ def test_rows_that_left_the_answer_are_forced_together_as_alone(tiny_engine, pro
         assert torch.equal(together[i], alone.float())
 
 
+@pytest.mark.parametrize("forks", [True, False], ids=["forked", "copied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alone(tiny_engine, prompt_ids, dtype):
-    """A grid row whose token first differs from the full cache's keeps a copy of its state then; forced along the
-    answer from that copy (token by token), or from its compressed cache inside it (one forward), each row's
-    distributions are, bit for bit, its cache compressed again and forced from the start alone."""
+def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alone(
+    tiny_engine, prompt_ids, dtype, forks, monkeypatch
+):
+    """A grid row whose token first differs from the full cache's is forced along the answer from there: token by
+    token as a forked row of the grid itself (or, without room in the batch, from a copy of its state after the
+    grid), or from its compressed cache (one forward). Each row's distributions are, bit for bit, its cache
+    compressed again and forced from the start alone."""
+    from kvbench.native import grid_decode
     from kvbench.native.grid_decode import generate_grid
     from kvbench.native.slots import decode_kernels
 
@@ -229,6 +234,8 @@ def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alon
     confs = [(build("full", {}), None), (build("h2o", {}), Budget.parse(0.05)),
              (build("h2o", {}), Budget.parse(0.1)), (build("streamingllm", {}), Budget.parse(0.05)),
              (build("snapkv", {}), Budget.parse(0.05)), (build("random", {}), Budget.parse(0.05))]  # fmt: skip
+    if not forks:
+        monkeypatch.setattr(grid_decode, "MAX_ROWS", len(confs))  # a full batch: no room for a forked row
     request = StatsRequest()
     for method, _ in confs:
         request = request | method.stats_request()
@@ -236,11 +243,17 @@ def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alon
     gens = generate_grid(engine, prefill, confs, question, 10, max_padding=100.0, keep_logits=True)  # one batch
     answer = gens[0].token_ids
     left = [i for i, gen in enumerate(gens) if i and fidelity.decoded_logits(gen, answer) is None]
-    assert left and all(gens[i].divergence is not None for i in left), "the rows that left the answer kept a copy"
-    by_token = {gens[i].divergence.step for i in left if confs[i][0].name == "h2o"}  # forced together, from here
-    assert len(by_token) == 2 and min(by_token) > 0, "two rows resumed from two steps of their own (own positions)"
+    by_token = [i for i in left if confs[i][0].name == "h2o"]
+    forked = [i for i in left if gens[i].forced is not None]
+    assert left and all((gens[i].divergence is None) == (i in forked) for i in left), "forked, or a copy kept"
+    assert forked == (by_token if forks else []), "the token-by-token rows are forked where there is room"
+    steps = {(gens[i].forced or gens[i].divergence).step for i in by_token}  # forced from here
+    assert len(steps) == 2 and min(steps) > 0, "two rows resumed from two steps of their own (own positions)"
+    for i in forked:
+        assert len(gens[i].forced.logits) == len(answer) - gens[i].forced.step, "forced to the answer's end"
     runs = [fidelity.Ran(m, b, engine, prefill, gen) for (m, b), gen in zip(confs, gens)]
-    forced, _ = fidelity.forced_rows([(i, runs[i]) for i in left], question, answer, 10)
+    forced, seconds = fidelity.forced_rows([(i, runs[i]) for i in left], question, answer, 10)
+    assert all(seconds[i] > 0 for i in left)
     for i in left:
         method, budget = confs[i]
         alone = fidelity.compressed_logits(engine, prefill, method, budget, question, answer, 10)
