@@ -265,8 +265,10 @@ def decode_together(
             leads[row], shares[row] = fork.lead, 0.0
             generated.append([int(tokens[lead])])  # what the lead read from this step: the fork is fed it next
             kept.append([kept[fork.parent][-1]])  # the parent's distribution of this step: its first
-            for per_row, empty in ((done, False), (finish_steps, 0), (finish_bytes, 0), (finish_s, 0.0)):
-                per_row.append(empty)
+            done.append(False)
+            finish_steps.append(0)
+            finish_bytes.append(0)
+            finish_s.append(0.0)
             live.append(row)
             tokens = torch.cat([tokens, tokens[lead : lead + 1]])  # (B_live,)
         return time.perf_counter() - begun

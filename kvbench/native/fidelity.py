@@ -9,8 +9,9 @@ from. Per row: `kl_mean`, `kl_max` and its step `kl_max_step` of KL(full ‖ com
 
 Cost per example, nearly nothing where rows keep what they decoded from (a grid's rows and rows decoded one by one,
 `fidelity=true`): the full cache's decoding is teacher forcing along its own answer, so its kept distributions are the
-reference, and a row whose tokens followed that answer read its own. Only a row that left the answer pays: from
-the copy a grid made where it left (`resume`: its own decoding before that step), else its compression again from
+reference, and a row whose tokens followed that answer read its own. Only a row that left the answer pays: forced
+inside its grid as a forked row (kvbench.native.grid_decode.DivergenceWatch: its distributions come with the row),
+or from the copy a grid made where it left (`resume`: its own decoding before that step), else its compression again from
 the shared prefill (deterministic: the cache the row decoded from), then the answer fed through it — in one forward
 where that equals decoding (plain caches of one mask), else token by token as decoding feeds it (quantized or custom
 layers, methods acting on decode steps); token-by-token rows that can be rows of one grid batch (the CPU's

@@ -32,8 +32,10 @@ as a batch-1 window layer (`GridWindowLayer.row`).
 Finished rows leave by `fill_holes` (a kept row from the end moves into each hole: one row's slots copied); pad
 slots are never written (attention reads a row's own slots; `PaddedKV.dense` zeroes them in a copy for the one
 masked call over the batch). With a `reference` row (the full cache's, fidelity on), a row whose token first
-differs from it keeps a copy of its cache and decode-time state then (`Divergence`, outside the decode's time):
-fidelity forces it along the answer from there (kvbench.native.fidelity.resume).
+differs from it is copied then (outside the decode's time) and forced along the answer from there: as a forked row
+of the batch itself where it is fed the answer token by token and a reserved row is free (`DivergenceWatch`:
+`BatchedGeneration.forced`), else by fidelity after the grid from the copy (`Divergence`,
+kvbench.native.fidelity.resume).
 Rows are grouped so padding at most triples the bytes a batch holds (`grid_padding`, default MAX_PADDING = 3), at
 most MAX_ROWS per batch. Pads cost memory, never compute (each row attends over its own slots): a larger
 `grid_padding` puts more configurations in one batch — fewer steps, more memory (README "Grid decoding").
@@ -60,7 +62,7 @@ from kvbench.methods import Budget, Method
 from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import WindowLayer, kv_layer
 from kvbench.model.padded import PaddedKV
-from kvbench.native.batched import BatchedGeneration, Divergence, Fork, ForcedTail, decode_together
+from kvbench.native.batched import BatchedGeneration, Divergence, ForcedTail, Fork, decode_together
 from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
 from kvbench.native.memory import reset_peak
 
@@ -369,7 +371,8 @@ class DivergenceWatch:
         self.forks: dict[int, tuple[int, int]] = {}
 
     def __call__(self, generated: list[list[int]], live: list[int]) -> list[Fork]:
-        answer, forks = generated[self.reference], []
+        answer = generated[self.reference]
+        forks: list[Fork] = []
         for row in sorted(self.following):
             step = len(generated[row]) - 1  # its newest token's
             if row not in live or step >= len(answer):  # finished along the answer, or past its end

@@ -420,3 +420,35 @@ def test_a_grid_trims_malloc_once_per_compression(tiny_engine, prompt_ids, monke
     assert all(g.batch_size == len(in_grid) for g in gens)
     assert all(g.peak_mem_bytes >= prefill.peak_mem_bytes for g in gens)
     assert len(starts) == len(in_grid) and all(s.start_bytes > 0 for s in starts)  # the RSS each compression began at
+
+
+def test_a_forked_row_is_its_parents_slots_in_a_reserved_row():
+    """GridLayer.fork: a new last row holding a copy of a row's tokens — in a reserved row of the same storage (no other
+    row copied), still there after rows left and after the slots grew; with no row reserved the tensors grow by one."""
+    import torch
+
+    from kvbench.native.grid_decode import GROW, GridLayer, fill_holes
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        (torch.randn(1, 2, n, 4, generator=generator), torch.randn(1, 2, n, 4, generator=generator)) for n in (7, 3, 5)
+    ]
+    grid = GridLayer(rows, reserve=2)
+    storage = grid.keys.data_ptr()
+    grid.move_rows(fill_holes([0, 2]))  # row 1 left: rows 0 and 2 (now at index 1) stay
+    grid.fork(1)
+    assert grid.lengths == [7, 5, 5] and grid.keys.shape[0] == 3 and grid.keys.data_ptr() == storage
+    assert torch.equal(grid.keys[2, :, :5], rows[2][0][0]) and torch.equal(grid.values[2, :, :5], rows[2][1][0])
+    token = torch.randn(3, 2, 1, 4, generator=generator)  # (B, H_kv, 1, D)
+    for _ in range(GROW + 1):  # past the capacity: the slots grow, the reserve stays
+        grid.update(token, token)
+    assert grid.keys.shape[2] == 7 + 2 * GROW and grid.lengths == [7 + GROW + 1, 6 + GROW, 6 + GROW]
+    grid.fork(0)
+    assert grid.keys.shape[0] == 4 and torch.equal(
+        grid.keys[3, :, : grid.lengths[3]], grid.keys[0, :, : grid.lengths[0]]
+    )
+    assert torch.equal(grid.keys[2, :, :5], rows[2][0][0]) and torch.equal(grid.keys[2, :, 5], token[2, :, 0])
+    grid.fork(3)  # no row reserved any more: the tensors grow by one row
+    assert grid.keys.shape[0] == 5 and torch.equal(
+        grid.values[4, :, : grid.lengths[4]], grid.values[0, :, : grid.lengths[0]]
+    )
