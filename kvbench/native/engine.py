@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvbench import KvbenchError
 from kvbench.kernels.backend import backend
@@ -117,6 +118,21 @@ class Compressed:
     def hooks(self) -> Compression:
         assert self.compression is not None  # set by Engine.compressed
         return self.compression
+
+
+PLAIN = (DynamicLayer, DynamicSlidingWindowLayer)  # layers whose multi-token append equals token-by-token appends
+
+
+def one_forward(method: Method, start: Compressed) -> bool:
+    """Whether tokens fed to `start`'s cache in one forward (as `Engine._extend` feeds a suffix) give what decoding
+    them gives (fidelity feeds a row the full answer so)."""
+    layers = start.cache.layers
+    return (
+        not start.hooks.acts_while_decoding
+        and not method.caps.extends_token_by_token
+        and all(type(layer) in PLAIN for layer in layers)
+        and one_mask(start.cache)
+    )
 
 
 class Engine:

@@ -11,11 +11,12 @@ Cost per example, nearly nothing where rows keep what they decoded from (a grid'
 `fidelity=true`): the full cache's decoding is teacher forcing along its own answer, so its kept distributions are the
 reference, and a row whose tokens followed that answer read its own. Only a row that left the answer pays: forced
 inside its grid as a forked row (kvbench.native.grid_decode.DivergenceWatch: its distributions come with the row),
-or from the copy a grid made where it left (`resume`: its own decoding before that step), else its compression again from
-the shared prefill (deterministic: the cache the row decoded from), then the answer fed through it — in one forward
-where that equals decoding (plain caches of one mask), else token by token as decoding feeds it (quantized or custom
-layers, methods acting on decode steps); token-by-token rows that can be rows of one grid batch (the CPU's
-row-independent kernels) are forced together, one step for all of them, each from its own step (`forced_rows`).
+or from the copy a grid made where it left (`resume`: its own decoding before that step), else its compression
+again from the shared prefill (deterministic: the cache the row decoded from), then the answer fed through it — in
+one forward where that equals decoding (plain caches of one mask), else token by token as decoding feeds it
+(quantized or custom layers, methods acting on decode steps); token-by-token rows that can be rows of one grid
+batch (the CPU's row-independent kernels) are forced together, one step for all of them, each from its own step
+(`forced_rows`).
 """
 
 from __future__ import annotations
@@ -25,27 +26,14 @@ from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer
 
 from kvbench.methods import Budget, Method, build_method
 from kvbench.model.attention import StatsRequest, recording
-from kvbench.model.cache import one_mask
 from kvbench.native.batched import Divergence
-from kvbench.native.engine import Compressed, Engine, Generation, Prefill
+from kvbench.native.engine import Compressed, Engine, Generation, Prefill, one_forward
 
 COLUMNS = ("kl_mean", "kl_max", "kl_max_step", "top1_agreement", "fidelity_tokens", "length_vs_full")
-PLAIN = (DynamicLayer, DynamicSlidingWindowLayer)  # layers whose multi-token append equals token-by-token appends
-
-
-def one_forward(method: Method, start: Compressed) -> bool:
-    """Whether the answer can be fed in one forward (as Engine._extend feeds a suffix) and give what decoding gives."""
-    layers = start.cache.layers
-    return (
-        not start.hooks.acts_while_decoding
-        and not method.caps.extends_token_by_token
-        and all(type(layer) in PLAIN for layer in layers)
-        and one_mask(start.cache)
-    )
 
 
 @torch.inference_mode()

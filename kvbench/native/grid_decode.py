@@ -63,7 +63,7 @@ from kvbench.model.attention import StatsRecorder, StatsRequest
 from kvbench.model.cache import WindowLayer, kv_layer
 from kvbench.model.padded import PaddedKV
 from kvbench.native.batched import BatchedGeneration, Divergence, ForcedTail, Fork, decode_together
-from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill
+from kvbench.native.engine import KEEP_LOGITS_BYTES, Compressed, Engine, Generation, Prefill, one_forward
 from kvbench.native.memory import reset_peak
 
 MAX_PADDING = 3.0  # default `grid_padding`: a batch's padded bytes ≤ this × its rows' own bytes (+ one row: `groups`)
@@ -500,7 +500,6 @@ def forkable_rows(engine: Engine, starts: list[Compressed], reference: int | Non
     """The rows a grid may fork (`DivergenceWatch`): fed the answer token by token (a cache fed it in one forward is
     forced from its compressed cache after the grid, in one forward), on the row-independent kernels (a forked row
     is then, bit for bit, its forcing alone), every layer plain (window layers batch at one position only)."""
-    from kvbench.native.fidelity import one_forward
     from kvbench.native.slots import decode_kernels
 
     if not decode_kernels(engine.lm.model):
