@@ -92,6 +92,41 @@ static inline __attribute__((always_inline)) void value_block(const void *v, int
         for (int j = 0; j < vb; j++) _mm512_storeu_ps(acc + (h0 + i) * D + d0 + j * LANES, a[i][j]);
 }
 
+/* scores[i * n + t] = (q_i · k_t) × log2_scale for the G ≤ 4 query heads of one kv head and n tokens from t0, D = dv ·
+ * LANES (dv ≤ 4): dot()'s fmas in dot()'s order, then its halving tree, the G trees side by side — the lanes of four
+ * accumulators shuffled into one vector per level, so each level's additions are dot()'s (the same operands, a + b
+ * is b + a exactly) — with q and k in registers instead of a widened copy of k read back per head. dv is a constant
+ * at each call site (always_inline). */
+static inline __attribute__((always_inline)) void score_tokens(const float (*qf)[MAX_DIM], const void *k, int is_bf16,
+                                                               int64_t kbase, int64_t t0, int64_t n, int64_t G,
+                                                               const int dv, float log2_scale, float *scores) {
+    const int64_t D = dv * LANES;
+    __m512 q[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int d = 0; d < dv; d++) q[i][d] = i < G ? _mm512_loadu_ps(qf[i] + d * LANES) : _mm512_setzero_ps();
+    const __m512 scale = _mm512_set1_ps(log2_scale);
+    for (int64_t t = 0; t < n; t++) {
+        __m512 kv[4], acc[4];
+        for (int d = 0; d < dv; d++) kv[d] = lanes_as_float(k, kbase + (t0 + t) * D + d * LANES, is_bf16);
+        for (int i = 0; i < 4; i++) {
+            acc[i] = _mm512_setzero_ps();
+            for (int d = 0; d < dv; d++) acc[i] = _mm512_fmadd_ps(q[i][d], kv[d], acc[i]);
+        }
+        /* lanes l + 8: heads (0, 1) and (2, 3) side by side, 8 lanes each */
+        const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[0], acc[1], 0x44),
+                                         _mm512_shuffle_f32x4(acc[0], acc[1], 0xEE)); /* 256-bit halves */
+        const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2], acc[3], 0x44),
+                                         _mm512_shuffle_f32x4(acc[2], acc[3], 0xEE));
+        /* lanes l + 4: head i in 128-bit lane i */
+        const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+        const __m512 s2 = _mm512_add_ps(s4, _mm512_permute_ps(s4, 0xEE));                         /* lanes l + 2 */
+        const __m512 s1 = _mm512_mul_ps(_mm512_add_ps(s2, _mm512_permute_ps(s2, 0x55)), scale); /* l + 1, scaled */
+        float out[LANES];
+        _mm512_storeu_ps(out, s1);
+        for (int64_t i = 0; i < G; i++) scores[i * n + t] = out[4 * i];
+    }
+}
+
 #define VALUE_CASE(hb, vb)                                                                                     \
     case (hb) * 8 + (vb):                                                                                      \
         value_block(v, is_bf16, vbase, t0, n, D, p, acc, h0, d0, hb, vb);                                      \
@@ -164,10 +199,18 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
             failed = 1;
             continue;
         }
-        for (int64_t t = t0; t < t1; t++) {
-            const float *kt = as_float(k, is_bf16, kbase + t * D, D, kf);
-            for (int64_t i = 0; i < G; i++) scores[i * (t1 - t0) + t - t0] = dot(qf[i], kt, D) * log2_scale;
-        }
+#ifdef __AVX512F__
+        const int64_t dv = D / LANES; /* up to four query heads per kv head and D of 32 or 64 (SmolLM2's 3 and 64) */
+        if (G <= 4 && dv * LANES == D && dv == 4)
+            score_tokens(qf, k, is_bf16, kbase, t0, t1 - t0, G, 4, log2_scale, scores);
+        else if (G <= 4 && dv * LANES == D && dv == 2)
+            score_tokens(qf, k, is_bf16, kbase, t0, t1 - t0, G, 2, log2_scale, scores);
+        else
+#endif
+            for (int64_t t = t0; t < t1; t++) {
+                const float *kt = as_float(k, is_bf16, kbase + t * D, D, kf);
+                for (int64_t i = 0; i < G; i++) scores[i * (t1 - t0) + t - t0] = dot(qf[i], kt, D) * log2_scale;
+            }
         for (int64_t i = 0; i < G; i++) { /* p = 2^(s - max), summed in a fixed order (not omp's reduction) */
             float *p = scores + i * (t1 - t0);
             float top = -INFINITY;
