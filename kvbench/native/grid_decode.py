@@ -83,9 +83,8 @@ class GridLayer(DynamicLayer):
         keys = rows[0][0]  # (1, H_kv, T_0, D)
         self.lengths = [k.shape[2] for k, _ in rows]
         shape = (len(rows) + reserve, keys.shape[1], max(self.lengths) + GROW, keys.shape[3])
-        # (B + reserve, H_kv, capacity, D): rows `fork` may add later; never written until then, so never faulted in
-        self._keys, self._values = keys.new_empty(shape), keys.new_empty(shape)
-        self.keys, self.values = self._keys[: len(rows)], self._values[: len(rows)]  # (B, H_kv, capacity, D)
+        # (B + reserve, H_kv, capacity, D) stored: rows `fork` may add, never written (nor faulted in) until then
+        self.keys, self.values = keys.new_empty(shape)[: len(rows)], keys.new_empty(shape)[: len(rows)]  # (B, ...)
         for row, (k, v) in enumerate(rows):
             self.write(row, k, v)  # pads stay unwritten: attention reads a row's own slots (PaddedKV.dense else)
         self.device, self.dtype, self.is_initialized = keys.device, keys.dtype, True
@@ -114,9 +113,12 @@ class GridLayer(DynamicLayer):
         return max(self.lengths)
 
     def _reserved(self) -> int:
-        """Rows of the tensors' storage past the batch (`reserve`, and rows that left by `move_rows`)."""
-        same = self.keys.data_ptr() == self._keys.data_ptr() and self.keys.shape[1:] == self._keys.shape[1:]
-        return self._keys.shape[0] - self.keys.shape[0] if same else 0
+        """Rows the tensors' storage holds past the batch (`reserve`, rows that left by `move_rows`): the batch is a
+        view of the storage's first rows."""
+        keys = self.keys
+        if keys.storage_offset() != 0 or not keys.is_contiguous():
+            return 0
+        return keys.untyped_storage().nbytes() // (keys[0].numel() * keys.element_size()) - keys.shape[0]
 
     def _grow(self, rows: int, slots: int) -> None:
         """New tensors with `rows` more rows (unwritten) and `slots` more slots per row (zeros) than the batch's."""
@@ -125,7 +127,6 @@ class GridLayer(DynamicLayer):
             old = getattr(self, name)
             new = old.new_empty(b + rows, heads, capacity + slots, dim)  # (B + rows, H_kv, capacity + slots, D)
             new[:b, :, :capacity], new[:b, :, capacity:] = old, 0
-            setattr(self, "_" + name, new)
             setattr(self, name, new[:b])
 
     def fork(self, row: int) -> None:
@@ -133,7 +134,11 @@ class GridLayer(DynamicLayer):
         b, n = self.keys.shape[0], self.lengths[row]
         if not self._reserved():
             self._grow(1, 0)
-        self.keys, self.values = self._keys[: b + 1], self._values[: b + 1]  # (B + 1, H_kv, capacity, D)
+        shape, stride = (b + 1, *self.keys.shape[1:]), self.keys.stride()
+        self.keys, self.values = (
+            self.keys.as_strided(shape, stride),
+            self.values.as_strided(shape, stride),
+        )  # B + 1 rows
         self.keys[b, :, :n], self.values[b, :, :n] = self.keys[row, :, :n], self.values[row, :, :n]
         self.lengths.append(n)
 
