@@ -234,6 +234,11 @@ class GridWindowLayer(WindowLayer):
         layer.cumulative_length = self.cumulative_length
         return layer
 
+    def fork(self, row: int) -> None:
+        """As GridLayer.fork: a new last row holding a copy of row `row`'s window (the rows stand at one position)."""
+        self.keys = torch.cat([self.keys, self.keys[row : row + 1]])  # (B + 1, H_kv, n, D)
+        self.values = torch.cat([self.values, self.values[row : row + 1]])
+
     def move_rows(self, order: list[int]) -> None:
         """As GridLayer.move_rows: every row holds as many tokens, so a moved row is copied whole."""
         for i, old in enumerate(order):
@@ -504,12 +509,11 @@ def decode_grid(
 def forkable_rows(engine: Engine, starts: list[Compressed], reference: int | None) -> set[int]:
     """The rows a grid may fork (`DivergenceWatch`): fed the answer token by token (a cache fed it in one forward is
     forced from its compressed cache after the grid, in one forward), on the row-independent kernels (a forked row
-    is then, bit for bit, its forcing alone), every layer plain (window layers batch at one position only)."""
+    is then, bit for bit, its forcing alone). A model's window layers allow it: a grid's rows, and so a fork, stand
+    at one position (`GridWindowLayer`)."""
     from kvbench.native.slots import decode_kernels
 
     if not decode_kernels(engine.lm.model):
-        return set()
-    if any(type(layer) is not DynamicLayer for s in starts for layer in s.cache.layers):
         return set()
     return {r for r, s in enumerate(starts) if r != reference and not one_forward(s.hooks.method, s)}
 

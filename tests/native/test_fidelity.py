@@ -258,3 +258,39 @@ def test_grid_rows_that_left_the_answer_resume_where_they_left_it_as_forced_alon
         method, budget = confs[i]
         alone = fidelity.compressed_logits(engine, prefill, method, budget, question, answer, 10)
         assert torch.equal(forced[i], alone.float()), method.name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["gemma3"])  # the bundled Gemma 3's layout; tiny Mistral's rows keep its answer
+def test_window_layer_rows_that_left_the_answer_are_forked_as_forced_alone(family, dtype):
+    """Models with sliding-window layers (tests/model/families.py): a grid's rows stand at one position, so a row that
+    leaves the full answer is forked into the grid there too (its windows copied with it), and its distributions are,
+    bit for bit, its cache compressed again and forced from the start alone."""
+    from kvbench.model.load import byte_tokenizer, finish
+    from kvbench.native.grid_decode import generate_grid
+    from kvbench.native.slots import decode_kernels
+    from tests.model.families import build as build_family
+
+    torch_dtype = getattr(torch, dtype)
+    lm = finish(build_family(family, dtype=torch_dtype), byte_tokenizer(), family, torch.device("cpu"), torch_dtype)
+    engine = Engine(lm)
+    if not decode_kernels(lm.model):
+        pytest.skip("the decode kernels do not take every linear layer of this model: its rows decode alone")
+    ids = torch.randint(3, 300, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+    confs = [(build("full", {}), None), (build("h2o", {}), Budget.parse(0.05)), (build("h2o", {}), Budget.parse(0.1)),
+             (build("streamingllm", {}), Budget.parse(0.05)), (build("snapkv", {"window_size": 8}), Budget.parse(0.05))]  # fmt: skip
+    request = StatsRequest()
+    for method, _ in confs:
+        request = request | method.stats_request()
+    prefill = engine.prefill(ids, request)
+    gens = generate_grid(engine, prefill, confs, [], 10, max_padding=100.0, keep_logits=True)  # one batch
+    answer = gens[0].token_ids
+    left = [i for i, gen in enumerate(gens) if i and fidelity.decoded_logits(gen, answer) is None]
+    forked = [i for i in left if gens[i].forced is not None]
+    assert forked and all(gens[i].forced.step > 0 for i in forked), "forked where they left, inside the grid"
+    runs = [fidelity.Ran(m, b, engine, prefill, gen) for (m, b), gen in zip(confs, gens)]
+    forced, _ = fidelity.forced_rows([(i, runs[i]) for i in left], [], answer, 10)
+    for i in left:
+        method, budget = confs[i]
+        alone = fidelity.compressed_logits(engine, prefill, method, budget, [], answer, 10)
+        assert torch.equal(forced[i], alone.float()), (method.name, i in forked)
