@@ -197,8 +197,9 @@ class Decoded:
 
     @property
     def tokens_per_s(self) -> float:
-        """The batch's generated tokens (decode steps of every row) per second of its decode."""
-        return sum(self.steps) / self.decode_s if self.decode_s > 0 else float("nan")
+        """The batch's generated tokens (decode steps of every row but the forked ones) per second of its decode."""
+        steps = sum(n for row, n in enumerate(self.steps) if row not in self.shares)
+        return steps / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 @torch.inference_mode()

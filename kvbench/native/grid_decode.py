@@ -496,7 +496,7 @@ def decode_grid(
             logits=done.logits[row],
             peak_mem_delta_bytes=s.prefill_peak - s.baseline_bytes,
             batch_size=n_rows,
-            decode_tokens_per_s=sum(done.steps[:n_rows]) / done.decode_s if done.decode_s > 0 else float("nan"),
+            decode_tokens_per_s=done.tokens_per_s,
             batch_kv_bytes=sum(done.nbytes),  # forked rows too: the steps read them
             latency_s=s.prefill_s + done.seconds[row],
             divergence=watch.diverged.get(row) if watch is not None else None,

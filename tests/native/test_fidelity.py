@@ -271,7 +271,13 @@ def test_window_layer_rows_that_left_the_answer_are_forked_as_forced_alone(famil
     from kvbench.native.slots import decode_kernels
     from tests.model.families import build as build_family
 
+    import transformers
+
     torch_dtype = getattr(torch, dtype)
+    # bit for bit, but in fp32 under transformers < 5.3 (kvpress's venv), whose window layers' fp32 decode rounds by
+    # the batch (test_window_layers_decode_in_the_grid_as_alone): within 1e-6 there
+    old = tuple(int(p) for p in transformers.__version__.split(".")[:2]) < (5, 3)
+    exact = not (old and dtype == "float32")
     lm = finish(build_family(family, dtype=torch_dtype), byte_tokenizer(), family, torch.device("cpu"), torch_dtype)
     engine = Engine(lm)
     if not decode_kernels(lm.model):
@@ -292,5 +298,8 @@ def test_window_layer_rows_that_left_the_answer_are_forked_as_forced_alone(famil
     forced, _ = fidelity.forced_rows([(i, runs[i]) for i in left], [], answer, 10)
     for i in left:
         method, budget = confs[i]
-        alone = fidelity.compressed_logits(engine, prefill, method, budget, [], answer, 10)
-        assert torch.equal(forced[i], alone.float()), (method.name, i in forked)
+        alone = fidelity.compressed_logits(engine, prefill, method, budget, [], answer, 10).float()
+        if exact:
+            assert torch.equal(forced[i], alone), (method.name, i in forked)
+        else:
+            assert (forced[i] - alone).abs().max() < 1e-6, (method.name, i in forked)
