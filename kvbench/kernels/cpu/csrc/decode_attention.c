@@ -200,10 +200,11 @@ int decode_attention(const void *q, const void *k, const void *v, void *out, int
             continue;
         }
 #ifdef __AVX512F__
-        const int64_t dv = D / LANES; /* up to four query heads per kv head and D of 32 or 64 (SmolLM2's 3 and 64) */
-        if (G <= 4 && dv * LANES == D && dv == 4)
+        /* vectors per head: up to four query heads per kv head and D of 32 or 64 (SmolLM2's 3 and 64), else 0 */
+        const int64_t dv = G <= 4 && D % LANES == 0 ? D / LANES : 0;
+        if (dv == 4)
             score_tokens(qf, k, is_bf16, kbase, t0, t1 - t0, G, 4, log2_scale, scores);
-        else if (G <= 4 && dv * LANES == D && dv == 2)
+        else if (dv == 2)
             score_tokens(qf, k, is_bf16, kbase, t0, t1 - t0, G, 2, log2_scale, scores);
         else
 #endif
